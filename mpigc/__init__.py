@@ -1,0 +1,28 @@
+"""mpigc: compressed collectives with error feedback for data-parallel training.
+
+>>> import numpy as np, mpigc
+>>> grad = np.ones(1000, np.float32)
+>>> mpigc.allreduce(grad, op="2bit", key="grad")   # doctest: +SKIP
+
+Importing mpigc makes no MPI call beyond what mpi4py does, creates no CUDA
+context and prints nothing.
+"""
+from ._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError,
+                      MpigcError, NonFiniteError, StateError)
+from ._version import __version__
+from .allreduce import allreduce, iallreduce
+from ._collective import Request
+from .compressors import (FP16, Compressor, NoCompression, OneBit, TernGrad, TwoBit,
+                          available_compressors, get_compressor, register_compressor)
+from .feedback import ErrorFeedback, get_default_feedback, shard_bounds
+from .reduce_scatter import ireduce_scatter, reduce_scatter
+
+__all__ = [
+    "__version__",
+    "allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "Request",
+    "get_compressor", "register_compressor", "available_compressors",
+    "Compressor", "NoCompression", "FP16", "TwoBit", "OneBit", "TernGrad",
+    "ErrorFeedback", "get_default_feedback", "shard_bounds",
+    "MpigcError", "ConfigError", "InvalidBufferError", "DTypeError", "MismatchError",
+    "NonFiniteError", "StateError",
+]

@@ -1,0 +1,563 @@
+"""The engine behind allreduce and reduce_scatter: MPI only, no bit twiddling.
+
+One call is a small state machine, driven to completion by ``wait()`` (the
+blocking functions call it at once) or step by step by ``test()``:
+
+1. *prepare* (local): validate the input, compress this rank's shards with
+   error feedback into one send buffer. The new worker residual is written
+   to a scratch buffer, so the old one survives a failed call.
+2. *agree*: one small allgather of each rank's status (error code,
+   non-finite count, size, dtype, a fingerprint of the settings, terngrad's
+   local scale). Any error, mismatch or non-finite value is raised on every
+   rank, and no residual has changed. Otherwise the worker residual is
+   committed.
+3. *reduce-scatter*: each rank sends shard j's payload to rank j
+   (Isend/Irecv of packed bytes); the owner decodes and sums the N
+   contributions in rank order (deterministic) while the others arrive.
+4. *allgather* (allreduce only): the owner's reduced shard travels to all
+   ranks, recompressed with the owner residual (``gather="compressed"``) or
+   as it is (``gather="exact"``), and each rank decodes it into place.
+
+``op="none"`` skips compression and is exactly MPI_Allreduce /
+MPI_Reduce_scatter with MPI.SUM after the agreement.
+"""
+import json
+import os
+import struct
+import zlib
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _comm
+from . import _dispatch
+from ._errors import (CODES, ConfigError, DTypeError, InvalidBufferError, MismatchError,
+                      MpigcError, NonFiniteError, StateError, code_of)
+from .compressors import SUPPORTED_DTYPES, get_compressor, work_dtype
+from .feedback import get_default_feedback, shard_bounds
+from .kernels import cpu as _cpu
+
+__all__ = ["Request", "start"]
+
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+GATHER_MODES = ("compressed", "exact")
+
+# columns of the agreement table
+_CODE, _NBAD, _N, _DTYPE, _FP, _SCALE, _NCOLS = 0, 1, 2, 3, 4, 5, 6
+_DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
+
+
+def _f64_bits(x):
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bits_f64(i):
+    return struct.unpack("<d", struct.pack("<q", int(i)))[0]
+
+
+def default_nonfinite():
+    return os.environ.get("MPIGC_NONFINITE", "raise")
+
+
+class Request:
+    """A pending compressed collective (from ``iallreduce`` and friends).
+
+    Call :meth:`wait` to complete it (it returns the result), or :meth:`test`
+    to make progress without blocking. Errors of the call (bad input on any
+    rank, mismatched ranks, non-finite gradients) are raised by ``wait`` or
+    ``test`` on every rank. Every rank must complete every request.
+    """
+
+    def __init__(self, op):
+        self._op = op
+
+    def test(self):
+        """Make progress; return True once the call has completed."""
+        return self._op.progress(block=False)
+
+    def wait(self):
+        """Complete the call and return its result."""
+        self._op.progress(block=True)
+        return self._op.result
+
+    @property
+    def done(self):
+        return self._op.state == "done"
+
+
+class _Op:
+    """One collective call (see the module docstring)."""
+
+    def __init__(self, kind, buf, op, params, comm, key, average, gather, feedback,
+                 nonfinite, recvcounts, out, blocking):
+        self.kind = kind  # "allreduce" or "reduce_scatter"
+        self.blocking = blocking
+        self.cs = _comm.resolve(comm)
+        self.size, self.rank = self.cs.size, self.cs.rank
+        self.tags = self.cs.next_tags()
+        self.state = "agree"
+        self.result = None
+        self.entry = None
+        self.spare = None
+        self.fb = None
+        self.key = None
+        self.sendreqs = []
+        self.local_error = None
+        row = np.zeros(_NCOLS, np.int64)
+        try:
+            self._prepare(buf, op, params, key, average, gather, feedback, nonfinite,
+                          recvcounts, out, row)
+        except Exception as exc:  # noqa: BLE001 - reported collectively below
+            self.local_error = exc
+            row[_CODE] = code_of(exc)
+            self._abandon()
+        self.row = row
+        self.table = np.zeros((self.size, _NCOLS), np.int64)
+        if blocking:
+            self.cs.comm.Allgather(row, self.table)
+            self.agree_req = None
+        else:
+            self.agree_req = self.cs.comm.Iallgather(row, self.table)
+
+    # -- 1. prepare ----------------------------------------------------------
+    def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
+                 recvcounts, out, row):
+        if _dispatch.is_device_array(buf):
+            raise DTypeError(f"{self.kind}: device arrays need the GPU path "
+                             "(mpigc[cuda]), which this build does not include yet")
+        if not isinstance(buf, np.ndarray):
+            raise DTypeError(f"{self.kind}: expected a numpy array, got {type(buf).__name__}")
+        if buf.dtype not in SUPPORTED_DTYPES or not buf.dtype.isnative:
+            raise DTypeError(f"{self.kind}: expected float16, float32 or float64 "
+                             f"(native byte order), got {buf.dtype}")
+        if buf.size == 0:
+            raise InvalidBufferError(f"{self.kind}: expected a non-empty array, got shape "
+                                     f"{buf.shape}")
+        if not buf.flags.c_contiguous:
+            raise InvalidBufferError(f"{self.kind}: expected a C-contiguous array; pass "
+                                     "numpy.ascontiguousarray(x) and copy the result back")
+        if self.kind == "allreduce" and not buf.flags.writeable:
+            raise InvalidBufferError("allreduce: expected a writable array (it reduces in "
+                                     "place), got a read-only one")
+        self.buf = buf
+        self.flat = buf.reshape(-1)
+        self.n = n = self.flat.size
+        self.dtype = buf.dtype
+        self.wdtype = work_dtype(buf.dtype)
+        row[_N] = n
+        row[_DTYPE] = _DTYPE_CODE[buf.dtype]
+
+        self.comp = comp = get_compressor(op, **params)
+        if gather not in GATHER_MODES:
+            raise ConfigError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
+        if nonfinite is None:
+            nonfinite = default_nonfinite()
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"nonfinite must be one of {NONFINITE_POLICIES}, got "
+                              f"{nonfinite!r}")
+        if key is not None and not isinstance(key, (str, int)):
+            raise ConfigError(f"key must be a str or int, got {type(key).__name__}")
+        self.average = bool(average)
+        self.gather = gather
+        self.nonfinite = nonfinite
+        if recvcounts is None:
+            self.bounds = shard_bounds(n, self.size)
+        else:
+            counts = [int(c) for c in recvcounts]
+            if len(counts) != self.size or min(counts) < 0 or sum(counts) != n:
+                raise InvalidBufferError(
+                    f"recvcounts: expected {self.size} non-negative counts summing to {n}, "
+                    f"got {list(recvcounts)}")
+            starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+            self.bounds = list(zip(starts[:-1], starts[1:]))
+        lo, hi = self.bounds[self.rank]
+        if out is not None:
+            if (not isinstance(out, np.ndarray) or out.dtype != buf.dtype
+                    or out.size != hi - lo or not out.flags.c_contiguous
+                    or not out.flags.writeable):
+                raise InvalidBufferError(
+                    f"out: expected a writable contiguous array of {hi - lo} "
+                    f"{buf.dtype} values")
+        self.out = out
+        self.key = (f"auto/{n}/{self.wdtype.name}" if key is None else str(key))
+        settings = {"kind": self.kind, "comp": comp.get_config(), "key": self.key,
+                    "average": self.average, "gather": gather, "nonfinite": nonfinite,
+                    "bounds": None if recvcounts is None else self.bounds}
+        self.settings = settings
+        row[_FP] = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
+
+        self.uses_state = comp.codec_id != "none" and feedback is not False
+        self.use_ef = self.uses_state and comp.uses_feedback
+        if self.uses_state:
+            self.fb = get_default_feedback() if feedback is None else feedback
+            self.entry = self.fb._acquire(self.key, n, self.wdtype, self.size, self.rank)
+            self.busy_key = self.entry is not None
+
+        if comp.codec_id == "none":
+            if nonfinite != "ignore":
+                row[_NBAD] = _cpu.count_nonfinite(self.flat)
+            return
+        self.x = self.flat if self.dtype == self.wdtype else self.flat.astype(self.wdtype)
+        self.e_in = None if (self.entry is None or not self.use_ef) else self.entry.worker
+        if comp.needs_global_scale:
+            amax, self.clip_bound, nbad = comp.local_scale(self.x, self.e_in)
+            row[_NBAD] = nbad
+            row[_SCALE] = _f64_bits(amax)
+            return
+        # compress every shard now; the new residual goes to a scratch buffer
+        self.e_out = self.fb._take_spare(n, self.wdtype) if self.use_ef else None
+        self.spare = self.e_out
+        self._pack_shards(row)
+
+    def _payload_layout(self):
+        sizes = [self.comp.payload_nbytes(hi - lo, self.wdtype) for lo, hi in self.bounds]
+        offs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        return sizes, offs
+
+    def _pack_shards(self, row, scale=None):
+        sizes, offs = self._payload_layout()
+        self.sizes, self.offs = sizes, offs
+        self.sendbuf = np.empty(offs[-1], np.uint8)
+        calls = self.entry.calls if self.entry is not None else 0
+        kw = {}
+        if self.comp.needs_global_scale:
+            kw = {"scale": scale, "clip_bound": self.clip_bound,
+                  "stream": _cpu.ternary_stream(self.comp.seed, self.rank, calls, 0)}
+        elif self.comp.prescales_average and self.average:
+            kw = {"divisor": float(self.size)}
+        nbad = 0
+        for j, (lo, hi) in enumerate(self.bounds):
+            if hi == lo:
+                continue
+            e_in = None if self.e_in is None else self.e_in[lo:hi]
+            e_out = None if self.e_out is None else self.e_out[lo:hi]
+            nbad += self.comp._encode(self.x[lo:hi], e_in, e_out,
+                                      self.sendbuf[offs[j]:offs[j + 1]], offset=lo, **kw)
+        if row is not None:
+            row[_NBAD] = nbad
+
+    # -- 2. agree ------------------------------------------------------------
+    def _abandon(self):
+        """Undo the local effects of a call that will not go ahead."""
+        if self.spare is not None:
+            self.fb._give_spare(self.spare)
+            self.spare = None
+        if self.fb is not None and getattr(self, "busy_key", False):
+            self.fb._release(self.key)
+            self.busy_key = False
+
+    def _agreed(self):
+        t = self.table
+        comm = self.cs.comm
+        bad = np.flatnonzero(t[:, _CODE])
+        if bad.size:
+            msg = "" if self.local_error is None else str(self.local_error)
+            msgs = comm.allgather(msg)  # only on this error path
+            first = int(bad[0])
+            cls = CODES.get(int(t[first, _CODE])) or MpigcError
+            if self.local_error is not None and isinstance(self.local_error, MpigcError):
+                cls = type(self.local_error)
+            detail = "; ".join(f"rank {int(r)}: {msgs[int(r)]}" for r in bad)
+            raise cls(f"{self.kind} failed on {len(bad)} of {self.size} rank(s): {detail}") \
+                from self.local_error
+        for col, what in ((_N, "size"), (_DTYPE, "dtype"), (_FP, "settings")):
+            if np.any(t[:, col] != t[0, col]):
+                self._abandon()
+                mine = {"size": self.n, "dtype": self.dtype.name}.get(what)
+                if mine is None:
+                    mine = json.dumps(self.settings, sort_keys=True)
+                allv = comm.allgather(mine)
+                detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(allv))
+                raise MismatchError(f"{self.kind}: ranks disagree on the {what} ({detail})")
+        nbad = t[:, _NBAD]
+        if np.any(nbad) and self.nonfinite != "ignore":
+            self._abandon()
+            ranks = ", ".join(f"rank {r} ({int(c)})" for r, c in enumerate(nbad) if c)
+            if self.nonfinite == "raise":
+                raise NonFiniteError(
+                    f"{self.kind}: non-finite values in the input on {ranks}; no buffer "
+                    "or residual changed (nonfinite='skip' fills the result with NaN "
+                    "instead of raising)")
+            if self.fb is not None:
+                self.fb.skipped_steps += 1
+            self._finish_skipped()
+            return False
+        return True
+
+    def _finish_skipped(self):
+        if self.kind == "allreduce":
+            self.flat[...] = np.nan
+            self.result = self.buf
+        else:
+            lo, hi = self.bounds[self.rank]
+            res = self.out if self.out is not None else np.empty(hi - lo, self.dtype)
+            res[...] = np.nan
+            self.result = res
+        self.state = "done"
+
+    def _commit(self):
+        """The call goes ahead: install the new worker residual."""
+        if not self.uses_state:
+            return
+        e = self.fb._commit(self.key, self.entry, self.n, self.wdtype, self.size, self.rank,
+                            self.comp.get_config())
+        self.entry, self.busy_key = e, True
+        if self.spare is not None:
+            old, e.worker = e.worker, self.spare
+            self.spare = None
+            if old is not None:
+                self.fb._give_spare(old)
+
+    # -- 3./4. data movement -------------------------------------------------
+    def _start_none(self):
+        comm = self.cs.comm
+        if self.dtype == np.float16:
+            self.tmp = self.flat.astype(np.float32)
+            sendbuf = self.tmp
+        else:
+            sendbuf = self.flat
+        if self.kind == "allreduce":
+            if self.blocking:
+                comm.Allreduce(MPI.IN_PLACE, sendbuf, op=MPI.SUM)
+                self.reqs = []
+            else:
+                self.reqs = [comm.Iallreduce(MPI.IN_PLACE, sendbuf, op=MPI.SUM)]
+            self.none_out = sendbuf
+        else:
+            lo, hi = self.bounds[self.rank]
+            counts = [h - l for l, h in self.bounds]
+            recv = np.empty(hi - lo, sendbuf.dtype)
+            if self.blocking:
+                comm.Reduce_scatter(sendbuf, recv, counts, op=MPI.SUM)
+                self.reqs = []
+            else:
+                self.reqs = [comm.Ireduce_scatter(sendbuf, recv, counts, op=MPI.SUM)]
+            self.none_out = recv
+        self.state = "none"
+
+    def _finish_none(self):
+        v = self.none_out
+        if self.average:
+            np.divide(v, self.size, out=v)
+        if self.kind == "allreduce":
+            if v is not self.flat:
+                self.flat[...] = v
+            self.result = self.buf
+        else:
+            self._set_rs_result(v)
+        self.state = "done"
+
+    def _set_rs_result(self, v):
+        if self.out is not None:
+            self.out[...] = v
+            self.result = self.out
+        else:
+            self.result = v if v.dtype == self.dtype else v.astype(self.dtype)
+
+    def _start_phase1(self):
+        comm = self.cs.comm
+        if self.comp.needs_global_scale:
+            # terngrad quantizes only now, with the scale all ranks agreed on
+            if self.use_ef:
+                if self.entry.worker is None:
+                    self.entry.worker = np.empty(self.n, self.wdtype)
+                self.e_out = self.entry.worker
+            else:
+                self.e_out = None
+            scale = max(_bits_f64(v) for v in self.table[:, _SCALE])
+            self._pack_shards(None, scale=scale)
+        r = self.rank
+        lo, hi = self.bounds[r]
+        m = self.sizes[r]
+        self.recvbuf = np.empty(self.size * m, np.uint8)
+        self.recvreqs = [None] * self.size
+        tag = self.tags[0]
+        for k in range(1, self.size):  # post receives first, then sends
+            j = (r - k) % self.size
+            if m:
+                self.recvreqs[j] = comm.Irecv([self.recvbuf[j * m:(j + 1) * m], MPI.BYTE],
+                                              source=j, tag=tag)
+        for k in range(1, self.size):
+            j = (r + k) % self.size
+            if self.sizes[j]:
+                self.sendreqs.append(comm.Isend(
+                    [self.sendbuf[self.offs[j]:self.offs[j + 1]], MPI.BYTE], dest=j, tag=tag))
+        acc_dtype = np.float64 if self.dtype == np.float64 else np.float32
+        self.acc = np.empty(hi - lo, acc_dtype)
+        self.next_src = 0
+        self.state = "phase1"
+
+    def _payload_from(self, j):
+        r, m = self.rank, self.sizes[self.rank]
+        if j == r:
+            return self.sendbuf[self.offs[r]:self.offs[r + 1]]
+        return self.recvbuf[j * m:(j + 1) * m]
+
+    def _progress_phase1(self, block):
+        """Decode-accumulate contributions in rank order, as they arrive."""
+        while self.next_src < self.size:
+            j = self.next_src
+            req = self.recvreqs[j]
+            if req is not None:
+                if block:
+                    req.Wait()
+                elif not req.Test():
+                    return False
+                self.recvreqs[j] = None
+            if self.acc.size:
+                self.comp._decode(self._payload_from(j), self.acc, j > 0)
+            self.next_src += 1
+        if self.average and not self.comp.prescales_average:
+            np.divide(self.acc, self.size, out=self.acc)
+        return True
+
+    def _start_phase2(self):
+        comm = self.cs.comm
+        r = self.rank
+        lo, hi = self.bounds[r]
+        tag = self.tags[1]
+        self.recvreqs2 = {}
+        if self.gather == "exact":
+            own = self.flat[lo:hi]
+            own[...] = self.acc
+            for k in range(1, self.size):
+                j = (r - k) % self.size
+                jlo, jhi = self.bounds[j]
+                if jhi > jlo:
+                    self.recvreqs2[j] = comm.Irecv(
+                        [self.flat[jlo:jhi].view(np.uint8), MPI.BYTE], source=j, tag=tag)
+            if hi > lo:
+                for k in range(1, self.size):
+                    j = (r + k) % self.size
+                    self.sendreqs.append(comm.Isend([own.view(np.uint8), MPI.BYTE],
+                                                    dest=j, tag=tag))
+            self.state = "phase2"
+            return
+        # compressed gather: requantize the owned shard with the owner residual
+        sizes = [self.comp.payload_nbytes(h - l, self.acc.dtype) for l, h in self.bounds]
+        offs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        self.sizes2, self.offs2 = sizes, offs
+        self.recvbuf2 = np.empty(offs[-1], np.uint8)
+        mine = self.recvbuf2[offs[r]:offs[r + 1]]
+        if hi > lo:
+            e = None
+            if self.use_ef:
+                if self.entry.owner is None:
+                    self.entry.owner = np.zeros(hi - lo, self.wdtype)
+                e = self.entry.owner
+            kw = {}
+            if self.comp.needs_global_scale:
+                calls = self.entry.calls if self.entry is not None else 0
+                amax, bound, _ = self.comp.local_scale(self.acc, e)
+                kw = {"scale": amax, "clip_bound": bound,
+                      "stream": _cpu.ternary_stream(self.comp.seed, r, calls, 1)}
+            x = self.acc if self.acc.dtype == self.wdtype else self.acc.astype(self.wdtype)
+            self.comp._encode(x, e, e, mine, offset=lo, **kw)
+        for k in range(1, self.size):
+            j = (r - k) % self.size
+            if sizes[j]:
+                self.recvreqs2[j] = comm.Irecv([self.recvbuf2[offs[j]:offs[j + 1]], MPI.BYTE],
+                                               source=j, tag=tag)
+        if sizes[r]:
+            for k in range(1, self.size):
+                j = (r + k) % self.size
+                self.sendreqs.append(comm.Isend([mine, MPI.BYTE], dest=j, tag=tag))
+        self._decode_into_place(r)
+        self.state = "phase2"
+
+    def _decode_into_place(self, j):
+        lo, hi = self.bounds[j]
+        if hi == lo:
+            return
+        payload = self.recvbuf2[self.offs2[j]:self.offs2[j + 1]]
+        target = self.flat[lo:hi]
+        if target.dtype == np.float16:
+            tmp = np.empty(hi - lo, np.float32)
+            self.comp._decode(payload, tmp, False)
+            target[...] = tmp
+        else:
+            self.comp._decode(payload, target, False)
+
+    def _progress_phase2(self, block):
+        pending = self.recvreqs2
+        while pending:
+            for j in list(pending):
+                req = pending[j]
+                if block:
+                    req.Wait()
+                elif not req.Test():
+                    continue
+                del pending[j]
+                if self.gather == "compressed":
+                    self._decode_into_place(j)
+            if pending and not block:
+                return False
+        return True
+
+    def _finish(self):
+        if self.sendreqs:
+            MPI.Request.Waitall(self.sendreqs)
+            self.sendreqs = []
+        if self.entry is not None:
+            self.entry.calls += 1
+        if self.kind == "allreduce":
+            self.result = self.buf
+        else:
+            self._set_rs_result(self.acc)
+        self._abandon()
+        self.state = "done"
+
+    # -- the state machine ---------------------------------------------------
+    def progress(self, block):
+        try:
+            return self._progress(block)
+        except BaseException:
+            self._abandon()
+            self.state = "done"
+            raise
+
+    def _progress(self, block):
+        if self.state == "done":
+            return True
+        if self.state == "agree":
+            if self.agree_req is not None:
+                if block:
+                    self.agree_req.Wait()
+                elif not self.agree_req.Test():
+                    return False
+            if not self._agreed():
+                return True
+            self._commit()
+            if self.comp.codec_id == "none":
+                self._start_none()
+            else:
+                self._start_phase1()
+        if self.state == "none":
+            if self.reqs:
+                if block:
+                    MPI.Request.Waitall(self.reqs)
+                elif not MPI.Request.Testall(self.reqs):
+                    return False
+            self._finish_none()
+            return True
+        if self.state == "phase1":
+            if not self._progress_phase1(block):
+                return False
+            if self.kind == "reduce_scatter":
+                self._finish()
+                return True
+            self._start_phase2()
+        if self.state == "phase2":
+            if not self._progress_phase2(block):
+                return False
+            if self.sendreqs and not block and not MPI.Request.Testall(self.sendreqs):
+                return False
+            self._finish()
+        return True
+
+
+def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,
+          recvcounts=None, out=None, blocking):
+    """Create and start one collective call; returns its ``_Op``."""
+    return _Op(kind, buf, op, params, comm, key, average, gather, feedback, nonfinite,
+               recvcounts, out, blocking)

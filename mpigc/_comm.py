@@ -1,0 +1,77 @@
+"""Communicators: a private duplicate per user communicator, and call tags.
+
+mpigc never sends on the user's communicator: the first collective on a
+communicator duplicates it (collectively) and caches the duplicate as an MPI
+attribute of the user's communicator, so it goes away with it. Each call takes
+the next sequence number of that duplicate; its messages use tags derived from
+it, so concurrent nonblocking calls never match each other's messages.
+"""
+import os
+
+import numba
+from mpi4py import MPI
+
+__all__ = ["CommState", "resolve"]
+
+_KEYVAL = None
+_SEQ_MOD = 8000  # tags stay below 32767, the smallest MPI_TAG_UB allowed
+_threads_set = False
+
+
+class CommState:
+    """The private duplicate of a communicator and its call counter."""
+
+    __slots__ = ("comm", "size", "rank", "seq", "local_size")
+
+    def __init__(self, comm):
+        self.comm = comm.Dup()
+        self.size = self.comm.Get_size()
+        self.rank = self.comm.Get_rank()
+        self.seq = 0
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
+        self.local_size = local.Get_size()
+        local.Free()
+
+    def next_tags(self):
+        """Tags ``(phase1, phase2)`` for the next call on this communicator."""
+        base = 4 * (self.seq % _SEQ_MOD) + 1
+        self.seq += 1
+        return base, base + 1
+
+
+def _limit_threads(local_size):
+    """Cap Numba's threads at cores / ranks-per-node, once, unless
+    ``MPIGC_NUM_THREADS`` says otherwise (``0`` keeps Numba's setting)."""
+    global _threads_set
+    if _threads_set:
+        return
+    _threads_set = True
+    env = os.environ.get("MPIGC_NUM_THREADS")
+    if env is not None:
+        k = int(env)
+        if k > 0:
+            numba.set_num_threads(min(k, numba.config.NUMBA_NUM_THREADS))
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    k = max(1, (cores or 1) // max(1, local_size))
+    numba.set_num_threads(min(k, numba.get_num_threads()))
+
+
+def resolve(comm=None):
+    """The :class:`CommState` of ``comm`` (default: ``MPI.COMM_WORLD``).
+
+    Collective on first use of a communicator (it is duplicated then).
+    """
+    global _KEYVAL
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"comm: expected an mpi4py Intracomm, got {type(comm).__name__}")
+    if _KEYVAL is None:
+        _KEYVAL = MPI.Comm.Create_keyval()
+    state = comm.Get_attr(_KEYVAL)
+    if state is None:
+        state = CommState(comm)
+        comm.Set_attr(_KEYVAL, state)
+        _limit_threads(state.local_size)
+    return state

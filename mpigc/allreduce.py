@@ -1,0 +1,75 @@
+"""Compressed allreduce, blocking and nonblocking."""
+from ._collective import Request, start
+
+__all__ = ["allreduce", "iallreduce"]
+
+
+def allreduce(buf, op="2bit", *, comm=None, key=None, average=False, gather="compressed",
+              feedback=None, nonfinite=None, **params):
+    """Sum ``buf`` over all ranks, in place, with a compressed exchange.
+
+    Parameters
+    ----------
+    buf : numpy.ndarray
+        float16, float32 or float64, C-contiguous, writable, same size on
+        every rank. Overwritten with the (decompressed) result.
+    op : str, dict or Compressor
+        ``"none"``, ``"fp16"``, ``"2bit"``, ``"1bit"``, ``"terngrad"``; an
+        MXNet-style dict ``{"type": "2bit", "threshold": 0.5}``; or a
+        compressor object. ``"none"`` is exactly ``MPI_Allreduce``.
+    comm : mpi4py.MPI.Intracomm, optional
+        Default ``MPI.COMM_WORLD``. mpigc communicates on a private
+        duplicate of it.
+    key : str or int, optional
+        Names the residuals (error feedback) of this buffer, e.g. a
+        parameter name; they persist between calls with the same key.
+        Default: ``"auto/{n}/{dtype}"``, i.e. calls without a key share one
+        residual per size and dtype, so pass a key whenever you reduce
+        several buffers of the same size per step.
+    average : bool
+        Divide the sum by the number of ranks.
+    gather : {"compressed", "exact"}
+        How the reduced shards travel back (see ``docs/user-guide.md``):
+        recompressed with the owner's error feedback (default, 1/16 of the
+        traffic for 2bit), or losslessly (MXNet's dist_sync semantics: the
+        result is exactly the sum of the decoded payloads).
+    feedback : ErrorFeedback or False, optional
+        The residual store; default the process-wide one. ``False``: no
+        error feedback and no state for this call.
+    nonfinite : {"raise", "skip", "ignore"}, optional
+        What a NaN or Inf in any rank's input does. ``"raise"`` (default, or
+        ``$MPIGC_NONFINITE``): :class:`NonFiniteError` on every rank, nothing
+        changed. ``"skip"``: no error, residuals unchanged, ``buf`` filled with
+        NaN on every rank (as an uncompressed allreduce would propagate it), so
+        a loss scaler skips the step. ``"ignore"``: no check (the residuals
+        take the NaN).
+    **params
+        Compressor parameters, e.g. ``threshold=0.5``.
+
+    Returns
+    -------
+    buf
+
+    Raises
+    ------
+    MpigcError
+        On every rank, when any rank's input is bad or ranks disagree;
+        no buffer and no residual is changed then.
+    """
+    req = start("allreduce", buf, op, params, comm=comm, key=key, average=average,
+                gather=gather, feedback=feedback, nonfinite=nonfinite, blocking=True)
+    return Request(req).wait()
+
+
+def iallreduce(buf, op="2bit", *, comm=None, key=None, average=False, gather="compressed",
+               feedback=None, nonfinite=None, **params):
+    """Nonblocking :func:`allreduce`: compresses now, returns a :class:`Request`.
+
+    ``buf`` must not be touched until ``request.wait()`` returned; progress
+    is made inside ``test()`` and ``wait()``. Requests may be outstanding on
+    several buffers at once (with distinct keys); every rank must start them
+    in the same order.
+    """
+    return Request(start("allreduce", buf, op, params, comm=comm, key=key, average=average,
+                         gather=gather, feedback=feedback, nonfinite=nonfinite,
+                         blocking=False))

@@ -1,0 +1,447 @@
+"""Compressors: stateless configuration objects with a registry.
+
+A compressor turns a float array into a packed byte payload of a size known in
+advance (``payload_nbytes``) and back. It holds no state: residuals (error
+feedback) are passed in by the caller, and live in :class:`mpigc.ErrorFeedback`
+when the collectives are used. Modelled on numcodecs: an id, a JSON config,
+``from_config``, ``==`` and ``repr`` derived from the config, a registry that
+names the available ids.
+
+Examples
+--------
+>>> import numpy as np, mpigc
+>>> c = mpigc.get_compressor({"type": "2bit", "threshold": 2.0})
+>>> c
+TwoBit(threshold=2.0, error_feedback=True)
+>>> x = np.array([0.5, 3.1, -1.0, -2.0, 2.0, 0.1, 1.9, -7.0], np.float32)
+>>> c.compress(x).tolist()
+[50, 194]
+>>> c.decompress(c.compress(x), 8).tolist()
+[0.0, 2.0, 0.0, -2.0, 2.0, 0.0, 0.0, -2.0]
+"""
+import json
+import math
+import numbers
+
+import numpy as np
+
+from . import _dispatch
+from ._errors import ConfigError, DTypeError, InvalidBufferError, NonFiniteError
+
+__all__ = [
+    "Compressor", "NoCompression", "FP16", "TwoBit", "OneBit", "TernGrad",
+    "get_compressor", "register_compressor", "available_compressors",
+]
+
+_REGISTRY = {}
+
+#: dtypes a gradient may have; float16 is computed in float32 (see work_dtype)
+SUPPORTED_DTYPES = (np.dtype(np.float16), np.dtype(np.float32), np.dtype(np.float64))
+
+
+def work_dtype(dtype):
+    """The dtype in which a gradient of ``dtype`` is quantized and its
+    residuals are kept: float64 stays float64, float16 and float32 use float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def register_compressor(cls):
+    """Register a :class:`Compressor` subclass under its ``codec_id``."""
+    _REGISTRY[cls.codec_id] = cls
+    return cls
+
+
+def available_compressors():
+    """The registered compressor ids, sorted."""
+    return sorted(_REGISTRY)
+
+
+def get_compressor(op, **params):
+    """Return a compressor from an id, a config dict or a compressor object.
+
+    Parameters
+    ----------
+    op : str, dict or Compressor
+        ``"2bit"``; an MXNet-style dict ``{"type": "2bit", "threshold": 0.5}``
+        (``"id"`` is accepted for ``"type"``); or a compressor, returned as is.
+    **params
+        Compressor parameters, merged over those of a dict.
+
+    Raises
+    ------
+    ConfigError
+        Unknown id or invalid parameters (a ``ValueError``).
+    """
+    if isinstance(op, Compressor):
+        if params:
+            raise ConfigError(f"parameters {sorted(params)} given with a compressor "
+                              f"object {op!r}: pass an id or a dict instead")
+        return op
+    if isinstance(op, dict):
+        params = {**{k: v for k, v in op.items() if k not in ("type", "id")}, **params}
+        if "type" in op and "id" in op and op["type"] != op["id"]:
+            raise ConfigError(f"config has both type={op['type']!r} and id={op['id']!r}")
+        op = op.get("type", op.get("id"))
+        if op is None:
+            raise ConfigError("compressor config needs a 'type' key, e.g. "
+                              "{'type': '2bit', 'threshold': 0.5}")
+    if op is None:
+        op = "none"
+    if not isinstance(op, str):
+        raise ConfigError(f"expected a compressor id, dict or Compressor, got "
+                          f"{type(op).__name__}")
+    cls = _REGISTRY.get(op.lower())
+    if cls is None:
+        raise ConfigError(f"unknown compressor {op!r}; available: "
+                          f"{', '.join(available_compressors())}")
+    return cls(**params)
+
+
+def _flat(x, what="x"):
+    """A 1-D contiguous float view of array ``x`` (no copy)."""
+    if not isinstance(x, np.ndarray) and not _dispatch.is_device_array(x):
+        raise DTypeError(f"{what}: expected an array, got {type(x).__name__}")
+    if np.dtype(x.dtype) not in SUPPORTED_DTYPES:
+        raise DTypeError(f"{what}: expected float16, float32 or float64, got {x.dtype}")
+    if not x.flags.c_contiguous:
+        raise InvalidBufferError(f"{what}: expected a C-contiguous array")
+    return x.reshape(-1)
+
+
+class Compressor:
+    """Base class: a configuration with an id.
+
+    Subclasses define ``codec_id``, ``_params`` (name -> default) and the
+    codec methods. Parameters are validated in ``_check``.
+    """
+
+    codec_id = None
+    _params = {}
+    #: fp16 divides by the world size on the worker (pre-scaling) when averaging
+    prescales_average = False
+    #: terngrad needs a scale agreed by all ranks before it can quantize
+    needs_global_scale = False
+
+    def __init__(self, **params):
+        unknown = sorted(set(params) - set(self._params))
+        if unknown:
+            raise ConfigError(
+                f"{self.codec_id} takes parameters "
+                f"{', '.join(self._params) or '(none)'}; got {', '.join(map(repr, unknown))}")
+        for name, default in self._params.items():
+            setattr(self, name, params.get(name, default))
+        self._check()
+
+    def _check(self):
+        if "error_feedback" in self._params and not isinstance(self.error_feedback, bool):
+            raise ConfigError(f"{self.codec_id}: error_feedback must be True or False, "
+                              f"got {self.error_feedback!r}")
+
+    # -- configuration -------------------------------------------------------
+    def get_config(self):
+        """A JSON-serialisable dict ``{"id": ..., parameters...}``."""
+        return {"id": self.codec_id, **{k: getattr(self, k) for k in self._params}}
+
+    @classmethod
+    def from_config(cls, config):
+        """Rebuild a compressor from :meth:`get_config`'s output."""
+        return get_compressor(dict(config))
+
+    def __eq__(self, other):
+        return isinstance(other, Compressor) and self.get_config() == other.get_config()
+
+    def __hash__(self):
+        return hash(json.dumps(self.get_config(), sort_keys=True))
+
+    def __repr__(self):
+        args = ", ".join(f"{k}={getattr(self, k)!r}" for k in self._params)
+        return f"{type(self).__name__}({args})"
+
+    @property
+    def uses_feedback(self):
+        """Whether this compressor keeps residuals (error feedback)."""
+        return bool(getattr(self, "error_feedback", False))
+
+    # -- codec (subclasses) --------------------------------------------------
+    def payload_nbytes(self, n, dtype=np.float32):
+        """Exact payload size in bytes for ``n`` elements (``dtype`` matters
+        only for ``none``)."""
+        raise NotImplementedError
+
+    def _encode(self, x, e_in, e_out, payload, *, scale=None, stream=0, offset=0,
+                divisor=1.0):
+        """Pack ``x + e_in`` into ``payload`` (exactly ``payload_nbytes``
+        bytes), residual to ``e_out``. Return the non-finite count."""
+        raise NotImplementedError
+
+    def _decode(self, payload, out, accumulate):
+        """Decode ``out.size`` values from ``payload`` into (or onto) ``out``."""
+        raise NotImplementedError
+
+    # -- public kernel-level API ---------------------------------------------
+    def compress(self, x, residual=None, out=None, *, check_finite=True, **kw):
+        """Compress ``x`` into a packed 1-D ``uint8`` payload.
+
+        Parameters
+        ----------
+        x : array of float16, float32 or float64 (C-contiguous)
+        residual : array, optional
+            Error feedback: ``x + residual`` is compressed and ``residual``
+            is updated in place to what the payload did not deliver. Same
+            size as ``x``, dtype ``work_dtype(x.dtype)``.
+        out : uint8 array, optional
+            Where to write the payload (``payload_nbytes(x.size)`` bytes).
+        check_finite : bool
+            If true (default), a non-finite value raises
+            :class:`NonFiniteError` and leaves ``residual`` unchanged
+            (the residual is computed in a scratch buffer first).
+        **kw
+            ``scale``, ``stream``, ``offset`` for ``terngrad``.
+        """
+        xf = _flat(x)
+        n = xf.size
+        wd = work_dtype(xf.dtype)
+        if xf.dtype != wd:
+            xf = xf.astype(wd)
+        e = None
+        if residual is not None:
+            e = _flat(residual, "residual")
+            if e.size != n or e.dtype != wd:
+                raise InvalidBufferError(f"residual: expected {n} values of {wd}, got "
+                                         f"{e.size} of {e.dtype}")
+            if not e.flags.writeable:
+                raise InvalidBufferError("residual: expected a writable array")
+        nbytes = self.payload_nbytes(n, wd)
+        if out is None:
+            out = np.empty(nbytes, np.uint8)
+        elif not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.ndim == 1
+                  and out.size == nbytes and out.flags.c_contiguous):
+            raise InvalidBufferError(f"out: expected a contiguous uint8 array of "
+                                     f"{nbytes} bytes")
+        e_out = e if (e is None or not check_finite) else np.empty_like(e)
+        nbad = self._encode(xf, e, e_out, out, **kw)
+        if nbad and check_finite:
+            raise NonFiniteError(f"x holds {nbad} non-finite value(s); residual unchanged")
+        if e_out is not e:
+            e[...] = e_out
+        return out
+
+    def decompress(self, payload, n, out=None, *, accumulate=False, dtype=np.float32):
+        """Decode ``n`` values from ``payload``.
+
+        Returns a new array of ``dtype``, or writes into ``out`` (adds to it
+        when ``accumulate`` is true, as an owner does when it sums the
+        contributions of all ranks) and returns ``out``.
+        """
+        payload = np.asarray(payload)
+        if payload.dtype != np.uint8 or payload.ndim != 1:
+            raise InvalidBufferError("payload: expected a 1-D uint8 array")
+        n = int(n)
+        if out is None:
+            out = np.zeros(n, dtype)
+        of = _flat(out, "out")
+        if of.size != n:
+            raise InvalidBufferError(f"out: expected {n} values, got {of.size}")
+        expected = self.payload_nbytes(n, work_dtype(of.dtype))
+        if payload.size != expected:
+            raise InvalidBufferError(f"payload: expected {expected} bytes for {n} values, "
+                                     f"got {payload.size}")
+        if of.dtype == np.float16:
+            tmp = of.astype(np.float32) if accumulate else np.empty(n, np.float32)
+            self._decode(payload, tmp, accumulate)
+            of[...] = tmp
+        else:
+            self._decode(payload, of, accumulate)
+        return out
+
+
+# ----------------------------------------------------------------------------
+@register_compressor
+class NoCompression(Compressor):
+    """``none``: values travel as they are. In the collectives this is exactly
+    ``MPI_Allreduce`` / ``MPI_Reduce_scatter`` with ``MPI.SUM``."""
+
+    codec_id = "none"
+    _params = {}
+
+    def payload_nbytes(self, n, dtype=np.float32):
+        return int(n) * np.dtype(dtype).itemsize
+
+    def _encode(self, x, e_in, e_out, payload, **kw):
+        v = x if e_in is None else x + e_in
+        payload[...] = v.view(np.uint8)
+        if e_out is not None:
+            e_out[...] = 0
+        return _dispatch.kernels(x).count_nonfinite(v)
+
+    def _decode(self, payload, out, accumulate):
+        v = payload.view(out.dtype)
+        if accumulate:
+            out += v
+        else:
+            out[...] = v
+
+
+@register_compressor
+class FP16(Compressor):
+    """``fp16``: IEEE half precision on the wire, sums in float32 at the owner.
+
+    When averaging, workers divide by the world size before the cast
+    (pre-scaling), so large gradients do not overflow the half range.
+    Error feedback is off by default (as in DDP's fp16 hook and Horovod).
+    """
+
+    codec_id = "fp16"
+    _params = {"error_feedback": False}
+    prescales_average = True
+
+    def payload_nbytes(self, n, dtype=np.float32):
+        return 2 * int(n)
+
+    def _encode(self, x, e_in, e_out, payload, *, divisor=1.0, **kw):
+        return _dispatch.kernels(x).pack_fp16(x, e_in, e_out, payload.view(np.uint16),
+                                              divisor)
+
+    def _decode(self, payload, out, accumulate):
+        _dispatch.kernels(out).unpack_fp16(payload.view(np.uint16), out, accumulate)
+
+
+@register_compressor
+class TwoBit(Compressor):
+    """``2bit``: MXNet's threshold quantization, bit-compatible layout.
+
+    ``x >= t`` -> ``11`` (+t), ``x <= -t`` -> ``10`` (-t), else ``00`` (0);
+    four codes per byte, element 0 in the two most significant bits.
+    """
+
+    codec_id = "2bit"
+    _params = {"threshold": 0.5, "error_feedback": True}
+
+    def _check(self):
+        super()._check()
+        t = self.threshold
+        if (isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t)
+                or t <= 0):
+            raise ConfigError(f"2bit: threshold must be a finite number > 0, got {t!r}")
+        self.threshold = float(t)
+
+    def payload_nbytes(self, n, dtype=np.float32):
+        return (int(n) + 3) // 4
+
+    def _encode(self, x, e_in, e_out, payload, **kw):
+        return _dispatch.kernels(x).pack_2bit(x, e_in, e_out, payload, self.threshold)
+
+    def _decode(self, payload, out, accumulate):
+        _dispatch.kernels(out).unpack_2bit(payload, out, self.threshold, accumulate)
+
+
+@register_compressor
+class OneBit(Compressor):
+    """``1bit``: Seide et al. 1-bit SGD, sign bits with per-block reconstruction.
+
+    Bit 1 for ``x >= 0``, MSB first. Each block of ``block_size`` elements
+    carries the pair (mean of its bit-0 elements, mean of its bit-1
+    elements) as little-endian float32 after all the bits: the pairs cost
+    8 bytes per ``block_size / 8`` bytes of bits (6.25% at 1024).
+    """
+
+    codec_id = "1bit"
+    _params = {"block_size": 1024, "error_feedback": True}
+
+    def _check(self):
+        super()._check()
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b <= 0 or b % 8:
+            raise ConfigError(f"1bit: block_size must be a positive multiple of 8, got {b!r}")
+        self.block_size = int(b)
+
+    def _nblocks(self, n):
+        return (int(n) + self.block_size - 1) // self.block_size
+
+    def payload_nbytes(self, n, dtype=np.float32):
+        return (int(n) + 7) // 8 + 8 * self._nblocks(n)
+
+    def _encode(self, x, e_in, e_out, payload, **kw):
+        nb = (x.size + 7) // 8
+        means = np.empty(2 * self._nblocks(x.size), np.float32)
+        nbad = _dispatch.kernels(x).pack_1bit(x, e_in, e_out, payload[:nb], means,
+                                              self.block_size)
+        payload[nb:] = means.astype("<f4", copy=False).view(np.uint8)
+        return nbad
+
+    def _decode(self, payload, out, accumulate):
+        nb = (out.size + 7) // 8
+        means = np.frombuffer(payload[nb:].tobytes(), "<f4").astype(np.float32)
+        _dispatch.kernels(out).unpack_1bit(payload[:nb], means, out, self.block_size,
+                                           accumulate)
+
+
+@register_compressor
+class TernGrad(Compressor):
+    """``terngrad``: Wen et al. stochastic ternary quantization.
+
+    Element i becomes ``s * sign(x_i) * b_i`` with ``b_i ~ Bernoulli(|x_i|/s)``
+    (unbiased). In the collectives ``s`` is the maximum of ``max |x|`` over
+    all ranks (one MAX reduction); with ``clip=c`` each rank first clips its
+    values to ``c * std``. Codes use the 2bit layout, followed by ``s`` as a
+    little-endian float32. Draws are reproducible: a counter-based hash of
+    ``seed``, the rank, the call count and the element index.
+    Error feedback is off by default (the method is unbiased).
+    """
+
+    codec_id = "terngrad"
+    _params = {"seed": 0, "clip": None, "error_feedback": False}
+    needs_global_scale = True
+
+    def _check(self):
+        super()._check()
+        if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+            raise ConfigError(f"terngrad: seed must be an integer, got {self.seed!r}")
+        self.seed = int(self.seed)
+        c = self.clip
+        if c is not None:
+            if (isinstance(c, bool) or not isinstance(c, numbers.Real)
+                    or not math.isfinite(c) or c <= 0):
+                raise ConfigError(f"terngrad: clip must be None or a number > 0 "
+                                  f"(the paper uses 2.5), got {c!r}")
+            self.clip = float(c)
+
+    def payload_nbytes(self, n, dtype=np.float32):
+        return (int(n) + 3) // 4 + 4 if n else 0
+
+    def local_scale(self, x, e_in):
+        """``(max |v| after clipping, clip bound, non-finite count)`` of
+        ``v = x + e_in`` on this rank."""
+        if x.size == 0:
+            return 0.0, math.inf, 0
+        s, ss, amax, nbad = _dispatch.kernels(x).stats(x, e_in)
+        bound = math.inf
+        if self.clip is not None and nbad == 0:
+            mean = s / x.size
+            std = math.sqrt(max(ss / x.size - mean * mean, 0.0))
+            bound = self.clip * std
+            amax = min(amax, bound)
+        return amax, bound, nbad
+
+    def _encode(self, x, e_in, e_out, payload, *, scale=None, stream=0, offset=0,
+                clip_bound=None, **kw):
+        if x.size == 0:
+            return 0
+        nbad = 0
+        if scale is None or clip_bound is None:
+            amax, bound, nbad = self.local_scale(x, e_in)
+            scale = amax if scale is None else scale
+            clip_bound = bound if clip_bound is None else clip_bound
+        nb = (x.size + 3) // 4
+        s32 = np.float32(scale)
+        nbad_pack = _dispatch.kernels(x).pack_ternary(x, e_in, e_out, payload[:nb], s32,
+                                                      clip_bound, stream, offset)
+        payload[nb:] = np.array([s32], "<f4").view(np.uint8)
+        return max(nbad, nbad_pack)
+
+    def _decode(self, payload, out, accumulate):
+        if out.size == 0:
+            return
+        nb = (out.size + 3) // 4
+        scale = float(np.frombuffer(payload[nb:nb + 4].tobytes(), "<f4")[0])
+        _dispatch.kernels(out).unpack_2bit(payload[:nb], out, scale, accumulate)

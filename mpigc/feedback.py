@@ -1,0 +1,216 @@
+"""Error-feedback state: the residuals of every key, what checkpoints save.
+
+Each key (a parameter name, a bucket name) holds, on each rank:
+
+``worker``
+    The part of this rank's gradient that its payloads have not delivered
+    yet (``x - D(Q(x))``), one value per element, dtype ``work_dtype``.
+``owner``
+    For ``gather="compressed"``: the part of the reduced shard this rank owns
+    that its second-stage payload has not delivered yet. Shards are contiguous
+    in rank order, as ``numpy.array_split(range(n), world_size)``.
+``calls``
+    How many collectives used the key (terngrad's random streams depend on it).
+
+A residual that was never needed (error feedback off) is ``None``.
+"""
+import threading
+
+import numpy as np
+
+from ._errors import StateError
+from .compressors import get_compressor
+
+__all__ = ["ErrorFeedback", "get_default_feedback", "shard_bounds"]
+
+
+def shard_bounds(n, size):
+    """``(lo, hi)`` of every rank's shard of ``n`` elements, as
+    ``numpy.array_split`` cuts them (the first ``n % size`` get one more)."""
+    q, r = divmod(int(n), int(size))
+    bounds = []
+    lo = 0
+    for j in range(size):
+        hi = lo + q + (1 if j < r else 0)
+        bounds.append((lo, hi))
+        lo = hi
+    return bounds
+
+
+class _Entry:
+    __slots__ = ("n", "dtype", "world_size", "rank", "worker", "owner", "config",
+                 "calls", "busy")
+
+    def __init__(self, n, dtype, world_size, rank, config):
+        self.n = n
+        self.dtype = np.dtype(dtype)
+        self.world_size = world_size
+        self.rank = rank
+        self.worker = None
+        self.owner = None
+        self.config = config
+        self.calls = 0
+        self.busy = False
+
+    def describe(self):
+        return (f"{self.n} values of {self.dtype} on {self.world_size} rank(s)")
+
+
+class ErrorFeedback:
+    """The residual store: residuals per key, kept between calls.
+
+    Module-level collectives use one process-wide store
+    (:func:`get_default_feedback`); pass ``feedback=ErrorFeedback()`` to keep
+    several independent ones (e.g. per model).
+
+    Examples
+    --------
+    >>> fb = mpigc.ErrorFeedback()
+    >>> mpigc.allreduce(grad, op="2bit", key="w", feedback=fb)   # doctest: +SKIP
+    >>> state = fb.state_dict()      # {'w': {'worker': ..., 'owner': ..., ...}}
+    """
+
+    def __init__(self):
+        self._entries = {}
+        self._spares = {}
+        self._lock = threading.Lock()
+        #: how many calls were skipped because of non-finite gradients
+        self.skipped_steps = 0
+
+    # -- mapping-like view ---------------------------------------------------
+    def keys(self):
+        return list(self._entries)
+
+    def __contains__(self, key):
+        return str(key) in self._entries
+
+    def __len__(self):
+        return len(self._entries)
+
+    def __repr__(self):
+        return f"ErrorFeedback(keys={self.keys()!r})"
+
+    # -- public state --------------------------------------------------------
+    def state_dict(self):
+        """A copy of the state, per key::
+
+            {"worker": ndarray | None, "owner": ndarray | None,
+             "config": dict, "calls": int, "world_size": int, "rank": int,
+             "n": int, "dtype": str}
+        """
+        out = {}
+        with self._lock:
+            for key, e in self._entries.items():
+                if e.busy:
+                    raise StateError(f"key {key!r} is in use by a pending collective; "
+                                     "wait for it before taking the state")
+                out[key] = {
+                    "worker": None if e.worker is None else e.worker.copy(),
+                    "owner": None if e.owner is None else e.owner.copy(),
+                    "config": dict(e.config),
+                    "calls": e.calls,
+                    "world_size": e.world_size,
+                    "rank": e.rank,
+                    "n": e.n,
+                    "dtype": e.dtype.name,
+                }
+        return out
+
+    def load_state_dict(self, state):
+        """Replace the state by ``state`` (as :meth:`state_dict` returns it).
+
+        The residuals are copied. Sizes are checked: a worker residual must
+        have ``n`` values and an owner residual the size of the rank's shard.
+        """
+        entries = {}
+        for key, s in state.items():
+            get_compressor(dict(s["config"]))  # validates the config
+            n = int(s["n"]) if "n" in s else int(np.asarray(s["worker"]).size)
+            dtype = np.dtype(s.get("dtype") or np.asarray(s["worker"]).dtype)
+            e = _Entry(n, dtype, int(s["world_size"]), int(s["rank"]), dict(s["config"]))
+            e.calls = int(s.get("calls", 0))
+            if s.get("worker") is not None:
+                w = np.array(s["worker"], dtype=dtype).reshape(-1)
+                if w.size != n:
+                    raise StateError(f"key {key!r}: worker residual has {w.size} values, "
+                                     f"expected {n}")
+                e.worker = w
+            if s.get("owner") is not None:
+                lo, hi = shard_bounds(n, e.world_size)[e.rank]
+                o = np.array(s["owner"], dtype=dtype).reshape(-1)
+                if o.size != hi - lo:
+                    raise StateError(f"key {key!r}: owner residual has {o.size} values, "
+                                     f"expected {hi - lo} (shard of rank {e.rank})")
+                e.owner = o
+            entries[str(key)] = e
+        with self._lock:
+            if any(e.busy for e in self._entries.values()):
+                raise StateError("a collective is pending; wait for it before loading")
+            self._entries = entries
+
+    def reset(self, key=None):
+        """Forget the residuals of ``key`` (or of every key)."""
+        with self._lock:
+            if key is None:
+                self._entries.clear()
+                self._spares.clear()
+            else:
+                self._entries.pop(str(key), None)
+
+    # -- used by the collectives ---------------------------------------------
+    def _acquire(self, key, n, dtype, world_size, rank):
+        """Mark ``key`` busy for a call and return its entry (or None if the
+        key is new). Raises StateError if it does not fit the call."""
+        with self._lock:
+            e = self._entries.get(key)
+            if e is None:
+                return None
+            if e.busy:
+                raise StateError(f"key {key!r} is already used by a pending collective; "
+                                 "wait for it, or use distinct keys")
+            if (e.n, e.dtype, e.world_size, e.rank) != (n, np.dtype(dtype), world_size, rank):
+                raise StateError(
+                    f"key {key!r} holds residuals of {e.describe()} (rank {e.rank}); this "
+                    f"call has {n} values of {np.dtype(dtype)} on {world_size} rank(s) "
+                    f"(rank {rank}): use another key, or reset({key!r})")
+            e.busy = True
+            return e
+
+    def _release(self, key):
+        with self._lock:
+            e = self._entries.get(key)
+            if e is not None:
+                e.busy = False
+
+    def _commit(self, key, entry, n, dtype, world_size, rank, config):
+        """Install a new entry for ``key`` (first call) or update ``config``;
+        returns the entry, marked busy."""
+        with self._lock:
+            if entry is None:
+                entry = _Entry(n, dtype, world_size, rank, config)
+                entry.busy = True
+                self._entries[key] = entry
+            entry.config = config
+            return entry
+
+    def _take_spare(self, n, dtype):
+        """A scratch residual buffer of ``n`` values (contents undefined)."""
+        with self._lock:
+            pool = self._spares.get((n, np.dtype(dtype)))
+            if pool:
+                return pool.pop()
+        return np.empty(n, dtype)
+
+    def _give_spare(self, arr):
+        with self._lock:
+            pool = self._spares.setdefault((arr.size, arr.dtype), [])
+            if len(pool) < 1:
+                pool.append(arr)
+
+
+_default = ErrorFeedback()
+
+
+def get_default_feedback():
+    """The process-wide store used when a collective gets ``feedback=None``."""
+    return _default

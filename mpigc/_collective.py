@@ -191,11 +191,14 @@ class _Op:
         if self.uses_state:
             self.fb = get_default_feedback() if feedback is None else feedback
             self.entry = self.fb._acquire(self.key, n, self.wdtype, self.size, self.rank)
-            self.busy_key = self.entry is not None
+            self.busy_key = True
 
         if comp.codec_id == "none":
+            # MPI has no float16 sum: reduce a float32 copy
+            self.none_buf = self.flat.astype(np.float32) if self.dtype == np.float16 \
+                else self.flat
             if nonfinite != "ignore":
-                row[_NBAD] = _cpu.count_nonfinite(self.flat)
+                row[_NBAD] = _cpu.count_nonfinite(self.none_buf)
             return
         self.x = self.flat if self.dtype == self.wdtype else self.flat.astype(self.wdtype)
         self.e_in = None if (self.entry is None or not self.use_ef) else self.entry.worker
@@ -249,9 +252,26 @@ class _Op:
     def _agreed(self):
         t = self.table
         comm = self.cs.comm
+        # a disagreement between ranks is the root cause of any state error it
+        # provokes, so it is reported first (rows of such ranks are complete)
+        full = np.isin(t[:, _CODE], (0, 4))
+        for col, what in ((_N, "size"), (_DTYPE, "dtype"), (_FP, "settings")):
+            vals = t[full, col]
+            if vals.size and np.any(vals != vals[0]):
+                self._abandon()
+                mine = {"size": self.n, "dtype": getattr(self, "dtype", None)}.get(what)
+                mine = getattr(mine, "name", mine)
+                if what == "settings":
+                    mine = json.dumps(getattr(self, "settings", None), sort_keys=True)
+                allv = comm.allgather(mine if full[self.rank] else None)
+                detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(allv)
+                                   if v is not None)
+                raise MismatchError(f"{self.kind}: ranks disagree on the {what} ({detail})")
         bad = np.flatnonzero(t[:, _CODE])
         if bad.size:
-            msg = "" if self.local_error is None else str(self.local_error)
+            exc = self.local_error
+            msg = "" if exc is None else (str(exc) if isinstance(exc, MpigcError)
+                                          else f"{type(exc).__name__}: {exc}")
             msgs = comm.allgather(msg)  # only on this error path
             first = int(bad[0])
             cls = CODES.get(int(t[first, _CODE])) or MpigcError
@@ -260,15 +280,6 @@ class _Op:
             detail = "; ".join(f"rank {int(r)}: {msgs[int(r)]}" for r in bad)
             raise cls(f"{self.kind} failed on {len(bad)} of {self.size} rank(s): {detail}") \
                 from self.local_error
-        for col, what in ((_N, "size"), (_DTYPE, "dtype"), (_FP, "settings")):
-            if np.any(t[:, col] != t[0, col]):
-                self._abandon()
-                mine = {"size": self.n, "dtype": self.dtype.name}.get(what)
-                if mine is None:
-                    mine = json.dumps(self.settings, sort_keys=True)
-                allv = comm.allgather(mine)
-                detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(allv))
-                raise MismatchError(f"{self.kind}: ranks disagree on the {what} ({detail})")
         nbad = t[:, _NBAD]
         if np.any(nbad) and self.nonfinite != "ignore":
             self._abandon()
@@ -311,11 +322,7 @@ class _Op:
     # -- 3./4. data movement -------------------------------------------------
     def _start_none(self):
         comm = self.cs.comm
-        if self.dtype == np.float16:
-            self.tmp = self.flat.astype(np.float32)
-            sendbuf = self.tmp
-        else:
-            sendbuf = self.flat
+        sendbuf = self.none_buf
         if self.kind == "allreduce":
             if self.blocking:
                 comm.Allreduce(MPI.IN_PLACE, sendbuf, op=MPI.SUM)

@@ -39,7 +39,7 @@ def shard_bounds(n, size):
 
 class _Entry:
     __slots__ = ("n", "dtype", "world_size", "rank", "worker", "owner", "config",
-                 "calls", "busy")
+                 "calls")
 
     def __init__(self, n, dtype, world_size, rank, config):
         self.n = n
@@ -50,7 +50,6 @@ class _Entry:
         self.owner = None
         self.config = config
         self.calls = 0
-        self.busy = False
 
     def describe(self):
         return (f"{self.n} values of {self.dtype} on {self.world_size} rank(s)")
@@ -73,6 +72,7 @@ class ErrorFeedback:
     def __init__(self):
         self._entries = {}
         self._spares = {}
+        self._busy = set()  # keys used by a call in progress
         self._lock = threading.Lock()
         #: how many calls were skipped because of non-finite gradients
         self.skipped_steps = 0
@@ -101,7 +101,7 @@ class ErrorFeedback:
         out = {}
         with self._lock:
             for key, e in self._entries.items():
-                if e.busy:
+                if key in self._busy:
                     raise StateError(f"key {key!r} is in use by a pending collective; "
                                      "wait for it before taking the state")
                 out[key] = {
@@ -144,13 +144,16 @@ class ErrorFeedback:
                 e.owner = o
             entries[str(key)] = e
         with self._lock:
-            if any(e.busy for e in self._entries.values()):
+            if self._busy:
                 raise StateError("a collective is pending; wait for it before loading")
             self._entries = entries
 
     def reset(self, key=None):
         """Forget the residuals of ``key`` (or of every key)."""
         with self._lock:
+            if self._busy and (key is None or str(key) in self._busy):
+                raise StateError("a collective using this state is pending; wait for it "
+                                 "before reset()")
             if key is None:
                 self._entries.clear()
                 self._spares.clear()
@@ -162,33 +165,28 @@ class ErrorFeedback:
         """Mark ``key`` busy for a call and return its entry (or None if the
         key is new). Raises StateError if it does not fit the call."""
         with self._lock:
-            e = self._entries.get(key)
-            if e is None:
-                return None
-            if e.busy:
+            if key in self._busy:
                 raise StateError(f"key {key!r} is already used by a pending collective; "
                                  "wait for it, or use distinct keys")
-            if (e.n, e.dtype, e.world_size, e.rank) != (n, np.dtype(dtype), world_size, rank):
+            e = self._entries.get(key)
+            if e is not None and (e.n, e.dtype, e.world_size, e.rank) != (n, np.dtype(dtype), world_size, rank):
                 raise StateError(
                     f"key {key!r} holds residuals of {e.describe()} (rank {e.rank}); this "
                     f"call has {n} values of {np.dtype(dtype)} on {world_size} rank(s) "
                     f"(rank {rank}): use another key, or reset({key!r})")
-            e.busy = True
+            self._busy.add(key)
             return e
 
     def _release(self, key):
         with self._lock:
-            e = self._entries.get(key)
-            if e is not None:
-                e.busy = False
+            self._busy.discard(key)
 
     def _commit(self, key, entry, n, dtype, world_size, rank, config):
         """Install a new entry for ``key`` (first call) or update ``config``;
-        returns the entry, marked busy."""
+        returns the entry."""
         with self._lock:
             if entry is None:
                 entry = _Entry(n, dtype, world_size, rank, config)
-                entry.busy = True
                 self._entries[key] = entry
             entry.config = config
             return entry

@@ -11,7 +11,7 @@ from ._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError
                       MpigcError, NonFiniteError, StateError)
 from ._version import __version__
 from .allreduce import allreduce, iallreduce
-from ._collective import Request
+from ._collective import Request, reset_traffic, traffic
 from .compressors import (FP16, Compressor, NoCompression, OneBit, TernGrad, TwoBit,
                           available_compressors, get_compressor, register_compressor)
 from .feedback import ErrorFeedback, get_default_feedback, shard_bounds
@@ -20,6 +20,7 @@ from .reduce_scatter import ireduce_scatter, reduce_scatter
 __all__ = [
     "__version__",
     "allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "Request",
+    "traffic", "reset_traffic",
     "get_compressor", "register_compressor", "available_compressors",
     "Compressor", "NoCompression", "FP16", "TwoBit", "OneBit", "TernGrad",
     "ErrorFeedback", "get_default_feedback", "shard_bounds",

@@ -37,7 +37,26 @@ from .compressors import SUPPORTED_DTYPES, get_compressor, work_dtype
 from .feedback import get_default_feedback, shard_bounds
 from .kernels import cpu as _cpu
 
-__all__ = ["Request", "start"]
+__all__ = ["Request", "start", "traffic", "reset_traffic"]
+
+_traffic = {"calls": 0, "bytes_sent": 0, "logical_bytes": 0}
+
+
+def traffic():
+    """Counters of this process's mpigc collectives since start (or reset).
+
+    ``calls``; ``bytes_sent``: payload bytes this rank handed to MPI sends
+    (for ``op="none"``, the ``2 (N-1)/N`` bytes per byte of a bandwidth-optimal
+    MPI allreduce, ``(N-1)/N`` for reduce-scatter: MPI does not report its
+    own); ``logical_bytes``: the size of the buffers reduced.
+    """
+    return dict(_traffic)
+
+
+def reset_traffic():
+    """Set the :func:`traffic` counters to zero."""
+    for k in _traffic:
+        _traffic[k] = 0
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 GATHER_MODES = ("compressed", "exact")
@@ -344,6 +363,9 @@ class _Op:
 
     def _finish_none(self):
         v = self.none_out
+        N = self.size
+        factor = 2 * (N - 1) / N if self.kind == "allreduce" else (N - 1) / N
+        self._count(int(round(factor * self.flat.nbytes)))
         if self.average:
             np.divide(v, self.size, out=v)
         if self.kind == "allreduce":
@@ -501,7 +523,20 @@ class _Op:
                 return False
         return True
 
+    def _count(self, sent):
+        _traffic["calls"] += 1
+        _traffic["bytes_sent"] += sent
+        _traffic["logical_bytes"] += self.flat.nbytes
+
     def _finish(self):
+        r = self.rank
+        sent = sum(self.sizes) - self.sizes[r]
+        if self.kind == "allreduce":
+            lo, hi = self.bounds[r]
+            own = (self.sizes2[r] if self.gather == "compressed"
+                   else (hi - lo) * self.dtype.itemsize)
+            sent += own * (self.size - 1)
+        self._count(sent)
         if self.sendreqs:
             MPI.Request.Waitall(self.sendreqs)
             self.sendreqs = []

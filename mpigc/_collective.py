@@ -84,24 +84,43 @@ class Request:
     Call :meth:`wait` to complete it (it returns the result), or :meth:`test`
     to make progress without blocking. Errors of the call (bad input on any
     rank, mismatched ranks, non-finite gradients) are raised by ``wait`` or
-    ``test`` on every rank. Every rank must complete every request.
+    ``test`` on every rank. Every rank must start the same requests in the
+    same order and complete each; they may wait for them in any order: while
+    one waits, every pending request of the process makes progress.
     """
 
     def __init__(self, op):
         self._op = op
 
     def test(self):
-        """Make progress; return True once the call has completed."""
-        return self._op.progress(block=False)
+        """Make progress on every pending request; True once this one is done."""
+        _progress_all()
+        return self._op.finished()
 
     def wait(self):
         """Complete the call and return its result."""
-        self._op.progress(block=True)
-        return self._op.result
+        op = self._op
+        if len(_pending) == 1 and _pending[0] is op:
+            op.progress(block=True)  # nothing else to drive: block in MPI
+        else:
+            while not op.done_or_failed():
+                _progress_all()
+        op.finished()
+        return op.result
 
     @property
     def done(self):
         return self._op.state == "done"
+
+
+_pending = []  # calls started and not done, in start order
+
+
+def _progress_all():
+    """Advance every pending call without blocking (errors are kept by the
+    call they belong to and raised by its own test() or wait())."""
+    for op in list(_pending):
+        op.progress(block=False)
 
 
 class _Op:
@@ -113,6 +132,7 @@ class _Op:
         self.blocking = blocking
         self.cs = _comm.resolve(comm)
         self.size, self.rank = self.cs.size, self.cs.rank
+        self.seq = self.cs.seq
         self.tags = self.cs.next_tags()
         self.state = "agree"
         self.result = None
@@ -122,6 +142,7 @@ class _Op:
         self.key = None
         self.sendreqs = []
         self.local_error = None
+        self.error = None
         row = np.zeros(_NCOLS, np.int64)
         try:
             self._prepare(buf, op, params, key, average, gather, feedback, nonfinite,
@@ -132,11 +153,12 @@ class _Op:
             self._abandon()
         self.row = row
         self.table = np.zeros((self.size, _NCOLS), np.int64)
-        if blocking:
+        if blocking and not _pending:
             self.cs.comm.Allgather(row, self.table)
             self.agree_req = None
         else:
             self.agree_req = self.cs.comm.Iallgather(row, self.table)
+        _pending.append(self)
 
     # -- 1. prepare ----------------------------------------------------------
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
@@ -198,7 +220,7 @@ class _Op:
                     f"out: expected a writable contiguous array of {hi - lo} "
                     f"{buf.dtype} values")
         self.out = out
-        self.key = (f"auto/{n}/{self.wdtype.name}" if key is None else str(key))
+        self.key = (f"auto/{n}/{self.dtype.name}" if key is None else str(key))
         settings = {"kind": self.kind, "comp": comp.get_config(), "key": self.key,
                     "average": self.average, "gather": gather, "nonfinite": nonfinite,
                     "bounds": None if recvcounts is None else self.bounds}
@@ -236,15 +258,21 @@ class _Op:
         offs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
         return sizes, offs
 
+    def _stream(self, rank, stage):
+        """terngrad's random stream: seed and key, rank, the key's call count
+        (the communicator's call count for calls without state), stage."""
+        calls = self.entry.calls if self.entry is not None else self.seq
+        seed = self.comp.seed ^ (zlib.crc32(self.key.encode()) << 32)
+        return _cpu.ternary_stream(seed, rank, calls, stage)
+
     def _pack_shards(self, row, scale=None):
         sizes, offs = self._payload_layout()
         self.sizes, self.offs = sizes, offs
         self.sendbuf = np.empty(offs[-1], np.uint8)
-        calls = self.entry.calls if self.entry is not None else 0
         kw = {}
         if self.comp.needs_global_scale:
             kw = {"scale": scale, "clip_bound": self.clip_bound,
-                  "stream": _cpu.ternary_stream(self.comp.seed, self.rank, calls, 0)}
+                  "stream": self._stream(self.rank, 0)}
         elif self.comp.prescales_average and self.average:
             kw = {"divisor": float(self.size)}
         nbad = 0
@@ -292,10 +320,8 @@ class _Op:
             msg = "" if exc is None else (str(exc) if isinstance(exc, MpigcError)
                                           else f"{type(exc).__name__}: {exc}")
             msgs = comm.allgather(msg)  # only on this error path
-            first = int(bad[0])
-            cls = CODES.get(int(t[first, _CODE])) or MpigcError
-            if self.local_error is not None and isinstance(self.local_error, MpigcError):
-                cls = type(self.local_error)
+            # every rank raises the class of the lowest failing rank's error
+            cls = CODES.get(int(t[int(bad[0]), _CODE])) or MpigcError
             detail = "; ".join(f"rank {int(r)}: {msgs[int(r)]}" for r in bad)
             raise cls(f"{self.kind} failed on {len(bad)} of {self.size} rank(s): {detail}") \
                 from self.local_error
@@ -476,12 +502,15 @@ class _Op:
                 e = self.entry.owner
             kw = {}
             if self.comp.needs_global_scale:
-                calls = self.entry.calls if self.entry is not None else 0
                 amax, bound, _ = self.comp.local_scale(self.acc, e)
-                kw = {"scale": amax, "clip_bound": bound,
-                      "stream": _cpu.ternary_stream(self.comp.seed, r, calls, 1)}
+                kw = {"scale": amax, "clip_bound": bound, "stream": self._stream(r, 1)}
             x = self.acc if self.acc.dtype == self.wdtype else self.acc.astype(self.wdtype)
-            self.comp._encode(x, e, e, mine, offset=lo, **kw)
+            # the owner's residual is double-buffered too: should the reduced
+            # shard not fit the wire format (fp16 overflow of a sum), the
+            # result is non-finite on every rank but the residual is kept
+            e_out = None if e is None else np.empty_like(e)
+            if self.comp._encode(x, e, e_out, mine, offset=lo, **kw) == 0 and e is not None:
+                self.entry.owner = e_out
         for k in range(1, self.size):
             j = (r - k) % self.size
             if sizes[j]:
@@ -551,12 +580,30 @@ class _Op:
 
     # -- the state machine ---------------------------------------------------
     def progress(self, block):
+        """Advance; never raises (see :meth:`finished`)."""
+        if self.state == "done":
+            return True
         try:
-            return self._progress(block)
-        except BaseException:
+            done = self._progress(block)
+        except BaseException as exc:  # noqa: BLE001 - kept for finished()
+            self.error = exc
             self._abandon()
             self.state = "done"
-            raise
+            done = True
+        if self.state == "done" and self in _pending:
+            _pending.remove(self)
+        return done
+
+    def done_or_failed(self):
+        return self.state == "done"
+
+    def finished(self):
+        """True once done; raises the call's error (once done) if it failed."""
+        if self.state != "done":
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
 
     def _progress(self, block):
         if self.state == "done":

@@ -11,6 +11,8 @@ import os
 import numba
 from mpi4py import MPI
 
+from ._errors import ConfigError, DTypeError
+
 __all__ = ["CommState", "resolve"]
 
 _KEYVAL = None
@@ -48,7 +50,10 @@ def _limit_threads(local_size):
     _threads_set = True
     env = os.environ.get("MPIGC_NUM_THREADS")
     if env is not None:
-        k = int(env)
+        try:
+            k = int(env)
+        except ValueError:
+            raise ConfigError(f"MPIGC_NUM_THREADS must be an integer, got {env!r}") from None
         if k > 0:
             numba.set_num_threads(min(k, numba.config.NUMBA_NUM_THREADS))
         return
@@ -66,7 +71,7 @@ def resolve(comm=None):
     if comm is None:
         comm = MPI.COMM_WORLD
     if not isinstance(comm, MPI.Intracomm):
-        raise TypeError(f"comm: expected an mpi4py Intracomm, got {type(comm).__name__}")
+        raise DTypeError(f"comm: expected an mpi4py Intracomm, got {type(comm).__name__}")
     if _KEYVAL is None:
         _KEYVAL = MPI.Comm.Create_keyval()
     state = comm.Get_attr(_KEYVAL)

@@ -1,11 +1,23 @@
 """Compressed allreduce, blocking and nonblocking."""
+from typing import Literal, Optional, Sequence, Union
+
+import numpy as np
+from mpi4py import MPI
+
 from ._collective import Request, start
+from .compressors import Compressor
+from .feedback import ErrorFeedback
+
+Op = Union[str, dict, Compressor]
 
 __all__ = ["allreduce", "iallreduce"]
 
 
-def allreduce(buf, op="2bit", *, comm=None, key=None, average=False, gather="compressed",
-              feedback=None, nonfinite=None, **params):
+def allreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = None,
+              key: Union[str, int, None] = None, average: bool = False,
+              gather: Literal["compressed", "exact"] = "compressed",
+              feedback: Union[ErrorFeedback, bool, None] = None,
+              nonfinite: Optional[str] = None, **params) -> np.ndarray:
     """Sum ``buf`` over all ranks, in place, with a compressed exchange.
 
     Parameters
@@ -61,8 +73,11 @@ def allreduce(buf, op="2bit", *, comm=None, key=None, average=False, gather="com
     return Request(req).wait()
 
 
-def iallreduce(buf, op="2bit", *, comm=None, key=None, average=False, gather="compressed",
-               feedback=None, nonfinite=None, **params):
+def iallreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = None,
+               key: Union[str, int, None] = None, average: bool = False,
+               gather: Literal["compressed", "exact"] = "compressed",
+               feedback: Union[ErrorFeedback, bool, None] = None,
+               nonfinite: Optional[str] = None, **params) -> Request:
     """Nonblocking :func:`allreduce`: compresses now, returns a :class:`Request`.
 
     ``buf`` must not be touched until ``request.wait()`` returned; progress

@@ -1,11 +1,24 @@
 """Compressed reduce-scatter (phase 1 and 2 of the allreduce alone)."""
+from typing import Literal, Optional, Sequence, Union
+
+import numpy as np
+from mpi4py import MPI
+
 from ._collective import Request, start
+from .compressors import Compressor
+from .feedback import ErrorFeedback
+
+Op = Union[str, dict, Compressor]
 
 __all__ = ["reduce_scatter", "ireduce_scatter"]
 
 
-def reduce_scatter(buf, op="2bit", *, recvcounts=None, out=None, comm=None, key=None,
-                   average=False, feedback=None, nonfinite=None, **params):
+def reduce_scatter(buf: np.ndarray, op: Op = "2bit", *,
+                   recvcounts: Optional[Sequence[int]] = None,
+                   out: Optional[np.ndarray] = None, comm: Optional[MPI.Intracomm] = None,
+                   key: Union[str, int, None] = None, average: bool = False,
+                   feedback: Union[ErrorFeedback, bool, None] = None,
+                   nonfinite: Optional[str] = None, **params) -> np.ndarray:
     """Reduce ``buf`` over all ranks and return this rank's shard of the sum.
 
     Each rank compresses its ``buf`` once (with error feedback under ``key``),
@@ -33,8 +46,13 @@ def reduce_scatter(buf, op="2bit", *, recvcounts=None, out=None, comm=None, key=
     return Request(req).wait()
 
 
-def ireduce_scatter(buf, op="2bit", *, recvcounts=None, out=None, comm=None, key=None,
-                    average=False, feedback=None, nonfinite=None, **params):
+def ireduce_scatter(buf: np.ndarray, op: Op = "2bit", *,
+                    recvcounts: Optional[Sequence[int]] = None,
+                    out: Optional[np.ndarray] = None,
+                    comm: Optional[MPI.Intracomm] = None,
+                    key: Union[str, int, None] = None, average: bool = False,
+                    feedback: Union[ErrorFeedback, bool, None] = None,
+                    nonfinite: Optional[str] = None, **params) -> Request:
     """Nonblocking :func:`reduce_scatter`; ``request.wait()`` returns the shard."""
     return Request(start("reduce_scatter", buf, op, params, comm=comm, key=key,
                          average=average, gather="compressed", feedback=feedback,

@@ -60,3 +60,38 @@ def test_error_is_raised_by_wait_on_every_rank(comm, fb):
     except mpigc.NonFiniteError as e:
         got = e
     assert_all(got is not None and req.done and "e" not in fb)
+
+
+@pytest.mark.mpi
+def test_ranks_may_wait_in_different_orders(comm, fb):
+    """While one request waits, the others progress: no deadlock."""
+    a, b = grads(comm.rank, 3000, seed=1), grads(comm.rank, 5000, seed=2)
+    ra = mpigc.iallreduce(a, op="2bit", key="a", feedback=fb)
+    rb = mpigc.iallreduce(b, op="1bit", key="b", feedback=fb)
+    if comm.rank % 2:
+        rb.wait(); ra.wait()
+    else:
+        ra.wait(); rb.wait()
+    ref = mpigc.ErrorFeedback()
+    wa = mpigc.allreduce(grads(comm.rank, 3000, seed=1), op="2bit", key="a", feedback=ref)
+    wb = mpigc.allreduce(grads(comm.rank, 5000, seed=2), op="1bit", key="b", feedback=ref)
+    assert_all(a.tobytes() == wa.tobytes() and b.tobytes() == wb.tobytes())
+
+
+@pytest.mark.mpi
+def test_blocking_call_between_pending_requests(comm, fb):
+    a = grads(comm.rank, 2000, seed=3)
+    ra = mpigc.iallreduce(a, op="2bit", key="a", feedback=fb)
+    b = mpigc.allreduce(grads(comm.rank, 100, seed=4), op="2bit", key="b", feedback=fb)
+    ra.wait()
+    assert_all(fb.state_dict()["a"]["calls"] == 1 and b.size == 100)
+
+
+@pytest.mark.mpi
+def test_terngrad_streams_differ_between_keys_and_calls(comm):
+    x = np.full(4096, 0.5, np.float32)
+    x[0] = 1.0  # scale 1: each element kept with probability 1/2
+    outs = [mpigc.allreduce(x.copy(), op="terngrad", key=k, feedback=False, gather="exact")
+            for k in ("p", "q", "p")]
+    assert_all(outs[0].tobytes() != outs[1].tobytes() != outs[2].tobytes()
+               and outs[0].tobytes() != outs[2].tobytes())

@@ -144,8 +144,9 @@ def encode_fp16(x, e=None, divisor=1.0):
     v = _v(x, e)
     dt = v.dtype
     dv = dt.type(divisor)
-    h = (v / dv).astype(np.float32).astype(np.float16)
-    residual = v - h.astype(dt) * dv
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow -> inf, as IEEE
+        h = (v / dv).astype(np.float32).astype(np.float16)
+        residual = v - h.astype(dt) * dv
     return h.astype("<f2").tobytes(), residual
 
 

@@ -1,0 +1,360 @@
+"""Pure-numpy reference of every mpigc wire format and its error feedback.
+
+Written from ``ALGORITHMS.md`` and the docstrings of ``mpigc.compressors``,
+never by calling the library, so that the tests can hold the Numba kernels
+to it bit for bit (and the golden fixtures can be rebuilt without them).
+
+Every ``encode_*`` function takes ``x`` (1-D, float32 or float64: the work
+dtype) and an optional residual ``e`` of the same dtype, and returns
+``(payload, residual)``: the payload as ``bytes`` and the new residual
+``v - decoded(v)`` with ``v = x + e`` (zeros of ``x``'s dtype when ``e`` is
+None, so that callers can compare both ways). Every ``decode_*`` function
+returns a new array of ``dtype``.
+
+Conventions spelled out here (the contract):
+
+* ``none``: the values of ``v`` as little-endian bytes; residual 0.
+* ``fp16``: ``h = half(float32(v / divisor))`` (the division in ``v``'s
+  dtype), little-endian binary16; residual ``v - dtype(h) * divisor``.
+* ``2bit``: ``v >= t`` -> ``11`` (+t), ``v <= -t`` -> ``10`` (-t), else
+  ``00`` (0); element i in the bit pair ``(0xC0, 0x30, 0x0C, 0x03)[i % 4]`` of
+  byte ``i // 4``, the tail padded with ``00``. ``t`` is cast to the array's
+  dtype (for comparisons and for the decoded values).
+* ``1bit``: bit 1 for ``v >= 0``, element i in bit ``0x80 >> (i % 8)`` of
+  byte ``i // 8``; then per block the pair (mean of the bit-0 elements, mean
+  of the bit-1 elements) as little-endian float32 (empty class -> 0). The
+  class sums are float64 in the canonical order (32 lanes, lane l sums the
+  block's elements l, l+32, ... sequentially, then the tree
+  ``sum[l] += sum[l + s]`` for s = 16, 8, 4, 2, 1); ``mean =
+  float32(sum / count)``. Residual ``v - dtype(mean of v's class)``.
+* ``terngrad``: 2bit codes, then the scale as little-endian float32. The
+  uniform draw of global index ``g = offset + i`` is
+  ``(splitmix64(stream ^ (g * 0x9E3779B97F4A7C15 mod 2**64)) >> 11) * 2**-53``;
+  the element is kept if ``u < |clip(v)| / scale`` (float64, ``scale`` the
+  float32 value that travels); ``11`` if kept and ``v > 0``, ``10`` if kept and
+  ``v < 0``. Without a given scale, ``scale = max |clip(v)|``; with ``clip=c``
+  the clip bound is ``c * std(v)`` (population std from float64 sums
+  accumulated sequentially).
+"""
+import math
+
+import numpy as np
+
+MASK64 = (1 << 64) - 1
+GOLDEN = 0x9E3779B97F4A7C15
+
+#: where element i % 4 of a byte sits in the 2bit layout
+MASKS_2BIT = (0xC0, 0x30, 0x0C, 0x03)
+CODE_POS, CODE_NEG, CODE_ZERO = 3, 2, 0
+LANES = 32
+
+
+# ----------------------------------------------------------------------------
+# helpers
+# ----------------------------------------------------------------------------
+def work_dtype(dtype):
+    """float64 stays float64, float16 and float32 are computed in float32."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _v(x, e):
+    x = np.asarray(x)
+    assert x.ndim == 1 and x.dtype in (np.float32, np.float64), x.dtype
+    if e is None:
+        return x.copy()
+    e = np.asarray(e)
+    assert e.dtype == x.dtype and e.shape == x.shape
+    return x + e
+
+
+def payload_nbytes(fmt, n, dtype=np.float32, block_size=1024):
+    n = int(n)
+    if fmt == "none":
+        return n * np.dtype(dtype).itemsize
+    if fmt == "fp16":
+        return 2 * n
+    if fmt == "2bit":
+        return -(-n // 4)
+    if fmt == "1bit":
+        return -(-n // 8) + 8 * (-(-n // block_size))
+    if fmt == "terngrad":
+        return -(-n // 4) + 4 if n else 0
+    raise ValueError(fmt)
+
+
+def pack_codes(codes):
+    """2-bit codes (values 0..3) -> bytes, MXNet layout."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    n = codes.size
+    out = np.zeros(-(-n // 4), np.uint8)
+    for j, mask in enumerate(MASKS_2BIT):
+        # code * (mask // 3) puts the two bits of the code under ``mask``
+        out[: codes[j::4].size] |= codes[j::4] * np.uint8(mask // 3)
+    return out.tobytes()
+
+
+def unpack_codes(payload, n):
+    """bytes -> ``n`` 2-bit codes, MXNet layout."""
+    b = np.frombuffer(bytes(payload), np.uint8)
+    i = np.arange(n)
+    masks = np.array(MASKS_2BIT, np.uint8)[i % 4]
+    return ((b[i // 4] & masks) // (masks // 3)).astype(np.uint8)
+
+
+def pack_bits(bits):
+    """Booleans -> bytes, MSB first: element i in bit ``0x80 >> (i % 8)``."""
+    bits = np.asarray(bits, dtype=bool)
+    out = np.zeros(-(-bits.size // 8), np.uint8)
+    for j in range(8):
+        sel = bits[j::8]
+        out[: sel.size] |= np.where(sel, np.uint8(0x80 >> j), np.uint8(0))
+    return out.tobytes()
+
+
+def unpack_bits(payload, n):
+    b = np.frombuffer(bytes(payload), np.uint8)
+    i = np.arange(n)
+    return (b[i // 8] & (0x80 >> (i % 8)).astype(np.uint8)) != 0
+
+
+def _codes_to_values(codes, t, dtype):
+    dt = np.dtype(dtype)
+    tt = dt.type(t)
+    return np.where(codes == CODE_POS, tt,
+                    np.where(codes == CODE_NEG, -tt, dt.type(0))).astype(dt)
+
+
+# ----------------------------------------------------------------------------
+# none
+# ----------------------------------------------------------------------------
+def encode_none(x, e=None):
+    v = _v(x, e)
+    return v.astype(v.dtype.newbyteorder("<")).tobytes(), np.zeros_like(v)
+
+
+def decode_none(payload, n, dtype=np.float32):
+    dt = np.dtype(dtype)
+    return np.frombuffer(bytes(payload), dt.newbyteorder("<"), count=n).astype(dt)
+
+
+# ----------------------------------------------------------------------------
+# fp16
+# ----------------------------------------------------------------------------
+def encode_fp16(x, e=None, divisor=1.0):
+    v = _v(x, e)
+    dt = v.dtype
+    dv = dt.type(divisor)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow -> inf, as IEEE
+        h = (v / dv).astype(np.float32).astype(np.float16)
+        residual = v - h.astype(dt) * dv
+    return h.astype("<f2").tobytes(), residual
+
+
+def decode_fp16(payload, n, dtype=np.float32):
+    return np.frombuffer(bytes(payload), "<f2", count=n).astype(dtype)
+
+
+# ----------------------------------------------------------------------------
+# 2bit
+# ----------------------------------------------------------------------------
+def encode_2bit(x, t, e=None):
+    v = _v(x, e)
+    dt = v.dtype
+    tt = dt.type(t)
+    codes = np.full(v.size, CODE_ZERO, np.uint8)
+    codes[v >= tt] = CODE_POS
+    codes[v <= -tt] = CODE_NEG
+    residual = v - _codes_to_values(codes, t, dt)
+    return pack_codes(codes), residual
+
+
+def decode_2bit(payload, n, t, dtype=np.float32):
+    assert len(payload) == payload_nbytes("2bit", n)
+    return _codes_to_values(unpack_codes(payload, n), t, dtype)
+
+
+# ----------------------------------------------------------------------------
+# 1bit
+# ----------------------------------------------------------------------------
+def canonical_sum(vals):
+    """float64 sum of ``vals`` in the canonical order of the 1bit block sums."""
+    vals = np.asarray(vals, np.float64)
+    lanes = np.zeros(LANES, np.float64)
+    for base in range(0, vals.size, LANES):
+        row = vals[base:base + LANES]
+        lanes[: row.size] = lanes[: row.size] + row  # one IEEE add per lane
+    s = LANES // 2
+    while s > 0:
+        lanes[:s] = lanes[:s] + lanes[s:2 * s]
+        s //= 2
+    return float(lanes[0])
+
+
+def onebit_means(v, block_size):
+    """The per-block pairs ``[(m0, m1), ...]`` as a float32 array of 2*nblocks."""
+    v = np.asarray(v)
+    n = v.size
+    nblk = -(-n // block_size)
+    means = np.zeros(2 * nblk, np.float32)
+    for k in range(nblk):
+        blk = v[k * block_size:(k + 1) * block_size].astype(np.float64)
+        pos = v[k * block_size:(k + 1) * block_size] >= 0
+        for cls, sel in ((0, ~pos), (1, pos)):
+            count = int(sel.sum())
+            if count:
+                # non-members contribute +0.0, which changes no sum
+                total = canonical_sum(np.where(sel, blk, 0.0))
+                means[2 * k + cls] = np.float32(total / count)
+    return means
+
+
+def encode_1bit(x, block_size=1024, e=None):
+    v = _v(x, e)
+    dt = v.dtype
+    n = v.size
+    pos = v >= 0
+    means = onebit_means(v, block_size)
+    blk = np.arange(n) // block_size
+    m0 = means[0::2].astype(dt)
+    m1 = means[1::2].astype(dt)
+    decoded = np.where(pos, m1[blk], m0[blk]) if n else np.zeros(0, dt)
+    residual = v - decoded
+    return pack_bits(pos) + means.astype("<f4").tobytes(), residual
+
+
+def decode_1bit(payload, n, block_size=1024, dtype=np.float32):
+    payload = bytes(payload)
+    assert len(payload) == payload_nbytes("1bit", n, block_size=block_size)
+    nb = -(-n // 8)
+    bits = unpack_bits(payload[:nb], n)
+    means = np.frombuffer(payload[nb:], "<f4").astype(np.float32)
+    dt = np.dtype(dtype)
+    blk = np.arange(n) // block_size
+    m0 = means[0::2].astype(dt)
+    m1 = means[1::2].astype(dt)
+    return np.where(bits, m1[blk], m0[blk]).astype(dt) if n else np.zeros(0, dt)
+
+
+# ----------------------------------------------------------------------------
+# terngrad
+# ----------------------------------------------------------------------------
+def splitmix64(z):
+    """SplitMix64 finaliser of the state ``z`` (Python int), as in Vigna's
+    ``splitmix64.c``: the output of ``next()`` when the state was ``z``."""
+    z = (z + GOLDEN) & MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK64
+    return z ^ (z >> 31)
+
+
+def splitmix64_array(z):
+    """Vectorised :func:`splitmix64` on a uint64 array (wrapping arithmetic)."""
+    z = np.asarray(z, np.uint64)
+    with np.errstate(over="ignore"):
+        z = z + np.uint64(GOLDEN)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+def uniform_draws(stream, offset, n):
+    """The uniforms in [0, 1) of global indices ``offset .. offset + n - 1``."""
+    idx = (np.arange(n, dtype=np.uint64) + np.uint64(int(offset) & MASK64))
+    with np.errstate(over="ignore"):
+        key = np.uint64(int(stream) & MASK64) ^ (idx * np.uint64(GOLDEN))
+    h = splitmix64_array(key)
+    return (h >> np.uint64(11)).astype(np.float64) * 2.0 ** -53
+
+
+def uniform_draw_int(stream, g):
+    """The same draw with Python integers only (a cross-check)."""
+    h = splitmix64((int(stream) & MASK64) ^ ((int(g) * GOLDEN) & MASK64))
+    return (h >> 11) * 2.0 ** -53
+
+
+def terngrad_local(v, clip=None):
+    """``(max |clip(v)|, clip bound)`` as TernGrad computes them on one rank."""
+    v64 = np.asarray(v, np.float64)
+    n = v64.size
+    if n == 0:
+        return 0.0, math.inf
+    amax = float(np.max(np.abs(v64)))
+    bound = math.inf
+    if clip is not None:
+        s = float(np.cumsum(v64)[-1])            # sequential float64 sums
+        ss = float(np.cumsum(v64 * v64)[-1])
+        mean = s / n
+        std = math.sqrt(max(ss / n - mean * mean, 0.0))
+        bound = clip * std
+        amax = min(amax, bound)
+    return amax, bound
+
+
+def encode_terngrad(x, e=None, scale=None, stream=0, offset=0, clip=None,
+                    clip_bound=None):
+    v = _v(x, e)
+    dt = v.dtype
+    n = v.size
+    if n == 0:
+        return b"", v.copy()
+    amax, bound = terngrad_local(v, clip)
+    if scale is None:
+        scale = amax
+    if clip_bound is None:
+        clip_bound = bound
+    s32 = np.float32(scale)
+    sc = float(s32)
+    f = np.clip(v.astype(np.float64), -clip_bound, clip_bound)
+    u = uniform_draws(stream, offset, n)
+    if sc > 0:
+        keep = u < np.abs(f) / sc
+    else:
+        keep = np.zeros(n, bool)
+    codes = np.full(n, CODE_ZERO, np.uint8)
+    codes[keep & (f > 0)] = CODE_POS
+    codes[keep & (f < 0)] = CODE_NEG
+    residual = v - _codes_to_values(codes, s32, dt)
+    return pack_codes(codes) + np.array([s32], "<f4").tobytes(), residual
+
+
+def decode_terngrad(payload, n, dtype=np.float32):
+    payload = bytes(payload)
+    if n == 0:
+        return np.zeros(0, dtype)
+    nb = -(-n // 4)
+    scale = np.frombuffer(payload[nb:nb + 4], "<f4")[0]
+    return _codes_to_values(unpack_codes(payload[:nb], n), scale, dtype)
+
+
+# ----------------------------------------------------------------------------
+# one entry point, by config
+# ----------------------------------------------------------------------------
+def encode(config, x, e=None, **kw):
+    """Encode by an mpigc-style config dict ``{"id": ..., params...}``."""
+    fmt = config["id"]
+    if fmt == "none":
+        return encode_none(x, e)
+    if fmt == "fp16":
+        return encode_fp16(x, e, **kw)
+    if fmt == "2bit":
+        return encode_2bit(x, config.get("threshold", 0.5), e)
+    if fmt == "1bit":
+        return encode_1bit(x, config.get("block_size", 1024), e)
+    if fmt == "terngrad":
+        return encode_terngrad(x, e, clip=config.get("clip"), **kw)
+    raise ValueError(fmt)
+
+
+def decode(config, payload, n, dtype=np.float32):
+    fmt = config["id"]
+    if fmt == "none":
+        return decode_none(payload, n, dtype)
+    if fmt == "fp16":
+        return decode_fp16(payload, n, dtype)
+    if fmt == "2bit":
+        return decode_2bit(payload, n, config.get("threshold", 0.5), dtype)
+    if fmt == "1bit":
+        return decode_1bit(payload, n, config.get("block_size", 1024), dtype)
+    if fmt == "terngrad":
+        return decode_terngrad(payload, n, dtype)
+    raise ValueError(fmt)

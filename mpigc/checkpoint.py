@@ -82,18 +82,21 @@ def _h5py():
 
 
 # -- checksums -------------------------------------------------------------------
-@numba.njit(parallel=True, nogil=True, cache=True)
+@numba.njit(nogil=True, cache=True)
 def _fletcher64_kernel(words, block_words, out):  # pragma: no cover - compiled
-    for b in numba.prange(out.shape[0]):
-        lo = b * block_words
-        hi = min(words.size, lo + block_words)
+    # s2 = sum of the running sums = sum (L - i) w_i: written as L*s1 - sum i*w_i,
+    # two independent reductions that vectorise (integer arithmetic mod 2**64 is
+    # associative, so this is exact, not fastmath). One thread: memory bound.
+    for b in range(out.shape[0]):
+        blk = words[b * block_words:(b + 1) * block_words]
         s1 = np.uint64(0)
-        s2 = np.uint64(0)
-        for i in range(lo, hi):
-            s1 += np.uint64(words[i])
-            s2 += s1
+        t = np.uint64(0)
+        for i in range(blk.size):
+            x = np.uint64(blk[i])
+            s1 += x
+            t += np.uint64(i) * x
         out[b, 0] = s1
-        out[b, 1] = s2
+        out[b, 1] = np.uint64(blk.size) * s1 - t
 
 
 def fletcher64_blocks(arr, block_words=BLOCK_WORDS):
@@ -224,23 +227,29 @@ def _write_rank_file(fname, rows, held, token, rank, size, fsync):
                 arr = arr.reshape(-1)
                 if not arr.flags.c_contiguous:  # pragma: no cover - entries are contiguous
                     arr = np.ascontiguousarray(arr)
-                g.create_dataset(f"{name}_{CHECKSUM}", data=fletcher64_blocks(arr))
+                if arr.nbytes % 4:  # pragma: no cover - work dtypes are float32/64
+                    raise CheckpointError(f"key {key!r}: {arr.dtype} is not a work dtype")
                 if arr.size == 0:
                     g.create_dataset(name, shape=(0,), dtype=arr.dtype)
+                    g.create_dataset(f"{name}_{CHECKSUM}", shape=(0, 2), dtype=np.uint64)
                     continue
-                dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-                dcpl.set_layout(h5py.h5d.CONTIGUOUS)
-                dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-                dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-                dsid = h5py.h5d.create(g.id, name.encode(), h5py.h5t.py_create(arr.dtype),
-                                       h5py.h5s.create_simple(arr.shape), dcpl=dcpl)
-                plan.append((arr, dsid.get_offset()))
-                dsid.close()
-    # the HDF5 structure is complete; the residuals go straight to their extents
+                nblocks = -(-arr.nbytes // (4 * BLOCK_WORDS))
+                plan.append((arr, _create_raw(h5py, g, name, arr.shape, arr.dtype),
+                             _create_raw(h5py, g, f"{name}_{CHECKSUM}", (nblocks, 2),
+                                         np.dtype(np.uint64))))
+    # The HDF5 structure is complete; the residuals go straight to their extents,
+    # block by block, each block checksummed just before it is written (while it
+    # is in cache), the checksum table after its array.
     fd = os.open(fname, os.O_WRONLY)
     try:
-        for i, (arr, off) in enumerate(plan):
-            _pwrite_all(fd, arr, off)
+        for i, (arr, off, sums_off) in enumerate(plan):
+            bitems = BLOCK_WORDS * 4 // arr.itemsize
+            sums = np.empty((-(-arr.size // bitems), 2), np.uint64)
+            for b in range(sums.shape[0]):
+                blk = arr[b * bitems:(b + 1) * bitems]
+                _fletcher64_kernel(blk.view(np.uint32), BLOCK_WORDS, sums[b:b + 1])
+                _pwrite_all(fd, blk, off + b * bitems * arr.itemsize)
+            _pwrite_all(fd, sums, sums_off)
             if i == 0:
                 _test_kill("data", rank)
         if fsync:
@@ -250,6 +259,21 @@ def _write_rank_file(fname, rows, held, token, rank, size, fsync):
     if not plan:
         _test_kill("data", rank)
     return os.path.getsize(fname), has_w, has_o
+
+
+def _create_raw(h5py, group, name, shape, dtype):
+    """A contiguous dataset with its space allocated now; returns its file
+    offset (its bytes are written with pwrite after the file is closed)."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    dsid = h5py.h5d.create(group.id, name.encode(), h5py.h5t.py_create(dtype),
+                           h5py.h5s.create_simple(tuple(shape)), dcpl=dcpl)
+    try:
+        return dsid.get_offset()
+    finally:
+        dsid.close()
 
 
 def _write_manifest(path, token, rows, size, step, file_nbytes, has_w, has_o,
@@ -481,6 +505,10 @@ def _read_manifest(path):
         raise CheckpointError(f"{mf}: unreadable manifest (corrupted, truncated or "
                               f"foreign): {exc}") from exc
     stored_crc = attrs.pop("meta_crc32", None)
+    if attrs.get("checksum") != CHECKSUM or not isinstance(
+            attrs.get("checksum_block_words"), int) or attrs["checksum_block_words"] <= 0:
+        raise CheckpointError(f"{mf}: unknown checksum {attrs.get('checksum')!r} / block "
+                              f"{attrs.get('checksum_block_words')!r}")
     ddir = attrs.get("data_dir")
     if not isinstance(ddir, str) or not ddir.startswith("data-") or os.sep in ddir:
         raise CheckpointError(f"{mf}: bad data_dir attribute {ddir!r}")
@@ -538,6 +566,7 @@ class _RankFile:
                                       f"{v!r} (foreign or mixed-up file)")
         self.fd = os.open(self.fname, os.O_RDONLY)
         self.scratch = None
+        self.block_words = meta["attrs"]["checksum_block_words"]
 
     def close(self):
         if getattr(self, "fd", None) is not None:
@@ -563,13 +592,10 @@ class _RankFile:
             raise CheckpointError(f"{self.fname}: k{i:06d}/{name} has no data")
         return off, sums
 
-    def _check(self, got, want, i, name, first_block):
-        if got.shape != want.shape or not np.array_equal(got, want):
-            bad = first_block
-            if got.shape == want.shape:
-                bad += int(np.flatnonzero(np.any(got != want, axis=1))[0])
+    def _check(self, got, want, i, name, block):
+        if not np.array_equal(got, want):
             raise CheckpointError(f"{self.fname}: checksum mismatch in k{i:06d}/{name} "
-                                  f"(block {bad} of {BLOCK_WORDS * 4} bytes): the data "
+                                  f"(block {block} of {self.block_words * 4} bytes): the data "
                                   "is corrupted")
 
     def read(self, i, name, dtype, n, lo, hi, out, add):
@@ -581,28 +607,29 @@ class _RankFile:
             return False
         off, sums = found
         item = dtype.itemsize
-        bitems = BLOCK_WORDS * 4 // item
+        bitems = self.block_words * 4 // item
         if sums.shape != ((n + bitems - 1) // bitems, 2):
             raise CheckpointError(f"{self.fname}: k{i:06d}/{name}: checksum table has shape "
                                   f"{sums.shape}, expected ({(n + bitems - 1) // bitems}, 2)")
-        if not add and lo == 0 and hi == n:
-            _pread_into(self.fd, out, off, self.fname)
-            self._check(fletcher64_blocks(out), sums, i, name, 0)
-            return True
-        if self.scratch is None or self.scratch.nbytes < bitems * item:
-            self.scratch = np.empty(BLOCK_WORDS * 4, np.uint8)
-        buf = self.scratch[:bitems * item].view(dtype)
+        if self.scratch is None:
+            self.scratch = np.empty(self.block_words * 4, np.uint8)
+        got = np.empty((1, 2), np.uint64)
         for b in range(lo // bitems, (hi + bitems - 1) // bitems):
             blo, bhi = b * bitems, min(n, (b + 1) * bitems)
-            blk = buf[:bhi - blo]
+            direct = not add and lo <= blo and bhi <= hi
+            # a whole block goes straight to its place, else through the scratch block
+            blk = out[blo - lo:bhi - lo] if direct else \
+                self.scratch[:(bhi - blo) * item].view(dtype)
             _pread_into(self.fd, blk, off + blo * item, self.fname)
-            self._check(fletcher64_blocks(blk), sums[b:b + 1], i, name, b)
-            a, z = max(lo, blo), min(hi, bhi)
-            dst = out[a - lo:z - lo]
-            if add:
-                dst += blk[a - blo:z - blo]
-            else:
-                dst[...] = blk[a - blo:z - blo]
+            _fletcher64_kernel(blk.view(np.uint32), self.block_words, got)  # in cache
+            self._check(got, sums[b:b + 1], i, name, b)
+            if not direct:
+                a, z = max(lo, blo), min(hi, bhi)
+                dst = out[a - lo:z - lo]
+                if add:
+                    dst += blk[a - blo:z - blo]
+                else:
+                    dst[...] = blk[a - blo:z - blo]
         return True
 
 
@@ -839,7 +866,7 @@ def info(path, verify=True, file=None):
                     found = f.dataset(i, name, dtype, m)
                     if found is None:
                         continue
-                    step = BLOCK_WORDS * 4 // dtype.itemsize
+                    step = f.block_words * 4 // dtype.itemsize
                     for s in range(0, m, step):
                         tmp = np.empty(min(step, m - s), dtype)
                         f.read(i, name, dtype, m, s, s + tmp.size, tmp, add=False)

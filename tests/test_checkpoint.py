@@ -330,3 +330,44 @@ def test_info_function_without_verify(saved):
     assert "checksums" not in buf.getvalue() and "'a/b'" in buf.getvalue()
     buf = io.StringIO()
     assert ckpt.info(path / "nope", file=buf) == 1 and "no such checkpoint" in buf.getvalue()
+
+
+# -- block-wise reads (small blocks, so arrays span many) ---------------------------------
+def test_partial_reads_across_blocks(tmp_path, monkeypatch):
+    monkeypatch.setattr(ckpt, "BLOCK_WORDS", 16)  # 64-byte blocks when saving
+    fb = mpigc.ErrorFeedback()
+    w = np.random.default_rng(3).standard_normal(1000)  # float64: 8 values per block
+    fb.load_state_dict({"k": {"worker": w, "owner": w[::-1] * 2, "config": {"type": "2bit"},
+                              "calls": 1, "world_size": 1, "rank": 0, "n": 1000,
+                              "dtype": "float64"}})
+    path = tmp_path / "ck"
+    mpigc.save_checkpoint(path, feedback=fb, comm=SELF)
+    monkeypatch.setattr(ckpt, "BLOCK_WORDS", 1 << 20)  # the reader uses the recorded size
+    meta = ckpt._read_manifest(path)
+    assert meta["attrs"]["checksum_block_words"] == 16
+    f = ckpt._RankFile(meta, 0)
+    try:
+        for lo, hi in [(0, 1000), (3, 5), (7, 9), (8, 16), (5, 999), (992, 1000), (0, 1)]:
+            out = np.full(hi - lo, 0.5)
+            assert f.read(0, "worker", np.dtype(np.float64), 1000, lo, hi, out, add=False)
+            assert out.tobytes() == w[lo:hi].tobytes()
+            assert f.read(0, "worker", np.dtype(np.float64), 1000, lo, hi, out, add=True)
+            assert np.array_equal(out, w[lo:hi] * 2)
+        out = np.empty(77)
+        assert f.read(0, "owner", np.dtype(np.float64), 1000, 900, 977, out, add=False)
+        assert np.array_equal(out, (w[::-1] * 2)[900:977])
+    finally:
+        f.close()
+    # a flipped byte is found in its block, and only reads of that block fail
+    fname = rank_file(path)
+    with h5py.File(fname, "r") as h:
+        off = h["k000000/worker"].id.get_offset()
+    flip_byte(fname, off + 8 * 500)  # value 500: block 62
+    f = ckpt._RankFile(meta, 0)
+    try:
+        out = np.empty(10)
+        assert f.read(0, "worker", np.dtype(np.float64), 1000, 480, 490, out, add=False)
+        with pytest.raises(CheckpointError, match="block 62 of 64 bytes"):
+            f.read(0, "worker", np.dtype(np.float64), 1000, 495, 505, out, add=False)
+    finally:
+        f.close()

@@ -26,4 +26,14 @@ __all__ = [
     "ErrorFeedback", "get_default_feedback", "shard_bounds",
     "MpigcError", "ConfigError", "InvalidBufferError", "DTypeError", "MismatchError",
     "NonFiniteError", "StateError",
+    "save_checkpoint", "load_checkpoint",
 ]
+
+
+def __getattr__(name):
+    # mpigc.checkpoint (and h5py) load on first use, which also keeps
+    # ``python -m mpigc.checkpoint`` free of runpy's double-import warning
+    if name in ("save_checkpoint", "load_checkpoint"):
+        from . import checkpoint
+        return getattr(checkpoint, name)
+    raise AttributeError(f"module 'mpigc' has no attribute {name!r}")

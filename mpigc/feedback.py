@@ -160,6 +160,35 @@ class ErrorFeedback:
             else:
                 self._entries.pop(str(key), None)
 
+    # -- used by checkpoints (mpigc.checkpoint) -------------------------------
+    def _hold_entries(self):
+        """Mark every key busy and return ``{key: entry}`` (the live entries,
+        no copies), so no collective changes them while a checkpoint reads
+        them. Raises StateError if a key is in use. Pair with
+        :meth:`_release_entries`."""
+        with self._lock:
+            busy = sorted(k for k, e in self._entries.items() if e.busy)
+            if busy:
+                raise StateError(f"key(s) {busy} in use by a pending collective; wait "
+                                 "for them before saving")
+            for e in self._entries.values():
+                e.busy = True
+            return dict(self._entries)
+
+    def _release_entries(self, entries):
+        with self._lock:
+            for e in entries.values():
+                e.busy = False
+
+    def _replace_entries(self, entries):
+        """Install ``{key: _Entry}`` (not copied) in place of every entry."""
+        with self._lock:
+            busy = sorted(k for k, e in self._entries.items() if e.busy)
+            if busy:
+                raise StateError(f"key(s) {busy} in use by a pending collective; wait "
+                                 "for them before loading")
+            self._entries = dict(entries)
+
     # -- used by the collectives ---------------------------------------------
     def _acquire(self, key, n, dtype, world_size, rank):
         """Mark ``key`` busy for a call and return its entry (or None if the

@@ -1,0 +1,900 @@
+"""Residual checkpoints: save and load an :class:`ErrorFeedback` store with h5py.
+
+Error feedback only delays what the compressor does not send; dropping the
+residuals at a restart loses that part of the gradient for good. A checkpoint
+keeps every key's worker and owner residuals, its compressor config, dtype,
+size, call count (terngrad's random streams depend on it), the shard layout
+and the world size, so that
+
+* a job resumed on the same number of ranks continues bit for bit as if it
+  had never stopped, and
+* a job resumed on a different number of ranks keeps the total of the
+  residuals over the ranks (worker side) and the reduced-shard residuals
+  (owner side, re-sharded to the new layout): nothing is lost.
+
+The on-disk format (one directory: a manifest plus one HDF5 file per rank,
+committed by an atomic rename of the manifest) is described in
+``docs/checkpoint-format.md``. Both functions are collective over the
+communicator; an error on any rank is raised on every rank, and a failed
+load leaves the store unchanged.
+
+Command line::
+
+    python -m mpigc.checkpoint info PATH      # keys, shapes, configs; verifies checksums
+
+Environment
+-----------
+``MPIGC_CHECKPOINT_FSYNC``
+    ``0`` skips the ``fsync`` calls of a save (faster; a killed process still
+    leaves a valid checkpoint, a power loss may not). Default ``1``.
+``MPIGC_CHECKPOINT_TEST_KILL``
+    For tests only: ``POINT:RANK`` makes ``RANK`` kill itself (SIGKILL) at
+    ``POINT`` of a save: ``data`` (after writing the first residual of its
+    file), ``manifest`` (rank 0, new manifest written, not yet renamed) or
+    ``cleanup`` (rank 0, renamed, old data not yet removed).
+"""
+import argparse
+import datetime
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import warnings
+import zlib
+
+import numba
+import numpy as np
+from mpi4py import MPI
+
+from . import _comm
+from ._errors import ConfigError, MismatchError, MpigcError, StateError
+from ._version import __version__
+from .compressors import get_compressor
+from .feedback import ErrorFeedback, _Entry, get_default_feedback, shard_bounds
+
+__all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "FORMAT_VERSION"]
+
+FORMAT = "mpigc-checkpoint"
+RANK_FORMAT = "mpigc-checkpoint-rank"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.h5"
+CHECKSUM = "fletcher64"
+BLOCK_WORDS = 1 << 20  # checksum block: 2**20 32-bit words = 4 MiB
+_LIBVER = ("v108", "v110")  # superblock v2 / object headers v2: metadata checksums
+
+
+class CheckpointError(MpigcError, OSError):
+    """A checkpoint cannot be written or read: missing, foreign, truncated,
+    corrupted (checksum mismatch) or unwritable."""
+
+
+_CLASSES = {c.__name__: c for c in (CheckpointError, MismatchError, StateError, ConfigError)}
+
+
+def _h5py():
+    try:
+        import h5py
+    except ImportError as exc:  # pragma: no cover - h5py is a requirement
+        raise CheckpointError("checkpoints need h5py: pip install h5py") from exc
+    return h5py
+
+
+# -- checksums -------------------------------------------------------------------
+@numba.njit(nogil=True, cache=True)
+def _fletcher64_kernel(words, block_words, out):  # pragma: no cover - compiled
+    # s2 = sum of the running sums = sum (L - i) w_i: written as L*s1 - sum i*w_i,
+    # two independent reductions that vectorise (integer arithmetic mod 2**64 is
+    # associative, so this is exact, not fastmath). One thread: memory bound.
+    for b in range(out.shape[0]):
+        blk = words[b * block_words:(b + 1) * block_words]
+        s1 = np.uint64(0)
+        t = np.uint64(0)
+        for i in range(blk.size):
+            x = np.uint64(blk[i])
+            s1 += x
+            t += np.uint64(i) * x
+        out[b, 0] = s1
+        out[b, 1] = np.uint64(blk.size) * s1 - t
+
+
+def fletcher64_blocks(arr, block_words=BLOCK_WORDS):
+    """Checksums of ``arr``'s bytes, per block of ``block_words`` 32-bit
+    little-endian words: an ``(nblocks, 2)`` uint64 array of the Fletcher
+    sums ``(sum w_i, sum of the running sums)``, both modulo 2**64."""
+    a = np.ascontiguousarray(arr).reshape(-1)
+    if a.nbytes % 4:
+        raise CheckpointError(f"checksums need a multiple of 4 bytes, got {a.nbytes}")
+    words = a.view(np.uint32)
+    out = np.empty(((words.size + block_words - 1) // block_words, 2), np.uint64)
+    if out.shape[0]:
+        _fletcher64_kernel(words, block_words, out)
+    return out
+
+
+# -- collective error handling -----------------------------------------------------
+def _agree(comm, exc, what):
+    """Raise on every rank if ``exc`` is set on any rank (one small allreduce
+    when all went well). Every rank raises the class of the lowest failing
+    rank's error, with every failing rank's message."""
+    nbad = comm.allreduce(0 if exc is None else 1, op=MPI.SUM)
+    if not nbad:
+        return
+    row = None if exc is None else (type(exc).__name__, str(exc) or type(exc).__name__)
+    rows = comm.allgather(row)
+    first = next(r for r in rows if r is not None)
+    cls = _CLASSES.get(first[0], CheckpointError)
+    by_msg = {}
+    for r, x in enumerate(rows):
+        if x is not None:
+            by_msg.setdefault(x[1], []).append(r)
+    detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {m}"
+                       for m, rs in by_msg.items())
+    raise cls(f"{what} failed on {nbad} of {comm.Get_size()} rank(s): {detail}") from exc
+
+
+def _ranges(ranks):
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(out)
+
+
+def _test_kill(point, rank):
+    spec = os.environ.get("MPIGC_CHECKPOINT_TEST_KILL")
+    if spec:
+        p, _, r = spec.partition(":")
+        if p == point and int(r or 0) == rank:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _default_fsync():
+    return os.environ.get("MPIGC_CHECKPOINT_FSYNC", "1").strip().lower() not in (
+        "0", "false", "no", "off")
+
+
+def _fsync_path(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- raw positioned I/O --------------------------------------------------------------
+def _pwrite_all(fd, arr, offset):
+    mv = memoryview(arr).cast("B")
+    done = 0
+    while done < len(mv):
+        k = os.pwrite(fd, mv[done:], offset + done)
+        if k <= 0:
+            raise CheckpointError(f"short write at offset {offset + done}")
+        done += k
+
+
+def _pread_into(fd, arr, offset, fname):
+    mv = memoryview(arr).cast("B")
+    done = 0
+    while done < len(mv):
+        k = os.preadv(fd, [mv[done:]], offset + done)
+        if k <= 0:
+            raise CheckpointError(f"{fname}: truncated (expected {len(mv)} bytes at offset "
+                                  f"{offset}, the file ends after {done})")
+        done += k
+
+
+def _layout_of(e):
+    return (e.n, e.dtype.name, json.dumps(e.config, sort_keys=True), int(e.calls))
+
+
+def _digest(rows):
+    """CRC32 of the per-key metadata ``[(key, n, dtype, config_json, calls)]``."""
+    return zlib.crc32(json.dumps(rows, separators=(",", ":")).encode())
+
+
+def _rank_name(r):
+    return f"rank-{r:05d}.h5"
+
+
+# -- save ----------------------------------------------------------------------------
+def _write_rank_file(fname, rows, held, token, rank, size, fsync):
+    """This rank's residuals into ``fname``. Returns (file size, has_worker,
+    has_owner) where the latter are lists of 0/1 per key."""
+    h5py = _h5py()
+    plan, has_w, has_o = [], [], []
+    with h5py.File(fname, "w", libver=_LIBVER) as f:
+        f.attrs["format"] = RANK_FORMAT
+        f.attrs["format_version"] = FORMAT_VERSION
+        f.attrs["token"] = token
+        f.attrs["rank"] = rank
+        f.attrs["world_size"] = size
+        f.attrs["nkeys"] = len(rows)
+        f.attrs["keys_crc32"] = _digest(rows)
+        for i, row in enumerate(rows):
+            key = row[0]
+            e = held[key]
+            g = f.create_group(f"k{i:06d}")
+            g.attrs["key"] = key
+            for name, arr, flags in (("worker", e.worker, has_w), ("owner", e.owner, has_o)):
+                flags.append(0 if arr is None else 1)
+                if arr is None:
+                    continue
+                arr = arr.reshape(-1)
+                if not arr.flags.c_contiguous:  # pragma: no cover - entries are contiguous
+                    arr = np.ascontiguousarray(arr)
+                if arr.nbytes % 4:  # pragma: no cover - work dtypes are float32/64
+                    raise CheckpointError(f"key {key!r}: {arr.dtype} is not a work dtype")
+                if arr.size == 0:
+                    g.create_dataset(name, shape=(0,), dtype=arr.dtype)
+                    g.create_dataset(f"{name}_{CHECKSUM}", shape=(0, 2), dtype=np.uint64)
+                    continue
+                nblocks = -(-arr.nbytes // (4 * BLOCK_WORDS))
+                plan.append((arr, _create_raw(h5py, g, name, arr.shape, arr.dtype),
+                             _create_raw(h5py, g, f"{name}_{CHECKSUM}", (nblocks, 2),
+                                         np.dtype(np.uint64))))
+    # The HDF5 structure is complete; the residuals go straight to their extents,
+    # block by block, each block checksummed just before it is written (while it
+    # is in cache), the checksum table after its array.
+    fd = os.open(fname, os.O_WRONLY)
+    try:
+        for i, (arr, off, sums_off) in enumerate(plan):
+            bitems = BLOCK_WORDS * 4 // arr.itemsize
+            sums = np.empty((-(-arr.size // bitems), 2), np.uint64)
+            for b in range(sums.shape[0]):
+                blk = arr[b * bitems:(b + 1) * bitems]
+                _fletcher64_kernel(blk.view(np.uint32), BLOCK_WORDS, sums[b:b + 1])
+                _pwrite_all(fd, blk, off + b * bitems * arr.itemsize)
+            _pwrite_all(fd, sums, sums_off)
+            if i == 0:
+                _test_kill("data", rank)
+        if fsync:
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+    if not plan:
+        _test_kill("data", rank)
+    return os.path.getsize(fname), has_w, has_o
+
+
+def _create_raw(h5py, group, name, shape, dtype):
+    """A contiguous dataset with its space allocated now; returns its file
+    offset (its bytes are written with pwrite after the file is closed)."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    dsid = h5py.h5d.create(group.id, name.encode(), h5py.h5t.py_create(dtype),
+                           h5py.h5s.create_simple(tuple(shape)), dcpl=dcpl)
+    try:
+        return dsid.get_offset()
+    finally:
+        dsid.close()
+
+
+def _write_manifest(path, token, rows, size, step, file_nbytes, has_w, has_o,
+                    skipped_steps, fsync):
+    h5py = _h5py()
+    tmp = os.path.join(path, f"{MANIFEST}.tmp-{token}")
+    vstr = h5py.string_dtype("utf-8")
+    meta = _manifest_meta(token, rows, size, step, file_nbytes, has_w, has_o, skipped_steps)
+    with h5py.File(tmp, "w", libver=_LIBVER) as f:
+        for k, v in meta["attrs"].items():
+            f.attrs[k] = v
+        f.attrs["meta_crc32"] = _meta_crc(meta)
+        f.create_dataset("keys", data=np.array([r[0] for r in rows], dtype=object),
+                         dtype=vstr)
+        f.create_dataset("n", data=np.array([r[1] for r in rows], np.int64))
+        f.create_dataset("dtype", data=np.array([r[2] for r in rows], dtype=object),
+                         dtype=vstr)
+        f.create_dataset("config", data=np.array([r[3] for r in rows], dtype=object),
+                         dtype=vstr)
+        f.create_dataset("calls", data=np.array([r[4] for r in rows], np.int64))
+        f.create_dataset("has_worker", data=np.array(has_w, np.uint8).reshape(len(rows)))
+        f.create_dataset("has_owner", data=np.array(has_o, np.uint8).reshape(len(rows)))
+        f.create_dataset("file_nbytes", data=np.array(file_nbytes, np.int64))
+    if fsync:
+        _fsync_path(tmp)
+    return tmp
+
+
+def _manifest_meta(token, rows, size, step, file_nbytes, has_w, has_o, skipped_steps):
+    attrs = {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "mpigc_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "world_size": int(size), "token": token, "data_dir": f"data-{token}",
+        "checksum": CHECKSUM, "checksum_block_words": BLOCK_WORDS,
+        "keys_crc32": _digest(rows), "skipped_steps": int(skipped_steps),
+    }
+    if step is not None:
+        attrs["step"] = int(step)
+    return {"attrs": attrs, "rows": [list(r) for r in rows],
+            "has_worker": [int(x) for x in has_w], "has_owner": [int(x) for x in has_o],
+            "file_nbytes": [int(x) for x in file_nbytes]}
+
+
+def _meta_crc(meta):
+    m = {"attrs": {k: v for k, v in meta["attrs"].items() if k != "created"},
+         **{k: v for k, v in meta.items() if k != "attrs"}}
+    return zlib.crc32(json.dumps(m, sort_keys=True, separators=(",", ":")).encode())
+
+
+def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None):
+    """Save the residuals of ``feedback`` to the checkpoint ``path`` (collective).
+
+    Every rank writes its own residuals to its own HDF5 file (in parallel,
+    memory O(own residuals), no copies); rank 0 then commits the new
+    checkpoint by atomically renaming its manifest into place, and removes
+    the previous one. A save killed at any point leaves the previous
+    checkpoint at ``path`` valid.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A directory (created if missing) on a file system every rank sees.
+    feedback : ErrorFeedback, optional
+        Default: the process-wide store.
+    comm : mpi4py.MPI.Intracomm, optional
+        Default ``MPI.COMM_WORLD``; every key must have been used on a
+        communicator of this size (the rank must match too).
+    step : int, optional
+        Stored as is; :func:`load_checkpoint` returns it.
+    fsync : bool, optional
+        Flush files and directories to stable storage (default: true, or
+        ``$MPIGC_CHECKPOINT_FSYNC``).
+
+    Returns
+    -------
+    str
+        ``path``.
+
+    Raises
+    ------
+    StateError
+        On every rank, when a key is in use by a pending collective or was
+        used on another communicator.
+    MismatchError
+        When ranks hold different keys (or configs, sizes, call counts).
+    CheckpointError
+        When a file cannot be written; the previous checkpoint is kept.
+    """
+    cs = _comm.resolve(comm)
+    c, size, rank = cs.comm, cs.size, cs.rank
+    fb = get_default_feedback() if feedback is None else feedback
+    path = os.fspath(path)
+    fsync = _default_fsync() if fsync is None else bool(fsync)
+    held, exc, rows = None, None, []
+    try:
+        if not isinstance(fb, ErrorFeedback):
+            raise StateError(f"feedback: expected an ErrorFeedback, got {type(fb).__name__}")
+        if step is not None and (isinstance(step, bool) or not isinstance(
+                step, (int, np.integer))):
+            raise ConfigError(f"step: expected an int or None, got {step!r}")
+        held = fb._hold_entries()
+        for key in sorted(held):
+            e = held[key]
+            if (e.world_size, e.rank) != (size, rank):
+                raise StateError(
+                    f"key {key!r} holds residuals of rank {e.rank} of {e.world_size}, but "
+                    f"this is rank {rank} of {size}: save with the communicator the key "
+                    "was used on")
+            rows.append((key, *_layout_of(e)))
+    except Exception as e:  # noqa: BLE001 - raised collectively
+        exc = e
+    token, datadir, committed = None, None, False
+    try:
+        _agree(c, exc, "save_checkpoint")
+        digests = c.allgather((_digest(rows), len(rows)))
+        if any(d != digests[0] for d in digests):
+            detail = ", ".join(f"rank {r}: {n} key(s), crc {d:08x}"
+                               for r, (d, n) in enumerate(digests))
+            raise MismatchError(f"save_checkpoint: ranks hold different keys, configs, sizes "
+                                f"or call counts ({detail})")
+        # rank 0 makes the directory for this save's data
+        exc = None
+        if rank == 0:
+            try:
+                if os.path.exists(path) and not os.path.isdir(path):
+                    raise CheckpointError(f"{path}: exists and is not a directory; a "
+                                          "checkpoint is a directory")
+                os.makedirs(path, exist_ok=True)
+                token = secrets.token_hex(8)
+                os.mkdir(os.path.join(path, f"data-{token}"))
+            except Exception as e:  # noqa: BLE001
+                exc = e
+        _agree(c, exc, "save_checkpoint")
+        token = c.bcast(token, root=0)
+        datadir = os.path.join(path, f"data-{token}")
+        # every rank writes its file
+        exc, res = None, None
+        try:
+            if not os.path.isdir(datadir):
+                raise CheckpointError(f"{datadir} is not visible on this rank: the "
+                                      "checkpoint must be on a file system all ranks share")
+            res = _write_rank_file(os.path.join(datadir, _rank_name(rank)), rows, held,
+                                   token, rank, size, fsync)
+        except Exception as e:  # noqa: BLE001
+            exc = e
+        _agree(c, exc, "save_checkpoint")
+        res = c.gather(res, root=0)
+        # rank 0 commits: manifest written, flushed, renamed into place
+        exc = None
+        if rank == 0:
+            try:
+                if fsync:
+                    _fsync_path(datadir)
+                nb = [r[0] for r in res]
+                hw = [max(r[1][i] for r in res) for i in range(len(rows))]
+                ho = [max(r[2][i] for r in res) for i in range(len(rows))]
+                tmp = _write_manifest(path, token, rows, size, step, nb, hw, ho,
+                                      fb.skipped_steps, fsync)
+                _test_kill("manifest", rank)
+                os.replace(tmp, os.path.join(path, MANIFEST))
+                committed = True
+                if fsync:
+                    _fsync_path(path)
+                _test_kill("cleanup", rank)
+                _remove_stale(path, token)
+            except Exception as e:  # noqa: BLE001
+                exc = e
+        _agree(c, exc, "save_checkpoint")
+    except BaseException:
+        if rank == 0 and datadir is not None and not committed:
+            shutil.rmtree(datadir, ignore_errors=True)
+            tmp = os.path.join(path, f"{MANIFEST}.tmp-{token}")
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+        raise
+    finally:
+        if held is not None:
+            fb._release_entries(held)
+    return path
+
+
+def _remove_stale(path, token):
+    """Remove data directories and manifest temporaries other than ``token``'s
+    (the previous checkpoint, and what killed saves left behind)."""
+    for name in os.listdir(path):
+        full = os.path.join(path, name)
+        if name.startswith("data-") and name != f"data-{token}" and os.path.isdir(full):
+            shutil.rmtree(full, ignore_errors=True)
+        elif name.startswith(f"{MANIFEST}.tmp-"):
+            try:
+                os.unlink(full)
+            except OSError:
+                pass
+
+
+# -- reading -------------------------------------------------------------------------
+def _read_manifest(path):
+    """The manifest as a dict (what rank 0 broadcasts); CheckpointError if
+    ``path`` is not a readable mpigc checkpoint."""
+    h5py = _h5py()
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{path}: no such checkpoint")
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not an mpigc checkpoint (expected a directory "
+                              f"holding {MANIFEST}, got a file)")
+    mf = os.path.join(path, MANIFEST)
+    if not os.path.isfile(mf):
+        raise CheckpointError(f"{path}: not an mpigc checkpoint, or its first save did not "
+                              f"complete ({MANIFEST} is missing)")
+    try:
+        with h5py.File(mf, "r") as f:
+            attrs = {k: _py(v) for k, v in f.attrs.items()}
+            if attrs.get("format") != FORMAT:
+                raise CheckpointError(f"{mf}: not an mpigc checkpoint manifest (format "
+                                      f"{attrs.get('format')!r}, expected {FORMAT!r})")
+            ver = attrs.get("format_version")
+            if not isinstance(ver, int) or ver > FORMAT_VERSION or ver < 1:
+                raise CheckpointError(f"{mf}: format version {ver!r}; this mpigc "
+                                      f"({__version__}) reads versions 1 to {FORMAT_VERSION}")
+            keys = [_py(k) for k in f["keys"][()]]
+            cols = {name: f[name][()] for name in ("n", "calls", "has_worker", "has_owner",
+                                                   "file_nbytes")}
+            dts = [_py(x) for x in f["dtype"][()]]
+            cfgs = [_py(x) for x in f["config"][()]]
+    except CheckpointError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - h5py raises OSError, KeyError, ...
+        raise CheckpointError(f"{mf}: unreadable manifest (corrupted, truncated or "
+                              f"foreign): {exc}") from exc
+    stored_crc = attrs.pop("meta_crc32", None)
+    if attrs.get("checksum") != CHECKSUM or not isinstance(
+            attrs.get("checksum_block_words"), int) or attrs["checksum_block_words"] <= 0:
+        raise CheckpointError(f"{mf}: unknown checksum {attrs.get('checksum')!r} / block "
+                              f"{attrs.get('checksum_block_words')!r}")
+    ddir = attrs.get("data_dir")
+    if not isinstance(ddir, str) or not ddir.startswith("data-") or os.sep in ddir:
+        raise CheckpointError(f"{mf}: bad data_dir attribute {ddir!r}")
+    rows = [[k, int(n), d, cfg, int(cl)]
+            for k, n, d, cfg, cl in zip(keys, cols["n"], dts, cfgs, cols["calls"])]
+    meta = {"attrs": attrs, "rows": rows,
+            "has_worker": [int(x) for x in cols["has_worker"]],
+            "has_owner": [int(x) for x in cols["has_owner"]],
+            "file_nbytes": [int(x) for x in cols["file_nbytes"]]}
+    if stored_crc != _meta_crc(meta):
+        raise CheckpointError(f"{mf}: manifest checksum mismatch (corrupted)")
+    meta["path"] = path
+    meta["datadir"] = os.path.join(path, attrs["data_dir"])
+    return meta
+
+
+def _py(v):
+    if isinstance(v, bytes):
+        return v.decode("utf-8")
+    if isinstance(v, np.integer):
+        return int(v)
+    if isinstance(v, np.floating):
+        return float(v)
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    return v
+
+
+class _RankFile:
+    """One old rank's file, opened for reading (HDF5 for the structure, a
+    plain descriptor for the residuals)."""
+
+    def __init__(self, meta, r):
+        h5py = _h5py()
+        self.fname = os.path.join(meta["datadir"], _rank_name(r))
+        if not os.path.isfile(self.fname):
+            raise CheckpointError(f"{self.fname}: missing (checkpoint incomplete)")
+        nbytes = os.path.getsize(self.fname)
+        if nbytes != meta["file_nbytes"][r]:
+            raise CheckpointError(f"{self.fname}: {nbytes} bytes, the manifest says "
+                                  f"{meta['file_nbytes'][r]} (truncated or modified)")
+        try:
+            self.f = h5py.File(self.fname, "r")
+        except Exception as exc:  # noqa: BLE001
+            raise CheckpointError(f"{self.fname}: unreadable (corrupted): {exc}") from exc
+        a = self.f.attrs
+        want = {"format": RANK_FORMAT, "token": meta["attrs"]["token"], "rank": r,
+                "world_size": meta["attrs"]["world_size"],
+                "keys_crc32": meta["attrs"]["keys_crc32"]}
+        for k, v in want.items():
+            got = _py(a.get(k))
+            if got != v:
+                self.close()
+                raise CheckpointError(f"{self.fname}: attribute {k} is {got!r}, expected "
+                                      f"{v!r} (foreign or mixed-up file)")
+        self.fd = os.open(self.fname, os.O_RDONLY)
+        self.scratch = None
+        self.block_words = meta["attrs"]["checksum_block_words"]
+
+    def close(self):
+        if getattr(self, "fd", None) is not None:
+            os.close(self.fd)
+            self.fd = None
+        self.f.close()
+
+    def dataset(self, i, name, dtype, n):
+        """``(offset, checksums)`` of residual ``name`` of key ``i``, or None
+        if this rank had none."""
+        g = self.f.get(f"k{i:06d}")
+        if g is None:
+            raise CheckpointError(f"{self.fname}: group k{i:06d} is missing")
+        if name not in g:
+            return None
+        ds = g[name]
+        if ds.dtype != dtype or ds.shape != (n,):
+            raise CheckpointError(f"{self.fname}: k{i:06d}/{name} holds {ds.shape} "
+                                  f"{ds.dtype}, expected ({n},) {dtype}")
+        sums = g[f"{name}_{CHECKSUM}"][()]
+        off = ds.id.get_offset() if n else 0
+        if n and off is None:
+            raise CheckpointError(f"{self.fname}: k{i:06d}/{name} has no data")
+        return off, sums
+
+    def _check(self, got, want, i, name, block):
+        if not np.array_equal(got, want):
+            raise CheckpointError(f"{self.fname}: checksum mismatch in k{i:06d}/{name} "
+                                  f"(block {block} of {self.block_words * 4} bytes): the data "
+                                  "is corrupted")
+
+    def read(self, i, name, dtype, n, lo, hi, out, add):
+        """Residual ``name`` of key ``i``, elements [lo, hi), into ``out``
+        (added to it when ``add``); verifies the checksum of every block
+        read. Returns False if this rank had no such residual."""
+        found = self.dataset(i, name, dtype, n)
+        if found is None:
+            return False
+        off, sums = found
+        item = dtype.itemsize
+        bitems = self.block_words * 4 // item
+        if sums.shape != ((n + bitems - 1) // bitems, 2):
+            raise CheckpointError(f"{self.fname}: k{i:06d}/{name}: checksum table has shape "
+                                  f"{sums.shape}, expected ({(n + bitems - 1) // bitems}, 2)")
+        if self.scratch is None:
+            self.scratch = np.empty(self.block_words * 4, np.uint8)
+        got = np.empty((1, 2), np.uint64)
+        for b in range(lo // bitems, (hi + bitems - 1) // bitems):
+            blo, bhi = b * bitems, min(n, (b + 1) * bitems)
+            direct = not add and lo <= blo and bhi <= hi
+            # a whole block goes straight to its place, else through the scratch block
+            blk = out[blo - lo:bhi - lo] if direct else \
+                self.scratch[:(bhi - blo) * item].view(dtype)
+            _pread_into(self.fd, blk, off + blo * item, self.fname)
+            _fletcher64_kernel(blk.view(np.uint32), self.block_words, got)  # in cache
+            self._check(got, sums[b:b + 1], i, name, b)
+            if not direct:
+                a, z = max(lo, blo), min(hi, bhi)
+                dst = out[a - lo:z - lo]
+                if add:
+                    dst += blk[a - blo:z - blo]
+                else:
+                    dst[...] = blk[a - blo:z - blo]
+        return True
+
+
+def worker_sources(old_size, new_size, new_rank):
+    """Old ranks whose worker residuals new rank ``new_rank`` receives
+    (summed): those congruent to it modulo ``new_size``. Each old rank goes to
+    exactly one new rank, so the total over ranks is kept."""
+    return list(range(new_rank, old_size, new_size))
+
+
+def owner_sources(n, old_size, new_size, new_rank):
+    """``[(old_rank, lo, hi)]``: the global element ranges of new rank
+    ``new_rank``'s owner shard held by each old owner."""
+    nlo, nhi = shard_bounds(n, new_size)[new_rank]
+    out = []
+    for r, (olo, ohi) in enumerate(shard_bounds(n, old_size)):
+        a, z = max(nlo, olo), min(nhi, ohi)
+        if z > a:
+            out.append((r, a, z))
+    return out
+
+
+def _read_entries(meta, skip, new_size, new_rank):
+    """This rank's new entries ``{key: _Entry}`` (memory: its own residuals
+    plus one 4 MiB block)."""
+    old_size = meta["attrs"]["world_size"]
+    files = {}
+
+    def rf(r):
+        if r not in files:
+            files[r] = _RankFile(meta, r)
+        return files[r]
+
+    entries = {}
+    try:
+        for i, (key, n, dname, cfg, calls) in enumerate(meta["rows"]):
+            if key in skip:
+                continue
+            dtype = np.dtype(dname)
+            e = _Entry(n, dtype, new_size, new_rank, json.loads(cfg))
+            e.calls = calls
+            if meta["has_worker"][i]:
+                w, got = None, False
+                for r in worker_sources(old_size, new_size, new_rank):
+                    if w is None:
+                        w = np.empty(n, dtype)
+                    got |= rf(r).read(i, "worker", dtype, n, 0, n, w, add=got)
+                e.worker = w if got else None
+            if meta["has_owner"][i]:
+                nlo, nhi = shard_bounds(n, new_size)[new_rank]
+                o, got = None, False
+                for r, a, z in owner_sources(n, old_size, new_size, new_rank):
+                    olo, ohi = shard_bounds(n, old_size)[r]
+                    if o is None:
+                        o = np.zeros(nhi - nlo, dtype)
+                    got |= rf(r).read(i, "owner", dtype, ohi - olo, a - olo, z - olo,
+                                      o[a - nlo:z - nlo], add=False)
+                e.owner = o if got else None
+            entries[key] = e
+    finally:
+        for f in files.values():
+            f.close()
+    return entries
+
+
+def _normal_config(cfg):
+    return get_compressor(dict(cfg) if isinstance(cfg, dict) else cfg).get_config()
+
+
+def _mismatches(meta, fb, configs):
+    """``{key: reason}`` for the checkpoint's keys that do not fit what is in
+    use: ``configs[key]`` if given, else the store's live entry."""
+    with fb._lock:
+        live = {k: (e.n, e.dtype.name, dict(e.config)) for k, e in fb._entries.items()}
+    expected = {}
+    if configs is not None:
+        if not hasattr(configs, "items"):
+            raise ConfigError(f"configs: expected a mapping key -> compressor, got "
+                              f"{type(configs).__name__}")
+        expected = {str(k): _normal_config(v) for k, v in configs.items()}
+    out = {}
+    for key, n, dname, cfg, _ in meta["rows"]:
+        try:
+            saved = _normal_config(json.loads(cfg))
+        except MpigcError as exc:
+            out[key] = f"the saved config {cfg} is not usable here ({exc})"
+            continue
+        if key in expected:
+            if expected[key] != saved:
+                out[key] = f"saved {json.dumps(saved, sort_keys=True)}, configs= gives " \
+                           f"{json.dumps(expected[key], sort_keys=True)}"
+        elif key in live:
+            ln, ld, lc = live[key]
+            if (ln, ld) != (n, dname):
+                out[key] = f"saved {n} values of {dname}, in use {ln} values of {ld}"
+            elif _normal_config(lc) != saved:
+                out[key] = f"saved {json.dumps(saved, sort_keys=True)}, in use " \
+                           f"{json.dumps(_normal_config(lc), sort_keys=True)}"
+    return out
+
+
+def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None):
+    """Load the checkpoint ``path`` into ``feedback`` (collective).
+
+    The store's content is replaced by the checkpoint's. On the world size
+    it was saved with, every rank gets back exactly its residuals (the steps
+    that follow are bit-identical to an uninterrupted run). On another world
+    size M, new rank j receives the sum of the worker residuals of the old
+    ranks i with ``i % M == j`` (so their total over ranks is kept), and the
+    owner residuals are re-sharded to the new layout
+    (``numpy.array_split`` of the elements over M ranks).
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A checkpoint written by :func:`save_checkpoint`.
+    feedback : ErrorFeedback, optional
+        Default: the process-wide store.
+    comm : mpi4py.MPI.Intracomm, optional
+        Default ``MPI.COMM_WORLD``; any size.
+    strict : bool
+        A key whose saved compressor config (or size, dtype) differs from the
+        one in use raises :class:`MismatchError` on every rank (default).
+        With ``strict=False`` such keys are re-initialised (no residuals,
+        call count 0) with a warning.
+    configs : mapping, optional
+        ``{key: compressor}`` (id, dict or Compressor) the keys will be used
+        with. Without it, a key is compared with the store's live entry of
+        that key, if any (so a fresh store accepts any checkpoint).
+
+    Returns
+    -------
+    dict
+        ``{"step", "world_size" (saved), "keys", "reinitialised",
+        "mpigc_version", "format_version"}``.
+
+    Raises
+    ------
+    CheckpointError
+        On every rank, for a missing, foreign, truncated or corrupted
+        checkpoint; the store is unchanged.
+    MismatchError
+        On every rank, for a config mismatch with ``strict=True``.
+    """
+    cs = _comm.resolve(comm)
+    c, size, rank = cs.comm, cs.size, cs.rank
+    fb = get_default_feedback() if feedback is None else feedback
+    exc, meta = None, None
+    if not isinstance(fb, ErrorFeedback):
+        exc = StateError(f"feedback: expected an ErrorFeedback, got {type(fb).__name__}")
+    elif rank == 0:
+        try:
+            meta = _read_manifest(path)
+        except Exception as e:  # noqa: BLE001
+            exc = e
+    _agree(c, exc, "load_checkpoint")
+    meta = c.bcast(meta, root=0)
+    exc, mism = None, {}
+    try:
+        mism = _mismatches(meta, fb, configs)
+    except Exception as e:  # noqa: BLE001
+        exc = e
+    _agree(c, exc, "load_checkpoint")
+    union = {}
+    for part in c.allgather(sorted(mism.items())):
+        union.update(part)
+    if union:
+        detail = "; ".join(f"{k!r}: {v}" for k, v in sorted(union.items()))
+        if strict:
+            raise MismatchError(f"load_checkpoint: {len(union)} key(s) do not match the "
+                                f"compressors in use ({detail}); pass strict=False to "
+                                "re-initialise them")
+        warnings.warn(f"load_checkpoint: re-initialising {len(union)} key(s) whose saved "
+                      f"config does not match ({detail})", stacklevel=2)
+    exc, entries = None, None
+    try:
+        entries = _read_entries(meta, union, size, rank)
+    except Exception as e:  # noqa: BLE001
+        exc = e if isinstance(e, MpigcError) else CheckpointError(f"{type(e).__name__}: {e}")
+    _agree(c, exc, "load_checkpoint")
+    exc = None
+    try:
+        fb._replace_entries(entries)
+        fb.skipped_steps = int(meta["attrs"].get("skipped_steps", 0))
+    except Exception as e:  # noqa: BLE001
+        exc = e
+    _agree(c, exc, "load_checkpoint")
+    a = meta["attrs"]
+    return {"step": a.get("step"), "world_size": a["world_size"],
+            "keys": [r[0] for r in meta["rows"]], "reinitialised": sorted(union),
+            "mpigc_version": a["mpigc_version"], "format_version": a["format_version"]}
+
+
+# -- command line ----------------------------------------------------------------------
+def info(path, verify=True, file=None):
+    """Print what checkpoint ``path`` holds and verify its checksums.
+    Returns 0 when it is valid, 1 otherwise (no MPI communication)."""
+    out = file or sys.stdout
+    try:
+        meta = _read_manifest(path)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=out)
+        return 1
+    a = meta["attrs"]
+    print(f"checkpoint   {os.path.abspath(os.fspath(path))}", file=out)
+    print(f"format       {a['format']} version {a['format_version']} "
+          f"(mpigc {a['mpigc_version']}), created {a.get('created')}", file=out)
+    print(f"world size   {a['world_size']}", file=out)
+    print(f"step         {a.get('step', 'none')}", file=out)
+    print(f"data         {a['data_dir']}/ ({a['world_size']} file(s), "
+          f"{sum(meta['file_nbytes'])} bytes)", file=out)
+    print(f"keys         {len(meta['rows'])}", file=out)
+    for i, (key, n, dname, cfg, calls) in enumerate(meta["rows"]):
+        parts = [p for p, h in (("worker", meta["has_worker"][i]),
+                                ("owner", meta["has_owner"][i])) if h]
+        print(f"  {key!r}: shape ({n},) {dname}, calls {calls}, config {cfg}, "
+              f"residuals: {', '.join(parts) or 'none'}", file=out)
+    if not verify:
+        return 0
+    nbytes, errors = 0, []
+    size = a["world_size"]
+    for r in range(size):
+        try:
+            f = _RankFile(meta, r)
+        except CheckpointError as exc:
+            errors.append(str(exc))
+            continue
+        try:
+            for i, (key, n, dname, cfg, calls) in enumerate(meta["rows"]):
+                dtype = np.dtype(dname)
+                lo, hi = shard_bounds(n, size)[r]
+                for name, m in (("worker", n), ("owner", hi - lo)):
+                    # blockwise: memory stays at one block
+                    found = f.dataset(i, name, dtype, m)
+                    if found is None:
+                        continue
+                    step = f.block_words * 4 // dtype.itemsize
+                    for s in range(0, m, step):
+                        tmp = np.empty(min(step, m - s), dtype)
+                        f.read(i, name, dtype, m, s, s + tmp.size, tmp, add=False)
+                    nbytes += m * dtype.itemsize
+        except CheckpointError as exc:
+            errors.append(str(exc))
+        finally:
+            f.close()
+    if errors:
+        for e in errors:
+            print(f"error: {e}", file=out)
+        print(f"checksums    FAILED ({len(errors)} error(s))", file=out)
+        return 1
+    print(f"checksums    OK ({CHECKSUM}, {nbytes} bytes of residuals verified)", file=out)
+    return 0
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(prog="python -m mpigc.checkpoint",
+                                     description="Inspect mpigc residual checkpoints.")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("info", help="print keys, shapes, world size, configs, step; "
+                                    "verify checksums")
+    p.add_argument("path")
+    p.add_argument("--no-verify", action="store_true", help="skip reading the residuals")
+    args = parser.parse_args(argv)
+    return info(args.path, verify=not args.no_verify)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""Residual checkpoints across ranks: run as
+
+    mpirun -n K python -m pytest --with-mpi -q tests/mpi/test_checkpoint_mpi.py
+
+for K in 1..4. Every check agrees on pass/fail across ranks before asserting.
+"""
+import io
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpigc
+from mpigc import checkpoint as ckpt
+from mpigc.checkpoint import CheckpointError
+
+pytestmark = pytest.mark.mpi
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+
+# key, op, n, dtype, gather  (n = 3 leaves empty shards at 4 ranks)
+KEYS = [
+    ("w/2bit", {"type": "2bit", "threshold": 0.5}, 1001, np.float32, "compressed"),
+    ("w/1bit", {"type": "1bit", "block_size": 64}, 777, np.float32, "compressed"),
+    ("w/tern-ef", {"type": "terngrad", "seed": 3, "error_feedback": True}, 513, np.float32,
+     "compressed"),
+    ("w/tern", {"type": "terngrad", "seed": 5}, 65, np.float64, "exact"),
+    ("w/fp16", {"type": "fp16", "error_feedback": True}, 300, np.float16, "compressed"),
+    ("w/exact64", {"type": "2bit", "threshold": 0.25}, 130, np.float64, "exact"),
+    ("w/tiny", {"type": "2bit", "threshold": 0.5}, 3, np.float32, "compressed"),
+]
+# keys whose outputs are exact enough for the conservation check (float32/64 buffers)
+CONS_KEYS = [k for k in KEYS if k[0] in ("w/2bit", "w/1bit", "w/tern-ef", "w/exact64")]
+
+
+def agree(ok, what="check"):
+    """Assert on every rank that ``ok`` holds on every rank."""
+    oks = WORLD.allgather(bool(ok))
+    assert all(oks), f"{what} failed on rank(s) {[r for r, o in enumerate(oks) if not o]}"
+
+
+def grad(rank, step, n, dtype, salt):
+    rng = np.random.default_rng([rank, step, n, salt])
+    return (rng.standard_normal(n) * 0.7).astype(dtype)
+
+
+def run_steps(fb, comm, steps, keys=KEYS, salt=0):
+    """Outputs (bytes) of allreduce over ``steps`` for every key, plus one
+    reduce_scatter per step."""
+    r = comm.Get_rank()
+    outs = []
+    for s in steps:
+        for i, (key, op, n, dtype, gather) in enumerate(keys):
+            g = grad(r, s, n, dtype, salt + i)
+            mpigc.allreduce(g, op, key=key, gather=gather, feedback=fb, comm=comm)
+            outs.append(g.tobytes())
+        g = grad(r, s, 999, np.float32, salt + 99)
+        outs.append(mpigc.reduce_scatter(g, "2bit", key="rs", feedback=fb, comm=comm)
+                    .tobytes())
+    return outs
+
+
+def same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    if sorted(sa) != sorted(sb):
+        return False
+    for k in sa:
+        for f in ("worker", "owner"):
+            x, y = sa[k][f], sb[k][f]
+            if (x is None) != (y is None):
+                return False
+            if x is not None and (x.dtype != y.dtype or x.tobytes() != y.tobytes()):
+                return False
+        for f in ("config", "calls", "n", "dtype", "world_size", "rank"):
+            if sa[k][f] != sb[k][f]:
+                return False
+    return True
+
+
+@pytest.fixture
+def shared_dir():
+    d = WORLD.bcast(tempfile.mkdtemp(prefix="mpigc-ckpt-") if RANK == 0 else None)
+    yield d
+    WORLD.Barrier()
+    if RANK == 0:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+# -- same world size -----------------------------------------------------------------
+def test_resume_is_bit_identical(shared_dir):
+    path = os.path.join(shared_dir, "ck")
+    fb = mpigc.ErrorFeedback()
+    run_steps(fb, WORLD, range(3))
+    mpigc.save_checkpoint(path, feedback=fb, step=3)
+    expected = run_steps(fb, WORLD, range(3, 6))
+
+    fb2 = mpigc.ErrorFeedback()
+    info = mpigc.load_checkpoint(path, feedback=fb2)
+    agree(info["step"] == 3 and info["world_size"] == SIZE, "info")
+    got = run_steps(fb2, WORLD, range(3, 6))
+    agree(got == expected, "outputs after load are bit-identical")
+    agree(same_state(fb, fb2), "final states are identical")
+    # not vacuous: without the residuals the outputs differ
+    fb3 = mpigc.ErrorFeedback()
+    agree(run_steps(fb3, WORLD, range(3, 6)) != expected, "a fresh store differs")
+
+
+def test_inspector_reads_every_rank_file(shared_dir):
+    path = os.path.join(shared_dir, "ck")
+    fb = mpigc.ErrorFeedback()
+    run_steps(fb, WORLD, range(2))
+    mpigc.save_checkpoint(path, feedback=fb, step=7)
+    ok = True
+    if RANK == 0:
+        buf = io.StringIO()
+        rc = ckpt.info(path, file=buf)
+        text = buf.getvalue()
+        ok = (rc == 0 and f"world size   {SIZE}" in text and "step         7" in text
+              and "'w/1bit': shape (777,) float32" in text and "checksums    OK" in text)
+    agree(ok, "inspector")
+
+
+# -- different world size ------------------------------------------------------------
+def reshard_pairs():
+    if SIZE == 1:
+        return [(1, 1)]
+    return [(SIZE, SIZE - 1), ((SIZE + 1) // 2, SIZE)]  # at 4 ranks: 4 -> 3 and 2 -> 4
+
+
+def residual_totals(fb, comm, keys):
+    """Per key: (sum over ranks of the worker residuals, the owner residuals
+    laid out over the whole buffer), float64, on every rank of WORLD."""
+    out = {}
+    for key, op, n, dtype, gather in keys:
+        w = np.zeros(n)
+        o = np.zeros(n)
+        if comm is not None and key in fb:
+            s = fb.state_dict()[key]
+            if s["worker"] is not None:
+                w += s["worker"]
+            if s["owner"] is not None:
+                lo, hi = mpigc.shard_bounds(n, comm.Get_size())[comm.Get_rank()]
+                o[lo:hi] = s["owner"]
+        WORLD.Allreduce(MPI.IN_PLACE, w)
+        WORLD.Allreduce(MPI.IN_PLACE, o)
+        out[key] = (w, o)
+    return out
+
+
+def phase(fb, comm, steps, salt):
+    """Allreduce CONS_KEYS for ``steps`` on ``comm`` (None: not a member).
+    Returns per key the world totals of the inputs and of the delivered sums."""
+    res = {}
+    for i, (key, op, n, dtype, gather) in enumerate(CONS_KEYS):
+        inp = np.zeros(n)
+        out = np.zeros(n)
+        if comm is not None:
+            r = comm.Get_rank()
+            for s in steps:
+                g = grad(r, s, n, dtype, salt + i)
+                inp += g
+                mpigc.allreduce(g, op, key=key, gather=gather, feedback=fb, comm=comm)
+                if r == 0:
+                    out += g
+        WORLD.Allreduce(MPI.IN_PLACE, inp)
+        WORLD.Allreduce(MPI.IN_PLACE, out)
+        res[key] = (inp, out)
+    return res
+
+
+@pytest.mark.parametrize("pair", reshard_pairs(), ids=lambda p: f"{p[0]}to{p[1]}")
+def test_reshard_conserves_residuals(shared_dir, pair):
+    n_save, n_load = pair
+    path = os.path.join(shared_dir, "ck")
+    save_comm = WORLD.Split(0 if RANK < n_save else MPI.UNDEFINED, RANK)
+    load_comm = WORLD.Split(0 if RANK < n_load else MPI.UNDEFINED, RANK)
+    save_comm = None if save_comm == MPI.COMM_NULL else save_comm
+    load_comm = None if load_comm == MPI.COMM_NULL else load_comm
+
+    fb = mpigc.ErrorFeedback()
+    a = phase(fb, save_comm, range(4), salt=10)
+    before = residual_totals(fb, save_comm, CONS_KEYS)
+    if save_comm is not None:
+        mpigc.save_checkpoint(path, feedback=fb, comm=save_comm, step=4)
+    WORLD.Barrier()
+
+    fb2 = mpigc.ErrorFeedback()
+    info = None
+    if load_comm is not None:
+        info = mpigc.load_checkpoint(path, feedback=fb2, comm=load_comm)
+        agree_local = all(fb2.state_dict()[k]["world_size"] == n_load for k in fb2.keys())
+    else:
+        agree_local = True
+    agree(agree_local and (info is None or (info["world_size"] == n_save
+                                            and info["step"] == 4)), "load info")
+    after = residual_totals(fb2, load_comm, CONS_KEYS)
+    for key, *_ in CONS_KEYS:
+        (w0, o0), (w1, o1) = before[key], after[key]
+        # owner residuals are re-sharded exactly; the worker total is kept (one
+        # float32 addition per merged rank)
+        agree(np.array_equal(o0, o1), f"{key}: owner residuals re-sharded")
+        agree(np.allclose(w0, w1, rtol=1e-6, atol=1e-6), f"{key}: worker total kept")
+        if n_save <= n_load:
+            agree(np.array_equal(w0, w1), f"{key}: worker total kept exactly")
+        # not vacuous: there is something to keep
+        agree(np.abs(w0).max() > 1e-2, f"{key}: worker residuals are non-trivial")
+
+    b = phase(fb2, load_comm, range(4, 8), salt=10)
+    final = residual_totals(fb2, load_comm, CONS_KEYS)
+    for key, *_ in CONS_KEYS:
+        inp = a[key][0] + b[key][0]
+        delivered = a[key][1] + b[key][1]
+        w, o = final[key]
+        err = np.abs(inp - (delivered + w + o)).max()
+        lost = np.abs(before[key][0] + before[key][1]).max()
+        # invariant 1 across the resize; dropping the saved residuals would
+        # break it by `lost`
+        agree(err < 1e-4 and lost > 100 * max(err, 1e-6),
+              f"{key}: conservation (err {err:.3g}, residuals at save {lost:.3g})")
+
+
+# -- errors raised on every rank ---------------------------------------------------------
+def test_config_mismatch_strict_and_not(shared_dir):
+    path = os.path.join(shared_dir, "ck")
+    fb = mpigc.ErrorFeedback()
+    keys = KEYS[:2]
+    run_steps(fb, WORLD, range(2), keys=keys)
+    mpigc.save_checkpoint(path, feedback=fb, step=2)
+
+    live = mpigc.ErrorFeedback()
+    other = [("w/2bit", {"type": "2bit", "threshold": 1.0}, 1001, np.float32, "compressed")]
+    run_steps(live, WORLD, range(1), keys=other)
+    snapshot = mpigc.ErrorFeedback()
+    snapshot.load_state_dict(live.state_dict())
+    with pytest.raises(mpigc.MismatchError, match="w/2bit"):
+        mpigc.load_checkpoint(path, feedback=live)
+    agree(same_state(live, snapshot), "strict failure leaves the store unchanged")
+
+    with pytest.warns(UserWarning, match="re-initialising 1 key"):
+        info = mpigc.load_checkpoint(path, feedback=live, strict=False)
+    agree(info["reinitialised"] == ["w/2bit"] and "w/2bit" not in live
+          and "w/1bit" in live, "non-strict re-initialises the mismatched key only")
+    want = fb.state_dict()["w/1bit"]["worker"].tobytes()
+    agree(live.state_dict()["w/1bit"]["worker"].tobytes() == want, "other keys loaded")
+
+    with pytest.raises(mpigc.MismatchError, match="configs="):
+        mpigc.load_checkpoint(path, feedback=mpigc.ErrorFeedback(),
+                              configs={"w/1bit": {"type": "1bit", "block_size": 128}})
+    fresh = mpigc.ErrorFeedback()
+    mpigc.load_checkpoint(path, feedback=fresh,
+                          configs={"w/1bit": mpigc.OneBit(block_size=64)})
+    agree(same_state(fresh, fb), "matching configs= loads everything")
+
+
+def _flip_byte(fname, offset):
+    with open(fname, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def test_corruption_raises_on_every_rank(shared_dir):
+    import h5py
+    path = os.path.join(shared_dir, "ck")
+    fb = mpigc.ErrorFeedback()
+    run_steps(fb, WORLD, range(2), keys=KEYS[:2])
+    mpigc.save_checkpoint(path, feedback=fb)
+    target = SIZE - 1
+    if RANK == 0:
+        meta = ckpt._read_manifest(path)
+        fname = os.path.join(meta["datadir"], f"rank-{target:05d}.h5")
+        with h5py.File(fname, "r") as f:
+            off = f["k000001/worker"].id.get_offset()
+        _flip_byte(fname, off + 4 * 500 + 1)
+    WORLD.Barrier()
+    live = mpigc.ErrorFeedback()
+    run_steps(live, WORLD, range(1), keys=KEYS[:1])
+    snapshot = mpigc.ErrorFeedback()
+    snapshot.load_state_dict(live.state_dict())
+    with pytest.raises(CheckpointError, match=rf"rank {target}.*checksum mismatch"):
+        mpigc.load_checkpoint(path, feedback=live)
+    agree(same_state(live, snapshot), "a failed load leaves the store unchanged")
+
+    # truncated file, seen by every rank
+    if RANK == 0:
+        fname = os.path.join(ckpt._read_manifest(path)["datadir"], f"rank-{target:05d}.h5")
+        with open(fname, "r+b") as f:
+            f.truncate(os.path.getsize(fname) // 2)
+    WORLD.Barrier()
+    with pytest.raises(CheckpointError, match="truncated"):
+        mpigc.load_checkpoint(path, feedback=live)
+
+    # foreign: a plain file where a checkpoint should be
+    foreign = os.path.join(shared_dir, "foreign")
+    if RANK == 0:
+        with open(foreign, "w") as f:
+            f.write("not a checkpoint\n")
+    WORLD.Barrier()
+    with pytest.raises(CheckpointError, match="not an mpigc checkpoint"):
+        mpigc.load_checkpoint(foreign, feedback=live)
+
+
+# -- a save killed part-way ----------------------------------------------------------------
+CHILD = textwrap.dedent("""
+    import os, sys
+    import numpy as np
+    from mpi4py import MPI
+    import mpigc
+    path, kill = sys.argv[1], sys.argv[2]
+    comm = MPI.COMM_WORLD
+    r = comm.Get_rank()
+    fb = mpigc.ErrorFeedback()
+    def steps(ss):
+        for s in ss:
+            for i, n in enumerate((1001, 70)):
+                g = np.random.default_rng([r, s, i]).standard_normal(n).astype(np.float32)
+                mpigc.allreduce(g, "2bit", key=f"k{i}", feedback=fb)
+    steps(range(2))
+    mpigc.save_checkpoint(path, feedback=fb, step=1)
+    st = fb.state_dict()
+    np.savez(os.path.join(os.path.dirname(path), f"state-{r}.npz"),
+             **{f"{k}|{f}": st[k][f] for k in st for f in ("worker", "owner")
+                if st[k][f] is not None})
+    steps(range(2, 3))
+    os.environ["MPIGC_CHECKPOINT_TEST_KILL"] = kill
+    mpigc.save_checkpoint(path, feedback=fb, step=2)
+    print("save survived", flush=True)
+""")
+
+
+def _clean_env():
+    keep = ("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM")
+    return {k: v for k, v in os.environ.items()
+            if k in keep or not k.split("_")[0] in ("OMPI", "PMIX", "PRTE", "OPAL")}
+
+
+def _wait_polling(comm):
+    """A barrier that sleeps instead of spinning (the child job needs the cores)."""
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("point", ["data", "manifest", "cleanup"])
+def test_killed_save_keeps_previous_checkpoint(shared_dir, point):
+    path = os.path.join(shared_dir, "ck")
+    victim = SIZE - 1 if point == "data" else 0
+    status = None
+    if RANK == 0:
+        script = os.path.join(shared_dir, "child.py")
+        with open(script, "w") as f:
+            f.write(CHILD)
+        mpirun = shutil.which("mpirun") or os.path.join(os.path.dirname(sys.executable),
+                                                        "mpirun")
+        p = subprocess.run(
+            ["timeout", "240", mpirun, "--oversubscribe", "-n", str(SIZE), sys.executable,
+             script, path, f"{point}:{victim}"],
+            env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        status = (p.returncode, p.stdout[-3000:])
+    _wait_polling(WORLD)
+    rc, log = WORLD.bcast(status)
+    agree(rc != 0 and "save survived" not in log and rc != 124, f"child was killed: {log}")
+
+    datadirs = WORLD.bcast(sorted(n for n in os.listdir(path) if n.startswith("data-"))
+                           if RANK == 0 else None)
+    fb = mpigc.ErrorFeedback()
+    info = mpigc.load_checkpoint(path, feedback=fb)
+    if point == "cleanup":
+        # killed after the commit point: the new checkpoint is complete
+        agree(info["step"] == 2 and len(datadirs) == 2, "new checkpoint after the rename")
+    else:
+        agree(info["step"] == 1 and len(datadirs) == 2, "previous checkpoint kept")
+        saved = np.load(os.path.join(shared_dir, f"state-{RANK}.npz"))
+        st = fb.state_dict()
+        ok = sorted(saved.files) == sorted(f"{k}|{f}" for k in st for f in ("worker", "owner")
+                                           if st[k][f] is not None)
+        ok = ok and all(saved[name].tobytes() == st[name.split("|")[0]][name.split("|")[1]]
+                        .tobytes() for name in saved.files)
+        agree(ok, "the previous checkpoint loads bit for bit")
+    # the next save succeeds and removes what the killed one left
+    mpigc.save_checkpoint(path, feedback=fb, step=9)
+    left = WORLD.bcast(sorted(os.listdir(path)) if RANK == 0 else None)
+    agree(len(left) == 2 and "manifest.h5" in left, f"stale files removed: {left}")
+    agree(mpigc.load_checkpoint(path, feedback=mpigc.ErrorFeedback())["step"] == 9, "reload")

@@ -594,6 +594,14 @@ class _Op:
             _pending.remove(self)
         return done
 
+    def _earlier_undecided(self):
+        for op in _pending:
+            if op is self:
+                return False
+            if op.cs is self.cs and op.state == "agree":
+                return True
+        return False
+
     def done_or_failed(self):
         return self.state == "done"
 
@@ -614,6 +622,11 @@ class _Op:
                     self.agree_req.Wait()
                 elif not self.agree_req.Test():
                     return False
+            # what follows the agreement may start collectives (the error
+            # report, op="none"): every rank must start them in the same
+            # order, so calls act on their agreements in the order they began
+            if self._earlier_undecided():
+                return False
             if not self._agreed():
                 return True
             self._commit()

@@ -167,23 +167,21 @@ class ErrorFeedback:
         them. Raises StateError if a key is in use. Pair with
         :meth:`_release_entries`."""
         with self._lock:
-            busy = sorted(k for k, e in self._entries.items() if e.busy)
+            busy = sorted(self._busy)
             if busy:
                 raise StateError(f"key(s) {busy} in use by a pending collective; wait "
                                  "for them before saving")
-            for e in self._entries.values():
-                e.busy = True
+            self._busy.update(self._entries)
             return dict(self._entries)
 
     def _release_entries(self, entries):
         with self._lock:
-            for e in entries.values():
-                e.busy = False
+            self._busy.difference_update(entries)
 
     def _replace_entries(self, entries):
         """Install ``{key: _Entry}`` (not copied) in place of every entry."""
         with self._lock:
-            busy = sorted(k for k, e in self._entries.items() if e.busy)
+            busy = sorted(self._busy)
             if busy:
                 raise StateError(f"key(s) {busy} in use by a pending collective; wait "
                                  "for them before loading")

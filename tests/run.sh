@@ -29,7 +29,7 @@ tally() {  # add up the counts of a pytest summary line in file $1
 }
 
 echo "== plain tests"
-timeout "$TIMEOUT" "${PYTEST[@]}" tests 2>&1 | tee "$LOGS/plain.log"
+timeout "$TIMEOUT" "${PYTEST[@]}" --ignore=tests/mpi tests 2>&1 | tee "$LOGS/plain.log"
 rc=${PIPESTATUS[0]}; tally "$LOGS/plain.log"
 [ "$rc" -eq 0 ] || { echo "plain tests: exit $rc"; status=1; }
 

@@ -323,6 +323,11 @@ class TwoBit(Compressor):
         if (isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t)
                 or t <= 0):
             raise ConfigError(f"2bit: threshold must be a finite number > 0, got {t!r}")
+        with np.errstate(over="ignore", under="ignore"):
+            t32 = np.float32(t)
+        if not np.isfinite(t32) or t32 == 0:
+            raise ConfigError(f"2bit: threshold must be representable in float32 "
+                              f"(between 1.2e-38 and 3.4e38), got {t!r}")
         self.threshold = float(t)
 
     def payload_nbytes(self, n, dtype=np.float32):
@@ -419,8 +424,9 @@ class TernGrad(Compressor):
         if self.clip is not None and nbad == 0:
             mean = s / x.size
             std = math.sqrt(max(ss / x.size - mean * mean, 0.0))
-            bound = self.clip * std
-            amax = min(amax, bound)
+            if std > 0.0:  # values all equal (one element, say): nothing to clip
+                bound = self.clip * std
+                amax = min(amax, bound)
         return amax, bound, nbad
 
     def _encode(self, x, e_in, e_out, payload, *, scale=None, stream=0, offset=0,

@@ -33,7 +33,7 @@ Conventions spelled out here (the contract):
   the element is kept if ``u < |clip(v)| / scale`` (float64, ``scale`` the
   float32 value that travels); ``11`` if kept and ``v > 0``, ``10`` if kept and
   ``v < 0``. Without a given scale, ``scale = max |clip(v)|``; with ``clip=c``
-  the clip bound is ``c * std(v)`` (population std from float64 sums
+  the clip bound is ``c * std(v)`` (no clipping when std is 0) (population std from float64 sums
   accumulated sequentially).
 """
 import math
@@ -285,8 +285,9 @@ def terngrad_local(v, clip=None):
         ss = float(np.cumsum(v64 * v64)[-1])
         mean = s / n
         std = math.sqrt(max(ss / n - mean * mean, 0.0))
-        bound = clip * std
-        amax = min(amax, bound)
+        if std > 0.0:  # all values equal: no clipping
+            bound = clip * std
+            amax = min(amax, bound)
     return amax, bound
 
 

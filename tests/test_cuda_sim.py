@@ -386,6 +386,13 @@ def check_ptx():
     def _probe(a):
         a[0] = 1.0
 
+    from importlib import metadata
+    try:  # the kernels target the numba-cuda package, not Numba's older built-in target
+        metadata.version("numba-cuda")
+    except metadata.PackageNotFoundError:
+        print("numba-cuda is not installed (only Numba's built-in CUDA target); "
+              "pip install 'numba-cuda[cu12]' or '[cu13]' to run this check")
+        sys.exit(_SKIP)
     try:  # the CUDA toolchain (libNVVM, NVRTC) may not be installed here
         cuda.compile_ptx(_probe, (T.float32[::1],), cc=(8, 0))
     except Exception as exc:  # noqa: BLE001 - any failure to find the toolchain

@@ -40,6 +40,8 @@ default stream). Functions that return a value (counts, stats) synchronise on it
 import numpy as np
 from numba import cuda
 
+from .cpu import ternary_stream  # the host-side stream hash (pure Python), shared
+
 try:  # numba-cuda
     from numba.cuda.core import config as _config
 except ImportError:  # pragma: no cover - numba's bundled CUDA target
@@ -433,26 +435,8 @@ def _splitmix64(z):
     return np.uint64(z ^ (z >> np.uint64(31)))
 
 
-def _splitmix64_int(z):
-    m = 0xFFFFFFFFFFFFFFFF
-    z = (z + 0x9E3779B97F4A7C15) & m
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
-    return z ^ (z >> 31)
-
-
-def ternary_stream(seed, rank, call, stage):
-    """The 64-bit stream id of one terngrad quantization: a hash of the seed,
-    the rank, the call count and the stage (0 worker, 1 owner). Host-side,
-    identical to ``kernels.cpu.ternary_stream``."""
-    z = seed & 0xFFFFFFFFFFFFFFFF
-    for word in (rank, call, stage):
-        z = _splitmix64_int(z ^ (word & 0xFFFFFFFFFFFFFFFF))
-    return z
-
-
 @cuda.jit
-def _pack_ternary_kernel(x, e_in, e_out, out, s, inv, clip, stream_id, offset, nbad_out):
+def _pack_ternary_kernel(x, e_in, e_out, out, s, scale, clip, stream_id, offset, nbad_out):
     n = x.size
     neg_s = -s
     zero = s - s
@@ -468,7 +452,7 @@ def _pack_ternary_kernel(x, e_in, e_out, out, s, inv, clip, stream_id, offset, n
             ctr = np.uint64(offset + np.uint64(i))
             h = _splitmix64(stream_id ^ np.uint64(ctr * np.uint64(0x9E3779B97F4A7C15)))
             u = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
-            keep = u < abs(f) * inv
+            keep = scale > 0.0 and u < abs(f) / scale
             pos = keep and f > 0.0
             neg = keep and f < 0.0
             d = s if pos else (neg_s if neg else zero)
@@ -491,12 +475,11 @@ def pack_ternary(x, e_in, e_out, out, scale, clip, stream, offset, *, cuda_strea
     x, e_in, e_out, out = (_dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out"),
                            _dev(out, "out"))
     scale = float(np.float32(scale))
-    inv = 1.0 / scale if scale > 0.0 else 0.0
     s = x.dtype.type(scale)
     cnt = _counter(cuda_stream)
     if out.size:
         _pack_ternary_kernel[_grid(out.size), THREADS, cuda_stream](
-            x, e_in, e_out, out, s, inv, float(clip), np.uint64(stream),
+            x, e_in, e_out, out, s, scale, float(clip), np.uint64(stream),
             np.uint64(offset), cnt)
     return _read_count(cnt, cuda_stream)
 
@@ -518,7 +501,8 @@ def _make_pack_fp16_kernel(mul_rn):
             out[i] = h
             if e_out is not None:
                 e_out[i] = v - mul_rn(x.dtype.type(_f16_bits_to_f32(h)), dv)
-            nbad += (v - v) != zero
+            # a value beyond the half range is as bad as a non-finite one
+            nbad += ((v - v) != zero) or ((h & 0x7C00) == 0x7C00)
         if nbad:
             cuda.atomic.add(nbad_out, 0, nbad)
     return kernel

@@ -317,42 +317,57 @@ def unpack_2bit(payload, out, threshold, accumulate):
 # (mean of the bit-0 elements, mean of the bit-1 elements) as float32
 # ----------------------------------------------------------------------------
 @njit(**_JIT)
-def _lane_sums_1bit(xs, ei, ep, sp, sn):
-    """Add one group of at most LANES elements to the lane sums (lane l gets
-    element l); return how many of them have bit 1."""
-    zero = xs.dtype.type(0)
-    npos = 0
-    if xs.size == LANES:  # constant trip count: the lanes stay in vectors
+def _lane_sums_1bit(xb, eb, sp, sn, cp):
+    """Add the elements of one block to the lane sums: lane l gets elements
+    l, l + LANES, ... in this order; ``cp[l]`` counts its elements with bit 1
+    (int32: a narrow, vectorizable count)."""
+    zero = xb.dtype.type(0)
+    ng = xb.size // LANES
+    x2 = xb[:ng * LANES].reshape((ng, LANES))
+    e2 = None if eb is None else eb[:ng * LANES].reshape((ng, LANES))
+    g = 0
+    # two whole groups per step (constant inner trip count: the lanes are
+    # vectorized); each lane still adds its elements one by one, in order
+    while g + 2 <= ng:
         for l in range(LANES):
-            v = xs[l]
-            if ei is not None:
-                v = v + ei[l]
-            if ep is not None:
-                v = v + ep[l]
+            v0 = x2[g, l]
+            v1 = x2[g + 1, l]
+            if e2 is not None:
+                v0 = v0 + e2[g, l]
+                v1 = v1 + e2[g + 1, l]
+            p0 = v0 >= zero
+            p1 = v1 >= zero
+            f0 = np.float64(v0)
+            f1 = np.float64(v1)
+            sp[l] = (sp[l] + (f0 if p0 else 0.0)) + (f1 if p1 else 0.0)
+            sn[l] = (sn[l] + (0.0 if p0 else f0)) + (0.0 if p1 else f1)
+            cp[l] += np.int32(p0) + np.int32(p1)
+        g += 2
+    while g < ng:
+        for l in range(LANES):
+            v = x2[g, l]
+            if e2 is not None:
+                v = v + e2[g, l]
             p = v >= zero
             f = np.float64(v)
             sp[l] += f if p else 0.0
             sn[l] += 0.0 if p else f
-            npos += p
-    else:
-        for l in range(xs.size):
-            v = xs[l]
-            if ei is not None:
-                v = v + ei[l]
-            if ep is not None:
-                v = v + ep[l]
-            p = v >= zero
-            f = np.float64(v)
-            sp[l] += f if p else 0.0
-            sn[l] += 0.0 if p else f
-            npos += p
-    return npos
+            cp[l] += np.int32(p)
+        g += 1
+    for l in range(xb.size - ng * LANES):  # the partial group
+        v = xb[ng * LANES + l]
+        if eb is not None:
+            v = v + eb[ng * LANES + l]
+        p = v >= zero
+        f = np.float64(v)
+        sp[l] += f if p else 0.0
+        sn[l] += 0.0 if p else f
+        cp[l] += np.int32(p)
 
 
 @njit(**_JIT)
 def _quantize_1bit(xs, ei, eo, ep, codes, d0, d1):
     zero = xs.dtype.type(0)
-    nbad = 0
     for i in range(xs.size):
         v = xs[i]
         if ei is not None:
@@ -364,9 +379,7 @@ def _quantize_1bit(xs, ei, eo, ep, codes, d0, d1):
             eo[i] = v - (d1 if p else d0)
         if ep is not None:
             ep[i] = v - (d1 if p else d0)
-        nbad += (v - v) != zero
         codes[i] = np.uint8(p)
-    return nbad
 
 
 @njit(**_JIT)
@@ -374,6 +387,7 @@ def _pack_1bit_range(x, e_in, e_out, bits, means, block, k0, k1):
     n = x.size
     sp = np.empty(LANES, np.float64)
     sn = np.empty(LANES, np.float64)
+    cp = np.empty(LANES, np.int32)
     codes = np.zeros(_CH, np.uint8)
     words = codes.view(np.uint64)
     inplace = _same(e_in, e_out)
@@ -385,11 +399,11 @@ def _pack_1bit_range(x, e_in, e_out, bits, means, block, k0, k1):
         # elements lo+l, lo+l+32, ... sequentially, then a pairwise tree
         sp[:] = 0.0
         sn[:] = 0.0
+        cp[:] = 0
+        _lane_sums_1bit(x[lo:hi], _win(e_in, lo, hi), sp, sn, cp)
         npos = 0
-        for base in range(lo, hi, LANES):
-            top = min(hi, base + LANES)
-            npos += _lane_sums_1bit(x[base:top], _win(e_in, base, top),
-                                    None, sp, sn)
+        for l in range(LANES):
+            npos += cp[l]
         s = LANES // 2
         while s > 0:
             for l in range(s):
@@ -401,18 +415,22 @@ def _pack_1bit_range(x, e_in, e_out, bits, means, block, k0, k1):
         m0 = np.float32(sn[0] / nneg) if nneg > 0 else np.float32(0.0)
         means[2 * k] = m0
         means[2 * k + 1] = m1
+        # A non-finite v makes a class sum non-finite (+inf goes to the bit-1
+        # sum, which only grows; -inf and NaN to the bit-0 sum), so the exact
+        # count is needed only then (or after an overflow of finite values).
+        if not (np.isfinite(sp[0]) and np.isfinite(sn[0])):
+            nbad += _count_nonfinite_sum(x[lo:hi], _win(e_in, lo, hi))
+        # pass 2 (the block is in cache): bits and residual
         d1 = x.dtype.type(m1)
         d0 = x.dtype.type(m0)
-        # pass 2 (the block is in cache): bits and residual
         for c0 in range(lo, hi, _CH):
             c1 = min(hi, c0 + _CH)
             m = c1 - c0
             if inplace:
-                nbad += _quantize_1bit(x[c0:c1], None, None, _win(e_in, c0, c1),
-                                       codes, d0, d1)
+                _quantize_1bit(x[c0:c1], None, None, _win(e_in, c0, c1), codes, d0, d1)
             else:
-                nbad += _quantize_1bit(x[c0:c1], _win(e_in, c0, c1),
-                                       _win(e_out, c0, c1), None, codes, d0, d1)
+                _quantize_1bit(x[c0:c1], _win(e_in, c0, c1), _win(e_out, c0, c1),
+                               None, codes, d0, d1)
             nw = (m + 7) // 8
             for j in range(m, 8 * nw):  # the tail is padded with 0
                 codes[j] = 0
@@ -695,13 +713,21 @@ def unpack_fp16(payload, out, accumulate):
 
 # ----------------------------------------------------------------------------
 @njit(**_JIT)
-def _count_nonfinite_range(x, i0, i1):
-    zero = x.dtype.type(0)
+def _count_nonfinite_sum(xs, es):
+    """Number of non-finite values of ``xs + es`` (``es`` may be None)."""
+    zero = xs.dtype.type(0)
     nbad = 0
-    for i in range(i0, i1):
-        v = x[i]
+    for i in range(xs.size):
+        v = xs[i]
+        if es is not None:
+            v = v + es[i]
         nbad += (v - v) != zero
     return nbad
+
+
+@njit(**_JIT)
+def _count_nonfinite_range(x, i0, i1):
+    return _count_nonfinite_sum(x[i0:i1], None)
 
 
 @njit(parallel=True, **_JIT)

@@ -78,39 +78,41 @@ def _u32_as_f32(typingctx, x):
 
 @njit(inline="always", **_JIT)
 def _f32_to_f16_bits(f):
-    """float32 -> IEEE binary16 bits, round to nearest even (as numpy)."""
+    """float32 -> IEEE binary16 bits, round to nearest even (as numpy).
+
+    All three cases (inf/NaN, subnormal, normal) are computed and one is
+    selected, without branches, so that loops over it vectorize.
+    """
     u = _f32_as_u32(f)
     sign = np.uint32((u >> np.uint32(16)) & np.uint32(0x8000))
     u = np.uint32(u & np.uint32(0x7FFFFFFF))
-    if u >= np.uint32(0x47800000):  # >= 65536: inf, or NaN
-        o = np.uint32(0x7E00) if u > np.uint32(0x7F800000) else np.uint32(0x7C00)
-    elif u < np.uint32(0x38800000):  # below the smallest normal half: subnormal
-        magic = np.uint32(0x3F000000)  # 0.5f: aligns the mantissa for rounding
-        o = _f32_as_u32(_u32_as_f32(u) + _u32_as_f32(magic)) - magic
-        o = np.uint32(o)
-    else:
-        odd = (u >> np.uint32(13)) & np.uint32(1)
-        u = np.uint32(u + np.uint32(0xC8000FFF) + odd)  # rebias, round half even
-        o = np.uint32(u >> np.uint32(13))
+    # >= 65536: inf, or NaN
+    o_big = np.uint32(0x7E00) if u > np.uint32(0x7F800000) else np.uint32(0x7C00)
+    # below the smallest normal half: subnormal; 0.5f aligns the mantissa
+    magic = np.uint32(0x3F000000)
+    o_sub = np.uint32(_f32_as_u32(_u32_as_f32(u) + _u32_as_f32(magic)) - magic)
+    odd = (u >> np.uint32(13)) & np.uint32(1)
+    o_norm = np.uint32(np.uint32(u + np.uint32(0xC8000FFF) + odd) >> np.uint32(13))
+    o = o_big if u >= np.uint32(0x47800000) else (
+        o_sub if u < np.uint32(0x38800000) else o_norm)
     return np.uint16(o | sign)
 
 
 @njit(inline="always", **_JIT)
 def _f16_bits_to_f32(h):
-    """IEEE binary16 bits -> float32 (exact)."""
+    """IEEE binary16 bits -> float32 (exact), branch-free (see above)."""
     h = np.uint32(h)
     u = np.uint32((h & np.uint32(0x7FFF)) << np.uint32(13))
     exp = np.uint32(u & np.uint32(0x0F800000))
     u = np.uint32(u + np.uint32(0x38000000))  # (127 - 15) << 23
-    if exp == np.uint32(0x0F800000):  # inf / NaN
-        f = _u32_as_f32(np.uint32(u + np.uint32(0x38000000)))
-    elif exp == 0:  # zero / subnormal
-        f = (_u32_as_f32(np.uint32(u + np.uint32(0x00800000)))
+    f_big = _u32_as_f32(np.uint32(u + np.uint32(0x38000000)))  # inf / NaN
+    f_sub = (_u32_as_f32(np.uint32(u + np.uint32(0x00800000)))  # zero / subnormal
              - _u32_as_f32(np.uint32(0x38800000)))
-    else:
-        f = _u32_as_f32(u)
+    f_norm = _u32_as_f32(u)
+    b = _f32_as_u32(f_big) if exp == np.uint32(0x0F800000) else (
+        _f32_as_u32(f_sub) if exp == 0 else _f32_as_u32(f_norm))
     sign = np.uint32((h & np.uint32(0x8000)) << np.uint32(16))
-    return _u32_as_f32(np.uint32(_f32_as_u32(f) | sign))
+    return _u32_as_f32(np.uint32(b | sign))
 
 
 # ----------------------------------------------------------------------------
@@ -580,32 +582,55 @@ def ternary_stream(seed, rank, call, stage):
 
 
 @njit(**_JIT)
-def _pack_ternary_range(x, e_in, e_out, out, scale, clip, stream, offset, b0, b1):
-    n = x.size
-    s = x.dtype.type(scale)
+def _quantize_ternary(xs, ei, eo, ep, codes, s, inv, clip, stream, offset, i0):
+    """Codes and residual of one chunk; ``i0`` is its first element's index."""
     neg_s = -s
     zero = s - s
+    for j in range(xs.size):
+        v = xs[j]
+        if ei is not None:
+            v = v + ei[j]
+        if ep is not None:
+            v = v + ep[j]
+        f = min(max(np.float64(v), -clip), clip)
+        i = i0 + j
+        h = _splitmix64(stream ^ (np.uint64(offset + i) * _GOLDEN))
+        u = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+        keep = u < abs(f) * inv
+        pos = keep & (f > 0.0)
+        neg = keep & (f < 0.0)
+        d = s if pos else (neg_s if neg else zero)
+        if eo is not None:
+            eo[j] = v - d
+        if ep is not None:
+            ep[j] = v - d
+        codes[j] = np.uint8(3) if pos else (np.uint8(2) if neg else np.uint8(0))
+
+
+@njit(**_JIT)
+def _pack_ternary_range(x, e_in, e_out, out, scale, clip, stream, offset, b0, b1):
+    s = x.dtype.type(scale)
     inv = 1.0 / scale if scale > 0.0 else 0.0
+    i0 = 4 * b0
+    i1 = min(x.size, 4 * b1)
+    codes = np.zeros(_CH, np.uint8)
+    words = codes.view(np.uint32)
+    inplace = _same(e_in, e_out)
     nbad = 0
-    for k in range(b0, b1):
-        byte = 0
-        for j in range(min(4, n - 4 * k)):
-            i = 4 * k + j
-            v = x[i]
-            if e_in is not None:
-                v = v + e_in[i]
-            f = min(max(np.float64(v), -clip), clip)
-            h = _splitmix64(stream ^ (np.uint64(offset + i) * _GOLDEN))
-            u = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
-            keep = u < abs(f) * inv
-            pos = keep and f > 0.0
-            neg = keep and f < 0.0
-            d = s if pos else (neg_s if neg else zero)
-            if e_out is not None:
-                e_out[i] = v - d
-            nbad += (v - v) != zero
-            byte |= ((3 if pos else (2 if neg else 0)) << (6 - 2 * j))
-        out[k] = byte
+    for c0 in range(i0, i1, _CH):
+        c1 = min(i1, c0 + _CH)
+        m = c1 - c0
+        nbad += _count_nonfinite_sum(x[c0:c1], _win(e_in, c0, c1))
+        if inplace:
+            _quantize_ternary(x[c0:c1], None, None, _win(e_in, c0, c1), codes, s, inv,
+                              clip, stream, offset, c0)
+        else:
+            _quantize_ternary(x[c0:c1], _win(e_in, c0, c1), _win(e_out, c0, c1), None,
+                              codes, s, inv, clip, stream, offset, c0)
+        nw = (m + 3) // 4
+        for j in range(m, 4 * nw):  # the tail is padded with 00
+            codes[j] = 0
+        _codes_to_2bit(words, out[c0 // 4:c0 // 4 + nw])
     return nbad
 
 
@@ -645,19 +670,34 @@ def pack_ternary(x, e_in, e_out, out, scale, clip, stream, offset):
 # fp16: IEEE half on the wire
 # ----------------------------------------------------------------------------
 @njit(**_JIT)
-def _pack_fp16_range(x, e_in, e_out, out, divisor, i0, i1):
-    zero = x.dtype.type(0)
-    dv = x.dtype.type(divisor)
-    nbad = 0
-    for i in range(i0, i1):
-        v = x[i]
-        if e_in is not None:
-            v = v + e_in[i]
+def _quantize_fp16(xs, ei, eo, ep, hs, dv):
+    for i in range(xs.size):
+        v = xs[i]
+        if ei is not None:
+            v = v + ei[i]
+        if ep is not None:
+            v = v + ep[i]
         h = _f32_to_f16_bits(np.float32(v / dv))
-        out[i] = h
-        if e_out is not None:
-            e_out[i] = v - x.dtype.type(_f16_bits_to_f32(h)) * dv
-        nbad += (v - v) != zero
+        hs[i] = h
+        if eo is not None:
+            eo[i] = v - xs.dtype.type(_f16_bits_to_f32(h)) * dv
+        if ep is not None:
+            ep[i] = v - xs.dtype.type(_f16_bits_to_f32(h)) * dv
+
+
+@njit(**_JIT)
+def _pack_fp16_range(x, e_in, e_out, out, divisor, i0, i1):
+    dv = x.dtype.type(divisor)
+    inplace = _same(e_in, e_out)
+    nbad = 0
+    for c0 in range(i0, i1, _CH):
+        c1 = min(i1, c0 + _CH)
+        nbad += _count_nonfinite_sum(x[c0:c1], _win(e_in, c0, c1))
+        if inplace:
+            _quantize_fp16(x[c0:c1], None, None, _win(e_in, c0, c1), out[c0:c1], dv)
+        else:
+            _quantize_fp16(x[c0:c1], _win(e_in, c0, c1), _win(e_out, c0, c1), None,
+                           out[c0:c1], dv)
     return nbad
 
 
@@ -674,12 +714,14 @@ def _pack_fp16_par(x, e_in, e_out, out, divisor, nchunks):
 
 @njit(**_JIT)
 def _unpack_fp16_range(payload, out, accumulate, i0, i1):
+    hs = payload[i0:i1]
+    os = out[i0:i1]
     if accumulate:
-        for i in range(i0, i1):
-            out[i] += _f16_bits_to_f32(payload[i])
+        for i in range(os.size):
+            os[i] += _f16_bits_to_f32(hs[i])
     else:
-        for i in range(i0, i1):
-            out[i] = _f16_bits_to_f32(payload[i])
+        for i in range(os.size):
+            os[i] = _f16_bits_to_f32(hs[i])
 
 
 @njit(parallel=True, **_JIT)

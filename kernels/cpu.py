@@ -510,21 +510,30 @@ def unpack_1bit(bits, means, out, block_size, accumulate):
 # terngrad: statistics, then stochastic ternary codes in the 2bit layout
 # ----------------------------------------------------------------------------
 @njit(**_JIT)
-def _stats_range(x, e_in, i0, i1):
+def _stats_sums(xs, es):
+    # The float64 sums run sequentially in element order (that order is part
+    # of the results), so this loop is bound by the latency of the additions.
     s = 0.0
     ss = 0.0
     amax = 0.0
-    nbad = 0
-    for i in range(i0, i1):
-        v = x[i]
-        if e_in is not None:
-            v = v + e_in[i]
+    for i in range(xs.size):
+        v = xs[i]
+        if es is not None:
+            v = v + es[i]
         f = np.float64(v)
         s += f
         ss += f * f
         a = abs(f)
         amax = a if a > amax else amax
-        nbad += (f - f) != 0.0
+    return s, ss, amax
+
+
+@njit(**_JIT)
+def _stats_range(x, e_in, i0, i1):
+    s, ss, amax = _stats_sums(x[i0:i1], _win(e_in, i0, i1))
+    nbad = 0
+    if not np.isfinite(ss):  # a non-finite v makes the sum of squares inf or NaN
+        nbad = _count_nonfinite_sum(x[i0:i1], _win(e_in, i0, i1))
     return s, ss, amax, nbad
 
 

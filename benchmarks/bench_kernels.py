@@ -6,7 +6,8 @@ a table: kernel, milliseconds, GB/s (bytes the kernel must read and write,
 divided by the time) and the ratio to ``numpy.add(x, e, out=y)`` on a buffer of
 the same size, measured in the same run. ``numpy.add`` reads two arrays and
 writes one, which is what a fused "quantize x + e, write the residual" kernel
-has to do, so it stands for memory speed.
+has to do, so it stands for memory speed. The "(e_out new)" rows write the
+residual to a second buffer (double buffering), one more stream than in place.
 
 Run::
 
@@ -60,6 +61,7 @@ def main(argv=None):
     g = rng.standard_normal(n).astype(dt)
     e0 = (rng.standard_normal(n) * 0.3).astype(dt)
     e = e0.copy()
+    e_new = np.empty_like(e0)  # double-buffered residual (e_out is not e_in)
     y = np.empty_like(g)
     acc = np.zeros_like(g)
     nbytes = n * dt.itemsize
@@ -86,10 +88,14 @@ def main(argv=None):
     cases = [
         ("2bit pack+EF (in place)", lambda: cpu.pack_2bit(g, e, e, p2, t),
          3 * nbytes + n // 4),
+        ("2bit pack+EF (e_out new)", lambda: cpu.pack_2bit(g, e, e_new, p2, t),
+         4 * nbytes + n // 4),
         ("2bit decode+accumulate", lambda: cpu.unpack_2bit(p2, acc, t, True),
          2 * nbytes + n // 4),
         ("1bit pack+EF (in place)", lambda: cpu.pack_1bit(g, e, e, p1, means, bs),
          3 * nbytes + n // 8),
+        ("1bit pack+EF (e_out new)",
+         lambda: cpu.pack_1bit(g, e, e_new, p1, means, bs), 4 * nbytes + n // 8),
         ("1bit decode+accumulate", lambda: cpu.unpack_1bit(p1, means, acc, bs, True),
          2 * nbytes + n // 8),
         ("terngrad stats", stats, 2 * nbytes),

@@ -23,7 +23,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 __all__ = [
     "pack_2bit", "unpack_2bit",
@@ -78,81 +78,172 @@ def _u32_as_f32(typingctx, x):
 
 @njit(inline="always", **_JIT)
 def _f32_to_f16_bits(f):
-    """float32 -> IEEE binary16 bits, round to nearest even (as numpy)."""
+    """float32 -> IEEE binary16 bits, round to nearest even (as numpy).
+
+    All three cases (inf/NaN, subnormal, normal) are computed and one is
+    selected, without branches, so that loops over it vectorize.
+    """
     u = _f32_as_u32(f)
     sign = np.uint32((u >> np.uint32(16)) & np.uint32(0x8000))
     u = np.uint32(u & np.uint32(0x7FFFFFFF))
-    if u >= np.uint32(0x47800000):  # >= 65536: inf, or NaN
-        o = np.uint32(0x7E00) if u > np.uint32(0x7F800000) else np.uint32(0x7C00)
-    elif u < np.uint32(0x38800000):  # below the smallest normal half: subnormal
-        magic = np.uint32(0x3F000000)  # 0.5f: aligns the mantissa for rounding
-        o = _f32_as_u32(_u32_as_f32(u) + _u32_as_f32(magic)) - magic
-        o = np.uint32(o)
-    else:
-        odd = (u >> np.uint32(13)) & np.uint32(1)
-        u = np.uint32(u + np.uint32(0xC8000FFF) + odd)  # rebias, round half even
-        o = np.uint32(u >> np.uint32(13))
+    # >= 65536: inf, or NaN
+    o_big = np.uint32(0x7E00) if u > np.uint32(0x7F800000) else np.uint32(0x7C00)
+    # below the smallest normal half: subnormal; 0.5f aligns the mantissa
+    magic = np.uint32(0x3F000000)
+    o_sub = np.uint32(_f32_as_u32(_u32_as_f32(u) + _u32_as_f32(magic)) - magic)
+    odd = (u >> np.uint32(13)) & np.uint32(1)
+    o_norm = np.uint32(np.uint32(u + np.uint32(0xC8000FFF) + odd) >> np.uint32(13))
+    o = o_big if u >= np.uint32(0x47800000) else (
+        o_sub if u < np.uint32(0x38800000) else o_norm)
     return np.uint16(o | sign)
 
 
 @njit(inline="always", **_JIT)
 def _f16_bits_to_f32(h):
-    """IEEE binary16 bits -> float32 (exact)."""
+    """IEEE binary16 bits -> float32 (exact), branch-free (see above)."""
     h = np.uint32(h)
     u = np.uint32((h & np.uint32(0x7FFF)) << np.uint32(13))
     exp = np.uint32(u & np.uint32(0x0F800000))
     u = np.uint32(u + np.uint32(0x38000000))  # (127 - 15) << 23
-    if exp == np.uint32(0x0F800000):  # inf / NaN
-        f = _u32_as_f32(np.uint32(u + np.uint32(0x38000000)))
-    elif exp == 0:  # zero / subnormal
-        f = (_u32_as_f32(np.uint32(u + np.uint32(0x00800000)))
+    f_big = _u32_as_f32(np.uint32(u + np.uint32(0x38000000)))  # inf / NaN
+    f_sub = (_u32_as_f32(np.uint32(u + np.uint32(0x00800000)))  # zero / subnormal
              - _u32_as_f32(np.uint32(0x38800000)))
-    else:
-        f = _u32_as_f32(u)
+    f_norm = _u32_as_f32(u)
+    b = _f32_as_u32(f_big) if exp == np.uint32(0x0F800000) else (
+        _f32_as_u32(f_sub) if exp == 0 else _f32_as_u32(f_norm))
     sign = np.uint32((h & np.uint32(0x8000)) << np.uint32(16))
-    return _u32_as_f32(np.uint32(_f32_as_u32(f) | sign))
+    return _u32_as_f32(np.uint32(b | sign))
+
+
+# ----------------------------------------------------------------------------
+# helpers for the chunked kernels
+# ----------------------------------------------------------------------------
+# How the kernels reach memory speed: every kernel walks its range in chunks of
+# _CH elements. Per chunk, one flat loop over slices (indices start at 0, so
+# Numba's negative-index wraparound folds away, and nothing in the loop body
+# branches) computes the values, the residual and a small uint8 code per
+# element in a scratch buffer that stays in L1; a second flat loop converts the
+# codes to or from the packed bytes with word arithmetic on a uint32 / uint64
+# view of the scratch (little-endian byte order, as on every platform numba
+# targets). Both loops vectorize. The arithmetic per element is exactly that of
+# the scalar formulation, so results do not change.
+
+_CH = 4096  # elements per chunk (a multiple of 8)
+
+
+def _win(a, lo, hi):
+    """``a[lo:hi]``, or ``None`` for ``None`` (resolved at compile time)."""
+    return None if a is None else a[lo:hi]
+
+
+@overload(_win, inline="always")
+def _win_impl(a, lo, hi):
+    if isinstance(a, types.NoneType):
+        return lambda a, lo, hi: None
+    return lambda a, lo, hi: a[lo:hi]
+
+
+def _same(a, b):
+    """Whether ``a`` and ``b`` are the same buffer (in-place residual)."""
+    return a is not None and b is not None and a.ctypes.data == b.ctypes.data
+
+
+@overload(_same, inline="always")
+def _same_impl(a, b):
+    if isinstance(a, types.NoneType) or isinstance(b, types.NoneType):
+        return lambda a, b: False
+    return lambda a, b: a.ctypes.data == b.ctypes.data and a.size == b.size
+
+
+# An in-place residual (e_out is e_in) is passed to the chunk loops as one
+# array ``ep`` that is read and then written at the same index: through two
+# distinct array arguments LLVM would have to assume overlap and fall back to
+# its scalar loop whenever the buffers are the same.
+
+_U32 = np.uint32
+_U64 = np.uint64
+
+
+@njit(inline="always", **_JIT)
+def _codes_to_2bit(words, ob):
+    """ob[k] = the byte of the four codes in words[k] (code j in byte j)."""
+    for k in range(ob.size):
+        w = words[k]
+        ob[k] = np.uint8(((w << _U32(6)) | (w >> _U32(4)) | (w >> _U32(14))
+                          | (w >> _U32(24))) & _U32(0xFF))
+
+
+@njit(inline="always", **_JIT)
+def _2bit_to_codes(pb, words):
+    """words[k] = the four codes of byte pb[k], code j in byte j."""
+    for k in range(pb.size):
+        b = _U32(pb[k])
+        words[k] = _U32((b >> _U32(6)) | ((b << _U32(4)) & _U32(0x300))
+                        | ((b << _U32(14)) & _U32(0x30000))
+                        | ((b << _U32(24)) & _U32(0x3000000)))
+
+
+@njit(inline="always", **_JIT)
+def _codes_to_1bit(words, ob):
+    """ob[k] = the 8 flags (0/1) of words[k], flag j in bit 7 - j."""
+    for k in range(ob.size):
+        ob[k] = np.uint8((words[k] * _U64(0x8040201008040201)) >> _U64(56))
+
+
+@njit(inline="always", **_JIT)
+def _1bit_to_codes(pb, words):
+    """words[k]: byte j nonzero iff bit 7 - j of pb[k] is set."""
+    for k in range(pb.size):
+        words[k] = ((_U64(pb[k]) * _U64(0x0101010101010101))
+                    & _U64(0x0102040810204080))
 
 
 # ----------------------------------------------------------------------------
 # 2bit (MXNet layout): byte k holds elements 4k..4k+3, element 0 in bits 7-6
 # ----------------------------------------------------------------------------
 @njit(**_JIT)
-def _pack_2bit_range(x, e_in, e_out, out, t, b0, b1):
-    n = x.size
+def _quantize_2bit(xs, ei, eo, ep, codes, t):
     neg_t = -t
     zero = t - t
     nbad = 0
-    full = min(b1, n // 4)
-    for k in range(b0, full):
-        byte = 0
-        for j in range(4):
-            i = 4 * k + j
-            v = x[i]
-            if e_in is not None:
-                v = v + e_in[i]
-            pos = v >= t
-            neg = v <= neg_t
-            d = t if pos else (neg_t if neg else zero)
-            if e_out is not None:
-                e_out[i] = v - d
-            nbad += (v - v) != zero
-            byte |= ((3 if pos else (2 if neg else 0)) << (6 - 2 * j))
-        out[k] = byte
-    for k in range(max(b0, full), b1):  # the last, partial byte
-        byte = 0
-        for j in range(n - 4 * k):
-            i = 4 * k + j
-            v = x[i]
-            if e_in is not None:
-                v = v + e_in[i]
-            pos = v >= t
-            neg = v <= neg_t
-            d = t if pos else (neg_t if neg else zero)
-            if e_out is not None:
-                e_out[i] = v - d
-            nbad += (v - v) != zero
-            byte |= ((3 if pos else (2 if neg else 0)) << (6 - 2 * j))
-        out[k] = byte
+    for i in range(xs.size):
+        v = xs[i]
+        if ei is not None:
+            v = v + ei[i]
+        if ep is not None:
+            v = v + ep[i]
+        pos = v >= t
+        neg = v <= neg_t
+        d = t if pos else (neg_t if neg else zero)
+        if eo is not None:
+            eo[i] = v - d
+        if ep is not None:
+            ep[i] = v - d
+        nbad += (v - v) != zero
+        codes[i] = np.uint8(3) if pos else (np.uint8(2) if neg else np.uint8(0))
+    return nbad
+
+
+@njit(**_JIT)
+def _pack_2bit_range(x, e_in, e_out, out, t, b0, b1):
+    i0 = 4 * b0
+    i1 = min(x.size, 4 * b1)
+    codes = np.zeros(_CH, np.uint8)
+    words = codes.view(np.uint32)
+    inplace = _same(e_in, e_out)
+    nbad = 0
+    for c0 in range(i0, i1, _CH):
+        c1 = min(i1, c0 + _CH)
+        m = c1 - c0
+        if inplace:
+            nbad += _quantize_2bit(x[c0:c1], None, None, _win(e_in, c0, c1), codes, t)
+        else:
+            nbad += _quantize_2bit(x[c0:c1], _win(e_in, c0, c1), _win(e_out, c0, c1),
+                                   None, codes, t)
+        nw = (m + 3) // 4
+        for j in range(m, 4 * nw):  # the tail is padded with 00
+            codes[j] = 0
+        _codes_to_2bit(words, out[c0 // 4:c0 // 4 + nw])
     return nbad
 
 
@@ -169,31 +260,24 @@ def _pack_2bit_par(x, e_in, e_out, out, t, nchunks):
 
 @njit(**_JIT)
 def _unpack_2bit_range(payload, out, t, accumulate, b0, b1):
-    n = out.size
     neg_t = -t
     zero = t - t
-    full = min(b1, n // 4)
-    if accumulate:
-        for k in range(b0, full):
-            byte = payload[k]
-            for j in range(4):
-                c = (byte >> (6 - 2 * j)) & 3
-                out[4 * k + j] += t if c == 3 else (neg_t if c == 2 else zero)
-    else:
-        for k in range(b0, full):
-            byte = payload[k]
-            for j in range(4):
-                c = (byte >> (6 - 2 * j)) & 3
-                out[4 * k + j] = t if c == 3 else (neg_t if c == 2 else zero)
-    for k in range(max(b0, full), b1):
-        byte = payload[k]
-        for j in range(n - 4 * k):
-            c = (byte >> (6 - 2 * j)) & 3
-            d = t if c == 3 else (neg_t if c == 2 else zero)
-            if accumulate:
-                out[4 * k + j] += d
-            else:
-                out[4 * k + j] = d
+    i0 = 4 * b0
+    i1 = min(out.size, 4 * b1)
+    codes = np.empty(_CH, np.uint8)
+    words = codes.view(np.uint32)
+    for c0 in range(i0, i1, _CH):
+        c1 = min(i1, c0 + _CH)
+        _2bit_to_codes(payload[c0 // 4:(c1 + 3) // 4], words)
+        os = out[c0:c1]
+        if accumulate:
+            for i in range(os.size):
+                c = codes[i]
+                os[i] += t if c == 3 else (neg_t if c == 2 else zero)
+        else:
+            for i in range(os.size):
+                c = codes[i]
+                os[i] = t if c == 3 else (neg_t if c == 2 else zero)
 
 
 @njit(parallel=True, **_JIT)
@@ -235,61 +319,124 @@ def unpack_2bit(payload, out, threshold, accumulate):
 # (mean of the bit-0 elements, mean of the bit-1 elements) as float32
 # ----------------------------------------------------------------------------
 @njit(**_JIT)
+def _lane_sums_1bit(xb, eb, sp, sn, cp):
+    """Add the elements of one block to the lane sums: lane l gets elements
+    l, l + LANES, ... in this order; ``cp[l]`` counts its elements with bit 1
+    (int32: a narrow, vectorizable count)."""
+    zero = xb.dtype.type(0)
+    ng = xb.size // LANES
+    x2 = xb[:ng * LANES].reshape((ng, LANES))
+    e2 = None if eb is None else eb[:ng * LANES].reshape((ng, LANES))
+    g = 0
+    # two whole groups per step (constant inner trip count: the lanes are
+    # vectorized); each lane still adds its elements one by one, in order
+    while g + 2 <= ng:
+        for l in range(LANES):
+            v0 = x2[g, l]
+            v1 = x2[g + 1, l]
+            if e2 is not None:
+                v0 = v0 + e2[g, l]
+                v1 = v1 + e2[g + 1, l]
+            p0 = v0 >= zero
+            p1 = v1 >= zero
+            f0 = np.float64(v0)
+            f1 = np.float64(v1)
+            sp[l] = (sp[l] + (f0 if p0 else 0.0)) + (f1 if p1 else 0.0)
+            sn[l] = (sn[l] + (0.0 if p0 else f0)) + (0.0 if p1 else f1)
+            cp[l] += np.int32(p0) + np.int32(p1)
+        g += 2
+    while g < ng:
+        for l in range(LANES):
+            v = x2[g, l]
+            if e2 is not None:
+                v = v + e2[g, l]
+            p = v >= zero
+            f = np.float64(v)
+            sp[l] += f if p else 0.0
+            sn[l] += 0.0 if p else f
+            cp[l] += np.int32(p)
+        g += 1
+    for l in range(xb.size - ng * LANES):  # the partial group
+        v = xb[ng * LANES + l]
+        if eb is not None:
+            v = v + eb[ng * LANES + l]
+        p = v >= zero
+        f = np.float64(v)
+        sp[l] += f if p else 0.0
+        sn[l] += 0.0 if p else f
+        cp[l] += np.int32(p)
+
+
+@njit(**_JIT)
+def _quantize_1bit(xs, ei, eo, ep, codes, d0, d1):
+    zero = xs.dtype.type(0)
+    for i in range(xs.size):
+        v = xs[i]
+        if ei is not None:
+            v = v + ei[i]
+        if ep is not None:
+            v = v + ep[i]
+        p = v >= zero
+        if eo is not None:
+            eo[i] = v - (d1 if p else d0)
+        if ep is not None:
+            ep[i] = v - (d1 if p else d0)
+        codes[i] = np.uint8(p)
+
+
+@njit(**_JIT)
 def _pack_1bit_range(x, e_in, e_out, bits, means, block, k0, k1):
     n = x.size
-    zero = x.dtype.type(0)
     sp = np.empty(LANES, np.float64)
     sn = np.empty(LANES, np.float64)
-    cp = np.empty(LANES, np.int64)
+    cp = np.empty(LANES, np.int32)
+    codes = np.zeros(_CH, np.uint8)
+    words = codes.view(np.uint64)
+    inplace = _same(e_in, e_out)
     nbad = 0
     for k in range(k0, k1):
         lo = k * block
         hi = min(n, lo + block)
         # pass 1: the block's class sums in the canonical order: lane l sums
         # elements lo+l, lo+l+32, ... sequentially, then a pairwise tree
+        sp[:] = 0.0
+        sn[:] = 0.0
+        cp[:] = 0
+        _lane_sums_1bit(x[lo:hi], _win(e_in, lo, hi), sp, sn, cp)
+        npos = 0
         for l in range(LANES):
-            sp[l] = 0.0
-            sn[l] = 0.0
-            cp[l] = 0
-        for base in range(lo, hi, LANES):
-            for l in range(min(LANES, hi - base)):
-                v = x[base + l]
-                if e_in is not None:
-                    v = v + e_in[base + l]
-                p = v >= zero
-                f = np.float64(v)
-                sp[l] += f if p else 0.0
-                sn[l] += 0.0 if p else f
-                cp[l] += p
+            npos += cp[l]
         s = LANES // 2
         while s > 0:
             for l in range(s):
                 sp[l] += sp[l + s]
                 sn[l] += sn[l + s]
-                cp[l] += cp[l + s]
             s //= 2
-        npos = cp[0]
         nneg = (hi - lo) - npos
         m1 = np.float32(sp[0] / npos) if npos > 0 else np.float32(0.0)
         m0 = np.float32(sn[0] / nneg) if nneg > 0 else np.float32(0.0)
         means[2 * k] = m0
         means[2 * k + 1] = m1
+        # A non-finite v makes a class sum non-finite (+inf goes to the bit-1
+        # sum, which only grows; -inf and NaN to the bit-0 sum), so the exact
+        # count is needed only then (or after an overflow of finite values).
+        if not (np.isfinite(sp[0]) and np.isfinite(sn[0])):
+            nbad += _count_nonfinite_sum(x[lo:hi], _win(e_in, lo, hi))
+        # pass 2 (the block is in cache): bits and residual
         d1 = x.dtype.type(m1)
         d0 = x.dtype.type(m0)
-        # pass 2 (the block is in cache): bits and residual
-        for b in range(lo // 8, (hi + 7) // 8):
-            byte = 0
-            for j in range(min(8, hi - 8 * b)):
-                i = 8 * b + j
-                v = x[i]
-                if e_in is not None:
-                    v = v + e_in[i]
-                p = v >= zero
-                if e_out is not None:
-                    e_out[i] = v - (d1 if p else d0)
-                nbad += (v - v) != zero
-                byte |= (1 if p else 0) << (7 - j)
-            bits[b] = byte
+        for c0 in range(lo, hi, _CH):
+            c1 = min(hi, c0 + _CH)
+            m = c1 - c0
+            if inplace:
+                _quantize_1bit(x[c0:c1], None, None, _win(e_in, c0, c1), codes, d0, d1)
+            else:
+                _quantize_1bit(x[c0:c1], _win(e_in, c0, c1), _win(e_out, c0, c1),
+                               None, codes, d0, d1)
+            nw = (m + 7) // 8
+            for j in range(m, 8 * nw):  # the tail is padded with 0
+                codes[j] = 0
+            _codes_to_1bit(words, bits[c0 // 8:c0 // 8 + nw])
     return nbad
 
 
@@ -308,19 +455,23 @@ def _pack_1bit_par(x, e_in, e_out, bits, means, block, nchunks):
 @njit(**_JIT)
 def _unpack_1bit_range(bits, means, out, block, accumulate, k0, k1):
     n = out.size
+    codes = np.empty(_CH, np.uint8)
+    words = codes.view(np.uint64)
     for k in range(k0, k1):
         lo = k * block
         hi = min(n, lo + block)
         d0 = out.dtype.type(means[2 * k])
         d1 = out.dtype.type(means[2 * k + 1])
-        for b in range(lo // 8, (hi + 7) // 8):
-            byte = bits[b]
+        for c0 in range(lo, hi, _CH):
+            c1 = min(hi, c0 + _CH)
+            _1bit_to_codes(bits[c0 // 8:(c1 + 7) // 8], words)
+            os = out[c0:c1]
             if accumulate:
-                for j in range(min(8, hi - 8 * b)):
-                    out[8 * b + j] += d1 if (byte >> (7 - j)) & 1 else d0
+                for i in range(os.size):
+                    os[i] += d1 if codes[i] != 0 else d0
             else:
-                for j in range(min(8, hi - 8 * b)):
-                    out[8 * b + j] = d1 if (byte >> (7 - j)) & 1 else d0
+                for i in range(os.size):
+                    os[i] = d1 if codes[i] != 0 else d0
 
 
 @njit(parallel=True, **_JIT)
@@ -359,21 +510,30 @@ def unpack_1bit(bits, means, out, block_size, accumulate):
 # terngrad: statistics, then stochastic ternary codes in the 2bit layout
 # ----------------------------------------------------------------------------
 @njit(**_JIT)
-def _stats_range(x, e_in, i0, i1):
+def _stats_sums(xs, es):
+    # The float64 sums run sequentially in element order (that order is part
+    # of the results), so this loop is bound by the latency of the additions.
     s = 0.0
     ss = 0.0
     amax = 0.0
-    nbad = 0
-    for i in range(i0, i1):
-        v = x[i]
-        if e_in is not None:
-            v = v + e_in[i]
+    for i in range(xs.size):
+        v = xs[i]
+        if es is not None:
+            v = v + es[i]
         f = np.float64(v)
         s += f
         ss += f * f
         a = abs(f)
         amax = a if a > amax else amax
-        nbad += (f - f) != 0.0
+    return s, ss, amax
+
+
+@njit(**_JIT)
+def _stats_range(x, e_in, i0, i1):
+    s, ss, amax = _stats_sums(x[i0:i1], _win(e_in, i0, i1))
+    nbad = 0
+    if not np.isfinite(ss):  # a non-finite v makes the sum of squares inf or NaN
+        nbad = _count_nonfinite_sum(x[i0:i1], _win(e_in, i0, i1))
     return s, ss, amax, nbad
 
 
@@ -431,32 +591,55 @@ def ternary_stream(seed, rank, call, stage):
 
 
 @njit(**_JIT)
-def _pack_ternary_range(x, e_in, e_out, out, scale, clip, stream, offset, b0, b1):
-    n = x.size
-    s = x.dtype.type(scale)
+def _quantize_ternary(xs, ei, eo, ep, codes, s, inv, clip, stream, offset, i0):
+    """Codes and residual of one chunk; ``i0`` is its first element's index."""
     neg_s = -s
     zero = s - s
+    for j in range(xs.size):
+        v = xs[j]
+        if ei is not None:
+            v = v + ei[j]
+        if ep is not None:
+            v = v + ep[j]
+        f = min(max(np.float64(v), -clip), clip)
+        i = i0 + j
+        h = _splitmix64(stream ^ (np.uint64(offset + i) * _GOLDEN))
+        u = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+        keep = u < abs(f) * inv
+        pos = keep & (f > 0.0)
+        neg = keep & (f < 0.0)
+        d = s if pos else (neg_s if neg else zero)
+        if eo is not None:
+            eo[j] = v - d
+        if ep is not None:
+            ep[j] = v - d
+        codes[j] = np.uint8(3) if pos else (np.uint8(2) if neg else np.uint8(0))
+
+
+@njit(**_JIT)
+def _pack_ternary_range(x, e_in, e_out, out, scale, clip, stream, offset, b0, b1):
+    s = x.dtype.type(scale)
     inv = 1.0 / scale if scale > 0.0 else 0.0
+    i0 = 4 * b0
+    i1 = min(x.size, 4 * b1)
+    codes = np.zeros(_CH, np.uint8)
+    words = codes.view(np.uint32)
+    inplace = _same(e_in, e_out)
     nbad = 0
-    for k in range(b0, b1):
-        byte = 0
-        for j in range(min(4, n - 4 * k)):
-            i = 4 * k + j
-            v = x[i]
-            if e_in is not None:
-                v = v + e_in[i]
-            f = min(max(np.float64(v), -clip), clip)
-            h = _splitmix64(stream ^ (np.uint64(offset + i) * _GOLDEN))
-            u = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
-            keep = u < abs(f) * inv
-            pos = keep and f > 0.0
-            neg = keep and f < 0.0
-            d = s if pos else (neg_s if neg else zero)
-            if e_out is not None:
-                e_out[i] = v - d
-            nbad += (v - v) != zero
-            byte |= ((3 if pos else (2 if neg else 0)) << (6 - 2 * j))
-        out[k] = byte
+    for c0 in range(i0, i1, _CH):
+        c1 = min(i1, c0 + _CH)
+        m = c1 - c0
+        nbad += _count_nonfinite_sum(x[c0:c1], _win(e_in, c0, c1))
+        if inplace:
+            _quantize_ternary(x[c0:c1], None, None, _win(e_in, c0, c1), codes, s, inv,
+                              clip, stream, offset, c0)
+        else:
+            _quantize_ternary(x[c0:c1], _win(e_in, c0, c1), _win(e_out, c0, c1), None,
+                              codes, s, inv, clip, stream, offset, c0)
+        nw = (m + 3) // 4
+        for j in range(m, 4 * nw):  # the tail is padded with 00
+            codes[j] = 0
+        _codes_to_2bit(words, out[c0 // 4:c0 // 4 + nw])
     return nbad
 
 
@@ -496,19 +679,34 @@ def pack_ternary(x, e_in, e_out, out, scale, clip, stream, offset):
 # fp16: IEEE half on the wire
 # ----------------------------------------------------------------------------
 @njit(**_JIT)
-def _pack_fp16_range(x, e_in, e_out, out, divisor, i0, i1):
-    zero = x.dtype.type(0)
-    dv = x.dtype.type(divisor)
-    nbad = 0
-    for i in range(i0, i1):
-        v = x[i]
-        if e_in is not None:
-            v = v + e_in[i]
+def _quantize_fp16(xs, ei, eo, ep, hs, dv):
+    for i in range(xs.size):
+        v = xs[i]
+        if ei is not None:
+            v = v + ei[i]
+        if ep is not None:
+            v = v + ep[i]
         h = _f32_to_f16_bits(np.float32(v / dv))
-        out[i] = h
-        if e_out is not None:
-            e_out[i] = v - x.dtype.type(_f16_bits_to_f32(h)) * dv
-        nbad += (v - v) != zero
+        hs[i] = h
+        if eo is not None:
+            eo[i] = v - xs.dtype.type(_f16_bits_to_f32(h)) * dv
+        if ep is not None:
+            ep[i] = v - xs.dtype.type(_f16_bits_to_f32(h)) * dv
+
+
+@njit(**_JIT)
+def _pack_fp16_range(x, e_in, e_out, out, divisor, i0, i1):
+    dv = x.dtype.type(divisor)
+    inplace = _same(e_in, e_out)
+    nbad = 0
+    for c0 in range(i0, i1, _CH):
+        c1 = min(i1, c0 + _CH)
+        nbad += _count_nonfinite_sum(x[c0:c1], _win(e_in, c0, c1))
+        if inplace:
+            _quantize_fp16(x[c0:c1], None, None, _win(e_in, c0, c1), out[c0:c1], dv)
+        else:
+            _quantize_fp16(x[c0:c1], _win(e_in, c0, c1), _win(e_out, c0, c1), None,
+                           out[c0:c1], dv)
     return nbad
 
 
@@ -525,12 +723,14 @@ def _pack_fp16_par(x, e_in, e_out, out, divisor, nchunks):
 
 @njit(**_JIT)
 def _unpack_fp16_range(payload, out, accumulate, i0, i1):
+    hs = payload[i0:i1]
+    os = out[i0:i1]
     if accumulate:
-        for i in range(i0, i1):
-            out[i] += _f16_bits_to_f32(payload[i])
+        for i in range(os.size):
+            os[i] += _f16_bits_to_f32(hs[i])
     else:
-        for i in range(i0, i1):
-            out[i] = _f16_bits_to_f32(payload[i])
+        for i in range(os.size):
+            os[i] = _f16_bits_to_f32(hs[i])
 
 
 @njit(parallel=True, **_JIT)
@@ -564,13 +764,21 @@ def unpack_fp16(payload, out, accumulate):
 
 # ----------------------------------------------------------------------------
 @njit(**_JIT)
-def _count_nonfinite_range(x, i0, i1):
-    zero = x.dtype.type(0)
+def _count_nonfinite_sum(xs, es):
+    """Number of non-finite values of ``xs + es`` (``es`` may be None)."""
+    zero = xs.dtype.type(0)
     nbad = 0
-    for i in range(i0, i1):
-        v = x[i]
+    for i in range(xs.size):
+        v = xs[i]
+        if es is not None:
+            v = v + es[i]
         nbad += (v - v) != zero
     return nbad
+
+
+@njit(**_JIT)
+def _count_nonfinite_range(x, i0, i1):
+    return _count_nonfinite_sum(x[i0:i1], None)
 
 
 @njit(parallel=True, **_JIT)

@@ -43,10 +43,26 @@ PARALLEL_MIN_ELEMENTS = 1 << 18
 LANES = 32  # canonical summation order of the 1bit block sums (see _block_sums)
 
 
+_max_threads = None
+
+
+def set_max_threads(k):
+    """Cap the threads of the parallel kernels at ``k`` (None: Numba's own
+    setting). Numba's thread count is per calling thread; the cap is applied
+    in whichever thread calls a kernel."""
+    global _max_threads
+    _max_threads = None if k is None else max(1, int(k))
+
+
 def _nchunks(n):
     """How many parallel chunks to cut ``n`` elements into (1 = serial)."""
+    if n < PARALLEL_MIN_ELEMENTS:
+        return 1
     threads = numba.get_num_threads()
-    if threads <= 1 or n < PARALLEL_MIN_ELEMENTS:
+    if _max_threads is not None and threads > _max_threads:
+        numba.set_num_threads(_max_threads)
+        threads = _max_threads
+    if threads <= 1:
         return 1
     return threads * 4
 
@@ -528,37 +544,57 @@ def _stats_sums(xs, es):
     return s, ss, amax
 
 
+#: stats sums blocks of this many elements, then the block sums in order, so
+#: its results do not depend on the number of threads
+STATS_BLOCK = 1 << 16
+
+
 @njit(**_JIT)
-def _stats_range(x, e_in, i0, i1):
-    s, ss, amax = _stats_sums(x[i0:i1], _win(e_in, i0, i1))
-    nbad = 0
-    if not np.isfinite(ss):  # a non-finite v makes the sum of squares inf or NaN
-        nbad = _count_nonfinite_sum(x[i0:i1], _win(e_in, i0, i1))
-    return s, ss, amax, nbad
+def _stats_blocks(x, e_in, sums, sqs, maxs, b0, b1):
+    n = x.size
+    for b in range(b0, b1):
+        i0 = b * STATS_BLOCK
+        i1 = min(n, i0 + STATS_BLOCK)
+        sums[b], sqs[b], maxs[b] = _stats_sums(x[i0:i1], _win(e_in, i0, i1))
 
 
 @njit(parallel=True, **_JIT)
-def _stats_par(x, e_in, nchunks):
-    n = x.size
-    per = (n + nchunks - 1) // nchunks
-    sums = np.zeros(nchunks)
-    sqs = np.zeros(nchunks)
-    maxs = np.zeros(nchunks)
-    bads = np.zeros(nchunks, np.int64)
+def _stats_blocks_par(x, e_in, sums, sqs, maxs, nchunks):
+    nb = sums.size
+    per = (nb + nchunks - 1) // nchunks
     for c in prange(nchunks):
-        i0 = min(n, c * per)
-        sums[c], sqs[c], maxs[c], bads[c] = _stats_range(x, e_in, i0, min(n, i0 + per))
-    return sums.sum(), sqs.sum(), maxs.max(), bads.sum()
+        b0 = min(nb, c * per)
+        _stats_blocks(x, e_in, sums, sqs, maxs, b0, min(nb, b0 + per))
+
+
+@njit(**_JIT)
+def _combine(sums, sqs, maxs):
+    s = 0.0
+    ss = 0.0
+    amax = 0.0
+    for b in range(sums.size):
+        s += sums[b]
+        ss += sqs[b]
+        amax = maxs[b] if maxs[b] > amax else amax
+    return s, ss, amax
 
 
 def stats(x, e_in):
     """Return ``(sum, sum of squares, max |v|, non-finite count)`` of
-    ``v = x + e_in``, accumulated in float64."""
+    ``v = x + e_in``, accumulated in float64: sequentially within blocks of
+    ``STATS_BLOCK`` elements, then over the blocks in order."""
+    nb = (x.size + STATS_BLOCK - 1) // STATS_BLOCK
+    sums, sqs, maxs = np.empty(nb), np.empty(nb), np.empty(nb)
     nch = _nchunks(x.size)
     if nch == 1:
-        s, ss, amax, nbad = _stats_range(x, e_in, 0, x.size)
+        _stats_blocks(x, e_in, sums, sqs, maxs, 0, nb)
     else:
-        s, ss, amax, nbad = _stats_par(x, e_in, nch)
+        _stats_blocks_par(x, e_in, sums, sqs, maxs, nch)
+    s, ss, amax = _combine(sums, sqs, maxs)
+    nbad = 0
+    if not np.isfinite(ss):  # a non-finite v makes the sum of squares inf or NaN
+        nbad = count_nonfinite(x) if e_in is None else int(
+            _count_nonfinite_sum(x, e_in))
     return float(s), float(ss), float(amax), int(nbad)
 
 
@@ -584,14 +620,14 @@ def _splitmix64_int(z):
 def ternary_stream(seed, rank, call, stage):
     """The 64-bit stream id of one terngrad quantization: a hash of the seed,
     the rank, the call count and the stage (0 worker, 1 owner)."""
-    z = seed & 0xFFFFFFFFFFFFFFFF
+    z = _splitmix64_int(seed & 0xFFFFFFFFFFFFFFFF)
     for word in (rank, call, stage):
         z = _splitmix64_int(z ^ (word & 0xFFFFFFFFFFFFFFFF))
     return z
 
 
 @njit(**_JIT)
-def _quantize_ternary(xs, ei, eo, ep, codes, s, inv, clip, stream, offset, i0):
+def _quantize_ternary(xs, ei, eo, ep, codes, s, scale, clip, stream, offset, i0):
     """Codes and residual of one chunk; ``i0`` is its first element's index."""
     neg_s = -s
     zero = s - s
@@ -603,9 +639,9 @@ def _quantize_ternary(xs, ei, eo, ep, codes, s, inv, clip, stream, offset, i0):
             v = v + ep[j]
         f = min(max(np.float64(v), -clip), clip)
         i = i0 + j
-        h = _splitmix64(stream ^ (np.uint64(offset + i) * _GOLDEN))
+        h = _splitmix64(stream ^ ((offset + np.uint64(i)) * _GOLDEN))
         u = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
-        keep = u < abs(f) * inv
+        keep = u < abs(f) / scale  # scale > 0 here (the caller checks)
         pos = keep & (f > 0.0)
         neg = keep & (f < 0.0)
         d = s if pos else (neg_s if neg else zero)
@@ -619,7 +655,10 @@ def _quantize_ternary(xs, ei, eo, ep, codes, s, inv, clip, stream, offset, i0):
 @njit(**_JIT)
 def _pack_ternary_range(x, e_in, e_out, out, scale, clip, stream, offset, b0, b1):
     s = x.dtype.type(scale)
-    inv = 1.0 / scale if scale > 0.0 else 0.0
+    if not scale > 0.0:  # nothing to send: every code 00 (and no division by 0)
+        s = x.dtype.type(0.0)
+        clip = 0.0
+        scale = 1.0
     i0 = 4 * b0
     i1 = min(x.size, 4 * b1)
     codes = np.zeros(_CH, np.uint8)
@@ -631,11 +670,11 @@ def _pack_ternary_range(x, e_in, e_out, out, scale, clip, stream, offset, b0, b1
         m = c1 - c0
         nbad += _count_nonfinite_sum(x[c0:c1], _win(e_in, c0, c1))
         if inplace:
-            _quantize_ternary(x[c0:c1], None, None, _win(e_in, c0, c1), codes, s, inv,
+            _quantize_ternary(x[c0:c1], None, None, _win(e_in, c0, c1), codes, s, scale,
                               clip, stream, offset, c0)
         else:
             _quantize_ternary(x[c0:c1], _win(e_in, c0, c1), _win(e_out, c0, c1), None,
-                              codes, s, inv, clip, stream, offset, c0)
+                              codes, s, scale, clip, stream, offset, c0)
         nw = (m + 3) // 4
         for j in range(m, 4 * nw):  # the tail is padded with 00
             codes[j] = 0
@@ -701,12 +740,21 @@ def _pack_fp16_range(x, e_in, e_out, out, divisor, i0, i1):
     nbad = 0
     for c0 in range(i0, i1, _CH):
         c1 = min(i1, c0 + _CH)
-        nbad += _count_nonfinite_sum(x[c0:c1], _win(e_in, c0, c1))
         if inplace:
             _quantize_fp16(x[c0:c1], None, None, _win(e_in, c0, c1), out[c0:c1], dv)
         else:
             _quantize_fp16(x[c0:c1], _win(e_in, c0, c1), _win(e_out, c0, c1), None,
                            out[c0:c1], dv)
+        # NaN/inf halves: from a non-finite value, or one beyond the half range
+        nbad += _count_half_nonfinite(out[c0:c1])
+    return nbad
+
+
+@njit(**_JIT)
+def _count_half_nonfinite(hs):
+    nbad = 0
+    for i in range(hs.size):
+        nbad += (hs[i] & np.uint16(0x7C00)) == np.uint16(0x7C00)
     return nbad
 
 
@@ -745,7 +793,9 @@ def _unpack_fp16_par(payload, out, accumulate, nchunks):
 def pack_fp16(x, e_in, e_out, out, divisor):
     """``out`` (uint16 bits of binary16) = half(float32((x + e_in) / divisor)).
 
-    The residual is ``v - half * divisor``. Returns the non-finite count.
+    The residual is ``v - half * divisor``. Returns the number of values that
+    are not finite on the wire: non-finite ones, and finite ones beyond the
+    half range (which would arrive as inf).
     """
     nch = _nchunks(x.size)
     if nch == 1:

@@ -8,7 +8,6 @@ it, so concurrent nonblocking calls never match each other's messages.
 """
 import os
 
-import numba
 from mpi4py import MPI
 
 from ._errors import ConfigError, DTypeError
@@ -42,24 +41,23 @@ class CommState:
 
 
 def _limit_threads(local_size):
-    """Cap Numba's threads at cores / ranks-per-node, once, unless
+    """Cap the kernels' threads at cores / ranks-per-node, once, unless
     ``MPIGC_NUM_THREADS`` says otherwise (``0`` keeps Numba's setting)."""
     global _threads_set
     if _threads_set:
         return
     _threads_set = True
+    from .kernels import cpu
     env = os.environ.get("MPIGC_NUM_THREADS")
     if env is not None:
         try:
             k = int(env)
         except ValueError:
             raise ConfigError(f"MPIGC_NUM_THREADS must be an integer, got {env!r}") from None
-        if k > 0:
-            numba.set_num_threads(min(k, numba.config.NUMBA_NUM_THREADS))
+        cpu.set_max_threads(k if k > 0 else None)
         return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    k = max(1, (cores or 1) // max(1, local_size))
-    numba.set_num_threads(min(k, numba.get_num_threads()))
+    cpu.set_max_threads(max(1, (cores or 1) // max(1, local_size)))
 
 
 def resolve(comm=None):

@@ -221,7 +221,9 @@ class Compressor:
         e_out = e if (e is None or not check_finite) else np.empty_like(e)
         nbad = self._encode(xf, e, e_out, out, **kw)
         if nbad and check_finite:
-            raise NonFiniteError(f"x holds {nbad} non-finite value(s); residual unchanged")
+            raise NonFiniteError(f"x holds {nbad} value(s) that are NaN or Inf, or would be "
+                                 f"on the wire (beyond the {self.codec_id} range); residual "
+                                 "unchanged")
         if e_out is not e:
             e[...] = e_out
         return out

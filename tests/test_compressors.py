@@ -615,10 +615,6 @@ def test_golden_reference(case):
 # ----------------------------------------------------------------------------
 # regressions of bugs found by these tests
 # ----------------------------------------------------------------------------
-@pytest.mark.xfail(strict=True, reason=(
-    "bug: fp16 overflow (|x / divisor| >= 65520) is sent as inf and leaves a -inf "
-    "residual without any error; the next compress with that residual raises "
-    "NonFiniteError ('x holds 1 non-finite value') forever"))
 def test_fp16_finite_input_never_leaves_a_nonfinite_residual():
     c = mpigc.FP16(error_feedback=True)
     x = np.array([7e4, 1.0], np.float32)

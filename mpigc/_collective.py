@@ -391,7 +391,7 @@ class _Op:
         v = self.none_out
         N = self.size
         factor = 2 * (N - 1) / N if self.kind == "allreduce" else (N - 1) / N
-        self._count(int(round(factor * self.flat.nbytes)))
+        self._count(int(round(factor * self.none_buf.nbytes)))
         if self.average:
             np.divide(v, self.size, out=v)
         if self.kind == "allreduce":

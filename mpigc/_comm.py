@@ -7,10 +7,11 @@ the next sequence number of that duplicate; its messages use tags derived from
 it, so concurrent nonblocking calls never match each other's messages.
 """
 import os
+import warnings
 
 from mpi4py import MPI
 
-from ._errors import ConfigError, DTypeError
+from ._errors import DTypeError
 
 __all__ = ["CommState", "resolve"]
 
@@ -50,12 +51,18 @@ def _limit_threads(local_size):
     from .kernels import cpu
     env = os.environ.get("MPIGC_NUM_THREADS")
     if env is not None:
+        # no exception here: this runs on first use of a communicator, where a
+        # rank that raised alone would leave the others waiting
         try:
             k = int(env)
+            if k < 0:
+                raise ValueError
         except ValueError:
-            raise ConfigError(f"MPIGC_NUM_THREADS must be an integer, got {env!r}") from None
-        cpu.set_max_threads(k if k > 0 else None)
-        return
+            warnings.warn(f"MPIGC_NUM_THREADS must be an integer >= 0, got {env!r}; "
+                          "ignored", stacklevel=3)
+        else:
+            cpu.set_max_threads(k if k > 0 else None)
+            return
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     cpu.set_max_threads(max(1, (cores or 1) // max(1, local_size)))
 

@@ -100,10 +100,10 @@ class ErrorFeedback:
         """
         out = {}
         with self._lock:
+            if self._busy:
+                raise StateError(f"key(s) {sorted(self._busy)} in use by a pending "
+                                 "collective; wait for it before taking the state")
             for key, e in self._entries.items():
-                if key in self._busy:
-                    raise StateError(f"key {key!r} is in use by a pending collective; "
-                                     "wait for it before taking the state")
                 out[key] = {
                     "worker": None if e.worker is None else e.worker.copy(),
                     "owner": None if e.owner is None else e.owner.copy(),

@@ -126,7 +126,7 @@ def _ddp_method(torch, dist, comm, name, n, args):
 
     mm = _MatModel(torch, n, args.layers, seed=comm.rank)
     nbytes = 4 * n
-    ddp = DDP(mm.module, bucket_cap_mb=nbytes / 2**20 + 1, broadcast_buffers=False)
+    ddp = DDP(mm.module, bucket_cap_mb=nbytes / 2**20 + 1)  # no buffers to sync
     wire = None
     N = comm.size
     if name == "ddp-fp16":

@@ -241,8 +241,10 @@ def format_tables(rows, nranks):
     keys.sort(key=lambda k: COLLECTIVES.index(k[0]))
     for coll, op in keys:
         sub = [r for r in rows if r["collective"] == coll and r["op"] == op]
+        its = sorted({r["iters"] for r in sub})
+        its = f"{its[0]}" if len(its) == 1 else f"{its[0]}-{its[-1]}"
         lines.append(f"# {coll}, op={op}, {nranks} ranks, {sub[0]['dtype']}, "
-                     f"time = slowest rank, {sub[0]['iters']}+ iterations")
+                     f"time = slowest rank, {its} timed iterations per size")
         lines.append(f"#{'size':>9} {'count':>10} {'med us':>11} {'min us':>11} "
                      f"{'max us':>11} {'algbw':>8} {'busbw':>8} {'wire B/rank':>12} "
                      f"{'ratio':>7} {'max rel err':>11} {'speedup':>8}")
@@ -295,7 +297,8 @@ def plot(rows, path, title=""):
         axes[i, 0].set_yscale("log")
         axes[i, 0].set_ylabel("median time (ms)")
         axes[i, 0].set_title(f"{coll}: time")
-        axes[i, 1].set_ylabel("speedup against none (x)")
+        axes[i, 1].set_yscale("log")
+        axes[i, 1].set_ylabel("speedup against none (x, log)")
         axes[i, 1].set_title(f"{coll}: speedup against none")
         axes[i, 1].axhline(1.0, color="gray", lw=0.8)
         axes[i, 0].legend(fontsize=8)
@@ -357,11 +360,24 @@ def build_parser():
     p.add_argument("--title", default="", help="title of the plot")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar on rank 0's stderr")
+    p.add_argument("--from-json", metavar="PATH",
+                   help="print the tables (and --plot) of an earlier --json file; "
+                        "measures nothing")
     return p
 
 
 def main(argv=None):
     args = build_parser().parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            doc = json.load(f)
+        rows, info = doc["rows"], doc["machine"]
+        print(f"# mpigc-bench {info['mpigc']}: {info['ranks']} ranks, {info['mpi']}, "
+              f"fabric: {info['fabric']}, {info['time']}")
+        print(format_tables(rows, info["ranks"]))
+        if args.plot:
+            plot(rows, args.plot, args.title)
+        return 0
     if args.warmup < 1:
         args.warmup = 1
     comm = MPI.COMM_WORLD

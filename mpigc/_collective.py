@@ -19,7 +19,10 @@ blocking functions call it at once) or step by step by ``test()``:
    as it is (``gather="exact"``), and each rank decodes it into place.
 
 ``op="none"`` skips compression and is exactly MPI_Allreduce /
-MPI_Reduce_scatter with MPI.SUM after the agreement.
+MPI_Reduce_scatter with MPI.SUM after the agreement. So do compressed ops on
+buffers smaller than ``$MPIGC_MIN_COMPRESS_BYTES`` (default 8192 bytes; see
+:func:`min_compress_bytes`): below a few KiB the fixed cost of compressing
+exceeds what fewer bytes save. Such calls use and change no residual.
 """
 import json
 import os
@@ -76,6 +79,22 @@ def _bits_f64(i):
 
 def default_nonfinite():
     return os.environ.get("MPIGC_NONFINITE", "raise")
+
+
+def min_compress_bytes():
+    """``$MPIGC_MIN_COMPRESS_BYTES``: compressed ops on smaller buffers (in
+    bytes, the buffer's own dtype) run as ``op="none"`` (plain MPI sum, no
+    residual used or changed). Default 8192; 0 always compresses. Ranks must
+    agree (a difference is reported as a settings mismatch)."""
+    env = os.environ.get("MPIGC_MIN_COMPRESS_BYTES", "8192")
+    try:
+        v = int(env)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise ConfigError(f"MPIGC_MIN_COMPRESS_BYTES: expected a non-negative integer "
+                          f"(bytes), got {env!r}")
+    return v
 
 
 class Request:
@@ -143,6 +162,7 @@ class _Op:
         self.sendreqs = []
         self.local_error = None
         self.error = None
+        self.plain = False
         row = np.zeros(_NCOLS, np.int64)
         try:
             self._prepare(buf, op, params, key, average, gather, feedback, nonfinite,
@@ -221,20 +241,24 @@ class _Op:
                     f"{buf.dtype} values")
         self.out = out
         self.key = (f"auto/{n}/{self.dtype.name}" if key is None else str(key))
+        # small buffers: plain MPI sum (see min_compress_bytes)
+        fallback = comp.codec_id != "none" and buf.nbytes < min_compress_bytes()
+        self.plain = comp.codec_id == "none" or fallback
         settings = {"kind": self.kind, "comp": comp.get_config(), "key": self.key,
                     "average": self.average, "gather": gather, "nonfinite": nonfinite,
-                    "bounds": None if recvcounts is None else self.bounds}
+                    "bounds": None if recvcounts is None else self.bounds,
+                    "fallback": fallback}
         self.settings = settings
         row[_FP] = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
 
-        self.uses_state = comp.codec_id != "none" and feedback is not False
+        self.uses_state = not self.plain and feedback is not False
         self.use_ef = self.uses_state and comp.uses_feedback
         if self.uses_state:
             self.fb = get_default_feedback() if feedback is None else feedback
             self.entry = self.fb._acquire(self.key, n, self.wdtype, self.size, self.rank)
             self.busy_key = True
 
-        if comp.codec_id == "none":
+        if self.plain:
             # MPI has no float16 sum: reduce a float32 copy
             self.none_buf = self.flat.astype(np.float32) if self.dtype == np.float16 \
                 else self.flat
@@ -630,7 +654,7 @@ class _Op:
             if not self._agreed():
                 return True
             self._commit()
-            if self.comp.codec_id == "none":
+            if self.plain:
                 self._start_none()
             else:
                 self._start_phase1()

@@ -229,3 +229,26 @@ def test_subcommunicator(comm):
     assert_all(np.all(y == 0.5), f"{y[:4]}")  # each of sub.size ranks sends +0.5;
     # the owner's sum (0.5 * size) is requantized to +0.5 with gather="compressed"
     sub.Free()
+
+
+@pytest.mark.mpi
+def test_small_buffers_fall_back_to_plain_mpi(comm, fb, monkeypatch):
+    """Below MPIGC_MIN_COMPRESS_BYTES a compressed op is a plain MPI sum and
+    touches no residual; ranks that disagree on the cutoff get a mismatch."""
+    from mpi4py import MPI
+    monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "4096")
+    x = grads(comm.rank, 1000)  # 4000 bytes
+    want = np.empty_like(x)
+    comm.Allreduce(x, want, op=MPI.SUM)
+    got = mpigc.allreduce(x.copy(), op="2bit", key="small", feedback=fb)
+    assert_all(np.allclose(got, want, rtol=1e-5, atol=1e-5) and "small" not in fb)
+    big = mpigc.allreduce(grads(comm.rank, 1024), op="2bit", key="big", feedback=fb)
+    assert_all("big" in fb and set(np.unique(big)) <= {-0.5, 0.0, 0.5})
+    if comm.size > 1:
+        monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "0" if comm.rank == 0 else "4096")
+        try:
+            mpigc.allreduce(x.copy(), op="2bit", key="small", feedback=fb)
+            err = None
+        except mpigc.MismatchError as e:
+            err = e
+        assert_all(err is not None)

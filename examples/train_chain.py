@@ -141,12 +141,14 @@ def main(argv=None):
         sig = slurm.checkpoint_due(flag, comm=comm)   # same answer on every rank
         if sig and done < args.steps:
             where = save(done)
+            flag.ignore()   # a second signal must not kill us while exiting
             say(f"train_chain: signal {sig}: saved step {done} to {where}; exit "
                 f"{slurm.RESUME_EXIT_CODE} to be resumed", flush=True)
             return slurm.RESUME_EXIT_CODE
         if args.save_every and done % args.save_every == 0 and done < args.steps:
             save(done)
 
+    flag.ignore()   # done: a late warning must not turn success into a kill
     out = args.out or os.path.join(args.ckpt, "final")
     if rank == 0:
         os.makedirs(out, exist_ok=True)

@@ -199,6 +199,13 @@ class SignalFlag:
     def clear(self) -> None:
         self.received = 0
 
+    def ignore(self) -> None:
+        """Ignore these signals from now on: call it once the state is saved or
+        the training is done, so that a late warning cannot kill a process that
+        is exiting (Python restores the default action, termination, at exit)."""
+        for sig in list(self._previous):
+            _signal.signal(sig, _signal.SIG_IGN)
+
     def restore(self) -> None:
         """Reinstall the handlers that were in place before."""
         for sig, old in self._previous.items():
@@ -478,3 +485,46 @@ def load_training_state(path: Union[str, os.PathLike], *, feedback=None,
     return TrainingState(step=int(info["step"]), arrays=arrays, rank_arrays=mine,
                          world_size=int(info["world_size"]), path=sdir,
                          checkpoint_info=info)
+
+
+# -- command line ----------------------------------------------------------------------
+def main(argv=None) -> int:
+    """``python -m mpigc.slurm``: check a launch before training.
+
+    Run it exactly as the training would be (``srun --mpi=pmix python -m
+    mpigc.slurm``); every rank reports its host, rank, Slurm task ids and the
+    GPUs it sees, and the world size is checked against
+    ``MPIGC_EXPECT_WORLD_SIZE`` / ``SLURM_STEP_NUM_TASKS``. Exit 1 on a mismatch.
+    """
+    import argparse
+    import socket
+    ap = argparse.ArgumentParser(prog="python -m mpigc.slurm", description=main.__doc__
+                                 .split("\n")[0])
+    ap.add_argument("--expect", type=int, help="world size to expect (default: from "
+                                               "the environment)")
+    args = ap.parse_args(argv)
+    comm = MPI.COMM_WORLD
+    env = slurm_env()
+    row = (comm.Get_rank(), socket.gethostname().split(".")[0], env.procid, env.localid,
+           os.environ.get("CUDA_VISIBLE_DEVICES", "-"))
+    rows = comm.gather(row, root=0)
+    try:
+        size = expect_world_size(comm, args.expect)
+        err = None
+    except SlurmError as exc:
+        size, err = comm.Get_size(), str(exc)
+    if comm.Get_rank() == 0:
+        lib = MPI.Get_library_version().split(",")[0].strip()
+        print(f"mpigc.slurm: world size {size}, {lib}, job {env.job_id}, step {env.step_id}, restart {env.restart_count}")
+        for r in rows:
+            print("  rank {} host {} SLURM_PROCID {} SLURM_LOCALID {} "
+                  "CUDA_VISIBLE_DEVICES {}".format(*r))
+    if err:
+        print(f"mpigc.slurm: error: {err}", flush=True)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+    sys.exit(main())

@@ -22,6 +22,7 @@ from DDP and Horovod. Importing this module imports torch; ``import mpigc`` does
 import contextlib
 import hashlib
 import json
+import os
 import time
 import zlib
 
@@ -35,7 +36,8 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
                       f"({_exc})") from _exc
 
 from . import _comm as _engine_comm
-from ._errors import ConfigError, DTypeError, MismatchError, MpigcError, StateError
+from ._errors import (ConfigError, DTypeError, MismatchError, MpigcError, NonFiniteError,
+                      StateError)
 from .allreduce import iallreduce
 from .compressors import get_compressor
 from .feedback import ErrorFeedback, shard_bounds
@@ -214,6 +216,45 @@ def _accumulate_grad_hook(p, fn):
     return acc.register_hook(lambda *_: fn(p)), acc
 
 
+class _PlainRequest:
+    """``op="none"``: one ``MPI_Iallreduce`` per bucket, posted in bucket order.
+
+    (The engine posts its ``MPI_Iallreduce`` only after its agreement step,
+    from inside ``test()``; with several buckets in flight and ``test()``
+    driven by backward hooks, ranks could post them in different orders.)
+    A NaN/Inf anywhere makes the reduced buffer non-finite on every rank, so
+    ``nonfinite="raise"`` is decided without another message.
+    """
+
+    def __init__(self, comm, flat, average, nonfinite):
+        self.flat, self.average = flat, average
+        self.nonfinite = nonfinite or os.environ.get("MPIGC_NONFINITE", "raise")
+        if self.nonfinite not in ("raise", "skip", "ignore"):
+            raise ConfigError(f"nonfinite must be raise, skip or ignore, got {nonfinite!r}")
+        self.size = comm.size
+        self.req = comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        self.done = False
+
+    def _finish(self):
+        self.done = True
+        if self.average:
+            np.divide(self.flat, self.size, out=self.flat)
+        if self.nonfinite == "raise" and not np.isfinite(self.flat).all():
+            raise NonFiniteError("allreduce: non-finite values in the gradients of some "
+                                 "rank (op='none'); the gradients are unchanged")
+
+    def test(self):
+        if not self.done and self.req.Test():
+            self._finish()
+        return self.done
+
+    def wait(self):
+        if not self.done:
+            self.req.Wait()
+            self._finish()
+        return self.flat
+
+
 class GradientSync:
     """Compressed, bucketed, overlapped gradient averaging for a torch model.
 
@@ -356,6 +397,9 @@ class GradientSync:
 
     def _launch(self, b):
         b.started_at = time.perf_counter()
+        if self.compressor.codec_id == "none":
+            b.request = _PlainRequest(self._comm, b.flat, self.average, self.nonfinite)
+            return
         b.request = iallreduce(b.flat, op=self.compressor, comm=self.comm, key=b.key,
                                average=self.average, gather=self.gather,
                                feedback=self.feedback, nonfinite=self.nonfinite)

@@ -132,7 +132,9 @@ def run(mode, args, comm):
         if step >= args.warmup:
             times.append(dt)
             losses.append(loss.item())
-    sent = mpigc.traffic()["bytes_sent"] / args.steps if mode.startswith("mpigc") else None
+    # mpigc.traffic() counts the compressed paths (op="none" is a plain MPI_Iallreduce)
+    counted = mode.startswith("mpigc") and mode != "mpigc-none"
+    sent = mpigc.traffic()["bytes_sent"] / args.steps if counted else None
     return times, sent, comm.allreduce(losses[-1]) / comm.size
 
 

@@ -1,0 +1,173 @@
+"""Time per training step: mpigc.torch against DDP (gloo), in one run.
+
+    mpirun -n 4 python benchmarks/bench_torch_step.py
+    mpirun -n 4 python benchmarks/bench_torch_step.py --modes ddp,mpigc-2bit --steps 20
+
+Every mode trains the same model (an MLP of about 25.2M parameters by default,
+``--width``), from the same initial weights, on the same synthetic batches, with
+plain SGD; it runs ``--warmup`` steps, then ``--steps`` timed steps. A step is
+forward, backward, gradient averaging and ``optimizer.step()``; its time is the
+slowest rank's. Modes:
+
+``ddp``             DistributedDataParallel over gloo, plain allreduce (25 MB buckets)
+``ddp-fp16``        DDP with ``default_hooks.fp16_compress_hook``
+``ddp-powersgd``    DDP with ``powerSGD_hook`` (rank 1, warm start, error feedback;
+                    it starts compressing after ``--warmup`` steps; one bucket, as
+                    several buckets make gloo fail with a collective mismatch)
+``mpigc-OP``        ``mpigc.torch.GradientSync(model, op=OP)`` for OP in none, fp16,
+                    2bit, 1bit, terngrad (25 MiB buckets)
+
+torch.distributed is initialised from the MPI rank and size with a TCP store at
+rank 0's address (``--master-addr``, default: rank 0's host name resolved by
+rank 0, or 127.0.0.1 when every rank is on one host); ``GLOO_SOCKET_IFNAME``
+picks gloo's interface. This is a benchmark, not a test: run it on the fabric
+you care about (e.g. the emulated 1 Gbit/s one) and compare the ``step ms``
+column; ``vs ddp`` is the speed-up over plain DDP.
+"""
+import argparse
+import os
+import socket
+import statistics
+import time
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+import mpigc
+import mpigc.torch
+
+ALL_MODES = ("ddp", "ddp-fp16", "ddp-powersgd", "mpigc-none", "mpigc-fp16", "mpigc-2bit",
+             "mpigc-1bit")
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--modes", default=",".join(ALL_MODES))
+    p.add_argument("--width", type=int, default=4096, help="hidden width (4096: 25.2M params)")
+    p.add_argument("--inputs", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=32, help="per rank")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--threshold", type=float, default=None, help="2bit threshold")
+    p.add_argument("--master-addr", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    return p.parse_args()
+
+
+def make_model(args):
+    torch.manual_seed(0)
+    w = args.width
+    return torch.nn.Sequential(torch.nn.Linear(args.inputs, w), torch.nn.ReLU(),
+                               torch.nn.Linear(w, w), torch.nn.ReLU(),
+                               torch.nn.Linear(w, args.inputs))
+
+
+def init_gloo(args, comm):
+    if torch.distributed.is_initialized():
+        return
+    hosts = comm.allgather(socket.gethostname())
+    addr = args.master_addr
+    if addr is None:
+        if len(set(hosts)) == 1:
+            addr = "127.0.0.1"
+        else:
+            addr = comm.bcast(socket.gethostbyname(hosts[0]) if comm.rank == 0 else None)
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://{addr}:{port}",
+                                         rank=comm.rank, world_size=comm.size)
+
+
+def wrap(mode, model, args, comm):
+    """Returns ``(module_to_call, after_backward)``."""
+    if mode.startswith("ddp"):
+        init_gloo(args, comm)
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+        # PowerSGD chains several collectives per bucket in future callbacks; with
+        # gloo, ranks can then issue them in different orders across buckets (a
+        # "collective mismatch"), so it gets a single bucket
+        cap = 1 << 14 if mode == "ddp-powersgd" else args.bucket_mb
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+        if mode == "ddp-fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif mode == "ddp-powersgd":
+            state = powerSGD_hook.PowerSGDState(
+                process_group=None, matrix_approximation_rank=1,
+                start_powerSGD_iter=max(2, args.warmup), warm_start=True,
+                use_error_feedback=True)
+            ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return ddp, lambda: None
+    op = mode.split("-", 1)[1]
+    kw = {"threshold": args.threshold} if (op == "2bit" and args.threshold) else {}
+    sync = mpigc.torch.GradientSync(model, op=op, bucket_mb=args.bucket_mb, **kw)
+    return model, sync.wait
+
+
+def run(mode, args, comm):
+    model = make_model(args)
+    net, after_backward = wrap(mode, model, args, comm)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    g = torch.Generator().manual_seed(comm.rank)
+    x = torch.randn(args.batch, args.inputs, generator=g)
+    y = torch.randn(args.batch, args.inputs, generator=g)
+    times, losses = [], []
+    mpigc.reset_traffic()
+    for step in range(args.warmup + args.steps):
+        comm.Barrier()
+        t0 = time.perf_counter()
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(net(x), y)
+        loss.backward()
+        after_backward()
+        opt.step()
+        dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+        if step == args.warmup - 1:
+            mpigc.reset_traffic()
+        if step >= args.warmup:
+            times.append(dt)
+            losses.append(loss.item())
+    # mpigc.traffic() counts the compressed paths (op="none" is a plain MPI_Iallreduce)
+    counted = mode.startswith("mpigc") and mode != "mpigc-none"
+    sent = mpigc.traffic()["bytes_sent"] / args.steps if counted else None
+    return times, sent, comm.allreduce(losses[-1]) / comm.size
+
+
+def main():
+    args = parse_args()
+    comm = MPI.COMM_WORLD
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED).size
+    threads = args.threads or max(1, (os.cpu_count() or 1) // local)
+    torch.set_num_threads(threads)
+    modes = [m for m in args.modes.split(",") if m]
+    nparams = sum(p.numel() for p in make_model(args).parameters())
+    if comm.rank == 0:
+        print(f"{comm.size} ranks ({local} on this host), {threads} torch thread(s) per rank, "
+              f"{nparams / 1e6:.1f}M parameters, batch {args.batch}/rank, "
+              f"{args.steps} timed steps after {args.warmup}")
+        print(f"{'mode':<14} {'step ms':>9} {'median':>9} {'min':>9} {'vs ddp':>7} "
+              f"{'MiB sent/step/rank':>19} {'final loss':>11}", flush=True)
+    base = None
+    for mode in modes:
+        if mode not in ALL_MODES and not mode.startswith("mpigc-"):
+            raise SystemExit(f"unknown mode {mode!r}; expected one of {ALL_MODES}")
+        times, sent, loss = run(mode, args, comm)
+        mean = statistics.mean(times)
+        if mode == "ddp":
+            base = mean
+        if comm.rank == 0:
+            ratio = f"{base / mean:6.2f}x" if base else "      -"
+            mib = "-" if sent is None else f"{sent / 2**20:.2f}"
+            print(f"{mode:<14} {mean * 1e3:9.1f} {statistics.median(times) * 1e3:9.1f} "
+                  f"{min(times) * 1e3:9.1f} {ratio:>7} {mib:>19} {loss:11.5f}", flush=True)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

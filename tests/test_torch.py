@@ -1,0 +1,128 @@
+"""mpigc.torch in one process (no mpirun): bucket layout, keys, errors, hooks."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import mpigc
+
+
+def test_import_mpigc_does_not_import_torch():
+    code = "import sys, mpigc; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.fixture(scope="module")
+def torch():
+    t = pytest.importorskip("torch")
+    t.set_num_threads(1)
+    return t
+
+
+@pytest.fixture(scope="module")
+def mt(torch):
+    import mpigc.torch
+    return mpigc.torch
+
+
+def mlp(torch, widths=(8, 16, 16, 4), dtype=None):
+    torch.manual_seed(0)
+    layers = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1]).to(dtype or torch.float32)
+
+
+def test_buckets_follow_reverse_registration_order_and_cap(torch, mt):
+    model = mlp(torch)
+    sync = mt.GradientSync(model, op="2bit", bucket_mb=300 * 4 / 2**20)  # 300 floats
+    names = [n for n, _ in model.named_parameters()]
+    flat = [n for b in sync.buckets for n in b.names]
+    assert flat == names[::-1]
+    for b in sync.buckets[:-1]:
+        # a bucket closes as soon as it reaches the cap
+        assert b.n >= 300 and b.n - b.numels[-1] < 300
+    assert [b.index for b in sync.buckets] == list(range(len(sync.buckets)))
+    for b in sync.buckets:
+        assert b.offsets == list(np.cumsum([0] + b.numels[:-1]))
+        assert b.flat.dtype == np.float32 and b.flat.size == b.n
+
+
+def test_bucket_keys_are_stable_and_content_derived(torch, mt):
+    a = mt.GradientSync(mlp(torch), op="2bit", bucket_mb=0.001)
+    b = mt.GradientSync(mlp(torch), op="2bit", bucket_mb=0.001)
+    assert [x.key for x in a.buckets] == [x.key for x in b.buckets]
+    assert len({x.key for x in a.buckets}) == len(a.buckets)
+    c = mt.GradientSync(mlp(torch, widths=(8, 16, 17, 4)), op="2bit", bucket_mb=0.001)
+    assert a.buckets[0].key != c.buckets[0].key  # other sizes, other key
+    assert a.buckets[-1].key == c.buckets[-1].key  # same content, same key
+    assert a.buckets[0].key.startswith("torch/4.bias..")
+
+
+def test_one_dtype_per_bucket(torch, mt):
+    model = mlp(torch)
+    model[0].double()
+    sync = mt.GradientSync(model, op="2bit", bucket_mb=25)
+    dtypes = sorted(b.flat.dtype.name for b in sync.buckets)
+    assert dtypes == ["float32", "float64"]
+
+
+def test_frozen_parameters_are_left_out(torch, mt):
+    model = mlp(torch)
+    model[0].requires_grad_(False)
+    sync = mt.GradientSync(model, op="2bit")
+    assert "0.weight" not in sync.names and "2.weight" in sync.names
+
+
+def test_bad_arguments(torch, mt):
+    with pytest.raises(mpigc.ConfigError):
+        mt.GradientSync(mlp(torch), bucket_mb=0)
+    with pytest.raises(mpigc.ConfigError):
+        mt.GradientSync(mlp(torch), op="nope")
+    p = torch.nn.Parameter(torch.zeros(3, dtype=torch.complex64))
+    with pytest.raises(mpigc.DTypeError, match="complex64"):
+        mt.GradientSync([("z", p)])
+    with pytest.raises(mpigc.ConfigError):
+        mt.DistributedOptimizer(torch.optim.SGD(mlp(torch).parameters(), lr=1))
+
+
+def test_single_rank_equals_allreduce(torch, mt):
+    model, ref = mlp(torch), mlp(torch)
+    sync = mt.GradientSync(model, op="1bit", bucket_mb=0.001)
+    fb = mpigc.ErrorFeedback()
+    x = torch.randn(5, 8)
+    model(x).sum().backward()
+    ref(x).sum().backward()
+    sync.wait()
+    params = dict(ref.named_parameters())
+    for b in sync.buckets:
+        flat = np.concatenate([params[n].grad.reshape(-1).numpy() for n in b.names])
+        mpigc.allreduce(flat, op="1bit", key=b.key, average=True, feedback=fb)
+        got = np.concatenate([dict(model.named_parameters())[n].grad.reshape(-1).numpy()
+                              for n in b.names])
+        assert got.tobytes() == flat.tobytes()
+    assert sorted(sync.feedback.keys()) == sorted(fb.keys())
+
+
+def test_wait_without_backward_is_a_noop_and_hooks_can_be_removed(torch, mt):
+    model = mlp(torch)
+    sync = mt.GradientSync(model, op="2bit")
+    sync.wait()
+    assert all(p.grad is None for p in model.parameters())
+    sync.remove_hooks()
+    model(torch.randn(2, 8)).sum().backward()
+    assert all(b.started_at is None for b in sync.buckets)
+    sync.wait()  # nothing was recorded: no-op
+    assert len(sync.feedback) == 0
+
+
+def test_half_precision_parameters_use_float32_buckets(torch, mt):
+    model = mlp(torch).to(torch.bfloat16)
+    sync = mt.GradientSync(model, op="none")
+    assert {b.flat.dtype.name for b in sync.buckets} == {"float32"}
+    model(torch.randn(2, 8, dtype=torch.bfloat16)).float().sum().backward()
+    want = [p.grad.clone() for p in model.parameters()]
+    sync.wait()
+    assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
+    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())

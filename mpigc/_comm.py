@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from ._errors import DTypeError
 
-__all__ = ["CommState", "resolve"]
+__all__ = ["CommState", "resolve", "agree"]
 
 _KEYVAL = None
 _SEQ_MOD = 8000  # tags stay below 32767, the smallest MPI_TAG_UB allowed
@@ -85,3 +85,36 @@ def resolve(comm=None):
         comm.Set_attr(_KEYVAL, state)
         _limit_threads(state.local_size)
     return state
+
+
+def agree(comm, exc, what, classes=None, default=None):
+    """Raise on every rank if ``exc`` is set on any rank (one small allreduce
+    when all went well). Every rank raises the class of the lowest failing
+    rank's error (looked up by name in ``classes``, else ``default``, else
+    MpigcError), with every failing rank's message."""
+    nbad = comm.allreduce(0 if exc is None else 1, op=MPI.SUM)
+    if not nbad:
+        return
+    row = None if exc is None else (type(exc).__name__, str(exc) or type(exc).__name__)
+    rows = comm.allgather(row)
+    first = next(r for r in rows if r is not None)
+    from ._errors import MpigcError
+    cls = (classes or {}).get(first[0], default or MpigcError)
+    by_msg = {}
+    for r, x in enumerate(rows):
+        if x is not None:
+            by_msg.setdefault(x[1], []).append(r)
+    detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {m}"
+                       for m, rs in by_msg.items())
+    raise cls(f"{what} failed on {nbad} of {comm.Get_size()} rank(s): {detail}") from exc
+
+
+def _ranges(ranks):
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(out)

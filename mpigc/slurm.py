@@ -47,6 +47,7 @@ from typing import Dict, Mapping, Optional, Sequence, Union
 import numpy as np
 from mpi4py import MPI
 
+from . import _comm
 from ._errors import ConfigError, MpigcError, StateError
 
 __all__ = [
@@ -259,20 +260,15 @@ def install_signal_handler(signals: Sequence[Union[str, int]] = _SIGNALS) -> Sig
 
 
 # -- agreement -----------------------------------------------------------------------
-_KEYVAL = None
-
-
 def _private(comm):
-    """A duplicate of ``comm`` for the flag, cached on it (collective on first use)."""
-    global _KEYVAL
-    comm = MPI.COMM_WORLD if comm is None else comm
-    if _KEYVAL is None:
-        _KEYVAL = MPI.Comm.Create_keyval()
-    dup = comm.Get_attr(_KEYVAL)
-    if dup is None:
-        dup = comm.Dup()
-        comm.Set_attr(_KEYVAL, dup)
-    return dup
+    """mpigc's private duplicate of ``comm`` (collective on first use)."""
+    return _comm.resolve(comm).comm
+
+
+def _agree(comm, exc, what):
+    """Raise on every rank if any rank failed (see _comm.agree)."""
+    _comm.agree(comm, exc, what, classes={c.__name__: c for c in (
+        ConfigError, StateError, MpigcError)})
 
 
 def checkpoint_due(flag: Optional[Union[SignalFlag, bool, int]] = None, *,
@@ -310,11 +306,6 @@ class TrainingState:
 
 def _step_dir(step):
     return f"step-{int(step):09d}"
-
-
-def _agree(comm, exc, what):
-    from .checkpoint import _agree as agree
-    agree(comm, exc, what)
 
 
 def _atomic_savez(fname, arrays, fsync):

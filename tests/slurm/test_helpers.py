@@ -14,6 +14,12 @@ import pytest
 import mpigc
 from mpigc import slurm
 
+
+@pytest.fixture(autouse=True)
+def _always_compress(monkeypatch):
+    """Small test buffers stay on the compressed path (with residuals)."""
+    monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "0")
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

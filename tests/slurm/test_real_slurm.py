@@ -71,8 +71,11 @@ class Jobs:
 
     def __init__(self, tmp):
         self.tmp = tmp
+        # MPIGC_MIN_COMPRESS_BYTES=0: the small test models stay on the
+        # compressed path, so every key has residuals to save and resume
         self.env = dict(os.environ, MPIGC_VENV=sys.prefix, MPIGC_WORKDIR=str(ROOT),
-                        NUMBA_CACHE_DIR=str(tmp / "numba-cache"))
+                        NUMBA_CACHE_DIR=str(tmp / "numba-cache"),
+                        MPIGC_MIN_COMPRESS_BYTES="0")
         self.jobs = {}
 
     def submit(self, name, template, flags=(), **env):

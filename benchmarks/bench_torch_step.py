@@ -30,7 +30,6 @@ import socket
 import statistics
 import time
 
-import numpy as np
 import torch
 from mpi4py import MPI
 

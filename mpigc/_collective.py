@@ -35,7 +35,7 @@ from mpi4py import MPI
 from . import _comm
 from . import _dispatch
 from ._errors import (CODES, ConfigError, DTypeError, InvalidBufferError, MismatchError,
-                      MpigcError, NonFiniteError, StateError, code_of)
+                      MpigcError, NonFiniteError, code_of)
 from .compressors import SUPPORTED_DTYPES, get_compressor, work_dtype
 from .feedback import get_default_feedback, shard_bounds
 from .kernels import cpu as _cpu
@@ -322,7 +322,7 @@ class _Op:
 
     def _agreed(self):
         t = self.table
-        comm = self.cs.comm
+        comm = self.cs.post  # collectives started after an agreement
         # a disagreement between ranks is the root cause of any state error it
         # provokes, so it is reported first (rows of such ranks are complete)
         full = np.isin(t[:, _CODE], (0, 4))
@@ -390,7 +390,7 @@ class _Op:
 
     # -- 3./4. data movement -------------------------------------------------
     def _start_none(self):
-        comm = self.cs.comm
+        comm = self.cs.post
         sendbuf = self.none_buf
         if self.kind == "allreduce":
             if self.blocking:

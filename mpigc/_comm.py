@@ -23,10 +23,18 @@ _threads_set = False
 class CommState:
     """The private duplicate of a communicator and its call counter."""
 
-    __slots__ = ("comm", "size", "rank", "seq", "local_size")
+    __slots__ = ("comm", "post", "size", "rank", "seq", "local_size")
 
     def __init__(self, comm):
+        # Two duplicates. Collectives must start in the same order on every
+        # rank. ``comm`` carries what a call starts when it is made (its
+        # agreement) and the point-to-point data (tags keep calls apart);
+        # ``post`` what calls start once their agreement is in, which happens
+        # in start order but at times that differ between ranks (op="none"'s
+        # reduction, the error reports). On one communicator the two kinds
+        # could interleave differently on different ranks.
         self.comm = comm.Dup()
+        self.post = comm.Dup()
         self.size = self.comm.Get_size()
         self.rank = self.comm.Get_rank()
         self.seq = 0

@@ -1,5 +1,5 @@
 """Compressed allreduce, blocking and nonblocking."""
-from typing import Literal, Optional, Sequence, Union
+from typing import Literal, Optional, Union
 
 import numpy as np
 from mpi4py import MPI

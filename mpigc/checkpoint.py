@@ -46,7 +46,6 @@ import zlib
 
 import numba
 import numpy as np
-from mpi4py import MPI
 
 from . import _comm
 from ._errors import ConfigError, MismatchError, MpigcError, StateError

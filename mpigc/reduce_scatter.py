@@ -1,5 +1,5 @@
 """Compressed reduce-scatter (phase 1 and 2 of the allreduce alone)."""
-from typing import Literal, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI

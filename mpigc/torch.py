@@ -22,7 +22,6 @@ from DDP and Horovod. Importing this module imports torch; ``import mpigc`` does
 import contextlib
 import hashlib
 import json
-import os
 import time
 import zlib
 
@@ -36,8 +35,8 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
                       f"({_exc})") from _exc
 
 from . import _comm as _engine_comm
-from ._errors import (ConfigError, DTypeError, MismatchError, MpigcError, NonFiniteError,
-                      StateError)
+from . import _comm
+from ._errors import ConfigError, DTypeError, MismatchError, MpigcError, StateError
 from .allreduce import iallreduce
 from .compressors import get_compressor
 from .feedback import ErrorFeedback, shard_bounds
@@ -52,14 +51,8 @@ _BUCKET_DTYPES = {torch.float16: np.float32, torch.bfloat16: np.float32,
 # -- agreement helpers ---------------------------------------------------------
 def _raise_everywhere(comm, exc, what):
     """Raise on every rank if ``exc`` is not None on some rank (collective)."""
-    msg = None if exc is None else str(exc)
-    msgs = comm.allgather(msg)
-    bad = [(r, m) for r, m in enumerate(msgs) if m is not None]
-    if not bad:
-        return
-    cls = type(exc) if isinstance(exc, MpigcError) else StateError
-    raise cls(f"{what} failed on {len(bad)} of {comm.size} rank(s): "
-              + "; ".join(f"rank {r}: {m}" for r, m in bad)) from exc
+    _comm.agree(comm, exc, what, default=StateError, classes={c.__name__: c for c in (
+        ConfigError, DTypeError, MismatchError, MpigcError, StateError)})
 
 
 def _check_same(comm, items, what):
@@ -216,45 +209,6 @@ def _accumulate_grad_hook(p, fn):
     return acc.register_hook(lambda *_: fn(p)), acc
 
 
-class _PlainRequest:
-    """``op="none"``: one ``MPI_Iallreduce`` per bucket, posted in bucket order.
-
-    (The engine posts its ``MPI_Iallreduce`` only after its agreement step,
-    from inside ``test()``; with several buckets in flight and ``test()``
-    driven by backward hooks, ranks could post them in different orders.)
-    A NaN/Inf anywhere makes the reduced buffer non-finite on every rank, so
-    ``nonfinite="raise"`` is decided without another message.
-    """
-
-    def __init__(self, comm, flat, average, nonfinite):
-        self.flat, self.average = flat, average
-        self.nonfinite = nonfinite or os.environ.get("MPIGC_NONFINITE", "raise")
-        if self.nonfinite not in ("raise", "skip", "ignore"):
-            raise ConfigError(f"nonfinite must be raise, skip or ignore, got {nonfinite!r}")
-        self.size = comm.size
-        self.req = comm.Iallreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
-        self.done = False
-
-    def _finish(self):
-        self.done = True
-        if self.average:
-            np.divide(self.flat, self.size, out=self.flat)
-        if self.nonfinite == "raise" and not np.isfinite(self.flat).all():
-            raise NonFiniteError("allreduce: non-finite values in the gradients of some "
-                                 "rank (op='none'); the gradients are unchanged")
-
-    def test(self):
-        if not self.done and self.req.Test():
-            self._finish()
-        return self.done
-
-    def wait(self):
-        if not self.done:
-            self.req.Wait()
-            self._finish()
-        return self.flat
-
-
 class GradientSync:
     """Compressed, bucketed, overlapped gradient averaging for a torch model.
 
@@ -397,9 +351,6 @@ class GradientSync:
 
     def _launch(self, b):
         b.started_at = time.perf_counter()
-        if self.compressor.codec_id == "none":
-            b.request = _PlainRequest(self._comm, b.flat, self.average, self.nonfinite)
-            return
         b.request = iallreduce(b.flat, op=self.compressor, comm=self.comm, key=b.key,
                                average=self.average, gather=self.gather,
                                feedback=self.feedback, nonfinite=self.nonfinite)

@@ -95,3 +95,21 @@ def test_terngrad_streams_differ_between_keys_and_calls(comm):
             for k in ("p", "q", "p")]
     assert_all(outs[0].tobytes() != outs[1].tobytes() != outs[2].tobytes()
                and outs[0].tobytes() != outs[2].tobytes())
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["none", "2bit"])
+def test_progress_at_different_times_on_different_ranks(comm, op):
+    """A request that progresses on some ranks before the next one starts must
+    not mix up the collectives of the two (MPI matches collectives by order)."""
+    fb = mpigc.ErrorFeedback()
+    a, b = np.ones(1000, np.float32), np.ones(3000, np.float32)
+    ra = mpigc.iallreduce(a, op=op, key="a", feedback=fb)
+    if comm.rank % 2:  # odd ranks: past a's agreement (a's reduction started) before b
+        while ra._op.state == "agree":
+            ra.test()
+    rb = mpigc.iallreduce(b, op=op, key="b", feedback=fb)
+    rb.wait()
+    ra.wait()
+    want = comm.size if op == "none" else 0.5
+    assert_all(np.all(a == want) and np.all(b == want), f"{a[:3]} {b[:3]}")

@@ -251,6 +251,7 @@ class _Op:
             starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
             self.bounds = list(zip(starts[:-1], starts[1:]))
         lo, hi = self.bounds[self.rank]
+        self.out_given = out  # what reduce_scatter returns (the caller's object)
         if out is not None:
             out = self._check_out(out, hi - lo)
         self.out = out
@@ -469,7 +470,7 @@ class _Op:
             lo, hi = self.bounds[self.rank]
             res = self.out if self.out is not None else self._empty(hi - lo, self.dtype)
             self._fill_nan(res)
-            self.result = res
+            self.result = res if self.out is None else self.out_given
         if self.dev:
             _cuda.sync()
         self.state = "done"
@@ -552,7 +553,7 @@ class _Op:
     def _set_rs_result(self, v):
         if self.out is not None:
             self._assign(self.out, v)
-            self.result = self.out
+            self.result = self.out_given
         else:
             self.result = v if v.dtype == self.dtype else self._converted(v, self.dtype)
 

@@ -53,7 +53,6 @@ __all__ = [
     "stats", "pack_ternary",
     "pack_fp16", "unpack_fp16",
     "count_nonfinite", "ternary_stream",
-    "convert", "divide",
     "PARALLEL_MIN_ELEMENTS",
 ]
 
@@ -570,7 +569,8 @@ def count_nonfinite(x, *, cuda_stream=0):
 
 # ----------------------------------------------------------------------------
 # element-wise helpers of the collectives (float16 buffers, averaging); not
-# in kernels/cpu.py, where numpy does the same (astype, divide) bit for bit
+# in __all__ and not in kernels/cpu.py, where numpy does the same (astype,
+# divide) bit for bit
 # ----------------------------------------------------------------------------
 @cuda.jit
 def _f16_to_f32_kernel(src, dst):

@@ -565,3 +565,68 @@ def count_nonfinite(x, *, cuda_stream=0):
     if x.size:
         _count_nonfinite_kernel[_grid(x.size), THREADS, cuda_stream](x, cnt)
     return _read_count(cnt, cuda_stream)
+
+
+# ----------------------------------------------------------------------------
+# element-wise helpers of the collectives (float16 buffers, averaging); not
+# in __all__ and not in kernels/cpu.py, where numpy does the same (astype,
+# divide) bit for bit
+# ----------------------------------------------------------------------------
+@cuda.jit
+def _f16_to_f32_kernel(src, dst):
+    for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
+        dst[i] = _f16_bits_to_f32(src[i])
+
+
+@cuda.jit
+def _f32_to_f16_kernel(src, dst):
+    for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
+        dst[i] = _f32_to_f16_bits(src[i])
+
+
+@cuda.jit
+def _convert_kernel(src, dst):
+    for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
+        dst[i] = dst.dtype.type(src[i])
+
+
+def convert(src, dst, *, cuda_stream=0):
+    """``dst[:] = src`` converted to ``dst``'s dtype (float16, float32, float64),
+    rounded as numpy's ``astype`` rounds (float16 through the CPU kernels'
+    integer conversion: bit-identical to numpy except for NaN payloads).
+    Asynchronous on ``cuda_stream``."""
+    src, dst = _dev(src, "src"), _dev(dst, "dst")
+    if src.size != dst.size:
+        raise ValueError(f"convert: expected equal sizes, got {src.size} and {dst.size}")
+    if dst.size == 0:
+        return
+    f16 = np.dtype(np.float16)
+    if src.dtype == f16 and dst.dtype == f16:
+        dst.copy_to_device(src, stream=cuda_stream)
+        return
+    if src.dtype == f16:
+        if dst.dtype != np.float32:
+            raise TypeError(f"convert: float16 converts to float32, not {dst.dtype}")
+        _f16_to_f32_kernel[_grid(dst.size), THREADS, cuda_stream](src.view(np.uint16), dst)
+    elif dst.dtype == f16:
+        if src.dtype != np.float32:
+            raise TypeError(f"convert: float16 is made from float32, not {src.dtype}")
+        _f32_to_f16_kernel[_grid(dst.size), THREADS, cuda_stream](src, dst.view(np.uint16))
+    elif src.dtype == dst.dtype:
+        dst.copy_to_device(src, stream=cuda_stream)
+    else:
+        _convert_kernel[_grid(dst.size), THREADS, cuda_stream](src, dst)
+
+
+@cuda.jit
+def _divide_kernel(a, d):
+    for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
+        a[i] = a[i] / d
+
+
+def divide(a, divisor, *, cuda_stream=0):
+    """``a /= divisor`` in ``a``'s dtype (float32 or float64; IEEE division, as
+    ``numpy.divide(a, divisor, out=a)``). Asynchronous on ``cuda_stream``."""
+    a = _dev(a, "a")
+    if a.size:
+        _divide_kernel[_grid(a.size), THREADS, cuda_stream](a, a.dtype.type(divisor))

@@ -12,6 +12,7 @@ from ._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError
 from ._version import __version__
 from .allreduce import allreduce, iallreduce
 from ._collective import Request, reset_traffic, traffic
+from ._cuda import CudaAwareness, cuda_aware_mpi, select_device
 from .compressors import (FP16, Compressor, NoCompression, OneBit, TernGrad, TwoBit,
                           available_compressors, get_compressor, register_compressor)
 from .feedback import ErrorFeedback, get_default_feedback, shard_bounds
@@ -21,6 +22,7 @@ __all__ = [
     "__version__",
     "allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "Request",
     "traffic", "reset_traffic",
+    "cuda_aware_mpi", "CudaAwareness", "select_device",
     "get_compressor", "register_compressor", "available_compressors",
     "Compressor", "NoCompression", "FP16", "TwoBit", "OneBit", "TernGrad",
     "ErrorFeedback", "get_default_feedback", "shard_bounds",

@@ -23,6 +23,16 @@ MPI_Reduce_scatter with MPI.SUM after the agreement. So do compressed ops on
 buffers smaller than ``$MPIGC_MIN_COMPRESS_BYTES`` (default 8192 bytes; see
 :func:`min_compress_bytes`): below a few KiB the fixed cost of compressing
 exceeds what fewer bytes save. Such calls use and change no residual.
+
+Device arrays (anything with ``__cuda_array_interface__``) take the same
+steps on the GPU: compression, decoding and accumulation run in
+``mpigc.kernels.cuda``, residuals stay in device memory, results are written
+in place. MPI is given device buffers when it is CUDA-aware
+(:func:`mpigc.cuda_aware_mpi`); otherwise only the packed payloads cross to
+the host, through reusable pinned buffers (``op="none"``, the small-buffer
+fallback and ``gather="exact"`` move full-precision values there). The
+default stream is synchronised before MPI reads device memory and before a
+call returns (see ``docs/gpu.md``).
 """
 import json
 import os
@@ -33,6 +43,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _comm
+from . import _cuda
 from . import _dispatch
 from ._errors import (CODES, ConfigError, DTypeError, InvalidBufferError, MismatchError,
                       MpigcError, NonFiniteError, code_of)
@@ -163,6 +174,9 @@ class _Op:
         self.local_error = None
         self.error = None
         self.plain = False
+        self.dev = False  # device arrays (the GPU path)
+        self.aware = False  # CUDA-aware MPI: device buffers go to MPI as they are
+        self.staged = []  # pinned host buffers taken from the staging pool
         row = np.zeros(_NCOLS, np.int64)
         try:
             self._prepare(buf, op, params, key, average, gather, feedback, nonfinite,
@@ -183,30 +197,35 @@ class _Op:
     # -- 1. prepare ----------------------------------------------------------
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
                  recvcounts, out, row):
-        if _dispatch.is_device_array(buf):
-            raise DTypeError(f"{self.kind}: device arrays need the GPU path "
-                             "(mpigc[cuda]), which this build does not include yet")
-        if not isinstance(buf, np.ndarray):
-            raise DTypeError(f"{self.kind}: expected a numpy array, got {type(buf).__name__}")
-        if buf.dtype not in SUPPORTED_DTYPES or not buf.dtype.isnative:
+        self.dev = dev = _dispatch.is_device_array(buf)
+        if dev:
+            dbuf = self._device_input(buf)
+        elif not isinstance(buf, np.ndarray):
+            raise DTypeError(f"{self.kind}: expected a numpy array or a CUDA device array, "
+                             f"got {type(buf).__name__}")
+        else:
+            dbuf = buf
+        dtype = np.dtype(dbuf.dtype)
+        if dtype not in SUPPORTED_DTYPES or not dtype.isnative:
             raise DTypeError(f"{self.kind}: expected float16, float32 or float64 "
-                             f"(native byte order), got {buf.dtype}")
-        if buf.size == 0:
+                             f"(native byte order), got {dtype}")
+        if dbuf.size == 0:
             raise InvalidBufferError(f"{self.kind}: expected a non-empty array, got shape "
-                                     f"{buf.shape}")
-        if not buf.flags.c_contiguous:
+                                     f"{tuple(dbuf.shape)}")
+        if not (_cuda.is_c_contiguous(dbuf) if dev else buf.flags.c_contiguous):
             raise InvalidBufferError(f"{self.kind}: expected a C-contiguous array; pass "
-                                     "numpy.ascontiguousarray(x) and copy the result back")
-        if self.kind == "allreduce" and not buf.flags.writeable:
+                                     "a contiguous copy and copy the result back")
+        if self.kind == "allreduce" and not (not _cuda.is_readonly(buf) if dev
+                                             else buf.flags.writeable):
             raise InvalidBufferError("allreduce: expected a writable array (it reduces in "
                                      "place), got a read-only one")
         self.buf = buf
-        self.flat = buf.reshape(-1)
+        self.flat = dbuf.reshape(dbuf.size)
         self.n = n = self.flat.size
-        self.dtype = buf.dtype
+        self.dtype = dtype
         self.wdtype = work_dtype(buf.dtype)
         row[_N] = n
-        row[_DTYPE] = _DTYPE_CODE[buf.dtype]
+        row[_DTYPE] = _DTYPE_CODE[dtype]
 
         self.comp = comp = get_compressor(op, **params)
         if gather not in GATHER_MODES:
@@ -232,17 +251,13 @@ class _Op:
             starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
             self.bounds = list(zip(starts[:-1], starts[1:]))
         lo, hi = self.bounds[self.rank]
+        self.out_given = out  # what reduce_scatter returns (the caller's object)
         if out is not None:
-            if (not isinstance(out, np.ndarray) or out.dtype != buf.dtype
-                    or out.size != hi - lo or not out.flags.c_contiguous
-                    or not out.flags.writeable):
-                raise InvalidBufferError(
-                    f"out: expected a writable contiguous array of {hi - lo} "
-                    f"{buf.dtype} values")
+            out = self._check_out(out, hi - lo)
         self.out = out
         self.key = (f"auto/{n}/{self.dtype.name}" if key is None else str(key))
         # small buffers: plain MPI sum (see min_compress_bytes)
-        fallback = comp.codec_id != "none" and buf.nbytes < min_compress_bytes()
+        fallback = comp.codec_id != "none" and self.flat.nbytes < min_compress_bytes()
         self.plain = comp.codec_id == "none" or fallback
         settings = {"kind": self.kind, "comp": comp.get_config(), "key": self.key,
                     "average": self.average, "gather": gather, "nonfinite": nonfinite,
@@ -255,17 +270,19 @@ class _Op:
         self.use_ef = self.uses_state and comp.uses_feedback
         if self.uses_state:
             self.fb = get_default_feedback() if feedback is None else feedback
-            self.entry = self.fb._acquire(self.key, n, self.wdtype, self.size, self.rank)
+            self.entry = self.fb._acquire(self.key, n, self.wdtype, self.size, self.rank,
+                                          dev)
             self.busy_key = True
 
         if self.plain:
             # MPI has no float16 sum: reduce a float32 copy
-            self.none_buf = self.flat.astype(np.float32) if self.dtype == np.float16 \
-                else self.flat
+            self.none_buf = self._converted(self.flat, np.float32) \
+                if self.dtype == np.float16 else self.flat
             if nonfinite != "ignore":
-                row[_NBAD] = _cpu.count_nonfinite(self.none_buf)
+                row[_NBAD] = _dispatch.kernels(self.none_buf).count_nonfinite(self.none_buf)
             return
-        self.x = self.flat if self.dtype == self.wdtype else self.flat.astype(self.wdtype)
+        self.x = self.flat if self.dtype == self.wdtype else self._converted(self.flat,
+                                                                             self.wdtype)
         self.e_in = None if (self.entry is None or not self.use_ef) else self.entry.worker
         if comp.needs_global_scale:
             amax, self.clip_bound, nbad = comp.local_scale(self.x, self.e_in)
@@ -273,9 +290,90 @@ class _Op:
             row[_SCALE] = _f64_bits(amax)
             return
         # compress every shard now; the new residual goes to a scratch buffer
-        self.e_out = self.fb._take_spare(n, self.wdtype) if self.use_ef else None
+        self.e_out = self.fb._take_spare(n, self.wdtype, dev) if self.use_ef else None
         self.spare = self.e_out
         self._pack_shards(row)
+
+    def _device_input(self, buf):
+        """The GPU path's checks and setup for device array ``buf``; returns
+        it as a Numba device array (no copy)."""
+        self.aware = _cuda.awareness(self.cs)
+        if not self.aware.aware:
+            _cuda.warn_staging_once(self.aware)
+        _cuda.ensure_device(buf, self.cs)
+        return _cuda.as_device(buf)
+
+    def _check_out(self, out, n):
+        """reduce_scatter's ``out``: on the side of ``buf`` (host or device)."""
+        dev_out = _dispatch.is_device_array(out)
+        if dev_out != self.dev:
+            side = ("a CUDA device array" if self.dev else "a numpy array")
+            raise InvalidBufferError(
+                f"out: expected {side} like buf, got "
+                f"{'a CUDA device array' if dev_out else type(out).__name__}: host and device "
+                "arrays cannot be mixed in one call")
+        if dev_out:
+            d = _cuda.as_device(out)
+            if (np.dtype(d.dtype) != self.dtype or d.size != n or not _cuda.is_c_contiguous(d)
+                    or _cuda.is_readonly(out)):
+                raise InvalidBufferError(f"out: expected a writable contiguous device array "
+                                         f"of {n} {self.dtype} values")
+            return d.reshape(d.size)
+        if (not isinstance(out, np.ndarray) or out.dtype != self.dtype
+                or out.size != n or not out.flags.c_contiguous
+                or not out.flags.writeable):
+            raise InvalidBufferError(
+                f"out: expected a writable contiguous array of {n} "
+                f"{self.dtype} values")
+        return out
+
+    # -- host or device arrays -------------------------------------------------
+    def _empty(self, n, dtype):
+        if not self.dev:
+            return np.empty(n, dtype)
+        return _cuda.empty(max(int(n), 1), dtype)[:n]
+
+    def _converted(self, a, dtype):
+        """``a.astype(dtype)``, on the side of ``a``."""
+        if not self.dev:
+            return a.astype(dtype)
+        out = self._empty(a.size, dtype)
+        _dispatch.kernels(a).convert(a, out)
+        return out
+
+    def _assign(self, dst, src):
+        """``dst[...] = src`` (with numpy's casting), on the side of ``dst``."""
+        if not self.dev:
+            dst[...] = src
+        else:
+            _dispatch.kernels(dst).convert(src, dst)
+
+    def _divide(self, a, d):
+        if not self.dev:
+            np.divide(a, d, out=a)
+        else:
+            _dispatch.kernels(a).divide(a, d)
+
+    def _stage(self, nbytes):
+        """A pinned host buffer of at least ``nbytes`` for this call."""
+        b = _cuda.staging_pool.take(nbytes)
+        self.staged.append(b)
+        return b[:nbytes]
+
+    def _release_staging(self):
+        for b in self.staged:
+            _cuda.staging_pool.give(b)
+        self.staged = []
+
+    def _wire(self, a):
+        """What MPI reads or writes for array ``a`` (host or device): ``a``
+        itself, the device buffer with CUDA-aware MPI (after the device is
+        synchronised), or None when it must be staged through the host."""
+        if not self.dev:
+            return a
+        if self.aware.aware:
+            return _cuda.mpi_buffer(a)
+        return None
 
     def _payload_layout(self):
         sizes = [self.comp.payload_nbytes(hi - lo, self.wdtype) for lo, hi in self.bounds]
@@ -292,7 +390,7 @@ class _Op:
     def _pack_shards(self, row, scale=None):
         sizes, offs = self._payload_layout()
         self.sizes, self.offs = sizes, offs
-        self.sendbuf = np.empty(offs[-1], np.uint8)
+        self.sendbuf = self._empty(offs[-1], np.uint8)
         kw = {}
         if self.comp.needs_global_scale:
             kw = {"scale": scale, "clip_bound": self.clip_bound,
@@ -366,21 +464,29 @@ class _Op:
 
     def _finish_skipped(self):
         if self.kind == "allreduce":
-            self.flat[...] = np.nan
+            self._fill_nan(self.flat)
             self.result = self.buf
         else:
             lo, hi = self.bounds[self.rank]
-            res = self.out if self.out is not None else np.empty(hi - lo, self.dtype)
-            res[...] = np.nan
-            self.result = res
+            res = self.out if self.out is not None else self._empty(hi - lo, self.dtype)
+            self._fill_nan(res)
+            self.result = res if self.out is None else self.out_given
+        if self.dev:
+            _cuda.sync()
         self.state = "done"
+
+    def _fill_nan(self, a):
+        if not self.dev:
+            a[...] = np.nan
+        elif a.size:
+            _cuda.copy(a, np.full(a.size, np.nan, a.dtype))
 
     def _commit(self):
         """The call goes ahead: install the new worker residual."""
         if not self.uses_state:
             return
         e = self.fb._commit(self.key, self.entry, self.n, self.wdtype, self.size, self.rank,
-                            self.comp.get_config())
+                            self.comp.get_config(), self.dev)
         self.entry, self.busy_key = e, True
         if self.spare is not None:
             old, e.worker = e.worker, self.spare
@@ -392,46 +498,64 @@ class _Op:
     def _start_none(self):
         comm = self.cs.post
         sendbuf = self.none_buf
+        wire = self._wire(sendbuf)
+        if self.dev:
+            _cuda.sync()
+        if wire is None:  # staged: the full-precision values cross to the host
+            wire = self._stage(sendbuf.nbytes).view(sendbuf.dtype)
+            _cuda.copy(wire, sendbuf)
+        self.none_wire = wire
         if self.kind == "allreduce":
             if self.blocking:
-                comm.Allreduce(MPI.IN_PLACE, sendbuf, op=MPI.SUM)
+                comm.Allreduce(MPI.IN_PLACE, wire, op=MPI.SUM)
                 self.reqs = []
             else:
-                self.reqs = [comm.Iallreduce(MPI.IN_PLACE, sendbuf, op=MPI.SUM)]
+                self.reqs = [comm.Iallreduce(MPI.IN_PLACE, wire, op=MPI.SUM)]
             self.none_out = sendbuf
         else:
             lo, hi = self.bounds[self.rank]
             counts = [h - l for l, h in self.bounds]
-            recv = np.empty(hi - lo, sendbuf.dtype)
+            recv = self._empty(hi - lo, sendbuf.dtype)
+            rwire = self._wire(recv)
+            if rwire is None:
+                rwire = self._stage(recv.nbytes).view(recv.dtype)
+            self.none_rwire = rwire
             if self.blocking:
-                comm.Reduce_scatter(sendbuf, recv, counts, op=MPI.SUM)
+                comm.Reduce_scatter(wire, rwire, counts, op=MPI.SUM)
                 self.reqs = []
             else:
-                self.reqs = [comm.Ireduce_scatter(sendbuf, recv, counts, op=MPI.SUM)]
+                self.reqs = [comm.Ireduce_scatter(wire, rwire, counts, op=MPI.SUM)]
             self.none_out = recv
         self.state = "none"
 
     def _finish_none(self):
         v = self.none_out
+        if self.dev and not self.aware.aware:  # staged: back to the device
+            src = self.none_wire if self.kind == "allreduce" else self.none_rwire
+            if v.size:
+                _cuda.copy(v, src)
         N = self.size
         factor = 2 * (N - 1) / N if self.kind == "allreduce" else (N - 1) / N
         self._count(int(round(factor * self.none_buf.nbytes)))
         if self.average:
-            np.divide(v, self.size, out=v)
+            self._divide(v, self.size)
         if self.kind == "allreduce":
             if v is not self.flat:
-                self.flat[...] = v
+                self._assign(self.flat, v)
             self.result = self.buf
         else:
             self._set_rs_result(v)
+        if self.dev:
+            _cuda.sync()
+        self._release_staging()
         self.state = "done"
 
     def _set_rs_result(self, v):
         if self.out is not None:
-            self.out[...] = v
-            self.result = self.out
+            self._assign(self.out, v)
+            self.result = self.out_given
         else:
-            self.result = v if v.dtype == self.dtype else v.astype(self.dtype)
+            self.result = v if v.dtype == self.dtype else self._converted(v, self.dtype)
 
     def _start_phase1(self):
         comm = self.cs.comm
@@ -439,7 +563,7 @@ class _Op:
             # terngrad quantizes only now, with the scale all ranks agreed on
             if self.use_ef:
                 if self.entry.worker is None:
-                    self.entry.worker = np.empty(self.n, self.wdtype)
+                    self.entry.worker = self._empty(self.n, self.wdtype)
                 self.e_out = self.entry.worker
             else:
                 self.e_out = None
@@ -448,21 +572,29 @@ class _Op:
         r = self.rank
         lo, hi = self.bounds[r]
         m = self.sizes[r]
-        self.recvbuf = np.empty(self.size * m, np.uint8)
+        self.recvbuf = self._empty(self.size * m, np.uint8)
+        if self.dev:
+            _cuda.sync()  # the payloads are packed before MPI reads them
+        send, recv = self._wire(self.sendbuf), self._wire(self.recvbuf)
+        if send is None:  # staged: only the packed payloads cross to the host
+            send = self._stage(self.sendbuf.size)
+            _cuda.copy(send, self.sendbuf)
+            recv = self._stage(self.recvbuf.size)
+        self.recv_wire = recv
         self.recvreqs = [None] * self.size
         tag = self.tags[0]
         for k in range(1, self.size):  # post receives first, then sends
             j = (r - k) % self.size
             if m:
-                self.recvreqs[j] = comm.Irecv([self.recvbuf[j * m:(j + 1) * m], MPI.BYTE],
+                self.recvreqs[j] = comm.Irecv([recv[j * m:(j + 1) * m], MPI.BYTE],
                                               source=j, tag=tag)
         for k in range(1, self.size):
             j = (r + k) % self.size
             if self.sizes[j]:
                 self.sendreqs.append(comm.Isend(
-                    [self.sendbuf[self.offs[j]:self.offs[j + 1]], MPI.BYTE], dest=j, tag=tag))
+                    [send[self.offs[j]:self.offs[j + 1]], MPI.BYTE], dest=j, tag=tag))
         acc_dtype = np.float64 if self.dtype == np.float64 else np.float32
-        self.acc = np.empty(hi - lo, acc_dtype)
+        self.acc = self._empty(hi - lo, acc_dtype)
         self.next_src = 0
         self.state = "phase1"
 
@@ -472,8 +604,14 @@ class _Op:
             return self.sendbuf[self.offs[r]:self.offs[r + 1]]
         return self.recvbuf[j * m:(j + 1) * m]
 
+    def _unstage(self, dst, src):
+        """After a staged receive: copy the host bytes to the device."""
+        if self.dev and not self.aware.aware and dst.size:
+            _cuda.copy(dst, src)
+
     def _progress_phase1(self, block):
         """Decode-accumulate contributions in rank order, as they arrive."""
+        m = self.sizes[self.rank]
         while self.next_src < self.size:
             j = self.next_src
             req = self.recvreqs[j]
@@ -483,11 +621,13 @@ class _Op:
                 elif not req.Test():
                     return False
                 self.recvreqs[j] = None
+                self._unstage(self.recvbuf[j * m:(j + 1) * m],
+                              self.recv_wire[j * m:(j + 1) * m])
             if self.acc.size:
                 self.comp._decode(self._payload_from(j), self.acc, j > 0)
             self.next_src += 1
         if self.average and not self.comp.prescales_average:
-            np.divide(self.acc, self.size, out=self.acc)
+            self._divide(self.acc, self.size)
         return True
 
     def _start_phase2(self):
@@ -497,18 +637,29 @@ class _Op:
         tag = self.tags[1]
         self.recvreqs2 = {}
         if self.gather == "exact":
+            # full-precision values: staged through the host without CUDA-aware MPI
             own = self.flat[lo:hi]
-            own[...] = self.acc
+            self._assign(own, self.acc)
+            flat8 = self.flat.view(np.uint8)
+            isz = self.dtype.itemsize
+            if self.dev:
+                _cuda.sync()
+            wire = self._wire(flat8)
+            if wire is None:
+                wire = self._stage(flat8.size)
+                if hi > lo:
+                    _cuda.copy(wire[lo * isz:hi * isz], flat8[lo * isz:hi * isz])
+            self.wire2 = wire
             for k in range(1, self.size):
                 j = (r - k) % self.size
                 jlo, jhi = self.bounds[j]
                 if jhi > jlo:
                     self.recvreqs2[j] = comm.Irecv(
-                        [self.flat[jlo:jhi].view(np.uint8), MPI.BYTE], source=j, tag=tag)
+                        [wire[jlo * isz:jhi * isz], MPI.BYTE], source=j, tag=tag)
             if hi > lo:
                 for k in range(1, self.size):
                     j = (r + k) % self.size
-                    self.sendreqs.append(comm.Isend([own.view(np.uint8), MPI.BYTE],
+                    self.sendreqs.append(comm.Isend([wire[lo * isz:hi * isz], MPI.BYTE],
                                                     dest=j, tag=tag))
             self.state = "phase2"
             return
@@ -516,34 +667,45 @@ class _Op:
         sizes = [self.comp.payload_nbytes(h - l, self.acc.dtype) for l, h in self.bounds]
         offs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
         self.sizes2, self.offs2 = sizes, offs
-        self.recvbuf2 = np.empty(offs[-1], np.uint8)
+        self.recvbuf2 = self._empty(offs[-1], np.uint8)
         mine = self.recvbuf2[offs[r]:offs[r + 1]]
         if hi > lo:
             e = None
             if self.use_ef:
                 if self.entry.owner is None:
-                    self.entry.owner = np.zeros(hi - lo, self.wdtype)
+                    self.entry.owner = (_cuda.zeros(hi - lo, self.wdtype) if self.dev
+                                        else np.zeros(hi - lo, self.wdtype))
                 e = self.entry.owner
             kw = {}
             if self.comp.needs_global_scale:
                 amax, bound, _ = self.comp.local_scale(self.acc, e)
                 kw = {"scale": amax, "clip_bound": bound, "stream": self._stream(r, 1)}
-            x = self.acc if self.acc.dtype == self.wdtype else self.acc.astype(self.wdtype)
+            x = self.acc if self.acc.dtype == self.wdtype else self._converted(self.acc,
+                                                                               self.wdtype)
             # the owner's residual is double-buffered too: should the reduced
             # shard not fit the wire format (fp16 overflow of a sum), the
             # result is non-finite on every rank but the residual is kept
-            e_out = None if e is None else np.empty_like(e)
+            e_out = None if e is None else self._empty(hi - lo, self.wdtype)
             if self.comp._encode(x, e, e_out, mine, offset=lo, **kw) == 0 and e is not None:
                 self.entry.owner = e_out
+        if self.dev:
+            _cuda.sync()
+        wire = self._wire(self.recvbuf2)
+        if wire is None:  # staged: only the packed payloads cross to the host
+            wire = self._stage(offs[-1])
+            if sizes[r]:
+                _cuda.copy(wire[offs[r]:offs[r + 1]], mine)
+        self.wire2 = wire
         for k in range(1, self.size):
             j = (r - k) % self.size
             if sizes[j]:
-                self.recvreqs2[j] = comm.Irecv([self.recvbuf2[offs[j]:offs[j + 1]], MPI.BYTE],
+                self.recvreqs2[j] = comm.Irecv([wire[offs[j]:offs[j + 1]], MPI.BYTE],
                                                source=j, tag=tag)
         if sizes[r]:
             for k in range(1, self.size):
                 j = (r + k) % self.size
-                self.sendreqs.append(comm.Isend([mine, MPI.BYTE], dest=j, tag=tag))
+                self.sendreqs.append(comm.Isend([wire[offs[r]:offs[r + 1]], MPI.BYTE],
+                                                dest=j, tag=tag))
         self._decode_into_place(r)
         self.state = "phase2"
 
@@ -554,11 +716,24 @@ class _Op:
         payload = self.recvbuf2[self.offs2[j]:self.offs2[j + 1]]
         target = self.flat[lo:hi]
         if target.dtype == np.float16:
-            tmp = np.empty(hi - lo, np.float32)
+            tmp = self._empty(hi - lo, np.float32)
             self.comp._decode(payload, tmp, False)
-            target[...] = tmp
+            self._assign(target, tmp)
         else:
             self.comp._decode(payload, target, False)
+
+    def _arrived2(self, j):
+        """Shard ``j`` of the gather has arrived (in the staging buffer when
+        staged): into place."""
+        if self.gather == "compressed":
+            a, b = self.offs2[j], self.offs2[j + 1]
+            self._unstage(self.recvbuf2[a:b], self.wire2[a:b])
+            self._decode_into_place(j)
+        else:
+            lo, hi = self.bounds[j]
+            isz = self.dtype.itemsize
+            self._unstage(self.flat.view(np.uint8)[lo * isz:hi * isz],
+                          self.wire2[lo * isz:hi * isz])
 
     def _progress_phase2(self, block):
         pending = self.recvreqs2
@@ -570,8 +745,7 @@ class _Op:
                 elif not req.Test():
                     continue
                 del pending[j]
-                if self.gather == "compressed":
-                    self._decode_into_place(j)
+                self._arrived2(j)
             if pending and not block:
                 return False
         return True
@@ -599,6 +773,9 @@ class _Op:
             self.result = self.buf
         else:
             self._set_rs_result(self.acc)
+        if self.dev:
+            _cuda.sync()  # the decoding kernels are asynchronous
+        self._release_staging()
         self._abandon()
         self.state = "done"
 

@@ -23,7 +23,8 @@ _threads_set = False
 class CommState:
     """The private duplicate of a communicator and its call counter."""
 
-    __slots__ = ("comm", "post", "size", "rank", "seq", "local_size")
+    __slots__ = ("comm", "post", "size", "rank", "seq", "local_size", "local_rank",
+                 "cuda_aware")
 
     def __init__(self, comm):
         # Two duplicates. Collectives must start in the same order on every
@@ -40,7 +41,9 @@ class CommState:
         self.seq = 0
         local = self.comm.Split_type(MPI.COMM_TYPE_SHARED, key=self.rank)
         self.local_size = local.Get_size()
+        self.local_rank = local.Get_rank()  # one GPU per node-local rank (select_device)
         local.Free()
+        self.cuda_aware = None  # decided on first use by a device array (mpigc._cuda)
 
     def next_tags(self):
         """Tags ``(phase1, phase2)`` for the next call on this communicator."""

@@ -2,11 +2,14 @@
 
 An array is a device array when it exposes ``__cuda_array_interface__`` (CuPy,
 Numba device arrays, CUDA torch tensors); this is checked per object, never
-cached per type. Host arrays use ``mpigc.kernels.cpu``; device arrays use
+cached per type. Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``
+only) the simulator's device arrays count too: they carry Numba's
+``__cuda_ndarray__`` marker instead of the interface. Host arrays use ``mpigc.kernels.cpu``; device arrays use
 ``mpigc.kernels.cuda``, imported on first use so that importing mpigc never
 touches CUDA.
 """
 import importlib
+import os
 
 import numpy as np
 
@@ -19,7 +22,14 @@ _cuda = None
 
 def is_device_array(a):
     """True for objects that live in CUDA device memory."""
-    return not isinstance(a, np.ndarray) and hasattr(a, "__cuda_array_interface__")
+    if isinstance(a, np.ndarray):
+        return False
+    if hasattr(a, "__cuda_array_interface__"):
+        return True
+    # the simulator's FakeCUDAArray: looked up on the type (its instances
+    # forward unknown attributes to the numpy array they wrap)
+    return (getattr(type(a), "__cuda_ndarray__", False) is True
+            and os.environ.get("NUMBA_ENABLE_CUDASIM", "0").strip() not in ("", "0"))
 
 
 def _cuda_kernels():

@@ -97,6 +97,28 @@ def get_compressor(op, **params):
     return cls(**params)
 
 
+def _put_bytes(payload, host_bytes):
+    """``payload[:] = host_bytes`` where ``payload`` is host or device memory."""
+    if _dispatch.is_device_array(payload):
+        payload.copy_to_device(np.ascontiguousarray(host_bytes))
+    else:
+        payload[...] = host_bytes
+
+
+def _get_bytes(payload):
+    """The bytes of ``payload`` (host or device) as a host array."""
+    if _dispatch.is_device_array(payload):
+        return payload.copy_to_host()
+    return payload
+
+
+def _host_only(what, *arrays):
+    for a in arrays:
+        if a is not None and _dispatch.is_device_array(a):
+            raise DTypeError(f"{what} takes host arrays; device arrays go to the "
+                             "collectives (mpigc.allreduce) or to mpigc.kernels.cuda")
+
+
 def _flat(x, what="x"):
     """A 1-D contiguous float view of array ``x`` (no copy)."""
     if not isinstance(x, np.ndarray) and not _dispatch.is_device_array(x):
@@ -198,6 +220,7 @@ class Compressor:
         **kw
             ``scale``, ``stream``, ``offset`` for ``terngrad``.
         """
+        _host_only("compress()", x, residual, out)
         xf = _flat(x)
         n = xf.size
         wd = work_dtype(xf.dtype)
@@ -235,6 +258,7 @@ class Compressor:
         when ``accumulate`` is true, as an owner does when it sums the
         contributions of all ranks) and returns ``out``.
         """
+        _host_only("decompress()", payload, out)
         payload = np.asarray(payload)
         if payload.dtype != np.uint8 or payload.ndim != 1:
             raise InvalidBufferError("payload: expected a 1-D uint8 array")
@@ -370,6 +394,16 @@ class OneBit(Compressor):
 
     def _encode(self, x, e_in, e_out, payload, **kw):
         nb = (x.size + 7) // 8
+        if _dispatch.is_device_array(x):
+            # the pairs go to the unaligned tail of the payload by a device
+            # copy of their bytes (CUDA devices are little-endian)
+            from . import _cuda
+            means = _cuda.empty(2 * self._nblocks(x.size), np.float32)
+            nbad = _dispatch.kernels(x).pack_1bit(x, e_in, e_out, payload[:nb], means,
+                                                  self.block_size)
+            if means.size:
+                payload[nb:].copy_to_device(means.view(np.uint8))
+            return nbad
         means = np.empty(2 * self._nblocks(x.size), np.float32)
         nbad = _dispatch.kernels(x).pack_1bit(x, e_in, e_out, payload[:nb], means,
                                               self.block_size)
@@ -378,7 +412,13 @@ class OneBit(Compressor):
 
     def _decode(self, payload, out, accumulate):
         nb = (out.size + 7) // 8
-        means = np.frombuffer(payload[nb:].tobytes(), "<f4").astype(np.float32)
+        if _dispatch.is_device_array(out):
+            from . import _cuda
+            means = _cuda.empty(2 * self._nblocks(out.size), np.float32)
+            if means.size:
+                means.view(np.uint8).copy_to_device(payload[nb:])
+        else:
+            means = np.frombuffer(payload[nb:].tobytes(), "<f4").astype(np.float32)
         _dispatch.kernels(out).unpack_1bit(payload[:nb], means, out, self.block_size,
                                            accumulate)
 
@@ -444,12 +484,12 @@ class TernGrad(Compressor):
         s32 = np.float32(scale)
         nbad_pack = _dispatch.kernels(x).pack_ternary(x, e_in, e_out, payload[:nb], s32,
                                                       clip_bound, stream, offset)
-        payload[nb:] = np.array([s32], "<f4").view(np.uint8)
+        _put_bytes(payload[nb:], np.array([s32], "<f4").view(np.uint8))
         return max(nbad, nbad_pack)
 
     def _decode(self, payload, out, accumulate):
         if out.size == 0:
             return
         nb = (out.size + 3) // 4
-        scale = float(np.frombuffer(payload[nb:nb + 4].tobytes(), "<f4")[0])
+        scale = float(np.frombuffer(_get_bytes(payload[nb:nb + 4]).tobytes(), "<f4")[0])
         _dispatch.kernels(out).unpack_2bit(payload[:nb], out, scale, accumulate)

@@ -13,11 +13,23 @@ Each key (a parameter name, a bucket name) holds, on each rank:
     How many collectives used the key (terngrad's random streams depend on it).
 
 A residual that was never needed (error feedback off) is ``None``.
+
+Where residuals live
+--------------------
+A key's residuals live where its buffers live: in host memory for numpy
+buffers, in device memory for CUDA device arrays (the double-buffer spare
+too). A key used with a host buffer cannot then be used with a device buffer
+(or the other way round): that is a :class:`StateError`. Residuals put in by
+:meth:`ErrorFeedback.load_state_dict` or ``mpigc.load_checkpoint`` are host
+arrays and have no place yet: the key's next call moves them to the device
+if its buffer is a device array. :meth:`ErrorFeedback.state_dict` and
+checkpoints always get host copies.
 """
 import threading
 
 import numpy as np
 
+from . import _dispatch
 from ._errors import StateError
 from .compressors import get_compressor
 
@@ -39,9 +51,9 @@ def shard_bounds(n, size):
 
 class _Entry:
     __slots__ = ("n", "dtype", "world_size", "rank", "worker", "owner", "config",
-                 "calls")
+                 "calls", "on_device")
 
-    def __init__(self, n, dtype, world_size, rank, config):
+    def __init__(self, n, dtype, world_size, rank, config, on_device=None):
         self.n = n
         self.dtype = np.dtype(dtype)
         self.world_size = world_size
@@ -50,9 +62,41 @@ class _Entry:
         self.owner = None
         self.config = config
         self.calls = 0
+        #: True: residuals in device memory; False: host; None: not placed yet
+        #: (loaded from a state dict or a checkpoint; see the module docstring)
+        self.on_device = on_device
+
+    def place(self, device):
+        """Move not-yet-placed residuals to where a call needs them."""
+        if self.on_device is None:
+            if device:
+                from . import _cuda
+                self.worker = None if self.worker is None else _cuda.to_device(self.worker)
+                self.owner = None if self.owner is None else _cuda.to_device(self.owner)
+            self.on_device = bool(device)
+
+    def host_copy(self):
+        """An entry with host copies of the residuals (the same one if they
+        are on the host already)."""
+        if not self.on_device:
+            return self
+        e = _Entry(self.n, self.dtype, self.world_size, self.rank, self.config, False)
+        e.calls = self.calls
+        e.worker = _host(self.worker)
+        e.owner = _host(self.owner)
+        return e
 
     def describe(self):
         return (f"{self.n} values of {self.dtype} on {self.world_size} rank(s)")
+
+
+def _host(a):
+    """A host copy of residual ``a`` (host or device), or None."""
+    if a is None:
+        return None
+    if _dispatch.is_device_array(a):
+        return a.copy_to_host()
+    return a.copy()
 
 
 class ErrorFeedback:
@@ -92,7 +136,8 @@ class ErrorFeedback:
 
     # -- public state --------------------------------------------------------
     def state_dict(self):
-        """A copy of the state, per key::
+        """A copy of the state (host arrays, also for residuals kept on a
+        GPU), per key::
 
             {"worker": ndarray | None, "owner": ndarray | None,
              "config": dict, "calls": int, "world_size": int, "rank": int,
@@ -105,8 +150,8 @@ class ErrorFeedback:
                                  "collective; wait for it before taking the state")
             for key, e in self._entries.items():
                 out[key] = {
-                    "worker": None if e.worker is None else e.worker.copy(),
-                    "owner": None if e.owner is None else e.owner.copy(),
+                    "worker": _host(e.worker),
+                    "owner": _host(e.owner),
                     "config": dict(e.config),
                     "calls": e.calls,
                     "world_size": e.world_size,
@@ -119,8 +164,11 @@ class ErrorFeedback:
     def load_state_dict(self, state):
         """Replace the state by ``state`` (as :meth:`state_dict` returns it).
 
-        The residuals are copied. Sizes are checked: a worker residual must
-        have ``n`` values and an owner residual the size of the rank's shard.
+        The residuals are copied (as host arrays; device arrays are copied
+        to the host). Sizes are checked: a worker residual must have ``n``
+        values and an owner residual the size of the rank's shard. A key's
+        next collective moves its residuals to the GPU if its buffer is a
+        device array.
         """
         entries = {}
         for key, s in state.items():
@@ -130,14 +178,14 @@ class ErrorFeedback:
             e = _Entry(n, dtype, int(s["world_size"]), int(s["rank"]), dict(s["config"]))
             e.calls = int(s.get("calls", 0))
             if s.get("worker") is not None:
-                w = np.array(s["worker"], dtype=dtype).reshape(-1)
+                w = np.array(_host_array(s["worker"]), dtype=dtype).reshape(-1)
                 if w.size != n:
                     raise StateError(f"key {key!r}: worker residual has {w.size} values, "
                                      f"expected {n}")
                 e.worker = w
             if s.get("owner") is not None:
                 lo, hi = shard_bounds(n, e.world_size)[e.rank]
-                o = np.array(s["owner"], dtype=dtype).reshape(-1)
+                o = np.array(_host_array(s["owner"]), dtype=dtype).reshape(-1)
                 if o.size != hi - lo:
                     raise StateError(f"key {key!r}: owner residual has {o.size} values, "
                                      f"expected {hi - lo} (shard of rank {e.rank})")
@@ -163,16 +211,16 @@ class ErrorFeedback:
     # -- used by checkpoints (mpigc.checkpoint) -------------------------------
     def _hold_entries(self):
         """Mark every key busy and return ``{key: entry}`` (the live entries,
-        no copies), so no collective changes them while a checkpoint reads
-        them. Raises StateError if a key is in use. Pair with
-        :meth:`_release_entries`."""
+        no copies, except host copies of residuals kept on a GPU), so no
+        collective changes them while a checkpoint reads them. Raises
+        StateError if a key is in use. Pair with :meth:`_release_entries`."""
         with self._lock:
             busy = sorted(self._busy)
             if busy:
                 raise StateError(f"key(s) {busy} in use by a pending collective; wait "
                                  "for them before saving")
             self._busy.update(self._entries)
-            return dict(self._entries)
+            return {k: e.host_copy() for k, e in self._entries.items()}
 
     def _release_entries(self, entries):
         with self._lock:
@@ -188,9 +236,11 @@ class ErrorFeedback:
             self._entries = dict(entries)
 
     # -- used by the collectives ---------------------------------------------
-    def _acquire(self, key, n, dtype, world_size, rank):
+    def _acquire(self, key, n, dtype, world_size, rank, device=False):
         """Mark ``key`` busy for a call and return its entry (or None if the
-        key is new). Raises StateError if it does not fit the call."""
+        key is new). Raises StateError if it does not fit the call (size,
+        layout, or host/device memory: ``device`` is whether the call's
+        buffer is a device array)."""
         with self._lock:
             if key in self._busy:
                 raise StateError(f"key {key!r} is already used by a pending collective; "
@@ -201,6 +251,16 @@ class ErrorFeedback:
                     f"key {key!r} holds residuals of {e.describe()} (rank {e.rank}); this "
                     f"call has {n} values of {np.dtype(dtype)} on {world_size} rank(s) "
                     f"(rank {rank}): use another key, or reset({key!r})")
+            if e is not None and e.worker is None and e.owner is None:
+                e.on_device = None  # nothing held: the key may change sides
+            if e is not None and e.on_device is not None and e.on_device != bool(device):
+                held, given = (("device", "host") if e.on_device else ("host", "device"))
+                raise StateError(
+                    f"key {key!r} holds residuals in {held} memory; this call has a "
+                    f"{given} buffer: use another key, reset({key!r}), or move them "
+                    "(load_state_dict(state_dict()) places them on the next call)")
+            if e is not None:
+                e.place(device)
             self._busy.add(key)
             return e
 
@@ -208,29 +268,38 @@ class ErrorFeedback:
         with self._lock:
             self._busy.discard(key)
 
-    def _commit(self, key, entry, n, dtype, world_size, rank, config):
+    def _commit(self, key, entry, n, dtype, world_size, rank, config, device=False):
         """Install a new entry for ``key`` (first call) or update ``config``;
         returns the entry."""
         with self._lock:
             if entry is None:
-                entry = _Entry(n, dtype, world_size, rank, config)
+                entry = _Entry(n, dtype, world_size, rank, config, bool(device))
                 self._entries[key] = entry
             entry.config = config
             return entry
 
-    def _take_spare(self, n, dtype):
-        """A scratch residual buffer of ``n`` values (contents undefined)."""
+    def _take_spare(self, n, dtype, device=False):
+        """A scratch residual buffer of ``n`` values (contents undefined), in
+        device memory if ``device``."""
         with self._lock:
-            pool = self._spares.get((n, np.dtype(dtype)))
+            pool = self._spares.get((n, np.dtype(dtype), bool(device)))
             if pool:
                 return pool.pop()
+        if device:
+            from . import _cuda
+            return _cuda.empty(n, dtype)
         return np.empty(n, dtype)
 
     def _give_spare(self, arr):
         with self._lock:
-            pool = self._spares.setdefault((arr.size, arr.dtype), [])
+            key = (arr.size, np.dtype(arr.dtype), _dispatch.is_device_array(arr))
+            pool = self._spares.setdefault(key, [])
             if len(pool) < 1:
                 pool.append(arr)
+
+
+def _host_array(a):
+    return a.copy_to_host() if _dispatch.is_device_array(a) else a
 
 
 _default = ErrorFeedback()

@@ -1,0 +1,409 @@
+"""The GPU side of the collectives: CUDA-aware MPI, device selection, staging.
+
+Nothing here runs at import: ``numba.cuda`` is imported the first time a
+device array reaches a collective, or one of the public functions below is
+called. See ``docs/gpu.md``.
+
+CUDA-aware MPI
+    :func:`cuda_aware_mpi` decides, per communicator and once, whether MPI may
+    be given device pointers: ``$MPIGC_CUDA_AWARE`` (``1`` / ``0``) wins;
+    otherwise the MPI-4.1 info key ``mpi_memory_alloc_kinds`` (of the
+    communicator, then ``MPI_INFO_ENV``) when the library sets it; otherwise
+    Open MPI's ``MPIX_Query_cuda_support()`` (looked up with ctypes in the
+    loaded libmpi); otherwise "no". Without CUDA-aware MPI the packed payloads
+    are staged through reusable pinned host buffers (:class:`_StagingPool`),
+    and a warning says so once per process.
+
+Device selection
+    :func:`select_device` makes one GPU current: ``device=``, else
+    ``$MPIGC_DEVICE``, else the node-local rank modulo the visible GPUs. When
+    a collective first sees a device array and ``$MPIGC_DEVICE`` is set, it
+    calls ``select_device`` itself; otherwise the kernels run on the GPU that
+    holds the array (as torch and CuPy report it), or Numba's current one.
+
+Simulator test seam
+    Under ``NUMBA_ENABLE_CUDASIM=1`` a "device array" is a numpy array in a
+    wrapper (``FakeCUDAArray``) that MPI cannot take. :func:`mpi_buffer` hands
+    MPI the wrapped numpy array there (what a CUDA-aware MPI does with device
+    memory), so the CUDA-aware code path runs in the tests; on a GPU it hands
+    MPI the device array itself. Nothing else depends on the simulator.
+"""
+import collections
+import ctypes
+import os
+import threading
+import warnings
+
+import numpy as np
+
+from ._errors import ConfigError, DTypeError
+
+__all__ = ["CudaAwareness", "cuda_aware_mpi", "select_device"]
+
+#: The decision of :func:`cuda_aware_mpi`: ``aware`` (bool) and ``source``
+#: (what decided it, e.g. ``"MPIGC_CUDA_AWARE=0"``).
+CudaAwareness = collections.namedtuple("CudaAwareness", "aware source")
+
+_lock = threading.Lock()
+_warned_staging = False
+_selected = None  # the device select_device() chose, once called
+
+
+def simulator():
+    """True when Numba's CUDA simulator is on (``NUMBA_ENABLE_CUDASIM=1``)."""
+    return os.environ.get("NUMBA_ENABLE_CUDASIM", "0").strip() not in ("", "0")
+
+
+def _numba_cuda():
+    try:
+        from numba import cuda
+    except ImportError as exc:  # pragma: no cover - numba ships numba.cuda
+        raise DTypeError(f"a CUDA device array was given, but numba.cuda is not available "
+                         f"({exc}); install it with: pip install 'mpigc[cuda]'") from exc
+    return cuda
+
+
+# -- arrays ------------------------------------------------------------------
+def as_device(a):
+    """``a`` as a Numba device array (no copy), after synchronising the
+    stream that produced it (CUDA array interface v3 ``stream``; Numba
+    arrays: their own stream)."""
+    cuda = _numba_cuda()
+    if getattr(type(a), "__cuda_ndarray__", False):  # Numba's own (or the simulator's)
+        stream = getattr(a, "stream", 0)
+        if stream:
+            stream.synchronize()
+        return a
+    return cuda.as_cuda_array(a, sync=True)
+
+
+def is_readonly(a):
+    """Whether a foreign device array says it is read-only."""
+    try:
+        return bool(a.__cuda_array_interface__["data"][1])
+    except (AttributeError, KeyError, TypeError, IndexError):
+        return False
+
+
+def is_c_contiguous(d):
+    """For Numba device arrays (real or simulated)."""
+    return d.size <= 1 or bool(d.is_c_contiguous())
+
+
+def empty(n, dtype):
+    return _numba_cuda().device_array(int(n), np.dtype(dtype))
+
+
+def zeros(n, dtype):
+    return _numba_cuda().to_device(np.zeros(int(n), np.dtype(dtype)))
+
+
+def to_device(h):
+    return _numba_cuda().to_device(np.ascontiguousarray(h))
+
+
+def to_host(d, out=None):
+    """Copy device array ``d`` to host (into ``out`` if given)."""
+    if out is None:
+        return d.copy_to_host()
+    d.copy_to_host(out)
+    return out
+
+
+def copy(dst, src):
+    """``dst[:] = src`` for same-dtype arrays; either side may be host or
+    device (``dst`` device unless ``src`` is)."""
+    if isinstance(dst, np.ndarray):
+        src.copy_to_host(dst)
+    else:
+        dst.copy_to_device(src)
+
+
+def sync():
+    """Wait for all work on the current device (kernels run on the default
+    stream; MPI and the caller may read their results afterwards)."""
+    _numba_cuda().synchronize()
+
+
+def mpi_buffer(d):
+    """What MPI is given for device array ``d`` with CUDA-aware MPI: ``d``
+    itself (mpi4py takes ``__cuda_array_interface__``), or, in the simulator
+    only, the numpy array it wraps (the test seam of the module docstring)."""
+    if simulator():
+        return d._ary
+    return d
+
+
+# -- staging buffers ---------------------------------------------------------
+class _StagingPool:
+    """Reusable pinned host buffers (numpy arrays in the simulator), taken by
+    a call and given back when it finishes, so concurrent nonblocking calls
+    never share one. Sizes are rounded up to a power of two."""
+
+    _KEEP = 8  # buffers kept for reuse
+
+    def __init__(self):
+        self._free = []
+        self.allocated = 0  # how many buffers were ever allocated (tests)
+
+    def take(self, nbytes):
+        nbytes = max(int(nbytes), 1)
+        with _lock:
+            fits = [i for i, b in enumerate(self._free) if b.size >= nbytes]
+            if fits:
+                i = min(fits, key=lambda i: self._free[i].size)
+                return self._free.pop(i)
+        cap = 1 << (nbytes - 1).bit_length()
+        self.allocated += 1
+        if simulator():
+            return np.empty(cap, np.uint8)
+        return _numba_cuda().pinned_array(cap, np.uint8)
+
+    def give(self, buf):
+        with _lock:
+            self._free.append(buf)
+            if len(self._free) > self._KEEP:  # drop the smallest (by index:
+                # numpy arrays compare element-wise)
+                i = min(range(len(self._free)), key=lambda i: self._free[i].size)
+                self._free.pop(i)
+
+
+staging_pool = _StagingPool()
+
+
+# -- CUDA-aware MPI ----------------------------------------------------------
+def _env_aware():
+    env = os.environ.get("MPIGC_CUDA_AWARE")
+    if env is None or env.strip() == "":
+        return None
+    v = env.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"MPIGC_CUDA_AWARE: expected 1 or 0, got {env!r}")
+
+
+def _alloc_kinds_aware(value):
+    """Whether an ``mpi_memory_alloc_kinds`` value (``"mpi,system,cuda:device"``)
+    includes CUDA device memory (``cuda`` alone means every CUDA kind)."""
+    for kind in value.split(","):
+        parts = [p.strip().lower() for p in kind.split(":")]
+        if parts[0] == "cuda" and (len(parts) == 1 or "device" in parts[1:]):
+            return True
+    return False
+
+
+def _info_get(info, key):
+    try:
+        if info is None or info == _MPI().INFO_NULL:
+            return None
+        return info.Get(key)
+    except Exception:  # noqa: BLE001 - an MPI before 4.1, or no such key
+        return None
+
+
+def _MPI():
+    from mpi4py import MPI
+    return MPI
+
+
+def _loaded_libmpi():
+    """Paths of the libmpi shared objects loaded in this process."""
+    paths = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                p = line.split()[-1] if line.strip() else ""
+                name = os.path.basename(p)
+                if name.startswith("libmpi.") or name.startswith("libmpi_"):
+                    if p not in paths:
+                        paths.append(p)
+    except OSError:  # pragma: no cover - not Linux
+        pass
+    return paths
+
+
+def _query_ompi_cuda_support():
+    """``MPIX_Query_cuda_support()`` of the loaded Open MPI, or None."""
+    for path in _loaded_libmpi() + [None]:
+        try:
+            lib = ctypes.CDLL(path, mode=getattr(os, "RTLD_NOLOAD", 0) | ctypes.RTLD_GLOBAL) \
+                if path else ctypes.CDLL(None)
+            fn = getattr(lib, "MPIX_Query_cuda_support")
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        fn.argtypes = []
+        try:
+            return int(fn())
+        except Exception:  # noqa: BLE001 - guarded foreign call
+            return None
+    return None
+
+
+def _probe(comm):
+    """The :class:`CudaAwareness` of a (private) communicator."""
+    env = _env_aware()
+    if env is not None:
+        return CudaAwareness(env, f"MPIGC_CUDA_AWARE={int(env)}")
+    MPI = _MPI()
+    try:
+        info = comm.Get_info()
+    except Exception:  # noqa: BLE001
+        info = None
+    try:
+        for where, inf in (("communicator info", info), ("MPI_INFO_ENV", MPI.INFO_ENV)):
+            v = _info_get(inf, "mpi_memory_alloc_kinds")
+            if v:
+                return CudaAwareness(_alloc_kinds_aware(v),
+                                     f"mpi_memory_alloc_kinds={v!r} ({where})")
+    finally:
+        if info is not None:
+            try:
+                info.Free()
+            except Exception:  # noqa: BLE001
+                pass
+    q = _query_ompi_cuda_support()
+    if q is not None:
+        return CudaAwareness(bool(q), f"MPIX_Query_cuda_support()={q}")
+    return CudaAwareness(False, "not detected (no mpi_memory_alloc_kinds, no "
+                                "MPIX_Query_cuda_support)")
+
+
+def awareness(cs):
+    """The decision for :class:`mpigc._comm.CommState` ``cs``, made once."""
+    if cs.cuda_aware is None:
+        cs.cuda_aware = _probe(cs.comm)
+    return cs.cuda_aware
+
+
+def cuda_aware_mpi(comm=None):
+    """Whether mpigc hands device memory to MPI on ``comm``, and why.
+
+    Decided once per communicator: ``$MPIGC_CUDA_AWARE`` (``1`` or ``0``)
+    wins; otherwise what the MPI library reports: the MPI-4.1 info key
+    ``mpi_memory_alloc_kinds`` (``cuda`` or ``cuda:device`` among the kinds),
+    then Open MPI's ``MPIX_Query_cuda_support()``; otherwise no. When no,
+    device collectives stage their packed payloads through pinned host
+    buffers. Touches no GPU. Collective the first time mpigc sees ``comm``
+    (it is duplicated then), like every mpigc call.
+
+    Returns
+    -------
+    CudaAwareness
+        ``(aware, source)``, e.g.
+        ``CudaAwareness(aware=False, source='MPIX_Query_cuda_support()=0')``.
+
+    Examples
+    --------
+    >>> mpigc.cuda_aware_mpi()                          # doctest: +SKIP
+    CudaAwareness(aware=True, source="mpi_memory_alloc_kinds='mpi,system,cuda' ...")
+    """
+    from . import _comm
+    return awareness(_comm.resolve(comm))
+
+
+def warn_staging_once(decision):
+    """The one warning that payloads are staged through host memory (not
+    when ``$MPIGC_CUDA_AWARE=0`` asked for it)."""
+    global _warned_staging
+    if _warned_staging or decision.source.startswith("MPIGC_CUDA_AWARE"):
+        return
+    _warned_staging = True
+    warnings.warn(
+        f"mpigc: MPI is not known to accept CUDA device memory ({decision.source}); "
+        "device collectives stage their packed payloads through pinned host memory. "
+        "Set MPIGC_CUDA_AWARE=1 if this MPI is CUDA-aware, or MPIGC_CUDA_AWARE=0 to "
+        "silence this warning.", RuntimeWarning, stacklevel=7)
+
+
+# -- device selection ----------------------------------------------------------
+def _env_device():
+    env = os.environ.get("MPIGC_DEVICE")
+    if env is None or env.strip() == "":
+        return None
+    try:
+        d = int(env)
+        if d < 0:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f"MPIGC_DEVICE: expected a GPU index >= 0, got {env!r}") from None
+    return d
+
+
+def select_device(comm=None, device=None):
+    """Make one GPU current for this rank and return its index.
+
+    ``device`` if given; else ``$MPIGC_DEVICE``; else the node-local rank of
+    this process in ``comm`` (default ``MPI.COMM_WORLD``) modulo the number
+    of visible GPUs, i.e. one GPU per rank on a node. The GPU becomes current
+    for Numba (the mpigc kernels) and, when they are already imported, for
+    torch and CuPy. Call it once at start, before allocating on the GPU.
+    Collective the first time mpigc sees ``comm``; nothing else is.
+
+    Examples
+    --------
+    >>> dev = mpigc.select_device()                     # doctest: +SKIP
+    >>> grad = torch.zeros(1000, device=f"cuda:{dev}")  # doctest: +SKIP
+    """
+    global _selected
+    import sys
+    from . import _comm
+    if device is None:
+        device = _env_device()
+    if device is None:
+        cs = _comm.resolve(comm)
+        count = _device_count()
+        device = cs.local_rank % max(1, count)
+    elif isinstance(device, bool) or not isinstance(device, (int, np.integer)) or device < 0:
+        raise ConfigError(f"device: expected a GPU index >= 0, got {device!r}")
+    device = int(device)
+    cuda = _numba_cuda()
+    cuda.select_device(device)
+    torch = sys.modules.get("torch")
+    if torch is not None and getattr(torch, "cuda", None) is not None \
+            and torch.cuda.is_available():
+        torch.cuda.set_device(device)
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        cupy.cuda.Device(device).use()
+    _selected = device
+    return device
+
+
+def _device_count():
+    cuda = _numba_cuda()
+    try:
+        return len(cuda.gpus)
+    except Exception:  # noqa: BLE001 - no driver: select_device will say so
+        return 1
+
+
+def _array_device(a):
+    """The GPU index a foreign array reports (torch, CuPy), or None."""
+    dev = getattr(a, "device", None)
+    idx = getattr(dev, "index", None)  # torch.device
+    if idx is None:
+        idx = getattr(dev, "id", None)  # cupy.cuda.Device
+    return idx if isinstance(idx, int) else None
+
+
+def ensure_device(a, cs):
+    """Before the first kernel on ``a``: the device rule of the module
+    docstring. Raises DTypeError when the array lives on another GPU than the
+    one mpigc was told to use."""
+    if simulator():
+        return
+    if _selected is None and _env_device() is not None:
+        select_device(cs.comm)
+    idx = _array_device(a)
+    if idx is None:
+        return
+    if _selected is not None and idx != _selected:
+        raise DTypeError(f"the array lives on GPU {idx}, but mpigc uses GPU {_selected} "
+                         "(select_device / MPIGC_DEVICE): allocate after select_device(), "
+                         "or select the GPU that holds it")
+    cuda = _numba_cuda()
+    if cuda.get_current_device().id != idx:
+        cuda.select_device(idx)

@@ -432,6 +432,9 @@ def check_ptx():
 
 
 def _main(group):
+    if group in SIM_GROUPS:
+        from simulator_fix import fix_simulator_shared_arrays  # this file's folder
+        fix_simulator_shared_arrays()
     {"import": check_import, "ptx": check_ptx,
      **{g: globals()["check_" + g] for g in SIM_GROUPS}}[group]()
     print(f"ok {group}")

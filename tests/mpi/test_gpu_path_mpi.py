@@ -349,37 +349,6 @@ def group_detect(c, cuda):
 GROUPS = {"staged": group_staged, "aware": group_aware, "detect": group_detect}
 
 
-def _fix_simulator_shared_arrays():
-    """Numba's simulator (0.68) gives the threads of a block one shared
-    array per ``cuda.shared.array`` call site, found by a dict look-up and an
-    insert without a lock: under load two threads can both miss and each get
-    its own "shared" array, so the 1bit block sums (and terngrad's stats)
-    come out wrong now and then. Same logic, under a lock (tests only)."""
-    import threading
-
-    from numba.core import types
-    from numba.np import numpy_support
-    from numba.cuda.simulator import kernelapi
-
-    lock = threading.Lock()
-    dynamic = kernelapi.FakeCUDAShared.array
-
-    def array(self, shape, dtype):
-        if shape == 0:
-            return dynamic(self, shape, dtype)
-        if isinstance(dtype, types.Type):
-            dtype = numpy_support.as_dtype(dtype)
-        f = sys._getframe(1)
-        caller = (f.f_code.co_filename, f.f_lineno)
-        with lock:
-            res = self._allocations.get(caller)
-            if res is None:
-                res = self._allocations[caller] = np.empty(shape, dtype)
-        return res
-
-    kernelapi.FakeCUDAShared.array = array
-
-
 def main(group):
     assert _cuda.simulator(), "run with NUMBA_ENABLE_CUDASIM=1"
     os.environ["MPIGC_MIN_COMPRESS_BYTES"] = "0"
@@ -387,7 +356,9 @@ def main(group):
     # wrap-around of the hash, NaN - NaN of the non-finite count
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"mpigc\.kernels\.cuda")
     from numba import cuda
-    _fix_simulator_shared_arrays()
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from simulator_fix import fix_simulator_shared_arrays
+    fix_simulator_shared_arrays()
     comm = MPI.COMM_WORLD
     c = Checks(comm)
     try:

@@ -45,6 +45,9 @@ def main():
               f"{'err of sum':>11} {'ms/step':>8}")
     base = None
     for op in ["none", "fp16", "2bit", "1bit", "terngrad"]:
+        # one untimed call first: Numba compiles the kernels on first use
+        mpigc.allreduce(grads[0].copy(), op=op, key="grad", average=True,
+                        feedback=mpigc.ErrorFeedback())
         mpigc.reset_traffic()
         fb = mpigc.ErrorFeedback()
         total = np.zeros(args.n, np.float64)

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from ._errors import DTypeError
 
-__all__ = ["CommState", "resolve", "agree"]
+__all__ = ["CommState", "resolve", "agree", "on_root"]
 
 _KEYVAL = None
 _SEQ_MOD = 8000  # tags stay below 32767, the smallest MPI_TAG_UB allowed
@@ -118,6 +118,20 @@ def agree(comm, exc, what, classes=None, default=None):
     detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {m}"
                        for m, rs in by_msg.items())
     raise cls(f"{what} failed on {nbad} of {comm.Get_size()} rank(s): {detail}") from exc
+
+
+def on_root(comm, fn, what, *, exc=None, classes=None, default=None):
+    """Run ``fn()`` on rank 0 (unless this rank already failed with ``exc``),
+    raise any rank's error on every rank (:func:`agree`), and return rank 0's
+    result on every rank."""
+    value = None
+    if exc is None and comm.Get_rank() == 0:
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - reported collectively
+            exc = e
+    agree(comm, exc, what, classes, default)
+    return comm.bcast(value, root=0)
 
 
 def _ranges(ranks):

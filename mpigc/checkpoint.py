@@ -750,16 +750,11 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
     cs = _comm.resolve(comm)
     c, size, rank = cs.comm, cs.size, cs.rank
     fb = get_default_feedback() if feedback is None else feedback
-    exc, meta = None, None
+    exc = None
     if not isinstance(fb, ErrorFeedback):
         exc = StateError(f"feedback: expected an ErrorFeedback, got {type(fb).__name__}")
-    elif rank == 0:
-        try:
-            meta = _read_manifest(path)
-        except Exception as e:  # noqa: BLE001
-            exc = e
-    _agree(c, exc, "load_checkpoint")
-    meta = c.bcast(meta, root=0)
+    meta = _comm.on_root(c, lambda: _read_manifest(path), "load_checkpoint", exc=exc,
+                         classes=_CLASSES, default=CheckpointError)
     exc, mism = None, {}
     try:
         mism = _mismatches(meta, fb, configs)

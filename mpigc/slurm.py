@@ -265,10 +265,12 @@ def _private(comm):
     return _comm.resolve(comm).comm
 
 
+_CLASSES = {c.__name__: c for c in (ConfigError, StateError, MpigcError)}
+
+
 def _agree(comm, exc, what):
     """Raise on every rank if any rank failed (see _comm.agree)."""
-    _comm.agree(comm, exc, what, classes={c.__name__: c for c in (
-        ConfigError, StateError, MpigcError)})
+    _comm.agree(comm, exc, what, classes=_CLASSES)
 
 
 def checkpoint_due(flag: Optional[Union[SignalFlag, bool, int]] = None, *,
@@ -445,14 +447,8 @@ def load_training_state(path: Union[str, os.PathLike], *, feedback=None,
     c = _private(comm)
     rank, size = c.Get_rank(), c.Get_size()
     path = os.fspath(path)
-    exc, name = None, None
-    if rank == 0:
-        try:
-            name = _read_latest(path)
-        except Exception as e:  # noqa: BLE001
-            exc = e
-    _agree(c, exc, "load_training_state")
-    name = c.bcast(name, root=0)
+    name = _comm.on_root(c, lambda: _read_latest(path), "load_training_state",
+                         classes=_CLASSES)
     if name is None:
         return None
     sdir = os.path.join(path, name)

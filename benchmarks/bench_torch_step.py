@@ -7,7 +7,9 @@ Every mode trains the same model (an MLP of about 25.2M parameters by default,
 ``--width``), from the same initial weights, on the same synthetic batches, with
 plain SGD; it runs ``--warmup`` steps, then ``--steps`` timed steps. A step is
 forward, backward, gradient averaging and ``optimizer.step()``; its time is the
-slowest rank's. Modes:
+slowest rank's. DDP and mpigc both keep the gradients in their buckets
+(``gradient_as_bucket_view=True``, ``zero_grad(set_to_none=False)``);
+``--copy-grads`` copies them in and out instead. Modes:
 
 ``ddp``             DistributedDataParallel over gloo, plain allreduce (25 MB buckets)
 ``ddp-fp16``        DDP with ``default_hooks.fp16_compress_hook``
@@ -52,6 +54,9 @@ def parse_args():
     p.add_argument("--threshold", type=float, default=None, help="2bit threshold")
     p.add_argument("--master-addr", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    p.add_argument("--copy-grads", action="store_true",
+                   help="gradients copied into and out of the buckets (default: DDP's and "
+                        "mpigc's gradient_as_bucket_view=True and zero_grad(set_to_none=False))")
     return p.parse_args()
 
 
@@ -92,7 +97,8 @@ def wrap(mode, model, args, comm):
         # gloo, ranks can then issue them in different orders across buckets (a
         # "collective mismatch"), so it gets a single bucket
         cap = 1 << 14 if mode == "ddp-powersgd" else args.bucket_mb
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=cap)
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=cap, gradient_as_bucket_view=not args.copy_grads)
         if mode == "ddp-fp16":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif mode == "ddp-powersgd":
@@ -104,7 +110,8 @@ def wrap(mode, model, args, comm):
         return ddp, lambda: None
     op = mode.split("-", 1)[1]
     kw = {"threshold": args.threshold} if (op == "2bit" and args.threshold) else {}
-    sync = mpigc.torch.GradientSync(model, op=op, bucket_mb=args.bucket_mb, **kw)
+    sync = mpigc.torch.GradientSync(model, op=op, bucket_mb=args.bucket_mb,
+                                    gradient_as_bucket_view=not args.copy_grads, **kw)
     return model, sync.wait
 
 
@@ -120,7 +127,7 @@ def run(mode, args, comm):
     for step in range(args.warmup + args.steps):
         comm.Barrier()
         t0 = time.perf_counter()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=args.copy_grads)
         loss = torch.nn.functional.mse_loss(net(x), y)
         loss.backward()
         after_backward()

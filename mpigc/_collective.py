@@ -130,10 +130,15 @@ class Request:
     def wait(self):
         """Complete the call and return its result."""
         op = self._op
-        if len(_pending) == 1 and _pending[0] is op:
-            op.progress(block=True)  # nothing else to drive: block in MPI
-        else:
-            while not op.done_or_failed():
+        while not op.done_or_failed():
+            first = _pending[0]
+            if _in_order(op):
+                # every call started before this one is on its communicator, so
+                # every rank completes them in the same order: finish the
+                # oldest, blocking in MPI (no busy loop stealing the CPU from
+                # ranks that are still computing)
+                first.progress(block=True)
+            else:
                 _progress_all()
         op.finished()
         return op.result
@@ -144,6 +149,19 @@ class Request:
 
 
 _pending = []  # calls started and not done, in start order
+
+
+def _in_order(op):
+    """True when every pending call up to ``op`` runs on ``op``'s communicator.
+    MPI orders collectives per communicator only, so calls on several
+    communicators may have been started in different orders on different
+    ranks: then ``wait`` polls them all rather than block on one."""
+    for p in _pending:
+        if p.cs is not op.cs:
+            return False
+        if p is op:
+            return True
+    return True
 
 
 def _progress_all():

@@ -239,6 +239,15 @@ class GradientSync:
         As for :func:`mpigc.allreduce`.
     feedback : ErrorFeedback, optional
         The residual store of the buckets; default a new one, :attr:`feedback`.
+    gradient_as_bucket_view : bool
+        As in DDP: ``param.grad`` of float32 and float64 CPU parameters
+        becomes a view of its bucket after the first synchronisation, so
+        backward accumulates straight into the bucket and :meth:`wait`
+        copies nothing back (saves two copies of every gradient per step
+        and the memory of one). Call ``optimizer.zero_grad(set_to_none=False)``
+        to keep the views: a gradient set to None is copied into the bucket
+        once more and the view put back. Do not keep ``.grad`` tensors across
+        steps: the next synchronisation overwrites them. Default False.
     find_unused_parameters : bool
         As in DDP: one more small allreduce per step tells which parameters got
         no gradient on any rank; their ``.grad`` is left untouched (None) and
@@ -256,13 +265,14 @@ class GradientSync:
 
     def __init__(self, module, op="2bit", *, bucket_mb=25.0, comm=None, average=True,
                  gather="compressed", nonfinite=None, feedback=None,
-                 find_unused_parameters=False, **params):
+                 find_unused_parameters=False, gradient_as_bucket_view=False, **params):
         self.comm = _resolve_comm(comm)
         self.compressor = get_compressor(op, **params)
         self.average = bool(average)
         self.gather = gather
         self.nonfinite = nonfinite
         self.find_unused_parameters = bool(find_unused_parameters)
+        self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.feedback = ErrorFeedback() if feedback is None else feedback
         if not isinstance(self.feedback, ErrorFeedback):
             raise ConfigError(f"feedback: expected an ErrorFeedback, got "
@@ -289,9 +299,14 @@ class GradientSync:
         self.size, self.rank = self._comm.size, self._comm.rank
         self.buckets = self._make_buckets(named, float(bucket_mb))
         self._where = {}  # param index -> (bucket, offset, numel)
+        self._views = {}  # param index -> its slice of the bucket (as_bucket_view)
         for b in self.buckets:
             for i, off, m in zip(b.param_index, b.offsets, b.numels):
                 self._where[i] = (b, off, m)
+                p = self._params[i]
+                if (self.gradient_as_bucket_view and p.device.type == "cpu"
+                        and p.dtype == b.tensor.dtype):
+                    self._views[i] = b.tensor[off:off + m].view(p.shape)
         self._ready = [False] * len(self._params)
         self._next = 0
         self._dirty = False
@@ -340,14 +355,24 @@ class GradientSync:
             raise StateError(
                 f"parameter {self.names[i]!r} got a second gradient before sync.wait(); "
                 "accumulate gradients inside `with sync.no_sync():` instead")
-        with torch.no_grad():
-            b.tensor[off:off + m].copy_(p.grad.detach().reshape(-1))
+        view = self._views.get(i)
+        if view is None or not self._is_view(p.grad, view):
+            with torch.no_grad():
+                b.tensor[off:off + m].copy_(p.grad.detach().reshape(-1))
+            if view is not None:
+                p.grad = view  # backward accumulates into the bucket from now on
         self._ready[i] = True
         self._dirty = True
         b.pending -= 1
         if b.pending == 0:
             self._launch_ready()
         self._poke()
+
+    @staticmethod
+    def _is_view(grad, view):
+        return (grad is not None and grad.data_ptr() == view.data_ptr()
+                and grad.shape == view.shape and grad.dtype == view.dtype
+                and grad.stride() == view.stride())
 
     def _launch(self, b):
         b.started_at = time.perf_counter()
@@ -426,6 +451,11 @@ class GradientSync:
                 b, off, m = self._where[i]
                 if unused is not None and unused[i]:
                     self._fold_back(b, off, m)
+                    if i in self._views:
+                        b.flat[off:off + m] = 0  # a .grad that is the view reads 0
+                    continue
+                if i in self._views:
+                    p.grad = self._views[i]  # the result is in place already
                     continue
                 src = b.tensor[off:off + m].view(p.shape)
                 if p.grad is None:

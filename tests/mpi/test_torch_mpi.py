@@ -178,10 +178,12 @@ class WithUnused(torch.nn.Module):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("view", [False, True])
 @pytest.mark.parametrize("find_unused", [False, True])
-def test_unused_and_frozen_parameters_as_ddp(comm, find_unused):
+def test_unused_and_frozen_parameters_as_ddp(comm, find_unused, view):
     model = WithUnused(comm.rank)
-    sync = mt.GradientSync(model, op="none", find_unused_parameters=find_unused)
+    sync = mt.GradientSync(model, op="none", find_unused_parameters=find_unused,
+                           gradient_as_bucket_view=view)
     local = WithUnused(comm.rank)
     x, y = batch(comm.rank, 0)
     ((model(x) - y) ** 2).mean().backward()
@@ -256,6 +258,39 @@ def test_no_sync_accumulates_then_syncs_the_sum(comm):
         want = sum(comm.allgather(q.grad)) / comm.size
         ok &= torch.allclose(p.grad, want, rtol=1e-5, atol=1e-6)
     assert_all(ok)
+
+
+def _in_bucket(sync, p):
+    return any(b.tensor.data_ptr() <= p.grad.data_ptr()
+               < b.tensor.data_ptr() + b.tensor.numel() * b.tensor.element_size()
+               for b in sync.buckets)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("set_to_none", [False, True])
+@pytest.mark.parametrize("op", ["2bit", "none"])
+def test_gradient_as_bucket_view_gives_the_same_gradients(comm, op, set_to_none):
+    model, ref = make_model(), make_model()
+    view = mt.GradientSync(model, op=op, bucket_mb=0.002, gradient_as_bucket_view=True)
+    copy_ = mt.GradientSync(ref, op=op, bucket_mb=0.002)
+    ok, where = True, []
+    for step in range(4):
+        model.zero_grad(set_to_none=set_to_none)
+        ref.zero_grad(set_to_none=set_to_none)
+        if step == 2:  # accumulation: the first backward only adds into the views
+            with view.no_sync(), copy_.no_sync():
+                backward(model, comm.rank, 10)
+                backward(ref, comm.rank, 10)
+        backward(model, comm.rank, step)
+        backward(ref, comm.rank, step)
+        view.wait()
+        copy_.wait()
+        got, want = grads_of(model), grads_of(ref)
+        ok &= got.keys() == want.keys() and all(
+            got[n].numpy().tobytes() == want[n].numpy().tobytes() for n in want)
+        where.append(all(_in_bucket(view, p) for p in model.parameters()))
+        ok &= not any(_in_bucket(copy_, p) for p in ref.parameters())
+    assert_all(ok and all(where), f"{op}: view mode differs (grads in buckets: {where})")
 
 
 @pytest.mark.mpi

@@ -56,7 +56,10 @@ def set_max_threads(k):
 
 def _nchunks(n):
     """How many parallel chunks to cut ``n`` elements into (1 = serial)."""
-    if n < PARALLEL_MIN_ELEMENTS:
+    if n < PARALLEL_MIN_ELEMENTS or _max_threads == 1:
+        # serial; and capped at 1 thread, Numba's thread pool is never
+        # started: an OpenMP pool of idle threads next to PyTorch's slowed
+        # its forward pass 2x with 4 ranks on 2 cores (docs/torch.md)
         return 1
     threads = numba.get_num_threads()
     if _max_threads is not None and threads > _max_threads:

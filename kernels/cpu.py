@@ -19,6 +19,8 @@ return value of the ``pack_*`` kernels
 No ``fastmath`` anywhere: results must be bit-identical to the CUDA kernels
 and to the numpy reference in the tests.
 """
+import sys
+
 import numba
 import numpy as np
 from llvmlite import ir
@@ -54,13 +56,34 @@ def set_max_threads(k):
     _max_threads = None if k is None else max(1, int(k))
 
 
+_pool_started = False
+
+
+def _start_pool():
+    """Start Numba's thread pool without changing PyTorch's thread count.
+
+    Numba's OpenMP threading layer sets the OpenMP thread count of the
+    process (``omp_set_num_threads``) to ``NUMBA_NUM_THREADS`` when it starts
+    its pool, and PyTorch's CPU wheels share that libgomp: with 4 ranks on 2
+    cores and ``torch.set_num_threads(1)``, torch then ran 2 threads per rank
+    and its forward pass took 2.4x longer. The count torch had is put back.
+    """
+    global _pool_started
+    torch = sys.modules.get("torch")
+    get = getattr(torch, "get_num_threads", None)
+    saved = get() if get is not None else None
+    numba.get_num_threads()  # starts the pool
+    if saved is not None and get() != saved:
+        torch.set_num_threads(saved)
+    _pool_started = True
+
+
 def _nchunks(n):
     """How many parallel chunks to cut ``n`` elements into (1 = serial)."""
     if n < PARALLEL_MIN_ELEMENTS or _max_threads == 1:
-        # serial; and capped at 1 thread, Numba's thread pool is never
-        # started: an OpenMP pool of idle threads next to PyTorch's slowed
-        # its forward pass 2x with 4 ranks on 2 cores (docs/torch.md)
-        return 1
+        return 1  # serial (capped at 1: Numba's thread pool is never started)
+    if not _pool_started:
+        _start_pool()
     threads = numba.get_num_threads()
     if _max_threads is not None and threads > _max_threads:
         numba.set_num_threads(_max_threads)

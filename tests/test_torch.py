@@ -1,4 +1,5 @@
 """mpigc.torch in one process (no mpirun): bucket layout, keys, errors, hooks."""
+import os
 import subprocess
 import sys
 
@@ -11,6 +12,23 @@ import mpigc
 def test_import_mpigc_does_not_import_torch():
     code = "import sys, mpigc; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_kernels_leave_torch_thread_count_alone(cap):
+    """Numba's OpenMP pool starting must not change torch's OpenMP threads
+    (it did: 1 -> NUMBA_NUM_THREADS, 2.4x slower forward passes)."""
+    pytest.importorskip("torch")
+    code = (
+        "import numpy as np, torch; torch.set_num_threads(1)\n"
+        "torch.nn.Linear(1024, 1024)(torch.ones(64, 1024))\n"  # torch's OpenMP in use
+        "from mpigc.kernels import cpu\n"
+        f"cpu.set_max_threads({cap})\n"
+        "x = np.ones(1 << 20, np.float32); out = np.empty(x.size // 4, np.uint8)\n"
+        "cpu.pack_2bit(x, None, None, out, 0.5)\n"
+        "assert torch.get_num_threads() == 1, torch.get_num_threads()\n")
+    env = {**os.environ, "NUMBA_NUM_THREADS": "2"}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
 
 
 @pytest.fixture(scope="module")

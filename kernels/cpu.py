@@ -575,7 +575,7 @@ def _quantize_2bit_rel(xs, ei, eo, ep, codes, tc, td):
     """
     neg_tc = -tc
     neg_td = -td
-    zero = td - td
+    zero = xs.dtype.type(0)  # not td - td: td may be inf or NaN
     nbad = 0
     for i in range(xs.size):
         v = xs[i]

@@ -13,7 +13,7 @@ Run::
 
     python benchmarks/bench_kernels.py --mb 64 --threads 1
 
-The target for the ``2bit`` and ``1bit`` fused kernels (compress + error
+The target for the ``2bit`` (both modes) and ``1bit`` fused kernels (compress + error
 feedback, decode + accumulate) is a ratio of at most 1.2 on one thread. Other
 processes on the machine make timings noisy: raise ``--reps`` and compare the
 best-of-N numbers, not single runs.
@@ -52,6 +52,10 @@ def main(argv=None):
     ap.add_argument("--reps", type=int, default=7, help="repetitions, best kept")
     ap.add_argument("--block-size", type=int, default=1024, help="1bit block size")
     ap.add_argument("--threshold", type=float, default=0.5, help="2bit threshold")
+    ap.add_argument("--rel-threshold", type=float, default=1.5,
+                    help="2bit relative mode: multiple of each block's RMS")
+    ap.add_argument("--rel-block-size", type=int, default=1024,
+                    help="2bit relative mode: block size")
     args = ap.parse_args(argv)
 
     numba.set_num_threads(args.threads)
@@ -71,6 +75,8 @@ def main(argv=None):
     p1 = np.empty((n + 7) // 8, np.uint8)
     means = np.empty(2 * ((n + bs - 1) // bs), np.float32)
     h16 = np.empty(n, np.uint16)
+    rc, rbs = args.rel_threshold, args.rel_block_size
+    scales = np.empty((n + rbs - 1) // rbs, np.float32)
     reset = lambda: np.copyto(e, e0)  # noqa: E731  keep residuals realistic
 
     rows = []  # (name, ms, bytes moved)
@@ -92,6 +98,12 @@ def main(argv=None):
          4 * nbytes + n // 4),
         ("2bit decode+accumulate", lambda: cpu.unpack_2bit(p2, acc, t, True),
          2 * nbytes + n // 4),
+        ("2bit rel pack+EF (in place)",
+         lambda: cpu.pack_2bit_rel(g, e, e, p2, scales, rc, rbs), 3 * nbytes + n // 4),
+        ("2bit rel pack+EF (e_out new)",
+         lambda: cpu.pack_2bit_rel(g, e, e_new, p2, scales, rc, rbs), 4 * nbytes + n // 4),
+        ("2bit rel decode+accumulate",
+         lambda: cpu.unpack_2bit_rel(p2, scales, acc, rbs, True), 2 * nbytes + n // 4),
         ("1bit pack+EF (in place)", lambda: cpu.pack_1bit(g, e, e, p1, means, bs),
          3 * nbytes + n // 8),
         ("1bit pack+EF (e_out new)",

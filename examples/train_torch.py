@@ -17,9 +17,18 @@ continues with the next epoch.
 Optimizer and threshold: SGD with momentum (default), as 1-bit SGD and MXNet's
 2-bit compression were designed for; Adam (``--optimizer adam``) divides each
 element by its own running magnitude, which undoes much of what a threshold
-quantizer does. The 2bit threshold is set relative to the gradients' scale:
-``--rel-threshold c`` (default 2) makes it c times the RMS of the first batch's
-averaged gradient (one uncompressed allreduce before training).
+quantizer does.
+
+The 2bit threshold, three ways (give at most one):
+
+- ``--rel-threshold c`` (the default, c = 1.5): 2bit's relative mode, one
+  threshold per block of ``--block-size`` elements (default 1024), c times
+  the RMS of that block's ``gradient + residual`` at every step
+  (``mpigc.TwoBit(rel_threshold=c)``).
+- ``--threshold t``: one absolute threshold for every element (MXNet's mode).
+- ``--threshold-from-first-batch c``: one absolute threshold, c times the RMS
+  of the first batch's averaged gradient (one uncompressed allreduce before
+  training); what ``--rel-threshold`` meant before the relative mode existed.
 """
 import argparse
 import os
@@ -33,12 +42,23 @@ import mpigc
 import mpigc.torch
 
 
+#: the 2bit relative threshold used when no threshold option is given (chosen
+#: from the sweep in docs/torch.md)
+DEFAULT_REL_THRESHOLD = 1.5
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--op", default="2bit", help="none, fp16, 2bit, 1bit, terngrad")
     p.add_argument("--threshold", type=float, default=None, help="2bit threshold (absolute)")
-    p.add_argument("--rel-threshold", type=float, default=2.0,
-                   help="2bit threshold as a multiple of the first batch's gradient RMS")
+    p.add_argument("--rel-threshold", type=float, default=None,
+                   help=f"2bit relative mode: per-block threshold c x the block's RMS "
+                        f"(the default, c = {DEFAULT_REL_THRESHOLD})")
+    p.add_argument("--block-size", type=int, default=1024,
+                   help="2bit relative mode: elements per block")
+    p.add_argument("--threshold-from-first-batch", type=float, default=None, metavar="C",
+                   help="2bit absolute threshold = C x the RMS of the first batch's "
+                        "averaged gradient")
     p.add_argument("--optimizer", choices=("sgd", "adam"), default="sgd")
     p.add_argument("--momentum", type=float, default=0.9, help="SGD's momentum")
     p.add_argument("--gather", choices=("compressed", "exact"), default="compressed")
@@ -52,7 +72,14 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", metavar="DIR", help="save after every epoch")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
-    return p.parse_args()
+    args = p.parse_args()
+    given = [o for o, v in (("--threshold", args.threshold),
+                            ("--rel-threshold", args.rel_threshold),
+                            ("--threshold-from-first-batch",
+                             args.threshold_from_first_batch)) if v is not None]
+    if len(given) > 1:
+        p.error(f"give at most one of {', '.join(given)}")
+    return args
 
 
 class DigitsCNN(torch.nn.Module):
@@ -131,8 +158,15 @@ def main():
     mpigc.torch.broadcast_parameters(model, root=0)
     params = {}
     if args.op == "2bit":
-        params["threshold"] = args.threshold or args.rel_threshold * first_gradient_rms(
-            model, xtr[:args.batch_size], ytr[:args.batch_size], comm)
+        if args.threshold is not None:
+            params["threshold"] = args.threshold
+        elif args.threshold_from_first_batch is not None:
+            params["threshold"] = args.threshold_from_first_batch * first_gradient_rms(
+                model, xtr[:args.batch_size], ytr[:args.batch_size], comm)
+        else:
+            params["rel_threshold"] = (DEFAULT_REL_THRESHOLD if args.rel_threshold is None
+                                       else args.rel_threshold)
+            params["block_size"] = args.block_size
     sync = mpigc.torch.GradientSync(model, op=args.op, bucket_mb=args.bucket_mb,
                                     gather=args.gather, **params)
     if args.optimizer == "sgd":

@@ -30,6 +30,7 @@ from numba.extending import intrinsic, overload
 __all__ = [
     "pack_2bit", "unpack_2bit",
     "pack_1bit", "unpack_1bit",
+    "pack_2bit_rel", "unpack_2bit_rel",
     "stats", "pack_ternary",
     "pack_fp16", "unpack_fp16",
     "count_nonfinite", "ternary_stream",
@@ -546,6 +547,210 @@ def unpack_1bit(bits, means, out, block_size, accumulate):
                            means.size // 2)
     else:
         _unpack_1bit_par(bits, means, out, block_size, bool(accumulate), nch)
+
+
+# ----------------------------------------------------------------------------
+# 2bit, relative mode: MXNet codes with one threshold per block,
+# t_b = float32(c * sqrt(sum(v^2) / len)), the float64 sum of squares in the
+# canonical order of the 1bit block sums (32 lanes, then the pairwise tree)
+# ----------------------------------------------------------------------------
+@njit(**_JIT)
+def _lane_sumsq(xb, eb, sq):
+    """Add the squares (float64) of one block's values to the lane sums: lane
+    l gets elements l, l + LANES, ... in this order."""
+    ng = xb.size // LANES
+    x2 = xb[:ng * LANES].reshape((ng, LANES))
+    e2 = None if eb is None else eb[:ng * LANES].reshape((ng, LANES))
+    g = 0
+    # two whole groups per step (see _lane_sums_1bit); each lane still adds
+    # its squares one by one, in order
+    while g + 2 <= ng:
+        for l in range(LANES):
+            v0 = x2[g, l]
+            v1 = x2[g + 1, l]
+            if e2 is not None:
+                v0 = v0 + e2[g, l]
+                v1 = v1 + e2[g + 1, l]
+            f0 = np.float64(v0)
+            f1 = np.float64(v1)
+            sq[l] = (sq[l] + f0 * f0) + f1 * f1
+        g += 2
+    while g < ng:
+        for l in range(LANES):
+            v = x2[g, l]
+            if e2 is not None:
+                v = v + e2[g, l]
+            f = np.float64(v)
+            sq[l] += f * f
+        g += 1
+    for l in range(xb.size - ng * LANES):  # the partial group
+        v = xb[ng * LANES + l]
+        if eb is not None:
+            v = v + eb[ng * LANES + l]
+        f = np.float64(v)
+        sq[l] += f * f
+
+
+@njit(**_JIT)
+def _quantize_2bit_rel(xs, ei, eo, ep, codes, tc, td):
+    """As _quantize_2bit, with the comparison threshold ``tc`` and the decoded
+    magnitude ``td`` apart.
+
+    ``tc = NaN`` (a block whose threshold is 0 or NaN) makes every code
+    ``00``: no comparison with NaN holds, not even for an infinite ``v``.
+    """
+    neg_tc = -tc
+    neg_td = -td
+    zero = xs.dtype.type(0)  # not td - td: td may be inf or NaN
+    nbad = 0
+    for i in range(xs.size):
+        v = xs[i]
+        if ei is not None:
+            v = v + ei[i]
+        if ep is not None:
+            v = v + ep[i]
+        pos = v >= tc
+        neg = v <= neg_tc
+        d = td if pos else (neg_td if neg else zero)
+        if eo is not None:
+            eo[i] = v - d
+        if ep is not None:
+            ep[i] = v - d
+        nbad += (v - v) != zero
+        codes[i] = np.uint8(3) if pos else (np.uint8(2) if neg else np.uint8(0))
+    return nbad
+
+
+@njit(**_JIT)
+def _rel_threshold(ss, count, rel):
+    """float32(rel * sqrt(ss / count)), every step in float64."""
+    return np.float32(rel * np.sqrt(ss / count))
+
+
+@njit(**_JIT)
+def _pack_2bit_rel_range(x, e_in, e_out, out, scales, rel, block, k0, k1):
+    n = x.size
+    sq = np.empty(LANES, np.float64)
+    codes = np.zeros(_CH, np.uint8)
+    words = codes.view(np.uint32)
+    inplace = _same(e_in, e_out)
+    nan = x.dtype.type(np.nan)
+    nbad = 0
+    for k in range(k0, k1):
+        lo = k * block
+        hi = min(n, lo + block)
+        # pass 1: the block's sum of squares in the canonical order
+        sq[:] = 0.0
+        _lane_sumsq(x[lo:hi], _win(e_in, lo, hi), sq)
+        s = LANES // 2
+        while s > 0:
+            for l in range(s):
+                sq[l] += sq[l + s]
+            s //= 2
+        t32 = _rel_threshold(sq[0], hi - lo, rel)
+        scales[k] = t32
+        td = x.dtype.type(t32)
+        tc = td if t32 > np.float32(0.0) else nan  # t_b = 0 (or NaN): all 00
+        # pass 2 (the block is in cache): codes and residual
+        kbad = 0
+        for c0 in range(lo, hi, _CH):
+            c1 = min(hi, c0 + _CH)
+            m = c1 - c0
+            if inplace:
+                kbad += _quantize_2bit_rel(x[c0:c1], None, None, _win(e_in, c0, c1),
+                                           codes, tc, td)
+            else:
+                kbad += _quantize_2bit_rel(x[c0:c1], _win(e_in, c0, c1),
+                                           _win(e_out, c0, c1), None, codes, tc, td)
+            nw = (m + 3) // 4
+            for j in range(m, 4 * nw):  # the tail is padded with 00
+                codes[j] = 0
+            _codes_to_2bit(words, out[c0 // 4:c0 // 4 + nw])
+        # finite values whose threshold overflows float32 (or whose squares
+        # overflow float64): the threshold would travel as inf, one bad value
+        if kbad == 0 and not np.isfinite(t32):
+            kbad = 1
+        nbad += kbad
+    return nbad
+
+
+@njit(parallel=True, **_JIT)
+def _pack_2bit_rel_par(x, e_in, e_out, out, scales, rel, block, nchunks):
+    nblk = scales.size
+    per = (nblk + nchunks - 1) // nchunks
+    nbad = 0
+    for c in prange(nchunks):
+        k0 = min(nblk, c * per)
+        nbad += _pack_2bit_rel_range(x, e_in, e_out, out, scales, rel, block, k0,
+                                     min(nblk, k0 + per))
+    return nbad
+
+
+@njit(**_JIT)
+def _unpack_2bit_rel_range(payload, scales, out, block, accumulate, k0, k1):
+    n = out.size
+    codes = np.empty(_CH, np.uint8)
+    words = codes.view(np.uint32)
+    for k in range(k0, k1):
+        lo = k * block
+        hi = min(n, lo + block)
+        t = out.dtype.type(scales[k])
+        neg_t = -t
+        zero = out.dtype.type(0)
+        for c0 in range(lo, hi, _CH):
+            c1 = min(hi, c0 + _CH)
+            _2bit_to_codes(payload[c0 // 4:(c1 + 3) // 4], words)
+            os = out[c0:c1]
+            if accumulate:
+                for i in range(os.size):
+                    c = codes[i]
+                    os[i] += t if c == 3 else (neg_t if c == 2 else zero)
+            else:
+                for i in range(os.size):
+                    c = codes[i]
+                    os[i] = t if c == 3 else (neg_t if c == 2 else zero)
+
+
+@njit(parallel=True, **_JIT)
+def _unpack_2bit_rel_par(payload, scales, out, block, accumulate, nchunks):
+    nblk = scales.size
+    per = (nblk + nchunks - 1) // nchunks
+    for c in prange(nchunks):
+        k0 = min(nblk, c * per)
+        _unpack_2bit_rel_range(payload, scales, out, block, accumulate, k0,
+                               min(nblk, k0 + per))
+
+
+def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size):
+    """2bit codes of ``v = x + e_in`` with one threshold per block.
+
+    Block b (``block_size`` elements, a multiple of 4, from element 0; the
+    last may be shorter) has ``t_b = float32(rel_threshold * sqrt(ss_b / m_b))``
+    with ``ss_b`` the float64 sum of its squares in the canonical order (32
+    lanes, lane l summing elements l, l+32, ... in sequence, then the tree
+    ``sum[l] += sum[l + s]``, s = 16, 8, 4, 2, 1) and ``m_b`` its length.
+    Codes as :func:`pack_2bit` with ``t_b`` (all ``00`` where ``t_b`` is 0)
+    into ``out`` (uint8, ``ceil(n / 4)``), the thresholds into ``scales``
+    (float32, one per block). Returns the non-finite count of ``v``, plus one
+    per block of finite values whose threshold is not finite.
+    """
+    rel = float(rel_threshold)
+    nch = _nchunks(x.size)
+    if nch == 1:
+        return int(_pack_2bit_rel_range(x, e_in, e_out, out, scales, rel, block_size,
+                                        0, scales.size))
+    return int(_pack_2bit_rel_par(x, e_in, e_out, out, scales, rel, block_size, nch))
+
+
+def unpack_2bit_rel(payload, scales, out, block_size, accumulate):
+    """Decode ``out.size`` 2bit codes with their block thresholds: ``11`` ->
+    +t_b, ``10`` -> -t_b, else 0. Writes into ``out``, or adds to it."""
+    nch = _nchunks(out.size)
+    if nch == 1:
+        _unpack_2bit_rel_range(payload, scales, out, block_size, bool(accumulate), 0,
+                               scales.size)
+    else:
+        _unpack_2bit_rel_par(payload, scales, out, block_size, bool(accumulate), nch)
 
 
 # ----------------------------------------------------------------------------

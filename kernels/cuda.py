@@ -10,12 +10,13 @@ copied.
 
 Bit-identity with the CPU kernels
 ---------------------------------
-- ``2bit``, ``1bit``, ``fp16``, ``terngrad`` (same ``stream``, ``scale`` and
-  ``clip``): packed bytes, block means and residuals are bit-identical for
-  finite inputs. The 1bit block sums follow the canonical order of
+- ``2bit`` (both modes), ``1bit``, ``fp16``, ``terngrad`` (same ``stream``,
+  ``scale`` and ``clip``): packed bytes, block means or thresholds and
+  residuals are bit-identical for finite inputs. The 1bit block sums follow the canonical order of
   ``kernels/cpu.py`` (32 lanes strided by 32, sequential float64, then the
   pairwise tree s = 16, 8, 4, 2, 1): one warp per block, the tree in shared
-  memory. float16 uses the same integer conversion as the CPU kernels (not
+  memory. The relative 2bit block sums of squares follow the same order
+  (squares by ``mul.rn``, never fused into the sum). float16 uses the same integer conversion as the CPU kernels (not
   the hardware ``cvt``, whose NaN payload differs). A product followed by a
   sum or difference (the fp16 residual ``v - half * divisor``) uses
   ``mul.rn`` (libdevice ``__fmul_rn`` / ``__dmul_rn``) so that neither NVVM
@@ -37,6 +38,8 @@ grid-stride. No ``fastmath``. Kernels run on ``cuda_stream`` (default: the
 default stream). Functions that return a value (counts, stats) synchronise on it;
 ``unpack_*`` do not: synchronise the stream before MPI reads ``out``.
 """
+import math
+
 import numpy as np
 from numba import cuda
 
@@ -50,6 +53,7 @@ except ImportError:  # pragma: no cover - numba's bundled CUDA target
 __all__ = [
     "pack_2bit", "unpack_2bit",
     "pack_1bit", "unpack_1bit",
+    "pack_2bit_rel", "unpack_2bit_rel",
     "stats", "pack_ternary",
     "pack_fp16", "unpack_fp16",
     "count_nonfinite", "ternary_stream",
@@ -354,6 +358,124 @@ def unpack_1bit(bits, means, out, block_size, accumulate, *, cuda_stream=0):
     if out.size:
         _unpack_1bit_kernel[_grid(out.size), THREADS, cuda_stream](
             bits, means, out, int(block_size), bool(accumulate))
+
+
+# ----------------------------------------------------------------------------
+# 2bit, relative mode: one warp per quantization block (as 1bit)
+# ----------------------------------------------------------------------------
+@cuda.jit
+def _pack_2bit_rel_kernel(x, e_in, e_out, out, scales, rel, block, nbad_out):
+    sq = cuda.shared.array((WARPS, LANES), np.float64)
+    sbad = cuda.shared.array((WARPS, LANES), np.int64)
+    n = x.size
+    nblk = scales.size
+    zero = x.dtype.type(0)
+    nan = x.dtype.type(np.nan)
+    w = cuda.threadIdx.x // LANES
+    lane = cuda.threadIdx.x % LANES
+    nbad = 0
+    # the trip count is the same for every warp of a CUDA block (syncthreads)
+    for kk in range(cuda.blockIdx.x * WARPS, nblk, cuda.gridDim.x * WARPS):
+        k = kk + w
+        active = k < nblk
+        lo = k * block
+        hi = min(n, lo + block)
+        if active:
+            # pass 1: lane l sums the squares of lo+l, lo+l+32, ... in order
+            a = 0.0
+            for i in range(lo + lane, hi, LANES):
+                v = x[i]
+                if e_in is not None:
+                    v = v + e_in[i]
+                f = np.float64(v)
+                a += _dmul_rn(f, f)
+            sq[w, lane] = a
+        cuda.syncthreads()
+        s = LANES // 2
+        while s > 0:  # the canonical pairwise tree: sum[l] += sum[l + s]
+            if active and lane < s:
+                sq[w, lane] += sq[w, lane + s]
+            cuda.syncthreads()
+            s //= 2
+        kbad = 0
+        t32 = np.float32(0.0)
+        if active:
+            t32 = np.float32(_dmul_rn(rel, math.sqrt(sq[w, 0] / (hi - lo))))
+            if lane == 0:
+                scales[k] = t32
+            td = x.dtype.type(t32)
+            neg_td = -td
+            tc = td if t32 > np.float32(0.0) else nan  # t_b = 0 (or NaN): all 00
+            neg_tc = -tc
+            # pass 2: one lane per byte (the block was just read: in cache)
+            for bb in range(lo // 4 + lane, (hi + 3) // 4, LANES):
+                byte = 0
+                for j in range(min(4, hi - 4 * bb)):
+                    i = 4 * bb + j
+                    v = x[i]
+                    if e_in is not None:
+                        v = v + e_in[i]
+                    pos = v >= tc
+                    neg = v <= neg_tc
+                    d = td if pos else (neg_td if neg else zero)
+                    if e_out is not None:
+                        e_out[i] = v - d
+                    kbad += (v - v) != zero
+                    byte |= ((3 if pos else (2 if neg else 0)) << (6 - 2 * j))
+                out[bb] = byte
+            sbad[w, lane] = kbad
+        cuda.syncthreads()
+        if active and lane == 0:
+            tot = 0
+            for l in range(LANES):
+                tot += sbad[w, l]
+            # finite values whose threshold is not finite: one bad value
+            if tot == 0 and not math.isfinite(t32):
+                tot = 1
+            nbad += tot
+        cuda.syncthreads()  # the next round overwrites sq, sbad
+    if nbad:
+        cuda.atomic.add(nbad_out, 0, nbad)
+
+
+@cuda.jit
+def _unpack_2bit_rel_kernel(payload, scales, out, block, accumulate):
+    zero = out.dtype.type(0)
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        c = (payload[i >> 2] >> (6 - 2 * (i & 3))) & 3
+        t = out.dtype.type(scales[i // block])
+        d = t if c == 3 else (-t if c == 2 else zero)
+        if accumulate:
+            out[i] += d
+        else:
+            out[i] = d
+
+
+def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size, *,
+                  cuda_stream=0):
+    """2bit codes of ``v = x + e_in`` with one threshold per block into ``out``
+    (uint8, ``ceil(n / 4)``) and the thresholds into ``scales`` (float32, one
+    per block): as ``kernels.cpu.pack_2bit_rel``, bit for bit.
+
+    ``block_size`` must be a multiple of 4. Returns the non-finite count.
+    """
+    x, e_in, e_out = _dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out")
+    out, scales = _dev(out, "out"), _dev(scales, "scales")
+    nblk = scales.size
+    cnt = _counter(cuda_stream)
+    if nblk:
+        _pack_2bit_rel_kernel[_grid(nblk, WARPS), THREADS, cuda_stream](
+            x, e_in, e_out, out, scales, float(rel_threshold), int(block_size), cnt)
+    return _read_count(cnt, cuda_stream)
+
+
+def unpack_2bit_rel(payload, scales, out, block_size, accumulate, *, cuda_stream=0):
+    """Decode ``out.size`` 2bit codes with their block thresholds
+    (asynchronous)."""
+    payload, scales, out = _dev(payload, "payload"), _dev(scales, "scales"), _dev(out, "out")
+    if out.size:
+        _unpack_2bit_rel_kernel[_grid(out.size), THREADS, cuda_stream](
+            payload, scales, out, int(block_size), bool(accumulate))
 
 
 # ----------------------------------------------------------------------------

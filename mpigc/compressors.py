@@ -338,13 +338,64 @@ class TwoBit(Compressor):
 
     ``x >= t`` -> ``11`` (+t), ``x <= -t`` -> ``10`` (-t), else ``00`` (0);
     four codes per byte, element 0 in the two most significant bits.
+
+    Two modes:
+
+    - absolute (default, MXNet's): one ``threshold`` (default 0.5) for every
+      element; the payload is the codes alone, bit-compatible with MXNet.
+    - relative (``rel_threshold=c``): each block of ``block_size`` elements
+      (default 1024, a multiple of 4) has its own threshold
+      ``t_b = float32(c * rms(block))``; the codes are followed by one
+      little-endian float32 ``t_b`` per block (1.6% more bytes at 1024).
+      Suited to buffers that mix tensors of very different gradient scales.
+
+    Giving both ``threshold`` and ``rel_threshold`` is an error.
+
+    Examples
+    --------
+    >>> TwoBit(rel_threshold=1.5)
+    TwoBit(rel_threshold=1.5, block_size=1024, error_feedback=True)
     """
 
     codec_id = "2bit"
-    _params = {"threshold": 0.5, "error_feedback": True}
+    _params = {"threshold": 0.5, "rel_threshold": None, "block_size": 1024,
+               "error_feedback": True}
+
+    def __init__(self, **params):
+        explicit_threshold = "threshold" in params and params["threshold"] is not None
+        if params.get("rel_threshold") is not None and explicit_threshold:
+            raise ConfigError(
+                f"2bit: give either threshold (absolute, got {params['threshold']!r}) or "
+                f"rel_threshold (relative to each block's RMS, got "
+                f"{params['rel_threshold']!r}), not both")
+        if params.get("threshold", 0.5) is None and params.get("rel_threshold") is None:
+            raise ConfigError("2bit: threshold is None: give a threshold > 0, or a "
+                              "rel_threshold > 0 for the relative mode")
+        super().__init__(**params)
+
+    @property
+    def relative(self):
+        """Whether this is the relative (per-block threshold) mode."""
+        return self.rel_threshold is not None
 
     def _check(self):
         super()._check()
+        b = self.block_size
+        if isinstance(b, bool) or not isinstance(b, numbers.Integral) or b <= 0 or b % 4:
+            raise ConfigError(f"2bit: block_size must be a positive multiple of 4, got {b!r}")
+        self.block_size = int(b)
+        if self.relative:
+            c = self.rel_threshold
+            if (isinstance(c, bool) or not isinstance(c, numbers.Real)
+                    or not math.isfinite(c) or c <= 0):
+                raise ConfigError(f"2bit: rel_threshold must be None or a finite number > 0 "
+                                  f"(a multiple of each block's RMS, e.g. 1.5), got {c!r}")
+            self.rel_threshold = float(c)
+            self.threshold = None
+            return
+        if self.block_size != self._params["block_size"]:
+            raise ConfigError(f"2bit: block_size (got {b!r}) applies only to the relative "
+                              "mode: give rel_threshold too, or leave block_size out")
         t = self.threshold
         if (isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t)
                 or t <= 0):
@@ -356,14 +407,64 @@ class TwoBit(Compressor):
                               f"(between 1.2e-38 and 3.4e38), got {t!r}")
         self.threshold = float(t)
 
+    def get_config(self):
+        """``{"id": "2bit", "threshold": t, "error_feedback": ...}`` in the
+        absolute mode (MXNet's form, unchanged); ``{"id": "2bit",
+        "rel_threshold": c, "block_size": B, "error_feedback": ...}`` in the
+        relative mode."""
+        if self.relative:
+            return {"id": self.codec_id, "rel_threshold": self.rel_threshold,
+                    "block_size": self.block_size, "error_feedback": self.error_feedback}
+        return {"id": self.codec_id, "threshold": self.threshold,
+                "error_feedback": self.error_feedback}
+
+    def __repr__(self):
+        cfg = self.get_config()
+        args = ", ".join(f"{k}={v!r}" for k, v in cfg.items() if k != "id")
+        return f"{type(self).__name__}({args})"
+
+    def _nblocks(self, n):
+        return (int(n) + self.block_size - 1) // self.block_size
+
     def payload_nbytes(self, n, dtype=np.float32):
+        if self.relative:
+            return (int(n) + 3) // 4 + 4 * self._nblocks(n)
         return (int(n) + 3) // 4
 
     def _encode(self, x, e_in, e_out, payload, **kw):
-        return _dispatch.kernels(x).pack_2bit(x, e_in, e_out, payload, self.threshold)
+        if not self.relative:
+            return _dispatch.kernels(x).pack_2bit(x, e_in, e_out, payload, self.threshold)
+        nb = (x.size + 3) // 4
+        if _dispatch.is_device_array(x):
+            # the thresholds go to the unaligned tail of the payload by a
+            # device copy of their bytes (CUDA devices are little-endian)
+            from . import _cuda
+            scales = _cuda.empty(self._nblocks(x.size), np.float32)
+            nbad = _dispatch.kernels(x).pack_2bit_rel(x, e_in, e_out, payload[:nb], scales,
+                                                      self.rel_threshold, self.block_size)
+            if scales.size:
+                payload[nb:].copy_to_device(scales.view(np.uint8))
+            return nbad
+        scales = np.empty(self._nblocks(x.size), np.float32)
+        nbad = _dispatch.kernels(x).pack_2bit_rel(x, e_in, e_out, payload[:nb], scales,
+                                                  self.rel_threshold, self.block_size)
+        payload[nb:] = scales.astype("<f4", copy=False).view(np.uint8)
+        return nbad
 
     def _decode(self, payload, out, accumulate):
-        _dispatch.kernels(out).unpack_2bit(payload, out, self.threshold, accumulate)
+        if not self.relative:
+            _dispatch.kernels(out).unpack_2bit(payload, out, self.threshold, accumulate)
+            return
+        nb = (out.size + 3) // 4
+        if _dispatch.is_device_array(out):
+            from . import _cuda
+            scales = _cuda.empty(self._nblocks(out.size), np.float32)
+            if scales.size:
+                scales.view(np.uint8).copy_to_device(payload[nb:])
+        else:
+            scales = np.frombuffer(payload[nb:].tobytes(), "<f4").astype(np.float32)
+        _dispatch.kernels(out).unpack_2bit_rel(payload[:nb], scales, out, self.block_size,
+                                               accumulate)
 
 
 @register_compressor

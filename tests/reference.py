@@ -27,6 +27,14 @@ Conventions spelled out here (the contract):
   block's elements l, l+32, ... sequentially, then the tree
   ``sum[l] += sum[l + s]`` for s = 16, 8, 4, 2, 1); ``mean =
   float32(sum / count)``. Residual ``v - dtype(mean of v's class)``.
+* ``2bit`` relative mode (``rel_threshold=c``, ``block_size=B``): blocks of
+  ``B`` elements from element 0 (the last may be shorter, ``m_b`` elements);
+  ``t_b = float32(c * sqrt(ss_b / m_b))`` with ``ss_b`` the float64 sum of
+  the squares ``float64(v)**2`` in the canonical order of the 1bit sums, each
+  step (division, sqrt, product) in float64. Codes as ``2bit`` with
+  ``dtype(t_b)``, except that a block with ``t_b == 0`` (or NaN) is all
+  ``00``. Payload: the codes (``ceil(n / 4)`` bytes), then ``t_b`` per block
+  as little-endian float32.
 * ``terngrad``: 2bit codes, then the scale as little-endian float32. The
   uniform draw of global index ``g = offset + i`` is
   ``(splitmix64(stream ^ (g * 0x9E3779B97F4A7C15 mod 2**64)) >> 11) * 2**-53``;
@@ -75,6 +83,8 @@ def payload_nbytes(fmt, n, dtype=np.float32, block_size=1024):
         return 2 * n
     if fmt == "2bit":
         return -(-n // 4)
+    if fmt == "2bit_rel":
+        return -(-n // 4) + 4 * (-(-n // block_size))
     if fmt == "1bit":
         return -(-n // 8) + 8 * (-(-n // block_size))
     if fmt == "terngrad":
@@ -236,6 +246,53 @@ def decode_1bit(payload, n, block_size=1024, dtype=np.float32):
 
 
 # ----------------------------------------------------------------------------
+# 2bit, relative mode
+# ----------------------------------------------------------------------------
+def rel_thresholds(v, rel, block_size):
+    """The per-block thresholds ``t_b`` of ``v`` as a float32 array."""
+    v = np.asarray(v)
+    n = v.size
+    nblk = -(-n // block_size)
+    t = np.zeros(nblk, np.float32)
+    for k in range(nblk):
+        f = v[k * block_size:(k + 1) * block_size].astype(np.float64)
+        with np.errstate(over="ignore", invalid="ignore"):
+            ss = canonical_sum(f * f)
+            rms = math.sqrt(ss / f.size) if ss == ss and ss >= 0 else math.nan
+            t[k] = np.float32(rel * rms)
+    return t
+
+
+def encode_2bit_rel(x, rel, block_size=1024, e=None):
+    v = _v(x, e)
+    dt = v.dtype
+    n = v.size
+    t = rel_thresholds(v, rel, block_size)
+    tt = t.astype(dt)[np.arange(n) // block_size] if n else np.zeros(0, dt)
+    live = tt > 0  # a block whose threshold is 0 (or NaN) sends only 00
+    codes = np.full(n, CODE_ZERO, np.uint8)
+    with np.errstate(invalid="ignore"):
+        codes[live & (v >= tt)] = CODE_POS
+        codes[live & (v <= -tt)] = CODE_NEG
+        decoded = np.where(codes == CODE_POS, tt,
+                           np.where(codes == CODE_NEG, -tt, dt.type(0))).astype(dt)
+        residual = v - decoded
+    return pack_codes(codes) + t.astype("<f4").tobytes(), residual
+
+
+def decode_2bit_rel(payload, n, block_size=1024, dtype=np.float32):
+    payload = bytes(payload)
+    assert len(payload) == payload_nbytes("2bit_rel", n, block_size=block_size)
+    nb = -(-n // 4)
+    codes = unpack_codes(payload[:nb], n)
+    dt = np.dtype(dtype)
+    t = np.frombuffer(payload[nb:], "<f4").astype(dt)
+    tt = t[np.arange(n) // block_size] if n else np.zeros(0, dt)
+    return np.where(codes == CODE_POS, tt,
+                    np.where(codes == CODE_NEG, -tt, dt.type(0))).astype(dt)
+
+
+# ----------------------------------------------------------------------------
 # terngrad
 # ----------------------------------------------------------------------------
 def splitmix64(z):
@@ -337,6 +394,8 @@ def encode(config, x, e=None, **kw):
         return encode_none(x, e)
     if fmt == "fp16":
         return encode_fp16(x, e, **kw)
+    if fmt == "2bit" and config.get("rel_threshold") is not None:
+        return encode_2bit_rel(x, config["rel_threshold"], config.get("block_size", 1024), e)
     if fmt == "2bit":
         return encode_2bit(x, config.get("threshold", 0.5), e)
     if fmt == "1bit":
@@ -352,6 +411,8 @@ def decode(config, payload, n, dtype=np.float32):
         return decode_none(payload, n, dtype)
     if fmt == "fp16":
         return decode_fp16(payload, n, dtype)
+    if fmt == "2bit" and config.get("rel_threshold") is not None:
+        return decode_2bit_rel(payload, n, config.get("block_size", 1024), dtype)
     if fmt == "2bit":
         return decode_2bit(payload, n, config.get("threshold", 0.5), dtype)
     if fmt == "1bit":

@@ -25,6 +25,7 @@ CONFIGS = [
     {"id": "none"},
     {"id": "fp16", "error_feedback": True},
     {"id": "2bit", "threshold": 0.25, "error_feedback": False},
+    {"id": "2bit", "rel_threshold": 1.5, "block_size": 64, "error_feedback": True},
     {"id": "1bit", "block_size": 64, "error_feedback": True},
     {"id": "terngrad", "seed": 7, "clip": 2.5, "error_feedback": True},
 ]
@@ -141,6 +142,19 @@ BAD_PARAMS = [
     ("2bit", {"threshold": None}),
     ("2bit", {"error_feedback": 1}),
     ("2bit", {"error_feedback": "yes"}),
+    ("2bit", {"rel_threshold": 0}),
+    ("2bit", {"rel_threshold": -1.5}),
+    ("2bit", {"rel_threshold": float("nan")}),
+    ("2bit", {"rel_threshold": float("inf")}),
+    ("2bit", {"rel_threshold": True}),
+    ("2bit", {"rel_threshold": "1.5"}),
+    ("2bit", {"rel_threshold": 1.5, "threshold": 0.5}),
+    ("2bit", {"rel_threshold": 1.5, "block_size": 6}),
+    ("2bit", {"rel_threshold": 1.5, "block_size": 0}),
+    ("2bit", {"rel_threshold": 1.5, "block_size": -4}),
+    ("2bit", {"rel_threshold": 1.5, "block_size": 8.0}),
+    ("2bit", {"rel_threshold": 1.5, "block_size": True}),
+    ("2bit", {"block_size": 512}),  # block_size without rel_threshold
     ("1bit", {"block_size": 12}),
     ("1bit", {"block_size": 0}),
     ("1bit", {"block_size": -8}),
@@ -171,6 +185,30 @@ def test_bad_params(cid, params):
         mpigc.get_compressor({"type": cid, **params})
     with pytest.raises(mpigc.ConfigError):
         CLASSES[cid](**params)
+
+
+def test_2bit_threshold_and_rel_threshold_together_is_a_clear_error():
+    with pytest.raises(mpigc.ConfigError, match="either threshold .* or rel_threshold"):
+        mpigc.get_compressor("2bit", threshold=0.5, rel_threshold=1.5)
+    with pytest.raises(mpigc.ConfigError, match="not both"):
+        mpigc.get_compressor({"type": "2bit", "threshold": 0.5}, rel_threshold=1.5)
+    # threshold=None is how a relative config may spell "no absolute threshold"
+    c = mpigc.TwoBit(threshold=None, rel_threshold=1.5)
+    assert c.relative and c.threshold is None and c == mpigc.TwoBit(rel_threshold=1.5)
+    with pytest.raises(mpigc.ConfigError, match="block_size"):
+        mpigc.TwoBit(rel_threshold=1.5, block_size=1022)
+
+
+def test_2bit_modes():
+    a, r = mpigc.TwoBit(), mpigc.TwoBit(rel_threshold=2)
+    assert not a.relative and a.threshold == 0.5
+    assert r.relative and r.rel_threshold == 2.0 and type(r.rel_threshold) is float
+    assert r.block_size == 1024 and r.threshold is None
+    assert r != mpigc.TwoBit(rel_threshold=2.0, block_size=512)
+    assert r != mpigc.TwoBit(rel_threshold=1.5)
+    assert a.get_config() == {"id": "2bit", "threshold": 0.5, "error_feedback": True}
+    assert r.get_config() == {"id": "2bit", "rel_threshold": 2.0, "block_size": 1024,
+                              "error_feedback": True}
 
 
 def test_unknown_parameter_message_names_the_parameters():
@@ -230,6 +268,8 @@ def test_repr():
     assert repr(mpigc.get_compressor({"type": "2bit", "threshold": 2.0})) == \
         "TwoBit(threshold=2.0, error_feedback=True)"
     assert repr(mpigc.OneBit(block_size=64)) == "OneBit(block_size=64, error_feedback=True)"
+    assert repr(mpigc.TwoBit(rel_threshold=1.5, block_size=64)) == \
+        "TwoBit(rel_threshold=1.5, block_size=64, error_feedback=True)"
     assert repr(mpigc.TernGrad()) == "TernGrad(seed=0, clip=None, error_feedback=False)"
     assert repr(mpigc.FP16()) == "FP16(error_feedback=False)"
     assert repr(mpigc.NoCompression()) == "NoCompression()"
@@ -259,6 +299,9 @@ def test_payload_nbytes(n):
         assert mpigc.OneBit(block_size=b).payload_nbytes(n) == \
             math.ceil(n / 8) + 8 * math.ceil(n / b)
     assert mpigc.TernGrad().payload_nbytes(n) == (math.ceil(n / 4) + 4 if n else 0)
+    for b in (4, 12, 1024):
+        assert mpigc.TwoBit(rel_threshold=1.5, block_size=b).payload_nbytes(n) == \
+            math.ceil(n / 4) + 4 * math.ceil(n / b)
     for cid in IDS:
         assert type(mpigc.get_compressor(cid).payload_nbytes(n)) is int
 

@@ -27,7 +27,7 @@ import pytest
 
 HERE = os.path.abspath(__file__)
 
-SIM_GROUPS = ["fp16_conversion", "2bit", "1bit", "terngrad", "fp16", "stats",
+SIM_GROUPS = ["fp16_conversion", "2bit", "2bit_rel", "1bit", "terngrad", "fp16", "stats",
               "count_nonfinite", "guards"]
 
 _SKIP = 77  # exit code of a script that cannot run here (e.g. no NVVM)
@@ -238,6 +238,46 @@ def check_2bit():
     assert d.copy_to_host().tolist() == [0x32, 0xC2], d.copy_to_host()
 
 
+def check_2bit_rel():
+    """The relative 2bit kernels (one warp per block, as 1bit): codes,
+    thresholds and residuals bit for bit, with zero blocks, huge and tiny
+    values, non-finite values and shards that are not multiples of 4."""
+    np, cuda, cpu, kc = _ctx()
+    # (block 4 at n = 1027 is 257 warp rounds: slow in the simulator, left out)
+    cases = [(n, 4) for n in SIZES if n < 1000] + [(n, 16) for n in SIZES]
+    cases += [(n, 1024) for n in (13, 2051)]
+    for dtype in DTYPES:
+        for n, block in cases:
+            x, e = _data(np, n, dtype, 7 * n + block)
+            if n > 40:
+                x[:16] = 0  # zero blocks: threshold 0, all 00
+                e[:16] = 0
+                x[16:20] = np.array([3e38, -3e38, 1e30, -1e30], dtype)  # huge
+                x[20:24] = np.array([1e-40, -1e-40, 1e-30, 0], dtype)  # tiny
+                e[20:24] = 0
+                x[30] = -0.0
+            nblk = (n + block - 1) // block
+            tag = f"2bit_rel {dtype} n={n} block={block}"
+            out = np.zeros((n + 3) // 4, np.uint8)
+            scales = np.zeros(nblk, np.float32)
+            # (the simulator is slow: the modes at one rel_threshold)
+            _check_pack(np, cuda, f"{tag} rel=1.5", cpu.pack_2bit_rel, kc.pack_2bit_rel, x,
+                        e, [out, scales], (1.5, block), MODES_1BIT)
+            _check_pack(np, cuda, f"{tag} rel=0.7", cpu.pack_2bit_rel, kc.pack_2bit_rel, x,
+                        e, [out, scales], (0.7, block), [(True, "new")])
+            rng = np.random.default_rng(n)
+            payload = rng.integers(0, 256, out.size, dtype=np.uint8)
+            pscales = np.abs(rng.standard_normal(nblk)).astype(np.float32)
+            _check_decode(np, cuda, tag, cpu.unpack_2bit_rel, kc.unpack_2bit_rel,
+                          [payload, pscales], n, dtype, (block,))
+    x, e = _data(np, 100, "float32", 3)
+    x[[5, 50, 51]] = [np.inf, np.nan, -np.inf]
+    out = np.zeros(25, np.uint8)
+    scales = np.zeros(7, np.float32)
+    _check_pack(np, cuda, "2bit_rel non-finite", cpu.pack_2bit_rel, kc.pack_2bit_rel, x, e,
+                [out, scales], (1.5, 16), MODES_1BIT)
+
+
 def check_1bit():
     np, cuda, cpu, kc = _ctx()
     cases = [(n, b) for b in (8, 16) for n in SIZES]
@@ -363,6 +403,10 @@ def check_guards():
     assert kc.pack_2bit(z, None, None, cuda.to_device(np.zeros(0, np.uint8)), 0.5) == 0
     assert kc.pack_1bit(z, None, None, cuda.to_device(np.zeros(0, np.uint8)),
                         cuda.to_device(np.zeros(0, np.float32)), 8) == 0
+    assert kc.pack_2bit_rel(z, None, None, cuda.to_device(np.zeros(0, np.uint8)),
+                            cuda.to_device(np.zeros(0, np.float32)), 1.5, 1024) == 0
+    kc.unpack_2bit_rel(cuda.to_device(np.zeros(0, np.uint8)),
+                       cuda.to_device(np.zeros(0, np.float32)), z, 1024, True)
     kc.unpack_fp16(cuda.to_device(np.zeros(0, np.uint16)), z, True)
 
 
@@ -411,11 +455,14 @@ def check_ptx():
         fp16 = kc._pack_fp16_kernel_f32 if sc == T.float32 else kc._pack_fp16_kernel_f64
         sigs = [(kc._unpack_2bit_kernel, (u8, ft, sc, T.boolean)),
                 (kc._unpack_1bit_kernel, (u8, f4, ft, T.int64, T.boolean)),
+                (kc._unpack_2bit_rel_kernel, (u8, f4, ft, T.int64, T.boolean)),
                 (kc._unpack_fp16_kernel, (u16, ft, T.boolean)),
                 (kc._count_nonfinite_kernel, (ft, cnt))]
         for e in (ft, T.none):
             sigs += [(kc._pack_2bit_kernel, (ft, e, e, u8, sc, cnt)),
                      (kc._pack_1bit_kernel, (ft, e, e, u8, f4, T.int64, cnt)),
+                     (kc._pack_2bit_rel_kernel, (ft, e, e, u8, f4, T.float64, T.int64,
+                                                 cnt)),
                      (kc._pack_ternary_kernel, (ft, e, e, u8, sc, T.float64, T.float64,
                                                 T.uint64, T.uint64, cnt)),
                      (fp16, (ft, e, e, u16, sc, cnt)),
@@ -425,7 +472,7 @@ def check_ptx():
             name = f"{fn.py_func.__name__}{sig}"
             assert ".ftz" not in ptx and ".approx" not in ptx, name
             assert not re.search(r"\bfma\.", ptx), f"{name}: fma contraction"
-            if fn is fp16 or fn is kc._stats_kernel:
+            if fn is fp16 or fn is kc._stats_kernel or fn is kc._pack_2bit_rel_kernel:
                 assert not re.search(r"\bmul\.f(32|64)", ptx), f"{name}: contractable mul"
             count += 1
     print(f"compiled {count} kernels to PTX")

@@ -23,7 +23,7 @@ PROP = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 DTYPES = [np.float32, np.float64]
-FORMATS = ["none", "fp16", "2bit", "1bit", "terngrad"]
+FORMATS = ["none", "fp16", "2bit", "2bit_rel", "1bit", "terngrad"]
 
 
 # ----------------------------------------------------------------------------
@@ -69,6 +69,9 @@ def vector_and_residual(draw, max_n=3000, magnitude=None):
 thresholds = st.one_of(st.sampled_from([0.5, 0.1, 2.0, 1e-3, 1.0]),
                        st.floats(1e-4, 100.0, allow_nan=False))
 block_sizes = st.sampled_from([8, 16, 24, 64, 1024])
+rel_thresholds = st.one_of(st.sampled_from([1.0, 1.5, 2.0, 0.5, 3.0]),
+                           st.floats(1e-3, 10.0, allow_nan=False))
+rel_block_sizes = st.sampled_from([4, 12, 16, 100, 1024])
 divisors = st.sampled_from([1.0, 2.0, 3.0, 4.0, 0.5, 7.0])
 streams = st.integers(0, 2**64 - 1)
 offsets = st.one_of(st.just(0), st.integers(0, 2**40), st.integers(0, 2**64 - 1))
@@ -98,6 +101,12 @@ def kernel_encode(fmt, params, x, e_in, e_out):
         out = np.empty((n + 3) // 4, np.uint8)
         nbad = cpu.pack_2bit(x, e_in, e_out, out, params["threshold"])
         return out.tobytes(), nbad
+    if fmt == "2bit_rel":
+        b = params["block_size"]
+        out = np.empty((n + 3) // 4, np.uint8)
+        scales = np.empty(-(-n // b), np.float32)
+        nbad = cpu.pack_2bit_rel(x, e_in, e_out, out, scales, params["rel_threshold"], b)
+        return out.tobytes() + scales.astype("<f4").tobytes(), nbad
     if fmt == "1bit":
         b = params["block_size"]
         bits = np.empty((n + 7) // 8, np.uint8)
@@ -123,6 +132,10 @@ def kernel_decode(fmt, params, payload, out, accumulate=False):
     p = np.frombuffer(payload, np.uint8)
     if fmt == "2bit":
         cpu.unpack_2bit(p, out, params["threshold"], accumulate)
+    elif fmt == "2bit_rel":
+        nb = (n + 3) // 4
+        scales = np.frombuffer(payload[nb:], "<f4").astype(np.float32)
+        cpu.unpack_2bit_rel(p[:nb], scales, out, params["block_size"], accumulate)
     elif fmt == "1bit":
         nb = (n + 7) // 8
         means = np.frombuffer(payload[nb:], "<f4").astype(np.float32)
@@ -143,6 +156,8 @@ def kernel_decode(fmt, params, payload, out, accumulate=False):
 def reference_encode(fmt, params, x, e):
     if fmt == "2bit":
         return ref.encode_2bit(x, params["threshold"], e)
+    if fmt == "2bit_rel":
+        return ref.encode_2bit_rel(x, params["rel_threshold"], params["block_size"], e)
     if fmt == "1bit":
         return ref.encode_1bit(x, params["block_size"], e)
     if fmt == "fp16":
@@ -156,6 +171,8 @@ def reference_encode(fmt, params, x, e):
 def reference_decode(fmt, params, payload, n, dtype):
     if fmt == "2bit":
         return ref.decode_2bit(payload, n, params["threshold"], dtype)
+    if fmt == "2bit_rel":
+        return ref.decode_2bit_rel(payload, n, params["block_size"], dtype)
     if fmt == "1bit":
         return ref.decode_1bit(payload, n, params["block_size"], dtype)
     if fmt == "fp16":
@@ -169,6 +186,8 @@ def reference_decode(fmt, params, payload, n, dtype):
 def kernel_params(draw, fmt):
     if fmt == "2bit":
         return {"threshold": draw(thresholds)}
+    if fmt == "2bit_rel":
+        return {"rel_threshold": draw(rel_thresholds), "block_size": draw(rel_block_sizes)}
     if fmt == "1bit":
         return {"block_size": draw(block_sizes)}
     if fmt == "fp16":
@@ -196,7 +215,7 @@ def assert_same(a, b):
 # ----------------------------------------------------------------------------
 # kernels == reference, bit for bit
 # ----------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["2bit", "1bit", "fp16", "terngrad"])
+@pytest.mark.parametrize("fmt", ["2bit", "2bit_rel", "1bit", "fp16", "terngrad"])
 @pytest.mark.parametrize("mode", ["none", "inplace", "outofplace", "outonly"])
 @PROP
 @given(data=st.data())
@@ -235,7 +254,9 @@ def test_kernel_matches_reference(fmt, mode, data):
     {"id": "none"}, {"id": "fp16"}, {"id": "2bit", "threshold": 0.5},
     {"id": "2bit", "threshold": 0.1}, {"id": "1bit", "block_size": 16},
     {"id": "1bit", "block_size": 1024}, {"id": "terngrad"},
-    {"id": "terngrad", "clip": 2.5}], ids=lambda c: "-".join(map(str, c.values())))
+    {"id": "terngrad", "clip": 2.5}, {"id": "2bit", "rel_threshold": 1.5},
+    {"id": "2bit", "rel_threshold": 1.0, "block_size": 12}],
+    ids=lambda c: "-".join(map(str, c.values())))
 @PROP
 @given(data=st.data())
 def test_public_api_matches_reference(config, data):
@@ -275,8 +296,10 @@ def test_conservation_one_step(fmt, data):
     if fmt == "fp16":  # stay inside the half range (overflow: see test_fp16_overflow)
         x = np.clip(x, -3e4, 3e4)
     cfg = {"2bit": {"threshold": data.draw(thresholds)},
+           "2bit_rel": {"rel_threshold": data.draw(rel_thresholds),
+                        "block_size": data.draw(rel_block_sizes)},
            "1bit": {"block_size": data.draw(block_sizes)}}.get(fmt, {})
-    c = mpigc.get_compressor(fmt, **cfg)
+    c = mpigc.get_compressor(fmt.replace("_rel", ""), **cfg)
     kw = {"stream": data.draw(streams)} if fmt == "terngrad" else {}
     e = np.zeros_like(x) if e is None else e
     v = x + e
@@ -296,8 +319,10 @@ def test_conservation_one_step(fmt, data):
 def test_conservation_many_steps(fmt, dtype):
     """Summed over steps, delivered + final residual == total input."""
     rng = np.random.default_rng(11)
-    c = mpigc.get_compressor(fmt, **({"error_feedback": True} if fmt in ("fp16", "terngrad")
-                                     else {}))
+    c = mpigc.get_compressor(fmt.replace("_rel", ""),
+                             **({"error_feedback": True} if fmt in ("fp16", "terngrad")
+                                else {"rel_threshold": 1.5, "block_size": 16}
+                                if fmt == "2bit_rel" else {}))
     n, steps = 257, 40
     e = np.zeros(n, dtype)
     total = np.zeros(n)
@@ -691,6 +716,7 @@ def test_nonfinite_counts(dtype):
     assert cpu.count_nonfinite(x) == 37
     e = np.zeros_like(x)
     params = {"2bit": {"threshold": 0.5}, "1bit": {"block_size": 64},
+              "2bit_rel": {"rel_threshold": 1.5, "block_size": 64},
               "fp16": {"divisor": 1.0},
               "terngrad": {"scale": 1.0, "clip_bound": math.inf, "stream": 1, "offset": 0}}
     for fmt, prm in params.items():
@@ -733,7 +759,9 @@ def _everything(n, dtype, seed):
            "count": cpu.count_nonfinite(x)}
     configs = [("none", {}), ("fp16", {}), ("2bit", {"threshold": 0.5}),
                ("1bit", {"block_size": 16}), ("1bit", {"block_size": 1024}),
-               ("terngrad", {}), ("terngrad", {"clip": 2.5})]
+               ("terngrad", {}), ("terngrad", {"clip": 2.5}),
+               ("2bit", {"rel_threshold": 1.5}), ("2bit", {"rel_threshold": 1.0,
+                                                           "block_size": 12})]
     for fmt, prm in configs:
         c = mpigc.get_compressor(fmt, **prm)
         kw = {"stream": 77, "offset": 3} if fmt == "terngrad" else {}
@@ -768,3 +796,180 @@ def test_parallel_path_gives_identical_bytes(monkeypatch, dtype):
                 assert par[k] == serial[n][k], (n, k)
     finally:
         numba.set_num_threads(old)
+
+
+# ----------------------------------------------------------------------------
+# 2bit, relative mode: per-block thresholds
+# ----------------------------------------------------------------------------
+@st.composite
+def rel_inputs(draw):
+    """Inputs of 1..5000 elements, float16/32/64, with zero blocks, huge and
+    tiny values (all finite in the input dtype)."""
+    dtype = np.dtype(draw(st.sampled_from([np.float16, np.float32, np.float64])))
+    n = draw(st.integers(1, 5000))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    x = rng.standard_normal(n) * np.exp(rng.standard_normal(n) * draw(
+        st.sampled_from([0.0, 1.0, 4.0])))
+    info = np.finfo(dtype)
+    kind = draw(st.sampled_from(["plain", "zero_blocks", "huge", "tiny", "mixed"]))
+    if kind in ("zero_blocks", "mixed"):
+        lo = int(rng.integers(0, n))
+        x[lo:lo + int(rng.integers(1, 2000))] = 0.0
+    if kind in ("huge", "mixed"):
+        k = rng.choice(n, size=min(n, 5), replace=False)
+        x[k] = rng.choice([-1, 1], k.size) * float(info.max) * rng.uniform(0.1, 1, k.size)
+    if kind in ("tiny", "mixed"):
+        k = rng.choice(n, size=max(1, n // 3), replace=False)
+        x[k] = rng.standard_normal(k.size) * float(info.smallest_subnormal) * 4
+    x = np.clip(x, -float(info.max), float(info.max)).astype(dtype)
+    assert np.isfinite(x).all()
+    wd = mpigc.compressors.work_dtype(dtype)
+    e = None
+    if draw(st.booleans()):
+        e = (rng.standard_normal(n) * draw(st.sampled_from([0.0, 1e-3, 0.3]))).astype(wd)
+        e[rng.random(n) < 0.2] = 0.0
+    return x, e
+
+
+@PROP
+@given(xe=rel_inputs(), rel=rel_thresholds, block=rel_block_sizes)
+def test_2bit_rel_matches_reference(xe, rel, block):
+    """Packed bytes, thresholds, residual and decoding == the reference bit
+    for bit, through the public API (float16 is computed in float32); the
+    non-finite count is that of v plus one per block whose threshold
+    overflows."""
+    x, e = xe
+    c = mpigc.TwoBit(rel_threshold=rel, block_size=block)
+    wd = mpigc.compressors.work_dtype(x.dtype)
+    e = np.zeros(x.size, wd) if e is None else e  # compress() adds the residual
+    p_ref, r_ref = ref.encode_2bit_rel(x.astype(wd), rel, block, e)
+    nblk = -(-x.size // block)
+    t = np.frombuffer(p_ref[-4 * nblk:], "<f4")
+    e_lib = e.copy()
+    v = x.astype(wd) + e_lib
+    bad = int(np.count_nonzero(~np.isfinite(v)))
+    if bad == 0:
+        bad = int(np.count_nonzero(~np.isfinite(t)))
+    if bad:
+        with pytest.raises(mpigc.NonFiniteError):
+            c.compress(x, e_lib)
+        assert e_lib.tobytes() == e.tobytes()  # residual unchanged
+        p = c.compress(x, e_lib, check_finite=False)
+    else:
+        p = c.compress(x, e_lib)
+    assert p.size == c.payload_nbytes(x.size, wd) == len(p_ref)
+    assert p.tobytes() == p_ref
+    assert_same(e_lib, r_ref)
+    for dt in DTYPES:
+        assert_same(c.decompress(p, x.size, dtype=dt),
+                    ref.decode_2bit_rel(p_ref, x.size, block, dt))
+    # the kernel's own count, directly
+    out = np.empty((x.size + 3) // 4, np.uint8)
+    scales = np.empty(nblk, np.float32)
+    nbad = cpu.pack_2bit_rel(x.astype(wd), e.copy(), None, out, scales, rel, block)
+    assert nbad == bad
+
+
+def test_2bit_rel_zero_block_sends_00_and_keeps_the_residual():
+    """A block of zeros (and a block whose threshold underflows to 0 in
+    float32) has t_b = 0: all codes 00, nothing delivered, residual = v, no
+    NaN anywhere."""
+    x = np.zeros(20, np.float64)
+    x[8:12] = 1e-300  # squares underflow to 0 in float64: t_b = 0
+    x[12:16] = 1e-50  # t_b underflows float32: 0
+    x[16:20] = [1.0, -1.0, 2.0, 0.0]
+    e = np.zeros_like(x)
+    c = mpigc.TwoBit(rel_threshold=1.0, block_size=4)
+    p = c.compress(x, e)
+    t = np.frombuffer(p[5:].tobytes(), "<f4")
+    assert t[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
+    assert p[:4].tolist() == [0, 0, 0, 0]
+    assert_same(e[:16], x[:16])  # everything kept
+    # the last block: rms = sqrt(6 / 4), codes for 2.0 only
+    assert t[4] == np.float32(math.sqrt(6 / 4))
+    assert p[4] == 0b00001100
+    d = c.decompress(p, 20, dtype=np.float64)
+    assert not np.isnan(d).any() and not d[:16].any()
+
+
+def test_2bit_rel_threshold_formula_and_layout():
+    """t_b = float32(c * sqrt(mean of squares)); codes after MXNet; the
+    thresholds as little-endian float32 after the codes, in block order; a
+    last, shorter block uses its own length."""
+    x = np.array([3.0, -4.0, 0.0, 1.0, 2.0, 0.5], np.float32)  # blocks 4 + 2
+    c = mpigc.TwoBit(rel_threshold=1.0, block_size=4)
+    p = c.compress(x)
+    assert p.size == 2 + 8 == c.payload_nbytes(6)
+    t = np.frombuffer(p[2:].tobytes(), "<f4")
+    assert t[0] == np.float32(math.sqrt(26 / 4)) and t[1] == np.float32(math.sqrt(4.25 / 2))
+    # 3.0 >= 2.55 -> 11, -4.0 -> 10, 0 -> 00, 1.0 -> 00 | 2.0 >= 1.46 -> 11, 0.5 -> 00
+    assert p[:2].tolist() == [0b11100000, 0b11000000]
+    d = c.decompress(p, 6)
+    assert d.tolist() == [t[0], -t[0], 0, 0, t[1], 0]
+
+
+def test_2bit_rel_canonical_sum_order_matters_and_is_followed():
+    """A block whose float32 threshold depends on the order of the float64
+    sum of squares: without the tiny squares sqrt(ss / 64) is the float32 tie
+    1 + 2**-24 (-> 1.0). Added sequentially, every tiny square is lost; in
+    the canonical 32-lane order they survive and t rounds up."""
+    b = 64
+    vals = np.array([8 * (1 + 2.0 ** -24)] + [2.0 ** -24] * (b - 1), np.float64)
+    sq = vals * vals
+    canonical = np.float32(math.sqrt(ref.canonical_sum(sq) / b))
+    sequential = np.float32(math.sqrt(float(np.cumsum(sq)[-1]) / b))
+    assert canonical == np.float32(1 + 2.0 ** -23) and sequential == np.float32(1.0)
+    p = mpigc.TwoBit(rel_threshold=1.0, block_size=b).compress(vals)
+    assert np.frombuffer(p[b // 4:].tobytes(), "<f4")[0] == canonical
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_2bit_rel_overflowing_threshold_is_counted(dtype):
+    """Finite values whose threshold overflows float32 count as one bad
+    value per block (the threshold would travel as inf); the residual keeps
+    the values (all codes 00)."""
+    big = 3e38 if dtype == np.float32 else 1e200  # 1e200: squares overflow float64
+    x = np.array([big, big, 1.0, 1.0, big, -big, 1, 2], dtype)
+    out = np.empty(2, np.uint8)
+    scales = np.empty(2, np.float32)
+    e = np.zeros_like(x)
+    assert cpu.pack_2bit_rel(x, e, e, out, scales, 2.0, 4) == 2
+    assert np.isinf(scales).all() and out.tolist() == [0, 0]
+    assert_same(e, x)
+    with pytest.raises(mpigc.NonFiniteError):
+        mpigc.TwoBit(rel_threshold=2.0, block_size=4).compress(x, np.zeros_like(x))
+
+
+def test_2bit_rel_nonfinite_never_corrupts_finite_residuals():
+    """A NaN or inf in a block makes its threshold non-finite: every code of
+    the block is 00 (or +-inf for the infinities) and the finite values keep
+    their residual exactly; the count is that of the non-finite values."""
+    x = np.array([1.0, np.nan, -2.0, 0.5, 3.0, np.inf, -1.0, 0.25, 1.0, 2.0, -3.0, 0.0],
+                 np.float32)
+    e = np.zeros_like(x)
+    out = np.empty(3, np.uint8)
+    scales = np.empty(3, np.float32)
+    assert cpu.pack_2bit_rel(x, e, e, out, scales, 1.0, 4) == 2
+    fin = np.isfinite(x)
+    assert_same(e[fin][:6], x[fin][:6])  # blocks 0 and 1: nothing sent for finite values
+    assert out[0] == 0 and np.isnan(scales[0]) and np.isinf(scales[1])
+    p_ref, r_ref = ref.encode_2bit_rel(x, 1.0, 4, np.zeros_like(x))
+    assert out.tobytes() + scales.astype("<f4").tobytes() == p_ref
+    assert_same(e, r_ref)
+
+
+def test_2bit_rel_conservation_is_exact_on_a_dyadic_grid():
+    """Error feedback over steps: delivered + residual == input, up to float
+    rounding, with float64 values on a grid of 1/16."""
+    rng = np.random.default_rng(5)
+    c = mpigc.TwoBit(rel_threshold=1.0, block_size=4)
+    e = np.zeros(103)
+    delivered = np.zeros(103)
+    total = np.zeros(103)
+    for _ in range(10):
+        g = np.repeat(rng.integers(-64, 64, 103 // 4 + 1), 4)[:103] / 16.0  # blocks const
+        g[::4] *= 2
+        g = g.astype(np.float64)
+        delivered += c.decompress(c.compress(g, e), 103, dtype=np.float64)
+        total += g
+    np.testing.assert_allclose(delivered + e, total, rtol=0, atol=1e-12)

@@ -110,6 +110,21 @@ def test_1bit(gpu, n, block, dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n,block", [(n, b) for n in SIZES for b in (4, 16, 1024)])
+def test_2bit_rel(gpu, n, block, dtype):
+    x, e = _data(n, dtype, 3 * n + block)
+    x[:min(n, 2 * block)] = 0.0  # zero blocks: threshold 0, all 00
+    e[:min(n, 2 * block)] = 0.0
+    nblk = (n + block - 1) // block
+    _both(gpu, "pack_2bit_rel", x, e, [np.zeros((n + 3) // 4, np.uint8),
+                                       np.zeros(nblk, np.float32)], (1.5, block), True)
+    rng = np.random.default_rng(3)
+    _decode(gpu, "unpack_2bit_rel", [rng.integers(0, 256, (n + 3) // 4, dtype=np.uint8),
+                                     np.abs(rng.standard_normal(nblk)).astype(np.float32)],
+            n, dtype, (block,))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("n", SIZES)
 def test_terngrad(gpu, n, dtype):
     _, cpu, _ = gpu
@@ -206,6 +221,7 @@ def test_streams_and_foreign_arrays(gpu):
 # end to end: the collectives on device arrays (mpigc.allreduce / reduce_scatter)
 # ----------------------------------------------------------------------------
 E2E_OPS = [{"type": "2bit", "threshold": 0.5}, {"type": "1bit"},
+           {"type": "2bit", "rel_threshold": 1.5},
            {"type": "fp16", "error_feedback": True},
            {"type": "terngrad", "error_feedback": True}, "none"]
 

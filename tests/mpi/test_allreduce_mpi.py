@@ -19,6 +19,8 @@ from conftest import assert_all, grads
 
 OPS = ["none", "fp16", "2bit", "1bit", "terngrad",
        {"type": "2bit", "threshold": 0.25}, {"type": "1bit", "block_size": 16},
+       {"type": "2bit", "rel_threshold": 1.5},
+       {"type": "2bit", "rel_threshold": 1.0, "block_size": 12},
        {"type": "terngrad", "error_feedback": True, "seed": 7},
        {"type": "fp16", "error_feedback": True}]
 

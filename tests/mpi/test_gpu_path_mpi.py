@@ -112,7 +112,8 @@ OPS = [{"type": "2bit", "threshold": 0.5},
        {"type": "1bit", "block_size": 8},
        {"type": "fp16", "error_feedback": True},
        {"type": "terngrad", "error_feedback": True, "seed": 3},
-       "none"]
+       "none",
+       {"type": "2bit", "rel_threshold": 1.5, "block_size": 8}]
 DTYPES = [np.float32, np.float64, np.float16]
 
 

@@ -17,7 +17,8 @@ slowest rank's. DDP and mpigc both keep the gradients in their buckets
                     it starts compressing after ``--warmup`` steps; one bucket, as
                     several buckets make gloo fail with a collective mismatch)
 ``mpigc-OP``        ``mpigc.torch.GradientSync(model, op=OP)`` for OP in none, fp16,
-                    2bit, 1bit, terngrad (25 MiB buckets)
+                    2bit, 1bit, terngrad (25 MiB buckets); 2bit in its relative mode
+                    (``rel_threshold=1.5``) unless ``--threshold`` is given
 
 torch.distributed is initialised from the MPI rank and size with a TCP store at
 rank 0's address (``--master-addr``, default: rank 0's host name resolved by
@@ -51,7 +52,10 @@ def parse_args():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--bucket-mb", type=float, default=25.0)
-    p.add_argument("--threshold", type=float, default=None, help="2bit threshold")
+    p.add_argument("--threshold", type=float, default=None,
+                   help="2bit: absolute threshold (MXNet's mode) instead of --rel-threshold")
+    p.add_argument("--rel-threshold", type=float, default=1.5,
+                   help="2bit: per-block relative threshold (default 1.5, as examples/train_torch.py)")
     p.add_argument("--master-addr", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank")
     p.add_argument("--copy-grads", action="store_true",
@@ -109,7 +113,10 @@ def wrap(mode, model, args, comm):
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return ddp, lambda: None
     op = mode.split("-", 1)[1]
-    kw = {"threshold": args.threshold} if (op == "2bit" and args.threshold) else {}
+    kw = {}
+    if op == "2bit":
+        kw = ({"threshold": args.threshold} if args.threshold
+              else {"rel_threshold": args.rel_threshold})
     sync = mpigc.torch.GradientSync(model, op=op, bucket_mb=args.bucket_mb,
                                     gradient_as_bucket_view=not args.copy_grads, **kw)
     return model, sync.wait

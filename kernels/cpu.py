@@ -594,32 +594,47 @@ def _lane_sumsq(xb, eb, sq):
 
 
 @njit(**_JIT)
-def _lane_abssum_sel(xb, eb, tc, sa):
+def _lane_abssum_sel(xb, eb, tc, sa, sc):
     """Add |v| (float64) of one block's selected values (``v >= tc`` or
-    ``v <= -tc``) to the lane sums in the order of _lane_sumsq; returns how
-    many were selected. A value left out adds nothing (adding +0.0 to a sum
-    that starts at +0.0 is the same)."""
+    ``v <= -tc``) to the lane sums ``sa`` in the order of _lane_sumsq, and
+    count them per lane in ``sc``. A value left out adds +0.0, which changes
+    no sum (every sum starts at +0.0 and only grows)."""
     neg_tc = -tc
     ng = xb.size // LANES
     x2 = xb[:ng * LANES].reshape((ng, LANES))
     e2 = None if eb is None else eb[:ng * LANES].reshape((ng, LANES))
-    cnt = 0
-    for g in range(ng):
+    g = 0
+    # two whole groups per step, as _lane_sumsq; each lane still adds in order
+    while g + 2 <= ng:
+        for l in range(LANES):
+            v0 = x2[g, l]
+            v1 = x2[g + 1, l]
+            if e2 is not None:
+                v0 = v0 + e2[g, l]
+                v1 = v1 + e2[g + 1, l]
+            s0 = (v0 >= tc) | (v0 <= neg_tc)
+            s1 = (v1 >= tc) | (v1 <= neg_tc)
+            a0 = np.float64(abs(v0)) if s0 else 0.0
+            a1 = np.float64(abs(v1)) if s1 else 0.0
+            sa[l] = (sa[l] + a0) + a1
+            sc[l] += np.int64(s0) + np.int64(s1)
+        g += 2
+    while g < ng:
         for l in range(LANES):
             v = x2[g, l]
             if e2 is not None:
                 v = v + e2[g, l]
-            sel = (v >= tc) or (v <= neg_tc)
-            sa[l] += np.float64(abs(v)) if sel else 0.0
-            cnt += sel
+            s0 = (v >= tc) | (v <= neg_tc)
+            sa[l] += np.float64(abs(v)) if s0 else 0.0
+            sc[l] += np.int64(s0)
+        g += 1
     for l in range(xb.size - ng * LANES):  # the partial group
         v = xb[ng * LANES + l]
         if eb is not None:
             v = v + eb[ng * LANES + l]
-        sel = (v >= tc) or (v <= neg_tc)
-        sa[l] += np.float64(abs(v)) if sel else 0.0
-        cnt += sel
-    return cnt
+        s0 = (v >= tc) | (v <= neg_tc)
+        sa[l] += np.float64(abs(v)) if s0 else 0.0
+        sc[l] += np.int64(s0)
 
 
 @njit(**_JIT)
@@ -662,6 +677,7 @@ def _rel_threshold(ss, count, rel):
 def _pack_2bit_rel_range(x, e_in, e_out, out, scales, rel, block, k0, k1):
     n = x.size
     sq = np.empty(LANES, np.float64)
+    sc = np.empty(LANES, np.int64)
     codes = np.zeros(_CH, np.uint8)
     words = codes.view(np.uint32)
     inplace = _same(e_in, e_out)
@@ -685,7 +701,11 @@ def _pack_2bit_rel_range(x, e_in, e_out, out, scales, rel, block, k0, k1):
         # pass 2 (the block is in cache): the mean magnitude of the selected
         # values, the float64 sum of |v| in the same canonical order
         sq[:] = 0.0
-        cnt = _lane_abssum_sel(x[lo:hi], _win(e_in, lo, hi), tc, sq)
+        sc[:] = 0
+        _lane_abssum_sel(x[lo:hi], _win(e_in, lo, hi), tc, sq, sc)
+        cnt = 0
+        for l in range(LANES):
+            cnt += sc[l]
         s = LANES // 2
         while s > 0:
             for l in range(s):

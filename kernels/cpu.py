@@ -552,7 +552,9 @@ def unpack_1bit(bits, means, out, block_size, accumulate):
 # ----------------------------------------------------------------------------
 # 2bit, relative mode: MXNet codes with one threshold per block,
 # t_b = float32(c * sqrt(sum(v^2) / len)), the float64 sum of squares in the
-# canonical order of the 1bit block sums (32 lanes, then the pairwise tree)
+# canonical order of the 1bit block sums (32 lanes, then the pairwise tree);
+# the selected values decode to their mean magnitude r_b (an mpigc rule: the
+# float64 sum of |v| over the selection, in the same order, over its count)
 # ----------------------------------------------------------------------------
 @njit(**_JIT)
 def _lane_sumsq(xb, eb, sq):
@@ -589,6 +591,50 @@ def _lane_sumsq(xb, eb, sq):
             v = v + eb[ng * LANES + l]
         f = np.float64(v)
         sq[l] += f * f
+
+
+@njit(**_JIT)
+def _lane_abssum_sel(xb, eb, tc, sa, sc):
+    """Add |v| (float64) of one block's selected values (``v >= tc`` or
+    ``v <= -tc``) to the lane sums ``sa`` in the order of _lane_sumsq, and
+    count them per lane in ``sc``. A value left out adds +0.0, which changes
+    no sum (every sum starts at +0.0 and only grows)."""
+    neg_tc = -tc
+    ng = xb.size // LANES
+    x2 = xb[:ng * LANES].reshape((ng, LANES))
+    e2 = None if eb is None else eb[:ng * LANES].reshape((ng, LANES))
+    g = 0
+    # two whole groups per step, as _lane_sumsq; each lane still adds in order
+    while g + 2 <= ng:
+        for l in range(LANES):
+            v0 = x2[g, l]
+            v1 = x2[g + 1, l]
+            if e2 is not None:
+                v0 = v0 + e2[g, l]
+                v1 = v1 + e2[g + 1, l]
+            s0 = (v0 >= tc) | (v0 <= neg_tc)
+            s1 = (v1 >= tc) | (v1 <= neg_tc)
+            a0 = np.float64(abs(v0)) if s0 else 0.0
+            a1 = np.float64(abs(v1)) if s1 else 0.0
+            sa[l] = (sa[l] + a0) + a1
+            sc[l] += np.int64(s0) + np.int64(s1)
+        g += 2
+    while g < ng:
+        for l in range(LANES):
+            v = x2[g, l]
+            if e2 is not None:
+                v = v + e2[g, l]
+            s0 = (v >= tc) | (v <= neg_tc)
+            sa[l] += np.float64(abs(v)) if s0 else 0.0
+            sc[l] += np.int64(s0)
+        g += 1
+    for l in range(xb.size - ng * LANES):  # the partial group
+        v = xb[ng * LANES + l]
+        if eb is not None:
+            v = v + eb[ng * LANES + l]
+        s0 = (v >= tc) | (v <= neg_tc)
+        sa[l] += np.float64(abs(v)) if s0 else 0.0
+        sc[l] += np.int64(s0)
 
 
 @njit(**_JIT)
@@ -631,6 +677,7 @@ def _rel_threshold(ss, count, rel):
 def _pack_2bit_rel_range(x, e_in, e_out, out, scales, rel, block, k0, k1):
     n = x.size
     sq = np.empty(LANES, np.float64)
+    sc = np.empty(LANES, np.int64)
     codes = np.zeros(_CH, np.uint8)
     words = codes.view(np.uint32)
     inplace = _same(e_in, e_out)
@@ -648,10 +695,26 @@ def _pack_2bit_rel_range(x, e_in, e_out, out, scales, rel, block, k0, k1):
                 sq[l] += sq[l + s]
             s //= 2
         t32 = _rel_threshold(sq[0], hi - lo, rel)
-        scales[k] = t32
-        td = x.dtype.type(t32)
-        tc = td if t32 > np.float32(0.0) else nan  # t_b = 0 (or NaN): all 00
-        # pass 2 (the block is in cache): codes and residual
+        tc = x.dtype.type(t32)
+        if not t32 > np.float32(0.0):
+            tc = nan  # t_b = 0 (or NaN): nothing selected, all 00
+        # pass 2 (the block is in cache): the mean magnitude of the selected
+        # values, the float64 sum of |v| in the same canonical order
+        sq[:] = 0.0
+        sc[:] = 0
+        _lane_abssum_sel(x[lo:hi], _win(e_in, lo, hi), tc, sq, sc)
+        cnt = 0
+        for l in range(LANES):
+            cnt += sc[l]
+        s = LANES // 2
+        while s > 0:
+            for l in range(s):
+                sq[l] += sq[l + s]
+            s //= 2
+        r32 = np.float32(sq[0] / cnt) if cnt > 0 else np.float32(0.0)
+        scales[k] = r32
+        td = x.dtype.type(r32)
+        # pass 3: codes and residual
         kbad = 0
         for c0 in range(lo, hi, _CH):
             c1 = min(hi, c0 + _CH)
@@ -667,8 +730,9 @@ def _pack_2bit_rel_range(x, e_in, e_out, out, scales, rel, block, k0, k1):
                 codes[j] = 0
             _codes_to_2bit(words, out[c0 // 4:c0 // 4 + nw])
         # finite values whose threshold overflows float32 (or whose squares
-        # overflow float64): the threshold would travel as inf, one bad value
-        if kbad == 0 and not np.isfinite(t32):
+        # overflow float64), or whose mean magnitude does (float64 input):
+        # one bad value
+        if kbad == 0 and not (np.isfinite(t32) and np.isfinite(r32)):
             kbad = 1
         nbad += kbad
     return nbad
@@ -722,17 +786,22 @@ def _unpack_2bit_rel_par(payload, scales, out, block, accumulate, nchunks):
 
 
 def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size):
-    """2bit codes of ``v = x + e_in`` with one threshold per block.
+    """2bit codes of ``v = x + e_in`` with one threshold per block, the
+    selected values decoding to the block's mean magnitude.
 
     Block b (``block_size`` elements, a multiple of 4, from element 0; the
     last may be shorter) has ``t_b = float32(rel_threshold * sqrt(ss_b / m_b))``
     with ``ss_b`` the float64 sum of its squares in the canonical order (32
     lanes, lane l summing elements l, l+32, ... in sequence, then the tree
     ``sum[l] += sum[l + s]``, s = 16, 8, 4, 2, 1) and ``m_b`` its length.
-    Codes as :func:`pack_2bit` with ``t_b`` (all ``00`` where ``t_b`` is 0)
-    into ``out`` (uint8, ``ceil(n / 4)``), the thresholds into ``scales``
-    (float32, one per block). Returns the non-finite count of ``v``, plus one
-    per block of finite values whose threshold is not finite.
+    Codes as :func:`pack_2bit` with ``t_b`` (all ``00`` where ``t_b`` is 0
+    or NaN) into ``out`` (uint8, ``ceil(n / 4)``). The selected values S_b
+    (codes ``11``/``10``) give ``r_b = float32(A_b / |S_b|)``, ``A_b`` the
+    float64 sum of their ``|v|`` in the same canonical order (0 when S_b is
+    empty); ``r_b`` goes into ``scales`` (float32, one per block; ``t_b``
+    does not travel) and the residual is ``v - (+-dtype(r_b) or 0)``.
+    Returns the non-finite count of ``v``, plus one per block of finite
+    values whose ``t_b`` or ``r_b`` is not finite.
     """
     rel = float(rel_threshold)
     nch = _nchunks(x.size)
@@ -743,8 +812,8 @@ def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size):
 
 
 def unpack_2bit_rel(payload, scales, out, block_size, accumulate):
-    """Decode ``out.size`` 2bit codes with their block thresholds: ``11`` ->
-    +t_b, ``10`` -> -t_b, else 0. Writes into ``out``, or adds to it."""
+    """Decode ``out.size`` 2bit codes with their block magnitudes: ``11`` ->
+    +r_b, ``10`` -> -r_b, else 0. Writes into ``out``, or adds to it."""
     nch = _nchunks(out.size)
     if nch == 1:
         _unpack_2bit_rel_range(payload, scales, out, block_size, bool(accumulate), 0,

@@ -15,8 +15,9 @@ Bit-identity with the CPU kernels
   residuals are bit-identical for finite inputs. The 1bit block sums follow the canonical order of
   ``kernels/cpu.py`` (32 lanes strided by 32, sequential float64, then the
   pairwise tree s = 16, 8, 4, 2, 1): one warp per block, the tree in shared
-  memory. The relative 2bit block sums of squares follow the same order
-  (squares by ``mul.rn``, never fused into the sum). float16 uses the same integer conversion as the CPU kernels (not
+  memory. The relative 2bit block sums of squares, and the sums of |v| over
+  the selected values, follow the same order (squares by ``mul.rn``, never
+  fused into the sum). float16 uses the same integer conversion as the CPU kernels (not
   the hardware ``cvt``, whose NaN payload differs). A product followed by a
   sum or difference (the fp16 residual ``v - half * divisor``) uses
   ``mul.rn`` (libdevice ``__fmul_rn`` / ``__dmul_rn``) so that neither NVVM
@@ -366,6 +367,8 @@ def unpack_1bit(bits, means, out, block_size, accumulate, *, cuda_stream=0):
 @cuda.jit
 def _pack_2bit_rel_kernel(x, e_in, e_out, out, scales, rel, block, nbad_out):
     sq = cuda.shared.array((WARPS, LANES), np.float64)
+    sa = cuda.shared.array((WARPS, LANES), np.float64)
+    scnt = cuda.shared.array((WARPS, LANES), np.int64)
     sbad = cuda.shared.array((WARPS, LANES), np.int64)
     n = x.size
     nblk = scales.size
@@ -399,15 +402,43 @@ def _pack_2bit_rel_kernel(x, e_in, e_out, out, scales, rel, block, nbad_out):
             s //= 2
         kbad = 0
         t32 = np.float32(0.0)
+        tc = nan
         if active:
             t32 = np.float32(_dmul_rn(rel, math.sqrt(sq[w, 0] / (hi - lo))))
-            if lane == 0:
-                scales[k] = t32
-            td = x.dtype.type(t32)
-            neg_td = -td
-            tc = td if t32 > np.float32(0.0) else nan  # t_b = 0 (or NaN): all 00
+            if t32 > np.float32(0.0):
+                tc = x.dtype.type(t32)  # else (t_b = 0 or NaN) nothing selected
             neg_tc = -tc
-            # pass 2: one lane per byte (the block was just read: in cache)
+            # pass 2: lane l sums |v| of the selected lo+l, lo+l+32, ... in order
+            a = 0.0
+            c = 0
+            for i in range(lo + lane, hi, LANES):
+                v = x[i]
+                if e_in is not None:
+                    v = v + e_in[i]
+                sel = (v >= tc) or (v <= neg_tc)
+                a += abs(np.float64(v)) if sel else 0.0
+                c += 1 if sel else 0
+            sa[w, lane] = a
+            scnt[w, lane] = c
+        cuda.syncthreads()
+        s = LANES // 2
+        while s > 0:  # the same tree
+            if active and lane < s:
+                sa[w, lane] += sa[w, lane + s]
+                scnt[w, lane] += scnt[w, lane + s]
+            cuda.syncthreads()
+            s //= 2
+        r32 = np.float32(0.0)
+        if active:
+            cnt = scnt[w, 0]
+            if cnt > 0:
+                r32 = np.float32(sa[w, 0] / cnt)  # the mean magnitude r_b
+            if lane == 0:
+                scales[k] = r32
+            td = x.dtype.type(r32)
+            neg_td = -td
+            neg_tc = -tc
+            # pass 3: one lane per byte (the block was just read: in cache)
             for bb in range(lo // 4 + lane, (hi + 3) // 4, LANES):
                 byte = 0
                 for j in range(min(4, hi - 4 * bb)):
@@ -429,11 +460,12 @@ def _pack_2bit_rel_kernel(x, e_in, e_out, out, scales, rel, block, nbad_out):
             tot = 0
             for l in range(LANES):
                 tot += sbad[w, l]
-            # finite values whose threshold is not finite: one bad value
-            if tot == 0 and not math.isfinite(t32):
+            # finite values whose threshold or mean magnitude is not
+            # finite: one bad value
+            if tot == 0 and not (math.isfinite(t32) and math.isfinite(r32)):
                 tot = 1
             nbad += tot
-        cuda.syncthreads()  # the next round overwrites sq, sbad
+        cuda.syncthreads()  # the next round overwrites sq, sa, scnt, sbad
     if nbad:
         cuda.atomic.add(nbad_out, 0, nbad)
 
@@ -454,8 +486,9 @@ def _unpack_2bit_rel_kernel(payload, scales, out, block, accumulate):
 def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size, *,
                   cuda_stream=0):
     """2bit codes of ``v = x + e_in`` with one threshold per block into ``out``
-    (uint8, ``ceil(n / 4)``) and the thresholds into ``scales`` (float32, one
-    per block): as ``kernels.cpu.pack_2bit_rel``, bit for bit.
+    (uint8, ``ceil(n / 4)``) and the selected values' mean magnitudes r_b
+    into ``scales`` (float32, one per block): as
+    ``kernels.cpu.pack_2bit_rel``, bit for bit.
 
     ``block_size`` must be a multiple of 4. Returns the non-finite count.
     """
@@ -470,7 +503,7 @@ def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size, *,
 
 
 def unpack_2bit_rel(payload, scales, out, block_size, accumulate, *, cuda_stream=0):
-    """Decode ``out.size`` 2bit codes with their block thresholds
+    """Decode ``out.size`` 2bit codes with their block magnitudes r_b
     (asynchronous)."""
     payload, scales, out = _dev(payload, "payload"), _dev(scales, "scales"), _dev(out, "out")
     if out.size:

@@ -33,8 +33,12 @@ Conventions spelled out here (the contract):
   the squares ``float64(v)**2`` in the canonical order of the 1bit sums, each
   step (division, sqrt, product) in float64. Codes as ``2bit`` with
   ``dtype(t_b)``, except that a block with ``t_b == 0`` (or NaN) is all
-  ``00``. Payload: the codes (``ceil(n / 4)`` bytes), then ``t_b`` per block
-  as little-endian float32.
+  ``00``. The selected values (codes ``11``/``10``) decode to their mean
+  magnitude ``r_b = float32(A_b / count)``, ``A_b`` the float64 sum of their
+  ``|v|`` in the same canonical order (0 for no selected value): ``11`` ->
+  ``dtype(r_b)``, ``10`` -> ``-dtype(r_b)``; residual ``v - decoded``.
+  Payload: the codes (``ceil(n / 4)`` bytes), then ``r_b`` per block as
+  little-endian float32 (``t_b`` does not travel).
 * ``terngrad``: 2bit codes, then the scale as little-endian float32. The
   uniform draw of global index ``g = offset + i`` is
   ``(splitmix64(stream ^ (g * 0x9E3779B97F4A7C15 mod 2**64)) >> 11) * 2**-53``;
@@ -263,6 +267,25 @@ def rel_thresholds(v, rel, block_size):
     return t
 
 
+def rel_magnitudes(v, selected, block_size):
+    """The per-block mean magnitudes ``r_b`` of the selected values of ``v``
+    as a float32 array: float32(canonical float64 sum of |v| / count), 0 for
+    a block with nothing selected."""
+    v = np.asarray(v)
+    n = v.size
+    nblk = -(-n // block_size)
+    r = np.zeros(nblk, np.float32)
+    for k in range(nblk):
+        sl = slice(k * block_size, (k + 1) * block_size)
+        sel = selected[sl]
+        count = int(sel.sum())
+        if count:
+            a = np.where(sel, np.abs(v[sl].astype(np.float64)), 0.0)
+            with np.errstate(over="ignore"):
+                r[k] = np.float32(canonical_sum(a) / count)
+    return r
+
+
 def encode_2bit_rel(x, rel, block_size=1024, e=None):
     v = _v(x, e)
     dt = v.dtype
@@ -274,10 +297,13 @@ def encode_2bit_rel(x, rel, block_size=1024, e=None):
     with np.errstate(invalid="ignore"):
         codes[live & (v >= tt)] = CODE_POS
         codes[live & (v <= -tt)] = CODE_NEG
-        decoded = np.where(codes == CODE_POS, tt,
-                           np.where(codes == CODE_NEG, -tt, dt.type(0))).astype(dt)
+    r = rel_magnitudes(v, codes != CODE_ZERO, block_size)
+    rr = r.astype(dt)[np.arange(n) // block_size] if n else np.zeros(0, dt)
+    with np.errstate(invalid="ignore"):
+        decoded = np.where(codes == CODE_POS, rr,
+                           np.where(codes == CODE_NEG, -rr, dt.type(0))).astype(dt)
         residual = v - decoded
-    return pack_codes(codes) + t.astype("<f4").tobytes(), residual
+    return pack_codes(codes) + r.astype("<f4").tobytes(), residual
 
 
 def decode_2bit_rel(payload, n, block_size=1024, dtype=np.float32):

@@ -834,22 +834,23 @@ def rel_inputs(draw):
 @PROP
 @given(xe=rel_inputs(), rel=rel_thresholds, block=rel_block_sizes)
 def test_2bit_rel_matches_reference(xe, rel, block):
-    """Packed bytes, thresholds, residual and decoding == the reference bit
-    for bit, through the public API (float16 is computed in float32); the
-    non-finite count is that of v plus one per block whose threshold
-    overflows."""
+    """Packed bytes, mean magnitudes, residual and decoding == the reference
+    bit for bit, through the public API (float16 is computed in float32); the
+    non-finite count is that of v plus one per block whose threshold or mean
+    magnitude overflows."""
     x, e = xe
     c = mpigc.TwoBit(rel_threshold=rel, block_size=block)
     wd = mpigc.compressors.work_dtype(x.dtype)
     e = np.zeros(x.size, wd) if e is None else e  # compress() adds the residual
     p_ref, r_ref = ref.encode_2bit_rel(x.astype(wd), rel, block, e)
     nblk = -(-x.size // block)
-    t = np.frombuffer(p_ref[-4 * nblk:], "<f4")
+    r = np.frombuffer(p_ref[-4 * nblk:], "<f4")
     e_lib = e.copy()
     v = x.astype(wd) + e_lib
+    t = ref.rel_thresholds(v, rel, block)
     bad = int(np.count_nonzero(~np.isfinite(v)))
     if bad == 0:
-        bad = int(np.count_nonzero(~np.isfinite(t)))
+        bad = int(np.count_nonzero(~(np.isfinite(t) & np.isfinite(r))))
     if bad:
         with pytest.raises(mpigc.NonFiniteError):
             c.compress(x, e_lib)
@@ -872,8 +873,8 @@ def test_2bit_rel_matches_reference(xe, rel, block):
 
 def test_2bit_rel_zero_block_sends_00_and_keeps_the_residual():
     """A block of zeros (and a block whose threshold underflows to 0 in
-    float32) has t_b = 0: all codes 00, nothing delivered, residual = v, no
-    NaN anywhere."""
+    float32) has t_b = 0: all codes 00, r_b = 0, nothing delivered, residual
+    = v, no NaN anywhere."""
     x = np.zeros(20, np.float64)
     x[8:12] = 1e-300  # squares underflow to 0 in float64: t_b = 0
     x[12:16] = 1e-50  # t_b underflows float32: 0
@@ -885,27 +886,52 @@ def test_2bit_rel_zero_block_sends_00_and_keeps_the_residual():
     assert t[:4].tolist() == [0.0, 0.0, 0.0, 0.0]
     assert p[:4].tolist() == [0, 0, 0, 0]
     assert_same(e[:16], x[:16])  # everything kept
-    # the last block: rms = sqrt(6 / 4), codes for 2.0 only
-    assert t[4] == np.float32(math.sqrt(6 / 4))
+    # the last block: t_b = sqrt(6 / 4) = 1.22, codes for 2.0 only, r_b = 2
+    assert t[4] == 2.0
     assert p[4] == 0b00001100
     d = c.decompress(p, 20, dtype=np.float64)
     assert not np.isnan(d).any() and not d[:16].any()
+    assert d[16:].tolist() == [0, 0, 2, 0] and e[16:].tolist() == [1, -1, 0, 0]
 
 
 def test_2bit_rel_threshold_formula_and_layout():
-    """t_b = float32(c * sqrt(mean of squares)); codes after MXNet; the
-    thresholds as little-endian float32 after the codes, in block order; a
-    last, shorter block uses its own length."""
-    x = np.array([3.0, -4.0, 0.0, 1.0, 2.0, 0.5], np.float32)  # blocks 4 + 2
+    """t_b = float32(c * sqrt(mean of squares)) selects; codes after MXNet;
+    the mean magnitudes r_b as little-endian float32 after the codes, in
+    block order; a last, shorter block uses its own length."""
+    x = np.array([3.0, -4.0, 0.0, 1.0, 2.0, 0.5, 1.25, -1.5], np.float32)  # 4 + 4
     c = mpigc.TwoBit(rel_threshold=1.0, block_size=4)
-    p = c.compress(x)
-    assert p.size == 2 + 8 == c.payload_nbytes(6)
-    t = np.frombuffer(p[2:].tobytes(), "<f4")
-    assert t[0] == np.float32(math.sqrt(26 / 4)) and t[1] == np.float32(math.sqrt(4.25 / 2))
-    # 3.0 >= 2.55 -> 11, -4.0 -> 10, 0 -> 00, 1.0 -> 00 | 2.0 >= 1.46 -> 11, 0.5 -> 00
-    assert p[:2].tolist() == [0b11100000, 0b11000000]
-    d = c.decompress(p, 6)
-    assert d.tolist() == [t[0], -t[0], 0, 0, t[1], 0]
+    for n in (8, 6):  # 6: the last block is [2.0, 0.5]
+        t = ref.rel_thresholds(x[:n], 1.0, 4)
+        assert t[0] == np.float32(math.sqrt(26 / 4))
+        p = c.compress(x[:n])
+        assert p.size == 2 + 8 == c.payload_nbytes(n)
+        r = np.frombuffer(p[2:].tobytes(), "<f4")
+        assert r[0] == 3.5  # (3 + 4) / 2
+        if n == 8:
+            # t_1 = sqrt(8.0625 / 4) = 1.42: 2.0 -> 11, -1.5 -> 10, r_1 = 1.75
+            assert t[1] == np.float32(math.sqrt(8.0625 / 4)) and r[1] == 1.75
+            assert p[:2].tolist() == [0b11100000, 0b11000010]
+        else:
+            # t_1 = sqrt(4.25 / 2) = 1.46: 2.0 -> 11, 0.5 -> 00, r_1 = 2
+            assert t[1] == np.float32(math.sqrt(4.25 / 2)) and r[1] == 2.0
+            # 3.0 >= 2.55 -> 11, -4.0 -> 10, 0 -> 00, 1.0 -> 00
+            assert p[:2].tolist() == [0b11100000, 0b11000000]
+        d = c.decompress(p, n)
+        assert d.tolist() == [3.5, -3.5, 0, 0, r[1], 0, 0, -r[1]][:n]
+
+
+def test_2bit_rel_decodes_the_mean_magnitude_by_hand():
+    """[3, -1, 0.5, -4] with c = 1: t_b = sqrt(26.25 / 4) = 2.56 selects 3
+    and -4; r_b = (3 + 4) / 2 = 3.5; decoded [3.5, 0, 0, -3.5], residual
+    [-0.5, -1, 0.5, -0.5]."""
+    x = np.array([3.0, -1.0, 0.5, -4.0], np.float32)
+    assert ref.rel_thresholds(x, 1.0, 4)[0] == np.float32(math.sqrt(26.25 / 4))
+    e = np.zeros(4, np.float32)
+    c = mpigc.TwoBit(rel_threshold=1.0, block_size=4)
+    p = c.compress(x, e)
+    assert p.tobytes() == bytes([0b11000010]) + np.float32(3.5).tobytes()
+    assert c.decompress(p, 4).tolist() == [3.5, 0.0, 0.0, -3.5]
+    assert e.tolist() == [-0.5, -1.0, 0.5, -0.5]
 
 
 def test_2bit_rel_canonical_sum_order_matters_and_is_followed():
@@ -919,14 +945,28 @@ def test_2bit_rel_canonical_sum_order_matters_and_is_followed():
     canonical = np.float32(math.sqrt(ref.canonical_sum(sq) / b))
     sequential = np.float32(math.sqrt(float(np.cumsum(sq)[-1]) / b))
     assert canonical == np.float32(1 + 2.0 ** -23) and sequential == np.float32(1.0)
-    p = mpigc.TwoBit(rel_threshold=1.0, block_size=b).compress(vals)
+    assert ref.rel_thresholds(vals, 1.0, b)[0] == canonical
+
+
+def test_2bit_rel_mean_magnitude_follows_the_canonical_order():
+    """The float64 sum of |v| over the selected values follows the same
+    order: 64 + 2**-18 and 63 values 2**-48 (all selected with a tiny c)
+    give the float32 tie 1 + 2**-24 (-> 1.0) when summed sequentially, but
+    1 + 2**-23 in the canonical order (pairs of tiny values survive)."""
+    b = 64
+    vals = np.array([64 + 2.0 ** -18] + [2.0 ** -48] * (b - 1), np.float64)
+    canonical = np.float32(ref.canonical_sum(vals) / b)
+    sequential = np.float32(float(np.cumsum(vals)[-1]) / b)
+    assert canonical == np.float32(1 + 2.0 ** -23) and sequential == np.float32(1.0)
+    p = mpigc.TwoBit(rel_threshold=1e-20, block_size=b).compress(vals)
+    assert p[:b // 4].tolist() == [255] * (b // 4)  # all selected, all positive
     assert np.frombuffer(p[b // 4:].tobytes(), "<f4")[0] == canonical
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_2bit_rel_overflowing_threshold_is_counted(dtype):
     """Finite values whose threshold overflows float32 count as one bad
-    value per block (the threshold would travel as inf); the residual keeps
+    value per block; nothing is selected (r_b = 0) and the residual keeps
     the values (all codes 00)."""
     big = 3e38 if dtype == np.float32 else 1e200  # 1e200: squares overflow float64
     x = np.array([big, big, 1.0, 1.0, big, -big, 1, 2], dtype)
@@ -934,16 +974,29 @@ def test_2bit_rel_overflowing_threshold_is_counted(dtype):
     scales = np.empty(2, np.float32)
     e = np.zeros_like(x)
     assert cpu.pack_2bit_rel(x, e, e, out, scales, 2.0, 4) == 2
-    assert np.isinf(scales).all() and out.tolist() == [0, 0]
+    assert scales.tolist() == [0, 0] and out.tolist() == [0, 0]
     assert_same(e, x)
     with pytest.raises(mpigc.NonFiniteError):
         mpigc.TwoBit(rel_threshold=2.0, block_size=4).compress(x, np.zeros_like(x))
 
 
+def test_2bit_rel_overflowing_mean_magnitude_is_counted():
+    """float64 values with a finite float32 threshold whose mean magnitude
+    overflows float32 (r_b would travel as inf): one bad value."""
+    x = np.array([1e39, -1e39, 1e39, 1.0], np.float64)
+    out = np.empty(1, np.uint8)
+    scales = np.empty(1, np.float32)
+    assert cpu.pack_2bit_rel(x, None, None, out, scales, 0.1, 4) == 1
+    assert np.isinf(scales[0]) and out[0] == 0b11101100
+    with pytest.raises(mpigc.NonFiniteError):
+        mpigc.TwoBit(rel_threshold=0.1, block_size=4).compress(x, np.zeros_like(x))
+
+
 def test_2bit_rel_nonfinite_never_corrupts_finite_residuals():
     """A NaN or inf in a block makes its threshold non-finite: every code of
-    the block is 00 (or +-inf for the infinities) and the finite values keep
-    their residual exactly; the count is that of the non-finite values."""
+    the block is 00 (or +-r_b = +-inf for the infinities; r_b = 0 for a NaN
+    block) and the finite values keep their residual exactly; the count is
+    that of the non-finite values."""
     x = np.array([1.0, np.nan, -2.0, 0.5, 3.0, np.inf, -1.0, 0.25, 1.0, 2.0, -3.0, 0.0],
                  np.float32)
     e = np.zeros_like(x)
@@ -952,7 +1005,7 @@ def test_2bit_rel_nonfinite_never_corrupts_finite_residuals():
     assert cpu.pack_2bit_rel(x, e, e, out, scales, 1.0, 4) == 2
     fin = np.isfinite(x)
     assert_same(e[fin][:6], x[fin][:6])  # blocks 0 and 1: nothing sent for finite values
-    assert out[0] == 0 and np.isnan(scales[0]) and np.isinf(scales[1])
+    assert out[0] == 0 and scales[0] == 0 and np.isinf(scales[1])
     p_ref, r_ref = ref.encode_2bit_rel(x, 1.0, 4, np.zeros_like(x))
     assert out.tobytes() + scales.astype("<f4").tobytes() == p_ref
     assert_same(e, r_ref)

@@ -3,7 +3,7 @@
 One line makes an existing model's gradient exchange compressed::
 
     import mpigc.torch
-    sync = mpigc.torch.GradientSync(model, op="2bit")     # collective
+    sync = mpigc.torch.GradientSync(model, op="2bit", rel_threshold=1.5)  # collective
     mpigc.torch.broadcast_parameters(model)               # every rank starts equal
     for x, y in loader:
         opt.zero_grad()

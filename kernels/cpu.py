@@ -245,9 +245,18 @@ def _1bit_to_codes(pb, words):
 # 2bit (MXNet layout): byte k holds elements 4k..4k+3, element 0 in bits 7-6
 # ----------------------------------------------------------------------------
 @njit(**_JIT)
-def _quantize_2bit(xs, ei, eo, ep, codes, t):
-    neg_t = -t
-    zero = t - t
+def _quantize_2bit(xs, ei, eo, ep, codes, tc, td):
+    """2bit codes of ``v = xs + ei (+ ep)`` against the threshold ``tc``,
+    decoding to ``±td`` (MXNet's mode: ``tc = td = t``; the relative mode:
+    the block's threshold and mean magnitude); the residual ``v - decoded``
+    to ``eo`` or in place to ``ep``. Returns the non-finite count of ``v``.
+
+    ``tc = NaN`` (a block whose threshold is 0 or NaN) makes every code
+    ``00``: no comparison with NaN holds, not even for an infinite ``v``.
+    """
+    neg_tc = -tc
+    neg_td = -td
+    zero = xs.dtype.type(0)  # not td - td: td may be inf or NaN
     nbad = 0
     for i in range(xs.size):
         v = xs[i]
@@ -255,9 +264,9 @@ def _quantize_2bit(xs, ei, eo, ep, codes, t):
             v = v + ei[i]
         if ep is not None:
             v = v + ep[i]
-        pos = v >= t
-        neg = v <= neg_t
-        d = t if pos else (neg_t if neg else zero)
+        pos = v >= tc
+        neg = v <= neg_tc
+        d = td if pos else (neg_td if neg else zero)
         if eo is not None:
             eo[i] = v - d
         if ep is not None:
@@ -279,10 +288,10 @@ def _pack_2bit_range(x, e_in, e_out, out, t, b0, b1):
         c1 = min(i1, c0 + _CH)
         m = c1 - c0
         if inplace:
-            nbad += _quantize_2bit(x[c0:c1], None, None, _win(e_in, c0, c1), codes, t)
+            nbad += _quantize_2bit(x[c0:c1], None, None, _win(e_in, c0, c1), codes, t, t)
         else:
             nbad += _quantize_2bit(x[c0:c1], _win(e_in, c0, c1), _win(e_out, c0, c1),
-                                   None, codes, t)
+                                   None, codes, t, t)
         nw = (m + 3) // 4
         for j in range(m, 4 * nw):  # the tail is padded with 00
             codes[j] = 0
@@ -638,36 +647,6 @@ def _lane_abssum_sel(xb, eb, tc, sa, sc):
 
 
 @njit(**_JIT)
-def _quantize_2bit_rel(xs, ei, eo, ep, codes, tc, td):
-    """As _quantize_2bit, with the comparison threshold ``tc`` and the decoded
-    magnitude ``td`` apart.
-
-    ``tc = NaN`` (a block whose threshold is 0 or NaN) makes every code
-    ``00``: no comparison with NaN holds, not even for an infinite ``v``.
-    """
-    neg_tc = -tc
-    neg_td = -td
-    zero = xs.dtype.type(0)  # not td - td: td may be inf or NaN
-    nbad = 0
-    for i in range(xs.size):
-        v = xs[i]
-        if ei is not None:
-            v = v + ei[i]
-        if ep is not None:
-            v = v + ep[i]
-        pos = v >= tc
-        neg = v <= neg_tc
-        d = td if pos else (neg_td if neg else zero)
-        if eo is not None:
-            eo[i] = v - d
-        if ep is not None:
-            ep[i] = v - d
-        nbad += (v - v) != zero
-        codes[i] = np.uint8(3) if pos else (np.uint8(2) if neg else np.uint8(0))
-    return nbad
-
-
-@njit(**_JIT)
 def _rel_threshold(ss, count, rel):
     """float32(rel * sqrt(ss / count)), every step in float64."""
     return np.float32(rel * np.sqrt(ss / count))
@@ -720,10 +699,10 @@ def _pack_2bit_rel_range(x, e_in, e_out, out, scales, rel, block, k0, k1):
             c1 = min(hi, c0 + _CH)
             m = c1 - c0
             if inplace:
-                kbad += _quantize_2bit_rel(x[c0:c1], None, None, _win(e_in, c0, c1),
+                kbad += _quantize_2bit(x[c0:c1], None, None, _win(e_in, c0, c1),
                                            codes, tc, td)
             else:
-                kbad += _quantize_2bit_rel(x[c0:c1], _win(e_in, c0, c1),
+                kbad += _quantize_2bit(x[c0:c1], _win(e_in, c0, c1),
                                            _win(e_out, c0, c1), None, codes, tc, td)
             nw = (m + 3) // 4
             for j in range(m, 4 * nw):  # the tail is padded with 00

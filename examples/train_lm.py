@@ -31,8 +31,10 @@ uninterrupted run would have drawn.
 optimizer and scheduler state and the step (``DIR/train.pt``, written by rank
 0) and the residuals of the error feedback (``mpigc.save_checkpoint`` in
 ``DIR/residuals``, loadable on another number of ranks); ``--resume`` restores
-all of it and continues. The last line printed is one JSON object (final
-validation loss, bits per byte, bytes sent per rank) for scripts.
+all of it and continues. The last line printed is one JSON object for scripts
+(final validation loss and bits per byte, the validation curve, bytes sent per
+rank by mpigc in this run, seconds); ``benchmarks/bench_lm.py`` runs the
+comparison of compressors with it.
 
 2bit runs in its relative mode (``--rel-threshold``, default 1.5; see
 ``docs/torch.md``) unless ``--threshold`` gives MXNet's absolute one.
@@ -263,7 +265,7 @@ def main(argv=None):
 
     mpigc.reset_traffic()
     t0 = time.perf_counter()
-    val_loss = None
+    val_loss, curve = None, []
     for step in range(start, args.steps):
         gen = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + comm.rank)
         x, y = batch(train, args.batch_size, args.context, gen)
@@ -278,6 +280,7 @@ def main(argv=None):
         last = step + 1 == args.steps
         if (step + 1) % args.eval_every == 0 or last:
             val_loss = evaluate(model, val, args, device, comm)
+            curve.append((step + 1, val_loss))
             if comm.rank == 0:
                 print(f"step {step + 1:5d}  train loss {loss.item():.4f}  val loss "
                       f"{val_loss:.4f}  val bits/byte {val_loss / math.log(2):.4f}  "
@@ -293,7 +296,8 @@ def main(argv=None):
                           "val_loss": val_loss,
                           "val_bits_per_byte": None if val_loss is None
                           else val_loss / math.log(2),
-                          "bytes_sent_per_rank": sent,
+                          "bytes_sent_per_rank": sent, "val_curve": curve,
+                          "seconds": time.perf_counter() - t0,
                           "parameters_equal": all(v == same[0] for v in same)}))
 
 

@@ -1,0 +1,110 @@
+"""Training quality under AdamW: examples/train_lm.py for several compressors
+and seeds, one table and one plot.
+
+    python benchmarks/bench_lm.py --ranks 4 --seeds 0,1,2 --steps 600 \\
+        --json docs/benchmarks/lm.json --plot docs/benchmarks/lm.png
+    python benchmarks/bench_lm.py --ops none,1bit --seeds 0 -- --n-layer 2 --lr 6e-4
+
+Runs ``mpirun -n RANKS python examples/train_lm.py --op OP --seed S --steps STEPS``
+for every op and seed, one after the other (arguments after ``--`` go to every
+run), reads the JSON line each run prints last, and prints, per op: the final
+validation loss (mean and spread over the seeds), its ratio to ``none``'s mean,
+bits per byte, and the bytes mpigc sent per rank against ``none``'s. ``--plot``
+draws the mean validation curve of every op (needs matplotlib: the ``bench``
+extra). This is a benchmark, not a test: it takes minutes per run.
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples",
+                       "train_lm.py")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ops", default="none,fp16,2bit,1bit,terngrad",
+                   help="comma-separated ops (default: all five)")
+    p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--ranks", type=int, default=4)
+    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
+    p.add_argument("--json", metavar="FILE", help="write every run's summary here")
+    p.add_argument("--plot", metavar="PNG", help="plot the mean validation curves")
+    p.add_argument("extra", nargs=argparse.REMAINDER,
+                   help="after --: arguments for every train_lm.py run")
+    args = p.parse_args(argv)
+    args.ops = [o for o in args.ops.split(",") if o]
+    args.seeds = [int(s) for s in args.seeds.split(",") if s]
+    args.extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    return args
+
+
+def run_one(args, op, seed):
+    cmd = [args.mpirun, "--oversubscribe", "-n", str(args.ranks), sys.executable, EXAMPLE,
+           "--op", op, "--seed", str(seed), "--steps", str(args.steps), *args.extra]
+    print("$", " ".join(cmd), flush=True)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode != 0:
+        sys.exit(f"run failed (exit {p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
+    row = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"  val loss {row['val_loss']:.4f}  {row['seconds']:.0f} s", flush=True)
+    return row
+
+
+def summarise(rows, ops):
+    by = {op: [r for r in rows if r["op"] == op] for op in ops}
+    ref = by.get("none")
+    ref_loss = statistics.mean(r["val_loss"] for r in ref) if ref else None
+    ref_bytes = statistics.mean(r["bytes_sent_per_rank"] for r in ref) if ref else None
+    lines = [f"{'op':10s} {'val loss':>9s} {'spread':>7s} {'vs none':>8s} {'bits/byte':>9s} "
+             f"{'MiB/rank':>9s} {'fewer bytes':>11s}  per seed"]
+    for op, rs in by.items():
+        losses = [r["val_loss"] for r in rs]
+        mean = statistics.mean(losses)
+        sent = statistics.mean(r["bytes_sent_per_rank"] for r in rs)
+        vs = f"{mean / ref_loss:8.4f}" if ref_loss else f"{'':8s}"
+        fewer = f"{ref_bytes / sent:10.1f}x" if ref_bytes and sent else f"{'':11s}"
+        lines.append(f"{op:10s} {mean:9.4f} {max(losses) - min(losses):7.4f} {vs} "
+                     f"{mean / 0.6931471805599453:9.4f} {sent / 2**20:9.2f} {fewer}  "
+                     + " ".join(f"{v:.4f}" for v in losses))
+    return "\n".join(lines)
+
+
+def plot(rows, ops, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for op in ops:
+        curves = [r["val_curve"] for r in rows if r["op"] == op]
+        steps = [s for s, _ in curves[0]]
+        mean = [statistics.mean(c[i][1] for c in curves) for i in range(len(steps))]
+        ax.plot(steps, mean, label=f"{op} ({len(curves)} seeds)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("validation loss (nats per byte)")
+    ax.set_title("examples/train_lm.py, AdamW, mean over seeds")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    rows = [run_one(args, op, seed) for op in args.ops for seed in args.seeds]
+    table = summarise(rows, args.ops)
+    print(table)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"command": sys.argv, "rows": rows, "table": table}, f, indent=1)
+    if args.plot:
+        plot(rows, args.ops, args.plot)
+
+
+if __name__ == "__main__":
+    main()

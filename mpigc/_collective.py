@@ -195,6 +195,9 @@ class _Op:
         self.dev = False  # device arrays (the GPU path)
         self.aware = False  # CUDA-aware MPI: device buffers go to MPI as they are
         self.staged = []  # pinned host buffers taken from the staging pool
+        # what the agreement step reads of a rank that failed early: defined
+        # before anything can raise, so every rank evaluates it the same way
+        self.n = self.dtype = self.settings = None
         row = np.zeros(_NCOLS, np.int64)
         try:
             self._prepare(buf, op, params, key, average, gather, feedback, nonfinite,
@@ -446,11 +449,13 @@ class _Op:
             vals = t[full, col]
             if vals.size and np.any(vals != vals[0]):
                 self._abandon()
-                mine = {"size": self.n, "dtype": getattr(self, "dtype", None)}.get(what)
-                mine = getattr(mine, "name", mine)
-                if what == "settings":
-                    mine = json.dumps(getattr(self, "settings", None), sort_keys=True)
-                allv = comm.allgather(mine if full[self.rank] else None)
+                # only complete rows (full[rank]) have these values; the
+                # allgather is reached by every rank whatever this one holds
+                mine = None
+                if full[self.rank]:
+                    mine = {"size": self.n, "dtype": str(self.dtype),
+                            "settings": json.dumps(self.settings, sort_keys=True)}[what]
+                allv = comm.allgather(mine)
                 detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(allv)
                                    if v is not None)
                 raise MismatchError(f"{self.kind}: ranks disagree on the {what} ({detail})")

@@ -95,3 +95,81 @@ def test_rejected_buffer_while_others_disagree(comm, fb, rejected, disagree):
     y = np.ones(N, np.float32)
     mpigc.allreduce(y, "none")
     assert_all(np.all(y == comm.size), "the next call failed")
+
+
+# ----------------------------------------------------------------------------
+# finite values that a wire format cannot carry
+# ----------------------------------------------------------------------------
+OPS = {"none": {"type": "none"}, "2bit": {"type": "2bit"},
+       "2bit_rel": {"type": "2bit", "rel_threshold": 1.5},
+       "1bit": {"type": "1bit"}, "terngrad": {"type": "terngrad", "error_feedback": True},
+       "fp16": {"type": "fp16", "error_feedback": True}}
+# (op, dtype) whose largest finite values do not fit the wire (see
+# docs/wire-format.md, "Values a wire format cannot carry")
+BEYOND = {("fp16", np.float32), ("fp16", np.float64), ("1bit", np.float64),
+          ("terngrad", np.float64), ("2bit_rel", np.float32), ("2bit_rel", np.float64)}
+
+
+def _big(dtype):
+    return 1e39 if dtype == np.float64 else float(np.finfo(dtype).max)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("name", sorted(OPS))
+def test_values_beyond_the_wire_range(comm, fb, name, dtype, policy):
+    """The last rank holds finite values as large as its dtype allows (1e39
+    for float64). Where the wire cannot carry them: NonFiniteError naming
+    the range on every rank (or a NaN result under "skip"), and no buffer or
+    residual changed. Elsewhere the call goes ahead with finite residuals."""
+    r = comm.rank
+    op = OPS[name]
+    mpigc.allreduce(grads(r, N, dtype), op, key="k", feedback=fb)
+    before = _state_bytes(fb)
+    x = grads(r, N, dtype)
+    if r == comm.size - 1:
+        x[: N // 2] = _big(dtype)
+        x[N // 2:] = -_big(dtype)
+    keep = x.copy()
+    name_got, msg = _outcome(lambda: mpigc.allreduce(x, op, key="k", feedback=fb,
+                                                     nonfinite=policy))
+    if (name, dtype) in BEYOND:
+        if policy == "raise":
+            assert_all(name_got == "NonFiniteError" and "beyond the range" in msg
+                       and "non-finite values" not in msg, f"got {name_got}: {msg}")
+            assert_all(np.array_equal(x, keep), "buffer changed")
+        else:
+            assert_all(name_got is None and np.isnan(x).all(), f"got {name_got}: {msg}")
+        assert_all(_state_bytes(fb) == before, "residuals changed")
+        return
+    assert_all(name_got is None, f"got {name_got}: {msg}")
+    st = fb.state_dict().get("k")
+    finite = st is None or all(st[p] is None or np.isfinite(st[p]).all()
+                               for p in ("worker", "owner"))
+    assert_all(finite, "a residual is not finite")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["1bit", "terngrad", "2bit_rel", "fp16"])
+def test_owner_stage_sum_beyond_the_wire_range(comm, fb, name):
+    """Every rank's values fit, their sum does not (float64 beyond float32;
+    float32 beyond half for fp16): the owners' recompression cannot carry
+    it. The call goes ahead (it is past the agreement); the shard arrives
+    non-finite on every rank (never a finite 0) and the owner keeps its
+    residual as it was."""
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks for a sum")
+    r = comm.rank
+    dtype = np.float32 if name == "fp16" else np.float64
+    v = 40000.0 if name == "fp16" else float(np.float32(3e38))  # fits float32 exactly
+    op = dict(OPS[name], **({"rel_threshold": 1.0} if name == "2bit_rel" else {}))
+    mpigc.allreduce(np.ones(N, dtype), op, key="k", feedback=fb)
+    owner_before = fb.state_dict()["k"]["owner"].copy()
+    x = np.full(N, v, dtype)
+    x[1::2] = -v
+    mpigc.allreduce(x, op, key="k", feedback=fb)
+    st = fb.state_dict()["k"]
+    assert_all(not np.isfinite(x).any(), f"finite results: {x[np.isfinite(x)][:4]}")
+    assert_all(st["owner"].tobytes() == owner_before.tobytes(), "owner residual changed")
+    assert_all(np.isfinite(st["worker"]).all(), "worker residual not finite")

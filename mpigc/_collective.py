@@ -8,7 +8,8 @@ blocking functions call it at once) or step by step by ``test()``:
    to a scratch buffer, so the old one survives a failed call.
 2. *agree*: one small allgather of each rank's status (error code,
    non-finite count, size, dtype, a fingerprint of the settings, terngrad's
-   local scale, the count of finite values beyond the wire format's range). Any error, mismatch or non-finite value is raised on every
+   local scale, the count of finite values beyond the wire format's range).
+   Any error, mismatch, non-finite or out-of-range value is raised on every
    rank, and no residual has changed. Otherwise the worker residual is
    committed.
 3. *reduce-scatter*: each rank sends shard j's payload to rank j

@@ -249,7 +249,7 @@ def test_random_faults(comm):
     """Seeded random per-rank faults (the same draw on every rank): on every
     rank the error class the agreement rules give, no hang, the buffer and
     the residuals as if the failed call had not been made."""
-    rng = np.random.default_rng(14)  # the same on every rank
+    rng = np.random.default_rng(19)  # the same on every rank; hits every case at 1-4 ranks
     t0 = time.perf_counter()
     failures = []
     for _ in range(TRIALS):

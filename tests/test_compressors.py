@@ -691,7 +691,8 @@ def test_terngrad_clip_delivers_a_constant_gradient(n):
 # float32 input too for relative 2bit, whose threshold is c * rms with c > 1)
 RANGE_CONFIGS = {"none": {"id": "none"}, "2bit": {"id": "2bit"},
                  "2bit_rel": {"id": "2bit", "rel_threshold": 1.5},
-                 "1bit": {"id": "1bit"}, "terngrad": {"id": "terngrad", "error_feedback": True},
+                 "1bit": {"id": "1bit"},
+                 "terngrad": {"id": "terngrad", "error_feedback": True},
                  "fp16": {"id": "fp16", "error_feedback": True}}
 BEYOND = {("fp16", np.float32), ("fp16", np.float64), ("1bit", np.float64),
           ("terngrad", np.float64), ("2bit_rel", np.float32), ("2bit_rel", np.float64)}

@@ -1,21 +1,22 @@
 """Faults on some ranks: the same error class on every rank, no hang, nothing
 changed (no buffer, no residual, no call count).
 
-Two parts: every combination of "this rank's buffer is rejected before its
+Three parts: every combination of "this rank's buffer is rejected before its
 size is read" with "the other ranks disagree with each other" (3 and 4
-ranks), and a seeded random mix of per-rank faults at any rank count.
+ranks); finite values that a wire format cannot carry, per compressor and
+dtype, in the worker and the owner stage; and a seeded random mix of
+per-rank faults at any rank count.
 """
 import time
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import mpigc
 
 from conftest import assert_all, grads
 
-N = 3000  # 12000 bytes of float32: compressed, whatever MPIGC_MIN_COMPRESS_BYTES says
+N = 3000  # elements per buffer (conftest sets MPIGC_MIN_COMPRESS_BYTES=0: all compressed)
 
 
 def _state_bytes(fb):

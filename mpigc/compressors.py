@@ -205,9 +205,9 @@ class Compressor:
 
     def _mark_out_of_range(self, payload, n):
         """Make the payload of ``n`` values, which ``_encode`` counted as not
-        fitting the wire format, decode visibly non-finite. Most formats do
-        that by themselves (fp16's inf halves, 1bit's inf means, terngrad's
-        inf scale decodes to NaN), so by default nothing changes."""
+        fitting the wire format, decode visibly non-finite. fp16's inf
+        halves and 1bit's inf means do that by themselves, so by default
+        nothing changes."""
 
     # -- public kernel-level API ---------------------------------------------
     def compress(self, x, residual=None, out=None, *, check_finite=True, **kw):
@@ -622,6 +622,15 @@ class TernGrad(Compressor):
                                                       clip_bound, stream, offset)
         _put_bytes(payload[nb:], np.array([s32], "<f4").view(np.uint8))
         return max(nbad, nbad_pack)
+
+    def _mark_out_of_range(self, payload, n):
+        """Every code ``11`` and the scale NaN: the payload decodes to NaN (an
+        owner's sum that is NaN would otherwise get scale 0 and decode to 0)."""
+        if n == 0:
+            return
+        nb = (n + 3) // 4
+        _put_bytes(payload, np.concatenate([np.full(nb, 0xFF, np.uint8),
+                                            np.array([np.nan], "<f4").view(np.uint8)]))
 
     def _decode(self, payload, out, accumulate):
         if out.size == 0:

@@ -472,8 +472,14 @@ def _pack_1bit_range(x, e_in, e_out, bits, means, block, k0, k1):
         # A non-finite v makes a class sum non-finite (+inf goes to the bit-1
         # sum, which only grows; -inf and NaN to the bit-0 sum), so the exact
         # count is needed only then (or after an overflow of finite values).
+        kbad = 0
         if not (np.isfinite(sp[0]) and np.isfinite(sn[0])):
-            nbad += _count_nonfinite_sum(x[lo:hi], _win(e_in, lo, hi))
+            kbad = _count_nonfinite_sum(x[lo:hi], _win(e_in, lo, hi))
+        # finite values whose mean is beyond float32 (float64 input, or a
+        # float64 sum that overflows): each such mean is one bad value
+        if kbad == 0:
+            kbad = (0 if np.isfinite(m0) else 1) + (0 if np.isfinite(m1) else 1)
+        nbad += kbad
         # pass 2 (the block is in cache): bits and residual
         d1 = x.dtype.type(m1)
         d0 = x.dtype.type(m0)
@@ -539,7 +545,10 @@ def pack_1bit(x, e_in, e_out, bits, means, block_size):
     """Sign bits of ``x + e_in`` into ``bits`` (uint8, ``ceil(n/8)``) and the
     per-block reconstruction pairs into ``means`` (float32, 2 per block).
 
-    ``block_size`` must be a multiple of 8. Returns the non-finite count.
+    ``block_size`` must be a multiple of 8. Returns the non-finite count of
+    ``x + e_in``, plus, for each block of finite values, the number of its
+    means (0 to 2) that are not finite in float32 (values beyond the wire
+    format's range).
     """
     nch = _nchunks(x.size)
     if nch == 1:

@@ -259,6 +259,7 @@ def _pack_1bit_kernel(x, e_in, e_out, bits, means, block, nbad_out):
     sp = cuda.shared.array((WARPS, LANES), np.float64)
     sn = cuda.shared.array((WARPS, LANES), np.float64)
     cp = cuda.shared.array((WARPS, LANES), np.int64)
+    sbad = cuda.shared.array((WARPS, LANES), np.int64)
     n = x.size
     nblk = means.size // 2
     zero = x.dtype.type(0)
@@ -297,6 +298,8 @@ def _pack_1bit_kernel(x, e_in, e_out, bits, means, block, nbad_out):
                 cp[w, lane] += cp[w, lane + s]
             cuda.syncthreads()
             s //= 2
+        m0 = np.float32(0.0)
+        m1 = np.float32(0.0)
         if active:
             npos = cp[w, 0]
             nneg = (hi - lo) - npos
@@ -307,6 +310,7 @@ def _pack_1bit_kernel(x, e_in, e_out, bits, means, block, nbad_out):
                 means[2 * k + 1] = m1
             d1 = x.dtype.type(m1)
             d0 = x.dtype.type(m0)
+            kbad = 0
             # pass 2: one lane per byte (the block was just read: in cache)
             for bb in range(lo // 8 + lane, (hi + 7) // 8, LANES):
                 byte = 0
@@ -318,10 +322,21 @@ def _pack_1bit_kernel(x, e_in, e_out, bits, means, block, nbad_out):
                     p = v >= zero
                     if e_out is not None:
                         e_out[i] = v - (d1 if p else d0)
-                    nbad += (v - v) != zero
+                    kbad += (v - v) != zero
                     byte |= (1 if p else 0) << (7 - j)
                 bits[bb] = byte
-        cuda.syncthreads()  # the next round overwrites sp, sn, cp
+            sbad[w, lane] = kbad
+        cuda.syncthreads()
+        if active and lane == 0:
+            tot = 0
+            for l in range(LANES):
+                tot += sbad[w, l]
+            # finite values whose mean is beyond float32: each such mean is
+            # one bad value
+            if tot == 0:
+                tot = (0 if math.isfinite(m0) else 1) + (0 if math.isfinite(m1) else 1)
+            nbad += tot
+        cuda.syncthreads()  # the next round overwrites sp, sn, cp, sbad
     if nbad:
         cuda.atomic.add(nbad_out, 0, nbad)
 

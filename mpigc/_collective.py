@@ -8,7 +8,8 @@ blocking functions call it at once) or step by step by ``test()``:
    to a scratch buffer, so the old one survives a failed call.
 2. *agree*: one small allgather of each rank's status (error code,
    non-finite count, size, dtype, a fingerprint of the settings, terngrad's
-   local scale). Any error, mismatch or non-finite value is raised on every
+   local scale, the count of finite values beyond the wire format's range).
+   Any error, mismatch, non-finite or out-of-range value is raised on every
    rank, and no residual has changed. Otherwise the worker residual is
    committed.
 3. *reduce-scatter*: each rank sends shard j's payload to rank j
@@ -76,7 +77,7 @@ NONFINITE_POLICIES = ("raise", "skip", "ignore")
 GATHER_MODES = ("compressed", "exact")
 
 # columns of the agreement table
-_CODE, _NBAD, _N, _DTYPE, _FP, _SCALE, _NCOLS = 0, 1, 2, 3, 4, 5, 6
+_CODE, _NBAD, _N, _DTYPE, _FP, _SCALE, _RANGE, _NCOLS = 0, 1, 2, 3, 4, 5, 6, 7
 _DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
 
 
@@ -195,6 +196,9 @@ class _Op:
         self.dev = False  # device arrays (the GPU path)
         self.aware = False  # CUDA-aware MPI: device buffers go to MPI as they are
         self.staged = []  # pinned host buffers taken from the staging pool
+        # what the agreement step reads of a rank that failed early: defined
+        # before anything can raise, so every rank evaluates it the same way
+        self.n = self.dtype = self.settings = None
         row = np.zeros(_NCOLS, np.int64)
         try:
             self._prepare(buf, op, params, key, average, gather, feedback, nonfinite,
@@ -304,7 +308,7 @@ class _Op:
         self.e_in = None if (self.entry is None or not self.use_ef) else self.entry.worker
         if comp.needs_global_scale:
             amax, self.clip_bound, nbad = comp.local_scale(self.x, self.e_in)
-            row[_NBAD] = nbad
+            self._count_bad(row, nbad)
             row[_SCALE] = _f64_bits(amax)
             return
         # compress every shard now; the new residual goes to a scratch buffer
@@ -424,7 +428,19 @@ class _Op:
             nbad += self.comp._encode(self.x[lo:hi], e_in, e_out,
                                       self.sendbuf[offs[j]:offs[j + 1]], offset=lo, **kw)
         if row is not None:
+            self._count_bad(row, nbad)
+
+    def _count_bad(self, row, nbad):
+        """Split the encoder's bad count ``nbad`` into the non-finite values of
+        ``x + e`` (column ``_NBAD``) and the finite values that the wire format
+        cannot carry (column ``_RANGE``); the exact count runs only when
+        ``nbad`` is not 0, and not at all under ``nonfinite="ignore"``."""
+        if nbad == 0 or self.nonfinite == "ignore":
             row[_NBAD] = nbad
+            return
+        nf = _dispatch.kernels(self.x).stats(self.x, self.e_in)[3]
+        row[_NBAD] = nf
+        row[_RANGE] = max(nbad - nf, 0)
 
     # -- 2. agree ------------------------------------------------------------
     def _abandon(self):
@@ -446,11 +462,13 @@ class _Op:
             vals = t[full, col]
             if vals.size and np.any(vals != vals[0]):
                 self._abandon()
-                mine = {"size": self.n, "dtype": getattr(self, "dtype", None)}.get(what)
-                mine = getattr(mine, "name", mine)
-                if what == "settings":
-                    mine = json.dumps(getattr(self, "settings", None), sort_keys=True)
-                allv = comm.allgather(mine if full[self.rank] else None)
+                # only complete rows (full[rank]) have these values; the
+                # allgather is reached by every rank whatever this one holds
+                mine = None
+                if full[self.rank]:
+                    mine = {"size": self.n, "dtype": str(self.dtype),
+                            "settings": json.dumps(self.settings, sort_keys=True)}[what]
+                allv = comm.allgather(mine)
                 detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(allv)
                                    if v is not None)
                 raise MismatchError(f"{self.kind}: ranks disagree on the {what} ({detail})")
@@ -465,15 +483,22 @@ class _Op:
             detail = "; ".join(f"rank {int(r)}: {msgs[int(r)]}" for r in bad)
             raise cls(f"{self.kind} failed on {len(bad)} of {self.size} rank(s): {detail}") \
                 from self.local_error
-        nbad = t[:, _NBAD]
-        if np.any(nbad) and self.nonfinite != "ignore":
+        nbad, nrange = t[:, _NBAD], t[:, _RANGE]
+        if (np.any(nbad) or np.any(nrange)) and self.nonfinite != "ignore":
             self._abandon()
-            ranks = ", ".join(f"rank {r} ({int(c)})" for r, c in enumerate(nbad) if c)
             if self.nonfinite == "raise":
+                what = []
+                if np.any(nbad):
+                    what.append("non-finite values in the input on " + ", ".join(
+                        f"rank {r} ({int(c)})" for r, c in enumerate(nbad) if c))
+                if np.any(nrange):
+                    what.append(
+                        f"finite values beyond the range of the {self.comp.codec_id} wire "
+                        f"format ({self.comp.wire_range}) on " + ", ".join(
+                            f"rank {r} ({int(c)})" for r, c in enumerate(nrange) if c))
                 raise NonFiniteError(
-                    f"{self.kind}: non-finite values in the input on {ranks}; no buffer "
-                    "or residual changed (nonfinite='skip' fills the result with NaN "
-                    "instead of raising)")
+                    f"{self.kind}: {'; '.join(what)}; no buffer or residual changed "
+                    "(nonfinite='skip' fills the result with NaN instead of raising)")
             if self.fb is not None:
                 self.fb.skipped_steps += 1
             self._finish_skipped()
@@ -695,16 +720,21 @@ class _Op:
                                         else np.zeros(hi - lo, self.wdtype))
                 e = self.entry.owner
             kw = {}
+            obad = 0
             if self.comp.needs_global_scale:
-                amax, bound, _ = self.comp.local_scale(self.acc, e)
+                amax, bound, obad = self.comp.local_scale(self.acc, e)
                 kw = {"scale": amax, "clip_bound": bound, "stream": self._stream(r, 1)}
             x = self.acc if self.acc.dtype == self.wdtype else self._converted(self.acc,
                                                                                self.wdtype)
             # the owner's residual is double-buffered too: should the reduced
-            # shard not fit the wire format (fp16 overflow of a sum), the
-            # result is non-finite on every rank but the residual is kept
+            # shard not fit the wire format (a sum beyond fp16's or float32's
+            # range), the result is non-finite on every rank but the residual
+            # is kept
             e_out = None if e is None else self._empty(hi - lo, self.wdtype)
-            if self.comp._encode(x, e, e_out, mine, offset=lo, **kw) == 0 and e is not None:
+            obad += self.comp._encode(x, e, e_out, mine, offset=lo, **kw)
+            if obad:
+                self.comp._mark_out_of_range(mine, hi - lo)
+            elif e is not None:
                 self.entry.owner = e_out
         if self.dev:
             _cuda.sync()

@@ -143,6 +143,9 @@ class Compressor:
     prescales_average = False
     #: terngrad needs a scale agreed by all ranks before it can quantize
     needs_global_scale = False
+    #: the numbers on the wire whose range can be narrower than the buffer's
+    #: (for the error raised when finite values do not fit)
+    wire_range = "float32, magnitudes up to 3.4e38"
 
     def __init__(self, **params):
         unknown = sorted(set(params) - set(self._params))
@@ -199,6 +202,12 @@ class Compressor:
     def _decode(self, payload, out, accumulate):
         """Decode ``out.size`` values from ``payload`` into (or onto) ``out``."""
         raise NotImplementedError
+
+    def _mark_out_of_range(self, payload, n):
+        """Make the payload of ``n`` values, which ``_encode`` counted as not
+        fitting the wire format, decode visibly non-finite. fp16's inf
+        halves and 1bit's inf means do that by themselves, so by default
+        nothing changes."""
 
     # -- public kernel-level API ---------------------------------------------
     def compress(self, x, residual=None, out=None, *, check_finite=True, **kw):
@@ -320,6 +329,7 @@ class FP16(Compressor):
     codec_id = "fp16"
     _params = {"error_feedback": False}
     prescales_average = True
+    wire_range = "half precision, magnitudes up to 65504"
 
     def payload_nbytes(self, n, dtype=np.float32):
         return 2 * int(n)
@@ -365,6 +375,7 @@ class TwoBit(Compressor):
     codec_id = "2bit"
     _params = {"threshold": 0.5, "rel_threshold": None, "block_size": 1024,
                "error_feedback": True}
+    wire_range = "block thresholds and magnitudes in float32, up to 3.4e38"
 
     def __init__(self, **params):
         explicit_threshold = "threshold" in params and params["threshold"] is not None
@@ -456,6 +467,17 @@ class TwoBit(Compressor):
         payload[nb:] = scales.astype("<f4", copy=False).view(np.uint8)
         return nbad
 
+    def _mark_out_of_range(self, payload, n):
+        """Relative mode: a block whose threshold overflows selects nothing
+        and would decode to 0, so every code becomes ``11`` and every
+        magnitude NaN: the payload decodes to NaN. (The absolute mode sends
+        no number: nothing to mark.)"""
+        if not self.relative or n == 0:
+            return
+        nb = (n + 3) // 4
+        nan = np.full(self._nblocks(n), np.nan, "<f4").view(np.uint8)
+        _put_bytes(payload, np.concatenate([np.full(nb, 0xFF, np.uint8), nan]))
+
     def _decode(self, payload, out, accumulate):
         if not self.relative:
             _dispatch.kernels(out).unpack_2bit(payload, out, self.threshold, accumulate)
@@ -484,6 +506,7 @@ class OneBit(Compressor):
 
     codec_id = "1bit"
     _params = {"block_size": 1024, "error_feedback": True}
+    wire_range = "block means in float32, magnitudes up to 3.4e38"
 
     def _check(self):
         super()._check()
@@ -545,6 +568,7 @@ class TernGrad(Compressor):
     codec_id = "terngrad"
     _params = {"seed": 0, "clip": None, "error_feedback": False}
     needs_global_scale = True
+    wire_range = "the scale in float32, up to 3.4e38"
 
     def _check(self):
         super()._check()
@@ -563,8 +587,10 @@ class TernGrad(Compressor):
         return (int(n) + 3) // 4 + 4 if n else 0
 
     def local_scale(self, x, e_in):
-        """``(max |v| after clipping, clip bound, non-finite count)`` of
-        ``v = x + e_in`` on this rank."""
+        """``(max |v| after clipping, clip bound, bad count)`` of
+        ``v = x + e_in`` on this rank. The bad count is the number of
+        non-finite values of ``v``, or, when they are all finite, 1 if the
+        scale is beyond float32 (it travels as float32: float64 input)."""
         if x.size == 0:
             return 0.0, math.inf, 0
         s, ss, amax, nbad = _dispatch.kernels(x).stats(x, e_in)
@@ -575,6 +601,9 @@ class TernGrad(Compressor):
             if std > 0.0:  # values all equal (one element, say): nothing to clip
                 bound = self.clip * std
                 amax = min(amax, bound)
+        if nbad == 0:
+            with np.errstate(over="ignore"):
+                nbad = int(not np.isfinite(np.float32(amax)))
         return amax, bound, nbad
 
     def _encode(self, x, e_in, e_out, payload, *, scale=None, stream=0, offset=0,
@@ -587,11 +616,21 @@ class TernGrad(Compressor):
             scale = amax if scale is None else scale
             clip_bound = bound if clip_bound is None else clip_bound
         nb = (x.size + 3) // 4
-        s32 = np.float32(scale)
+        with np.errstate(over="ignore"):  # counted by local_scale
+            s32 = np.float32(scale)
         nbad_pack = _dispatch.kernels(x).pack_ternary(x, e_in, e_out, payload[:nb], s32,
                                                       clip_bound, stream, offset)
         _put_bytes(payload[nb:], np.array([s32], "<f4").view(np.uint8))
         return max(nbad, nbad_pack)
+
+    def _mark_out_of_range(self, payload, n):
+        """Every code ``11`` and the scale NaN: the payload decodes to NaN (an
+        owner's sum that is NaN would otherwise get scale 0 and decode to 0)."""
+        if n == 0:
+            return
+        nb = (n + 3) // 4
+        _put_bytes(payload, np.concatenate([np.full(nb, 0xFF, np.uint8),
+                                            np.array([np.nan], "<f4").view(np.uint8)]))
 
     def _decode(self, payload, out, accumulate):
         if out.size == 0:

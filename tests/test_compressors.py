@@ -680,3 +680,46 @@ def test_terngrad_clip_delivers_a_constant_gradient(n):
     for k in range(steps):
         delivered += c.decompress(c.compress(g, e, stream=k), n)
     np.testing.assert_allclose(delivered / steps, g, atol=0.1)
+
+
+# ----------------------------------------------------------------------------
+# finite values that a wire format cannot carry (issue 14)
+# ----------------------------------------------------------------------------
+# the configurations of the wire formats, and the (config, dtype) pairs whose
+# largest values do not fit: fp16's halves; the float32 means, magnitudes,
+# thresholds or scale of 1bit, relative 2bit and terngrad (float64 input;
+# float32 input too for relative 2bit, whose threshold is c * rms with c > 1)
+RANGE_CONFIGS = {"none": {"id": "none"}, "2bit": {"id": "2bit"},
+                 "2bit_rel": {"id": "2bit", "rel_threshold": 1.5},
+                 "1bit": {"id": "1bit"},
+                 "terngrad": {"id": "terngrad", "error_feedback": True},
+                 "fp16": {"id": "fp16", "error_feedback": True}}
+BEYOND = {("fp16", np.float32), ("fp16", np.float64), ("1bit", np.float64),
+          ("terngrad", np.float64), ("2bit_rel", np.float32), ("2bit_rel", np.float64)}
+
+
+@pytest.mark.parametrize("name", sorted(RANGE_CONFIGS))
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_finite_values_beyond_the_wire_range(name, dtype):
+    """Never a silent inf, 0 or NaN: values beyond what the wire carries are
+    refused like NaN (residual unchanged); the others round-trip with a
+    finite residual that keeps what was not delivered."""
+    c = mpigc.get_compressor(RANGE_CONFIGS[name])
+    big = 1e39 if dtype == np.float64 else float(np.finfo(dtype).max)
+    x = np.full(40, big).astype(dtype)
+    x[1::2] = -big
+    x[5] = 1.0
+    wd = C.work_dtype(dtype)
+    e = np.zeros(40, wd)
+    if (name, dtype) in BEYOND:
+        with pytest.raises(mpigc.NonFiniteError, match="beyond the"):
+            c.compress(x, e, **_kw(c))
+        assert not e.any()
+        return
+    p = c.compress(x, e if c.uses_feedback or name == "none" else None, **_kw(c))
+    d = c.decompress(p, 40, dtype=wd)
+    assert np.isfinite(d).all() and np.isfinite(e).all()
+    if c.uses_feedback:
+        np.testing.assert_allclose(d + e, x.astype(wd), rtol=0, atol=1e-6 * big)
+    else:
+        np.testing.assert_allclose(d, x.astype(wd), rtol=0, atol=1e-6 * big)

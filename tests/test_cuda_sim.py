@@ -308,6 +308,16 @@ def check_1bit():
     means = np.zeros(2 * 7, np.float32)
     _check_pack(np, cuda, "1bit non-finite", cpu.pack_1bit, kc.pack_1bit, x, e,
                 [bits, means], (16,), MODES_1BIT)
+    # finite float64 values whose means are beyond float32 (block 0: both
+    # classes; block 1: a float64 sum that overflows; block 2 also holds a
+    # NaN, counted as such): the same means, residuals and count
+    x[[5, 50]] = 0.0
+    x[0:4], x[4:8] = 1e39, -1e39
+    x[16:32] = 1e308
+    x[40] = np.nan
+    e[0:32] = 0.0
+    _check_pack(np, cuda, "1bit beyond float32", cpu.pack_1bit, kc.pack_1bit, x, e,
+                [bits, means], (16,), MODES_1BIT)
 
 
 def check_terngrad():

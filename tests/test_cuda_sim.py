@@ -1,6 +1,9 @@
 """CUDA kernels (``mpigc.kernels.cuda``) against the CPU kernels, bit for bit,
-in Numba's CUDA simulator; plus two checks that need no GPU either: importing
-the CUDA module touches no driver, and every kernel compiles to PTX.
+in Numba's CUDA simulator, every launch under the launch contract of
+``tests/launch_contract.py`` (only what a real launch accepts); plus checks
+that need no GPU either: importing the CUDA module touches no driver, the
+contract fails on planted defects, and every kernel compiles to PTX for sm_90
+with the argument types it is launched with.
 
 Why subprocesses
 ----------------
@@ -85,6 +88,12 @@ def test_kernels_compile_to_ptx(tmp_path):
     (no GPU needed, numba-cuda's NVVM) and checks that no kernel of the module
     went unlaunched, with no flush-to-zero, no approximate division and no
     fma contraction of the products whose rounding must match the CPU."""
+    from importlib import metadata
+    try:
+        metadata.version("numba-cuda")
+    except metadata.PackageNotFoundError:
+        pytest.skip("numba-cuda is not installed (only Numba's built-in CUDA target): "
+                    "pip install 'numba-cuda[cu12]' (the test extra does) to compile to PTX")
     sigs = str(tmp_path / "signatures.json")
     _run_script(["signatures", sigs], sim=True)
     out = _run_script(["ptx", sigs], sim=False)

@@ -3,8 +3,10 @@
 Every public function here has the name and the positional signature of its
 sibling in :mod:`mpigc.kernels.cpu` (plus a keyword-only ``cuda_stream``) and the
 same conventions (``e_in`` / ``e_out`` error feedback, ``None`` for no
-residual, ``pack_*`` return the non-finite count). Arrays are CUDA device
-arrays: anything with ``__cuda_array_interface__`` (CuPy, CUDA torch tensors,
+residual, ``pack_*`` return the non-finite count). A kernel itself never
+receives ``None``: an absent residual is launched as an empty device array
+plus a flag (``has_e_in``, ``has_e_out``), see :func:`_launch`. Arrays are
+CUDA device arrays: anything with ``__cuda_array_interface__`` (CuPy, CUDA torch tensors,
 Numba device arrays); host ``numpy`` arrays are refused rather than silently
 copied.
 
@@ -107,6 +109,27 @@ def _dev(a, what):
     return cuda.as_cuda_array(a)
 
 
+def _opt(a, like):
+    """An optional kernel input as the launch takes it: ``(array, True)``, or,
+    for ``None``, ``(empty array of like's dtype, False)``. A real launch
+    rejects ``None`` (numba-cuda's dispatcher raises ``NotImplementedError``),
+    so a kernel never sees it: the flag says whether the array is there."""
+    if a is None:
+        return cuda.device_array(0, like.dtype), False
+    return a, True
+
+
+def _launch(kernel, blocks, stream, *args):
+    """Launch ``kernel`` on ``blocks`` CUDA blocks of ``THREADS`` threads.
+
+    Every launch of this module goes through here, with device arrays and
+    numeric scalars only (no ``None``, no host arrays): what a real launch
+    accepts. The simulator tests wrap this function to check that contract and
+    to record the argument types that ``tests/test_cuda_sim.py`` compiles to
+    PTX."""
+    kernel[blocks, THREADS, stream](*args)
+
+
 def _counter(stream):
     return cuda.to_device(np.zeros(1, np.int64), stream=stream)
 
@@ -187,7 +210,7 @@ def _f16_bits_to_f32(h):
 # 2bit (MXNet layout): one thread per output byte, 4 consecutive values
 # ----------------------------------------------------------------------------
 @cuda.jit
-def _pack_2bit_kernel(x, e_in, e_out, out, t, nbad_out):
+def _pack_2bit_kernel(x, e_in, has_e_in, e_out, has_e_out, out, t, nbad_out):
     n = x.size
     neg_t = -t
     zero = t - t
@@ -197,12 +220,12 @@ def _pack_2bit_kernel(x, e_in, e_out, out, t, nbad_out):
         for j in range(min(4, n - 4 * k)):
             i = 4 * k + j
             v = x[i]
-            if e_in is not None:
+            if has_e_in:
                 v = v + e_in[i]
             pos = v >= t
             neg = v <= neg_t
             d = t if pos else (neg_t if neg else zero)
-            if e_out is not None:
+            if has_e_out:
                 e_out[i] = v - d
             nbad += (v - v) != zero
             byte |= ((3 if pos else (2 if neg else 0)) << (6 - 2 * j))
@@ -234,7 +257,8 @@ def pack_2bit(x, e_in, e_out, out, threshold, *, cuda_stream=0):
     t = x.dtype.type(threshold)
     cnt = _counter(cuda_stream)
     if out.size:
-        _pack_2bit_kernel[_grid(out.size), THREADS, cuda_stream](x, e_in, e_out, out, t, cnt)
+        _launch(_pack_2bit_kernel, _grid(out.size), cuda_stream,
+                x, *_opt(e_in, x), *_opt(e_out, x), out, t, cnt)
     return _read_count(cnt, cuda_stream)
 
 
@@ -247,15 +271,15 @@ def unpack_2bit(payload, out, threshold, accumulate, *, cuda_stream=0):
     payload, out = _dev(payload, "payload"), _dev(out, "out")
     t = out.dtype.type(threshold)
     if out.size:
-        _unpack_2bit_kernel[_grid(out.size), THREADS, cuda_stream](payload, out, t,
-                                                              bool(accumulate))
+        _launch(_unpack_2bit_kernel, _grid(out.size), cuda_stream,
+                payload, out, t, bool(accumulate))
 
 
 # ----------------------------------------------------------------------------
 # 1bit (Seide et al.): one warp per quantization block
 # ----------------------------------------------------------------------------
 @cuda.jit
-def _pack_1bit_kernel(x, e_in, e_out, bits, means, block, nbad_out):
+def _pack_1bit_kernel(x, e_in, has_e_in, e_out, has_e_out, bits, means, block, nbad_out):
     sp = cuda.shared.array((WARPS, LANES), np.float64)
     sn = cuda.shared.array((WARPS, LANES), np.float64)
     cp = cuda.shared.array((WARPS, LANES), np.int64)
@@ -279,7 +303,7 @@ def _pack_1bit_kernel(x, e_in, e_out, bits, means, block, nbad_out):
             c = 0
             for i in range(lo + lane, hi, LANES):
                 v = x[i]
-                if e_in is not None:
+                if has_e_in:
                     v = v + e_in[i]
                 p = v >= zero
                 f = np.float64(v)
@@ -317,10 +341,10 @@ def _pack_1bit_kernel(x, e_in, e_out, bits, means, block, nbad_out):
                 for j in range(min(8, hi - 8 * bb)):
                     i = 8 * bb + j
                     v = x[i]
-                    if e_in is not None:
+                    if has_e_in:
                         v = v + e_in[i]
                     p = v >= zero
-                    if e_out is not None:
+                    if has_e_out:
                         e_out[i] = v - (d1 if p else d0)
                     kbad += (v - v) != zero
                     byte |= (1 if p else 0) << (7 - j)
@@ -363,8 +387,8 @@ def pack_1bit(x, e_in, e_out, bits, means, block_size, *, cuda_stream=0):
     nblk = means.size // 2
     cnt = _counter(cuda_stream)
     if nblk:
-        _pack_1bit_kernel[_grid(nblk, WARPS), THREADS, cuda_stream](
-            x, e_in, e_out, bits, means, int(block_size), cnt)
+        _launch(_pack_1bit_kernel, _grid(nblk, WARPS), cuda_stream,
+                x, *_opt(e_in, x), *_opt(e_out, x), bits, means, int(block_size), cnt)
     return _read_count(cnt, cuda_stream)
 
 
@@ -372,15 +396,16 @@ def unpack_1bit(bits, means, out, block_size, accumulate, *, cuda_stream=0):
     """Decode ``out.size`` 1-bit values with their block pairs (asynchronous)."""
     bits, means, out = _dev(bits, "bits"), _dev(means, "means"), _dev(out, "out")
     if out.size:
-        _unpack_1bit_kernel[_grid(out.size), THREADS, cuda_stream](
-            bits, means, out, int(block_size), bool(accumulate))
+        _launch(_unpack_1bit_kernel, _grid(out.size), cuda_stream,
+                bits, means, out, int(block_size), bool(accumulate))
 
 
 # ----------------------------------------------------------------------------
 # 2bit, relative mode: one warp per quantization block (as 1bit)
 # ----------------------------------------------------------------------------
 @cuda.jit
-def _pack_2bit_rel_kernel(x, e_in, e_out, out, scales, rel, block, nbad_out):
+def _pack_2bit_rel_kernel(x, e_in, has_e_in, e_out, has_e_out, out, scales, rel, block,
+                          nbad_out):
     sq = cuda.shared.array((WARPS, LANES), np.float64)
     sa = cuda.shared.array((WARPS, LANES), np.float64)
     scnt = cuda.shared.array((WARPS, LANES), np.int64)
@@ -403,7 +428,7 @@ def _pack_2bit_rel_kernel(x, e_in, e_out, out, scales, rel, block, nbad_out):
             a = 0.0
             for i in range(lo + lane, hi, LANES):
                 v = x[i]
-                if e_in is not None:
+                if has_e_in:
                     v = v + e_in[i]
                 f = np.float64(v)
                 a += _dmul_rn(f, f)
@@ -428,7 +453,7 @@ def _pack_2bit_rel_kernel(x, e_in, e_out, out, scales, rel, block, nbad_out):
             c = 0
             for i in range(lo + lane, hi, LANES):
                 v = x[i]
-                if e_in is not None:
+                if has_e_in:
                     v = v + e_in[i]
                 sel = (v >= tc) or (v <= neg_tc)
                 a += abs(np.float64(v)) if sel else 0.0
@@ -459,12 +484,12 @@ def _pack_2bit_rel_kernel(x, e_in, e_out, out, scales, rel, block, nbad_out):
                 for j in range(min(4, hi - 4 * bb)):
                     i = 4 * bb + j
                     v = x[i]
-                    if e_in is not None:
+                    if has_e_in:
                         v = v + e_in[i]
                     pos = v >= tc
                     neg = v <= neg_tc
                     d = td if pos else (neg_td if neg else zero)
-                    if e_out is not None:
+                    if has_e_out:
                         e_out[i] = v - d
                     kbad += (v - v) != zero
                     byte |= ((3 if pos else (2 if neg else 0)) << (6 - 2 * j))
@@ -512,8 +537,9 @@ def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size, *,
     nblk = scales.size
     cnt = _counter(cuda_stream)
     if nblk:
-        _pack_2bit_rel_kernel[_grid(nblk, WARPS), THREADS, cuda_stream](
-            x, e_in, e_out, out, scales, float(rel_threshold), int(block_size), cnt)
+        _launch(_pack_2bit_rel_kernel, _grid(nblk, WARPS), cuda_stream,
+                x, *_opt(e_in, x), *_opt(e_out, x), out, scales, float(rel_threshold),
+                int(block_size), cnt)
     return _read_count(cnt, cuda_stream)
 
 
@@ -522,15 +548,15 @@ def unpack_2bit_rel(payload, scales, out, block_size, accumulate, *, cuda_stream
     (asynchronous)."""
     payload, scales, out = _dev(payload, "payload"), _dev(scales, "scales"), _dev(out, "out")
     if out.size:
-        _unpack_2bit_rel_kernel[_grid(out.size), THREADS, cuda_stream](
-            payload, scales, out, int(block_size), bool(accumulate))
+        _launch(_unpack_2bit_rel_kernel, _grid(out.size), cuda_stream,
+                payload, scales, out, int(block_size), bool(accumulate))
 
 
 # ----------------------------------------------------------------------------
 # terngrad: statistics (two-level reduction), then stochastic ternary codes
 # ----------------------------------------------------------------------------
 @cuda.jit
-def _stats_kernel(x, e_in, partial):
+def _stats_kernel(x, e_in, has_e_in, partial):
     ssum = cuda.shared.array(THREADS, np.float64)
     ssq = cuda.shared.array(THREADS, np.float64)
     smax = cuda.shared.array(THREADS, np.float64)
@@ -541,7 +567,7 @@ def _stats_kernel(x, e_in, partial):
     nbad = 0
     for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
         v = x[i]
-        if e_in is not None:
+        if has_e_in:
             v = v + e_in[i]
         f = np.float64(v)
         s += f
@@ -582,7 +608,7 @@ def stats(x, e_in, *, cuda_stream=0):
         return 0.0, 0.0, 0.0, 0
     nb = _grid(x.size)
     partial = cuda.device_array((nb, 4), np.float64, stream=cuda_stream)
-    _stats_kernel[nb, THREADS, cuda_stream](x, e_in, partial)
+    _launch(_stats_kernel, nb, cuda_stream, x, *_opt(e_in, x), partial)
     p = partial.copy_to_host(stream=cuda_stream)
     if cuda_stream:
         cuda_stream.synchronize()
@@ -606,7 +632,8 @@ def _splitmix64(z):
 
 
 @cuda.jit
-def _pack_ternary_kernel(x, e_in, e_out, out, s, scale, clip, stream_id, offset, nbad_out):
+def _pack_ternary_kernel(x, e_in, has_e_in, e_out, has_e_out, out, s, scale, clip, stream_id,
+                         offset, nbad_out):
     n = x.size
     neg_s = -s
     zero = s - s
@@ -616,7 +643,7 @@ def _pack_ternary_kernel(x, e_in, e_out, out, s, scale, clip, stream_id, offset,
         for j in range(min(4, n - 4 * k)):
             i = 4 * k + j
             v = x[i]
-            if e_in is not None:
+            if has_e_in:
                 v = v + e_in[i]
             f = min(max(np.float64(v), -clip), clip)
             ctr = np.uint64(offset + np.uint64(i))
@@ -626,7 +653,7 @@ def _pack_ternary_kernel(x, e_in, e_out, out, s, scale, clip, stream_id, offset,
             pos = keep and f > 0.0
             neg = keep and f < 0.0
             d = s if pos else (neg_s if neg else zero)
-            if e_out is not None:
+            if has_e_out:
                 e_out[i] = v - d
             nbad += (v - v) != zero
             byte |= ((3 if pos else (2 if neg else 0)) << (6 - 2 * j))
@@ -648,9 +675,9 @@ def pack_ternary(x, e_in, e_out, out, scale, clip, stream, offset, *, cuda_strea
     s = x.dtype.type(scale)
     cnt = _counter(cuda_stream)
     if out.size:
-        _pack_ternary_kernel[_grid(out.size), THREADS, cuda_stream](
-            x, e_in, e_out, out, s, scale, float(clip), np.uint64(stream),
-            np.uint64(offset), cnt)
+        _launch(_pack_ternary_kernel, _grid(out.size), cuda_stream,
+                x, *_opt(e_in, x), *_opt(e_out, x), out, s, scale, float(clip),
+                np.uint64(stream), np.uint64(offset), cnt)
     return _read_count(cnt, cuda_stream)
 
 
@@ -660,16 +687,16 @@ def pack_ternary(x, e_in, e_out, out, scale, clip, stream, offset, *, cuda_strea
 def _make_pack_fp16_kernel(mul_rn):
     """The fp16 pack kernel for one work dtype (``mul_rn`` of that dtype)."""
     @cuda.jit
-    def kernel(x, e_in, e_out, out, dv, nbad_out):
+    def kernel(x, e_in, has_e_in, e_out, has_e_out, out, dv, nbad_out):
         zero = dv - dv
         nbad = 0
         for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
             v = x[i]
-            if e_in is not None:
+            if has_e_in:
                 v = v + e_in[i]
             h = _f32_to_f16_bits(np.float32(v / dv))
             out[i] = h
-            if e_out is not None:
+            if has_e_out:
                 e_out[i] = v - mul_rn(x.dtype.type(_f16_bits_to_f32(h)), dv)
             # a value beyond the half range is as bad as a non-finite one
             nbad += ((v - v) != zero) or ((h & 0x7C00) == 0x7C00)
@@ -703,7 +730,8 @@ def pack_fp16(x, e_in, e_out, out, divisor, *, cuda_stream=0):
     if x.size:
         kernel = (_pack_fp16_kernel_f64 if x.dtype == np.float64
                   else _pack_fp16_kernel_f32)
-        kernel[_grid(x.size), THREADS, cuda_stream](x, e_in, e_out, out, dv, cnt)
+        _launch(kernel, _grid(x.size), cuda_stream,
+                x, *_opt(e_in, x), *_opt(e_out, x), out, dv, cnt)
     return _read_count(cnt, cuda_stream)
 
 
@@ -712,8 +740,8 @@ def unpack_fp16(payload, out, accumulate, *, cuda_stream=0):
     (asynchronous)."""
     payload, out = _dev(payload, "payload"), _dev(out, "out")
     if out.size:
-        _unpack_fp16_kernel[_grid(out.size), THREADS, cuda_stream](payload, out,
-                                                              bool(accumulate))
+        _launch(_unpack_fp16_kernel, _grid(out.size), cuda_stream,
+                payload, out, bool(accumulate))
 
 
 # ----------------------------------------------------------------------------
@@ -733,7 +761,7 @@ def count_nonfinite(x, *, cuda_stream=0):
     x = _dev(x, "x")
     cnt = _counter(cuda_stream)
     if x.size:
-        _count_nonfinite_kernel[_grid(x.size), THREADS, cuda_stream](x, cnt)
+        _launch(_count_nonfinite_kernel, _grid(x.size), cuda_stream, x, cnt)
     return _read_count(cnt, cuda_stream)
 
 
@@ -777,15 +805,15 @@ def convert(src, dst, *, cuda_stream=0):
     if src.dtype == f16:
         if dst.dtype != np.float32:
             raise TypeError(f"convert: float16 converts to float32, not {dst.dtype}")
-        _f16_to_f32_kernel[_grid(dst.size), THREADS, cuda_stream](src.view(np.uint16), dst)
+        _launch(_f16_to_f32_kernel, _grid(dst.size), cuda_stream, src.view(np.uint16), dst)
     elif dst.dtype == f16:
         if src.dtype != np.float32:
             raise TypeError(f"convert: float16 is made from float32, not {src.dtype}")
-        _f32_to_f16_kernel[_grid(dst.size), THREADS, cuda_stream](src, dst.view(np.uint16))
+        _launch(_f32_to_f16_kernel, _grid(dst.size), cuda_stream, src, dst.view(np.uint16))
     elif src.dtype == dst.dtype:
         dst.copy_to_device(src, stream=cuda_stream)
     else:
-        _convert_kernel[_grid(dst.size), THREADS, cuda_stream](src, dst)
+        _launch(_convert_kernel, _grid(dst.size), cuda_stream, src, dst)
 
 
 @cuda.jit
@@ -799,4 +827,4 @@ def divide(a, divisor, *, cuda_stream=0):
     ``numpy.divide(a, divisor, out=a)``). Asynchronous on ``cuda_stream``."""
     a = _dev(a, "a")
     if a.size:
-        _divide_kernel[_grid(a.size), THREADS, cuda_stream](a, a.dtype.type(divisor))
+        _launch(_divide_kernel, _grid(a.size), cuda_stream, a, a.dtype.type(divisor))

@@ -44,7 +44,6 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _comm
-from . import _cuda
 from . import _dispatch
 from ._errors import (CODES, ConfigError, DTypeError, InvalidBufferError, MismatchError,
                       MpigcError, NonFiniteError, code_of)
@@ -193,9 +192,8 @@ class _Op:
         self.local_error = None
         self.error = None
         self.plain = False
-        self.dev = False  # device arrays (the GPU path)
-        self.aware = False  # CUDA-aware MPI: device buffers go to MPI as they are
-        self.staged = []  # pinned host buffers taken from the staging pool
+        self.be = None  # the backend of the buffer's side (mpigc._backend)
+        self.dev = False  # which side, for the error-feedback store
         # what the agreement step reads of a rank that failed early: defined
         # before anything can raise, so every rank evaluates it the same way
         self.n = self.dtype = self.settings = None
@@ -219,14 +217,9 @@ class _Op:
     # -- 1. prepare ----------------------------------------------------------
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
                  recvcounts, out, row):
-        self.dev = dev = _dispatch.is_device_array(buf)
-        if dev:
-            dbuf = self._device_input(buf)
-        elif not isinstance(buf, np.ndarray):
-            raise DTypeError(f"{self.kind}: expected a numpy array or a CUDA device array, "
-                             f"got {type(buf).__name__}")
-        else:
-            dbuf = buf
+        self.be = be = _dispatch.backend(buf)
+        self.dev = dev = be.device
+        dbuf = be.adopt(buf, self.kind, self.cs)  # dtype, shape: from dbuf, never buf
         dtype = np.dtype(dbuf.dtype)
         if dtype not in SUPPORTED_DTYPES or not dtype.isnative:
             raise DTypeError(f"{self.kind}: expected float16, float32 or float64 "
@@ -234,18 +227,17 @@ class _Op:
         if dbuf.size == 0:
             raise InvalidBufferError(f"{self.kind}: expected a non-empty array, got shape "
                                      f"{tuple(dbuf.shape)}")
-        if not (_cuda.is_c_contiguous(dbuf) if dev else buf.flags.c_contiguous):
+        if not be.is_c_contiguous(buf, dbuf):
             raise InvalidBufferError(f"{self.kind}: expected a C-contiguous array; pass "
                                      "a contiguous copy and copy the result back")
-        if self.kind == "allreduce" and not (not _cuda.is_readonly(buf) if dev
-                                             else buf.flags.writeable):
+        if self.kind == "allreduce" and not be.is_writable(buf):
             raise InvalidBufferError("allreduce: expected a writable array (it reduces in "
                                      "place), got a read-only one")
         self.buf = buf
         self.flat = dbuf.reshape(dbuf.size)
         self.n = n = self.flat.size
         self.dtype = dtype
-        self.wdtype = work_dtype(buf.dtype)
+        self.wdtype = work_dtype(dtype)  # not buf.dtype: torch's is a torch dtype
         row[_N] = n
         row[_DTYPE] = _DTYPE_CODE[dtype]
 
@@ -301,7 +293,7 @@ class _Op:
             self.none_buf = self._converted(self.flat, np.float32) \
                 if self.dtype == np.float16 else self.flat
             if nonfinite != "ignore":
-                row[_NBAD] = _dispatch.kernels(self.none_buf).count_nonfinite(self.none_buf)
+                row[_NBAD] = be.count_nonfinite(self.none_buf)
             return
         self.x = self.flat if self.dtype == self.wdtype else self._converted(self.flat,
                                                                              self.wdtype)
@@ -316,86 +308,28 @@ class _Op:
         self.spare = self.e_out
         self._pack_shards(row)
 
-    def _device_input(self, buf):
-        """The GPU path's checks and setup for device array ``buf``; returns
-        it as a Numba device array (no copy)."""
-        self.aware = _cuda.awareness(self.cs)
-        if not self.aware.aware:
-            _cuda.warn_staging_once(self.aware)
-        _cuda.ensure_device(buf, self.cs)
-        return _cuda.as_device(buf)
-
     def _check_out(self, out, n):
         """reduce_scatter's ``out``: on the side of ``buf`` (host or device)."""
-        dev_out = _dispatch.is_device_array(out)
-        if dev_out != self.dev:
-            side = ("a CUDA device array" if self.dev else "a numpy array")
-            raise InvalidBufferError(
-                f"out: expected {side} like buf, got "
-                f"{'a CUDA device array' if dev_out else type(out).__name__}: host and device "
-                "arrays cannot be mixed in one call")
-        if dev_out:
-            d = _cuda.as_device(out)
-            if (np.dtype(d.dtype) != self.dtype or d.size != n or not _cuda.is_c_contiguous(d)
-                    or _cuda.is_readonly(out)):
-                raise InvalidBufferError(f"out: expected a writable contiguous device array "
-                                         f"of {n} {self.dtype} values")
-            return d.reshape(d.size)
-        if (not isinstance(out, np.ndarray) or out.dtype != self.dtype
-                or out.size != n or not out.flags.c_contiguous
-                or not out.flags.writeable):
-            raise InvalidBufferError(
-                f"out: expected a writable contiguous array of {n} "
-                f"{self.dtype} values")
-        return out
+        return self.be.adopt_out(out, n, self.dtype)
 
-    # -- host or device arrays -------------------------------------------------
+    # -- arrays, on the buffer's side (the backend) ----------------------------
     def _empty(self, n, dtype):
-        if not self.dev:
-            return np.empty(n, dtype)
-        return _cuda.empty(max(int(n), 1), dtype)[:n]
+        return self.be.empty(n, dtype)
 
     def _converted(self, a, dtype):
         """``a.astype(dtype)``, on the side of ``a``."""
-        if not self.dev:
-            return a.astype(dtype)
-        out = self._empty(a.size, dtype)
-        _dispatch.kernels(a).convert(a, out)
-        return out
+        return self.be.converted(a, dtype)
 
     def _assign(self, dst, src):
         """``dst[...] = src`` (with numpy's casting), on the side of ``dst``."""
-        if not self.dev:
-            dst[...] = src
-        else:
-            _dispatch.kernels(dst).convert(src, dst)
+        self.be.assign(dst, src)
 
     def _divide(self, a, d):
-        if not self.dev:
-            np.divide(a, d, out=a)
-        else:
-            _dispatch.kernels(a).divide(a, d)
-
-    def _stage(self, nbytes):
-        """A pinned host buffer of at least ``nbytes`` for this call."""
-        b = _cuda.staging_pool.take(nbytes)
-        self.staged.append(b)
-        return b[:nbytes]
+        self.be.divide(a, d)
 
     def _release_staging(self):
-        for b in self.staged:
-            _cuda.staging_pool.give(b)
-        self.staged = []
-
-    def _wire(self, a):
-        """What MPI reads or writes for array ``a`` (host or device): ``a``
-        itself, the device buffer with CUDA-aware MPI (after the device is
-        synchronised), or None when it must be staged through the host."""
-        if not self.dev:
-            return a
-        if self.aware.aware:
-            return _cuda.mpi_buffer(a)
-        return None
+        if self.be is not None:
+            self.be.release()
 
     def _payload_layout(self):
         sizes = [self.comp.payload_nbytes(hi - lo, self.wdtype) for lo, hi in self.bounds]
@@ -514,15 +448,11 @@ class _Op:
             res = self.out if self.out is not None else self._empty(hi - lo, self.dtype)
             self._fill_nan(res)
             self.result = res if self.out is None else self.out_given
-        if self.dev:
-            _cuda.sync()
+        self.be.sync()
         self.state = "done"
 
     def _fill_nan(self, a):
-        if not self.dev:
-            a[...] = np.nan
-        elif a.size:
-            _cuda.copy(a, np.full(a.size, np.nan, a.dtype))
+        self.be.fill_nan(a)
 
     def _commit(self):
         """The call goes ahead: install the new worker residual."""
@@ -541,12 +471,9 @@ class _Op:
     def _start_none(self):
         comm = self.cs.post
         sendbuf = self.none_buf
-        wire = self._wire(sendbuf)
-        if self.dev:
-            _cuda.sync()
-        if wire is None:  # staged: the full-precision values cross to the host
-            wire = self._stage(sendbuf.nbytes).view(sendbuf.dtype)
-            _cuda.copy(wire, sendbuf)
+        self.be.sync()
+        # staged: the full-precision values cross to the host
+        wire = self.be.wire(sendbuf, send=True)
         self.none_wire = wire
         if self.kind == "allreduce":
             if self.blocking:
@@ -559,9 +486,7 @@ class _Op:
             lo, hi = self.bounds[self.rank]
             counts = [h - l for l, h in self.bounds]
             recv = self._empty(hi - lo, sendbuf.dtype)
-            rwire = self._wire(recv)
-            if rwire is None:
-                rwire = self._stage(recv.nbytes).view(recv.dtype)
+            rwire = self.be.wire(recv)
             self.none_rwire = rwire
             if self.blocking:
                 comm.Reduce_scatter(wire, rwire, counts, op=MPI.SUM)
@@ -573,10 +498,8 @@ class _Op:
 
     def _finish_none(self):
         v = self.none_out
-        if self.dev and not self.aware.aware:  # staged: back to the device
-            src = self.none_wire if self.kind == "allreduce" else self.none_rwire
-            if v.size:
-                _cuda.copy(v, src)
+        # staged: back to the device
+        self.be.unstage(v, self.none_wire if self.kind == "allreduce" else self.none_rwire)
         N = self.size
         factor = 2 * (N - 1) / N if self.kind == "allreduce" else (N - 1) / N
         self._count(int(round(factor * self.none_buf.nbytes)))
@@ -588,8 +511,7 @@ class _Op:
             self.result = self.buf
         else:
             self._set_rs_result(v)
-        if self.dev:
-            _cuda.sync()
+        self.be.sync()
         self._release_staging()
         self.state = "done"
 
@@ -616,13 +538,9 @@ class _Op:
         lo, hi = self.bounds[r]
         m = self.sizes[r]
         self.recvbuf = self._empty(self.size * m, np.uint8)
-        if self.dev:
-            _cuda.sync()  # the payloads are packed before MPI reads them
-        send, recv = self._wire(self.sendbuf), self._wire(self.recvbuf)
-        if send is None:  # staged: only the packed payloads cross to the host
-            send = self._stage(self.sendbuf.size)
-            _cuda.copy(send, self.sendbuf)
-            recv = self._stage(self.recvbuf.size)
+        self.be.sync()  # the payloads are packed before MPI reads them
+        # staged: only the packed payloads cross to the host
+        send, recv = self.be.wire(self.sendbuf, send=True), self.be.wire(self.recvbuf)
         self.recv_wire = recv
         self.recvreqs = [None] * self.size
         tag = self.tags[0]
@@ -649,8 +567,7 @@ class _Op:
 
     def _unstage(self, dst, src):
         """After a staged receive: copy the host bytes to the device."""
-        if self.dev and not self.aware.aware and dst.size:
-            _cuda.copy(dst, src)
+        self.be.unstage(dst, src)
 
     def _progress_phase1(self, block):
         """Decode-accumulate contributions in rank order, as they arrive."""
@@ -685,13 +602,8 @@ class _Op:
             self._assign(own, self.acc)
             flat8 = self.flat.view(np.uint8)
             isz = self.dtype.itemsize
-            if self.dev:
-                _cuda.sync()
-            wire = self._wire(flat8)
-            if wire is None:
-                wire = self._stage(flat8.size)
-                if hi > lo:
-                    _cuda.copy(wire[lo * isz:hi * isz], flat8[lo * isz:hi * isz])
+            self.be.sync()
+            wire = self.be.wire(flat8, send=(lo * isz, hi * isz))
             self.wire2 = wire
             for k in range(1, self.size):
                 j = (r - k) % self.size
@@ -716,8 +628,7 @@ class _Op:
             e = None
             if self.use_ef:
                 if self.entry.owner is None:
-                    self.entry.owner = (_cuda.zeros(hi - lo, self.wdtype) if self.dev
-                                        else np.zeros(hi - lo, self.wdtype))
+                    self.entry.owner = self.be.zeros(hi - lo, self.wdtype)
                 e = self.entry.owner
             kw = {}
             obad = 0
@@ -736,13 +647,9 @@ class _Op:
                 self.comp._mark_out_of_range(mine, hi - lo)
             elif e is not None:
                 self.entry.owner = e_out
-        if self.dev:
-            _cuda.sync()
-        wire = self._wire(self.recvbuf2)
-        if wire is None:  # staged: only the packed payloads cross to the host
-            wire = self._stage(offs[-1])
-            if sizes[r]:
-                _cuda.copy(wire[offs[r]:offs[r + 1]], mine)
+        self.be.sync()
+        # staged: only the packed payloads cross to the host
+        wire = self.be.wire(self.recvbuf2, send=(offs[r], offs[r + 1]))
         self.wire2 = wire
         for k in range(1, self.size):
             j = (r - k) % self.size
@@ -821,8 +728,7 @@ class _Op:
             self.result = self.buf
         else:
             self._set_rs_result(self.acc)
-        if self.dev:
-            _cuda.sync()  # the decoding kernels are asynchronous
+        self.be.sync()  # the decoding kernels are asynchronous
         self._release_staging()
         self._abandon()
         self.state = "done"

@@ -74,7 +74,30 @@ def as_device(a):
         if stream:
             stream.synchronize()
         return a
+    if simulator():
+        return _simulated_from_interface(a)
+    # dtype, shape, strides and the pointer come from the interface (a torch
+    # tensor's own .dtype is a torch dtype, not a numpy one)
     return cuda.as_cuda_array(a, sync=True)
+
+
+def _simulated_from_interface(a):
+    """Under the simulator: a foreign object's ``__cuda_array_interface__`` as
+    a simulated device array over the memory it points to (host memory
+    there), typed only from the interface (``typestr``, ``shape``,
+    ``strides``), as ``cuda.as_cuda_array`` does on a GPU."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    iface = a.__cuda_array_interface__
+
+    class _Memory:
+        pass
+
+    mem = _Memory()
+    mem.owner = a  # keeps the foreign object alive as long as the view
+    mem.__array_interface__ = {"data": tuple(iface["data"]), "shape": tuple(iface["shape"]),
+                               "typestr": np.dtype(iface["typestr"]).str,
+                               "strides": iface.get("strides"), "version": 3}
+    return FakeCUDAArray(np.asarray(mem))
 
 
 def is_readonly(a):

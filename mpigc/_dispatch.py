@@ -6,16 +6,18 @@ cached per type. Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``
 only) the simulator's device arrays count too: they carry Numba's
 ``__cuda_ndarray__`` marker instead of the interface. Host arrays use ``mpigc.kernels.cpu``; device arrays use
 ``mpigc.kernels.cuda``, imported on first use so that importing mpigc never
-touches CUDA.
+touches CUDA. :func:`backend` gives the collectives the host or the device
+backend (:mod:`mpigc._backend`) for an array.
 """
 import importlib
 import os
+import re
 
 import numpy as np
 
 from ._errors import DTypeError
 
-__all__ = ["is_device_array", "kernels"]
+__all__ = ["is_device_array", "kernels", "backend"]
 
 _cuda = None
 
@@ -32,9 +34,39 @@ def is_device_array(a):
             and os.environ.get("NUMBA_ENABLE_CUDASIM", "0").strip() not in ("", "0"))
 
 
+# numba-cuda releases that compile no kernel with numpy 2.5 or later (they
+# call numpy.row_stack, which numpy 2.5 removed): 0.30.4 and older
+_NUMBA_CUDA_LAST_WITHOUT_NUMPY_2_5 = (0, 30, 4)
+
+
+def _release(version):
+    """``"2.5.2"`` -> ``(2, 5, 2)``; ``"0.31.0rc1"`` -> ``(0, 31, 0)``."""
+    return tuple(int(re.match(r"\d*", p).group() or 0) for p in version.split(".")[:3])
+
+
+def check_numpy_for_numba_cuda(numba_cuda_version=None, numpy_version=None):
+    """Raise DTypeError, naming both versions, where the installed numba-cuda
+    cannot compile kernels with the installed numpy."""
+    if numba_cuda_version is None:
+        from importlib import metadata
+        try:
+            numba_cuda_version = metadata.version("numba-cuda")
+        except metadata.PackageNotFoundError:  # Numba's own CUDA target
+            return
+    numpy_version = np.__version__ if numpy_version is None else numpy_version
+    if (_release(numba_cuda_version) <= _NUMBA_CUDA_LAST_WITHOUT_NUMPY_2_5
+            and _release(numpy_version)[:2] >= (2, 5)):
+        raise DTypeError(
+            f"a CUDA device array was given, but numba-cuda {numba_cuda_version} cannot "
+            f"compile kernels with numpy {numpy_version} (it uses numpy.row_stack, removed "
+            "in numpy 2.5); install numpy<2.5 (pip install 'numpy<2.5', as the cuda extra "
+            "of mpigc does) or a numba-cuda release that supports this numpy")
+
+
 def _cuda_kernels():
     global _cuda
     if _cuda is None:
+        check_numpy_for_numba_cuda()
         try:
             _cuda = importlib.import_module("mpigc.kernels.cuda")
         except ImportError as exc:
@@ -51,3 +83,13 @@ def kernels(a):
         return _cuda_kernels()
     from .kernels import cpu
     return cpu
+
+
+def backend(a):
+    """A new backend (:mod:`mpigc._backend`) for one call on array ``a``:
+    the device one for device arrays, the host one otherwise."""
+    from ._backend import DeviceBackend, HostBackend
+    if is_device_array(a):
+        return DeviceBackend(_cuda_kernels())
+    from .kernels import cpu
+    return HostBackend(cpu)

@@ -1,6 +1,9 @@
 """CUDA kernels (``mpigc.kernels.cuda``) against the CPU kernels, bit for bit,
-in Numba's CUDA simulator; plus two checks that need no GPU either: importing
-the CUDA module touches no driver, and every kernel compiles to PTX.
+in Numba's CUDA simulator, every launch under the launch contract of
+``tests/launch_contract.py`` (only what a real launch accepts); plus checks
+that need no GPU either: importing the CUDA module touches no driver, the
+contract fails on planted defects, and every kernel compiles to PTX for sm_90
+with the argument types it is launched with.
 
 Why subprocesses
 ----------------
@@ -67,12 +70,34 @@ def test_import_creates_no_cuda_context():
     _run_script(["import"], sim=False, timeout=300)
 
 
-def test_kernels_compile_to_ptx():
-    """Every kernel, float32 and float64, with and without residuals, types and
-    compiles to PTX (skipped where libNVVM is not installed), with no
-    flush-to-zero, no approximate division and no fma contraction of the
-    products whose rounding must match the CPU."""
-    _run_script(["ptx"], sim=False)
+def test_launch_contract_catches_planted_defects():
+    """The launch contract that every simulator test runs under (see
+    ``tests/launch_contract.py``) fails on a ``None`` residual and on a host
+    array, planted into real launches of the module."""
+    out = _run_script(["contract"], sim=True)
+    assert "ok contract" in out
+
+
+def test_kernels_compile_to_ptx(tmp_path):
+    """Every kernel compiles to PTX for sm_90 with exactly the argument types
+    it is launched with: a simulator run of the engine (allreduce and
+    reduce_scatter at one rank, every compressor, float16/32/64, with and
+    without residuals, both gathers, averaging) and of every public kernel
+    function records the types of each launch; a second process, without the
+    simulator, compiles each recorded signature with ``numba.cuda.compile_ptx``
+    (no GPU needed, numba-cuda's NVVM) and checks that no kernel of the module
+    went unlaunched, with no flush-to-zero, no approximate division and no
+    fma contraction of the products whose rounding must match the CPU."""
+    from importlib import metadata
+    try:
+        metadata.version("numba-cuda")
+    except metadata.PackageNotFoundError:
+        pytest.skip("numba-cuda is not installed (only Numba's built-in CUDA target): "
+                    "pip install 'numba-cuda[cu12]' (the test extra does) to compile to PTX")
+    sigs = str(tmp_path / "signatures.json")
+    _run_script(["signatures", sigs], sim=True)
+    out = _run_script(["ptx", sigs], sim=False)
+    assert "compiled" in out
 
 
 # ============================================================================
@@ -431,71 +456,167 @@ def check_import():
     assert driver.pid is None, "cuInit was called at import"
 
 
-def check_ptx():
-    import re
+def check_contract():
+    """The launch contract fails on defects planted into real launches: the
+    old absent residual (``None`` as the kernel argument) and a host array."""
+    np, cuda, cpu, kc = _ctx()
+    from launch_contract import LaunchContractError
+    x = cuda.to_device(np.ones(16, np.float32))
+    out = cuda.to_device(np.zeros(4, np.uint8))
+    assert kc.pack_2bit(x, None, None, out, 0.5) == 0  # the real path passes
+    opt = kc._opt
+    kc._opt = lambda a, like: (a, a is not None)  # planted: None reaches the launch
+    try:
+        kc.pack_2bit(x, None, None, out, 0.5)
+    except LaunchContractError as exc:
+        print(f"planted None: {exc}")
+        assert "_pack_2bit_kernel: argument 1: None" in str(exc), exc
+    else:
+        raise AssertionError("a None kernel argument passed the launch contract")
+    finally:
+        kc._opt = opt
+    try:  # planted: a host array as the counter
+        kc._launch(kc._count_nonfinite_kernel, 1, 0, x, np.zeros(1, np.int64))
+    except LaunchContractError as exc:
+        print(f"planted host array: {exc}")
+        assert "argument 1: a host numpy array" in str(exc), exc
+    else:
+        raise AssertionError("a host array kernel argument passed the launch contract")
 
-    import numba.cuda.dispatcher as dispatcher
-    from numba import cuda
-    from numba import types as T
-    def _probe(a):
-        a[0] = 1.0
+
+def _engine_launches(np, cuda):
+    """The engine's launches at one rank: every compressor and option the
+    collectives take, float16/32/64 (recorded by the launch contract)."""
+    import mpigc
+    os.environ["MPIGC_MIN_COMPRESS_BYTES"] = "0"
+    os.environ["MPIGC_CUDA_AWARE"] = "0"
+    ops = [{"type": "2bit", "threshold": 0.5}, {"type": "2bit", "rel_threshold": 1.5,
+                                                  "block_size": 8},
+           {"type": "1bit", "block_size": 8}, {"type": "fp16", "error_feedback": True},
+           {"type": "fp16"}, {"type": "terngrad", "error_feedback": True},
+           {"type": "terngrad", "clip": 2.0}, "none"]
+    rng = np.random.default_rng(0)
+    for op in ops:
+        for dtype in (np.float16, np.float32, np.float64):
+            for gather in ("compressed", "exact"):
+                for feedback in (None, False):
+                    g = rng.standard_normal(37).astype(dtype)
+                    kw = dict(op=op, key="sig", average=True,
+                              feedback=mpigc.ErrorFeedback() if feedback is None else False)
+                    mpigc.allreduce(cuda.to_device(g), gather=gather, **kw)
+                    mpigc.reduce_scatter(cuda.to_device(g), **kw)
+            g = rng.standard_normal(37).astype(dtype)
+            g[3] = np.nan
+            mpigc.allreduce(cuda.to_device(g), op=op, nonfinite="skip", feedback=False)
+
+
+def _kernel_launches(np, cuda, kc):
+    """Every public function of the kernel module, float32 and float64, with
+    and without residuals; convert between every pair; divide."""
+    n = 13
+    for dt in (np.float32, np.float64):
+        x = cuda.to_device(np.linspace(-1, 1, n).astype(dt))
+        u8 = cuda.to_device(np.zeros(n, np.uint8))
+        f4 = cuda.to_device(np.zeros(2 * n, np.float32))
+        for e_in, e_out in ((None, None), (x, None), (None, x), (x, x)):
+            kc.pack_2bit(x, e_in, e_out, u8[:4], 0.5)
+            kc.pack_1bit(x, e_in, e_out, u8[:2], f4[:4], 8)
+            kc.pack_2bit_rel(x, e_in, e_out, u8[:4], f4[:2], 1.5, 8)
+            kc.pack_ternary(x, e_in, e_out, u8[:4], 1.0, 2.0, 7, 0)
+            kc.pack_fp16(x, e_in, e_out, cuda.to_device(np.zeros(n, np.uint16)), 2.0)
+            kc.stats(x, e_in)
+        for acc in (False, True):
+            kc.unpack_2bit(u8[:4], x, 0.5, acc)
+            kc.unpack_1bit(u8[:2], f4[:4], x, 8, acc)
+            kc.unpack_2bit_rel(u8[:4], f4[:2], x, 8, acc)
+            kc.unpack_fp16(cuda.to_device(np.zeros(n, np.uint16)), x, acc)
+        kc.count_nonfinite(x)
+        kc.divide(x, 3)
+    for src in (np.float16, np.float32, np.float64):
+        for dst in (np.float16, np.float32, np.float64):
+            if (src == np.float16 and dst == np.float64) or (
+                    dst == np.float16 and src == np.float64):
+                continue  # not conversions the module offers
+            kc.convert(cuda.to_device(np.ones(n, src)), cuda.to_device(np.zeros(n, dst)))
+
+
+def check_signatures(path):
+    """Record the argument types of every launch (engine and kernel module,
+    under the launch contract) into ``path`` for :func:`check_ptx`."""
+    np, cuda, cpu, kc = _ctx()
+    import launch_contract
+    _engine_launches(np, cuda)
+    _kernel_launches(np, cuda, kc)
+    launch_contract.dump(path)
+    rec = launch_contract.recorded()
+    print(f"recorded {sum(map(len, rec.values()))} signatures of {len(rec)} kernels")
+
+
+def _module_kernels(kc):
+    """Names of the kernels (not device functions) of the real CUDA module."""
+    from numba.cuda.dispatcher import CUDADispatcher
+    return {name for name, obj in vars(kc).items()
+            if isinstance(obj, CUDADispatcher) and not obj.targetoptions.get("device")}
+
+
+def check_ptx(path):
+    import re
 
     from importlib import metadata
     try:  # the kernels target the numba-cuda package, not Numba's older built-in target
-        metadata.version("numba-cuda")
+        version = metadata.version("numba-cuda")
     except metadata.PackageNotFoundError:
-        print("numba-cuda is not installed (only Numba's built-in CUDA target); "
-              "pip install 'numba-cuda[cu12]' or '[cu13]' to run this check")
+        print("numba-cuda is not installed (only Numba's built-in CUDA target): "
+              "pip install 'numba-cuda[cu12]' (the test extra does) to run this check")
         sys.exit(_SKIP)
-    try:  # the CUDA toolchain (libNVVM, NVRTC) may not be installed here
-        cuda.compile_ptx(_probe, (T.float32[::1],), cc=(8, 0))
-    except Exception as exc:  # noqa: BLE001 - any failure to find the toolchain
-        print(f"no CUDA toolchain to compile PTX ({type(exc).__name__}); "
-              "pip install 'numba-cuda[cu12]' or '[cu13]' to run this check")
-        sys.exit(_SKIP)
+    import numba.cuda.dispatcher as dispatcher
+    from numba import cuda
+
+    import launch_contract
 
     class _Device:  # device functions ask the current device for its cc
-        compute_capability = (8, 0)
+        compute_capability = (9, 0)
 
     dispatcher.get_current_device = lambda: _Device()
     from mpigc.kernels import cuda as kc
-    u8, u16, f4, cnt = T.uint8[::1], T.uint16[::1], T.float32[::1], T.int64[::1]
+    sigs = launch_contract.load(path)
+    missing = _module_kernels(kc) - set(sigs)
+    assert not missing, f"kernels never launched in the signature run: {sorted(missing)}"
+    unknown = set(sigs) - _module_kernels(kc)
+    assert not unknown, f"launched objects that are not kernels: {sorted(unknown)}"
+    exact = {"_pack_fp16_kernel_f32", "_pack_fp16_kernel_f64", "_stats_kernel",
+             "_pack_2bit_rel_kernel"}
     count = 0
-    for ft, sc in ((T.float32[::1], T.float32), (T.float64[::1], T.float64)):
-        fp16 = kc._pack_fp16_kernel_f32 if sc == T.float32 else kc._pack_fp16_kernel_f64
-        sigs = [(kc._unpack_2bit_kernel, (u8, ft, sc, T.boolean)),
-                (kc._unpack_1bit_kernel, (u8, f4, ft, T.int64, T.boolean)),
-                (kc._unpack_2bit_rel_kernel, (u8, f4, ft, T.int64, T.boolean)),
-                (kc._unpack_fp16_kernel, (u16, ft, T.boolean)),
-                (kc._count_nonfinite_kernel, (ft, cnt))]
-        for e in (ft, T.none):
-            sigs += [(kc._pack_2bit_kernel, (ft, e, e, u8, sc, cnt)),
-                     (kc._pack_1bit_kernel, (ft, e, e, u8, f4, T.int64, cnt)),
-                     (kc._pack_2bit_rel_kernel, (ft, e, e, u8, f4, T.float64, T.int64,
-                                                 cnt)),
-                     (kc._pack_ternary_kernel, (ft, e, e, u8, sc, T.float64, T.float64,
-                                                T.uint64, T.uint64, cnt)),
-                     (fp16, (ft, e, e, u16, sc, cnt)),
-                     (kc._stats_kernel, (ft, e, T.float64[:, ::1]))]
-        for fn, sig in sigs:
-            ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(8, 0))
-            name = f"{fn.py_func.__name__}{sig}"
-            assert ".ftz" not in ptx and ".approx" not in ptx, name
-            assert not re.search(r"\bfma\.", ptx), f"{name}: fma contraction"
-            if fn is fp16 or fn is kc._stats_kernel or fn is kc._pack_2bit_rel_kernel:
-                assert not re.search(r"\bmul\.f(32|64)", ptx), f"{name}: contractable mul"
+    for name in sorted(sigs):
+        fn = getattr(kc, name)
+        for sig in sigs[name]:
+            what = f"{name}{sig}"
+            try:
+                ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
+            except Exception as exc:
+                raise AssertionError(f"{what} does not compile for sm_90 with numba-cuda "
+                                     f"{version}: {type(exc).__name__}: {exc}") from exc
+            assert ".ftz" not in ptx and ".approx" not in ptx, what
+            assert not re.search(r"\bfma\.", ptx), f"{what}: fma contraction"
+            if name in exact:
+                assert not re.search(r"\bmul\.f(32|64)", ptx), f"{what}: contractable mul"
             count += 1
-    print(f"compiled {count} kernels to PTX")
+    print(f"compiled {count} signatures of {len(sigs)} kernels to PTX for sm_90 "
+          f"(numba-cuda {version})")
 
 
-def _main(group):
-    if group in SIM_GROUPS:
+def _main(group, *args):
+    if group not in ("import", "ptx"):
         from simulator_fix import fix_simulator_shared_arrays  # this file's folder
         fix_simulator_shared_arrays()
-    {"import": check_import, "ptx": check_ptx,
-     **{g: globals()["check_" + g] for g in SIM_GROUPS}}[group]()
+        import launch_contract
+        from mpigc.kernels import cuda as kc
+        launch_contract.install(kc)  # every simulated launch is checked
+    {"import": check_import, "ptx": check_ptx, "contract": check_contract,
+     "signatures": check_signatures,
+     **{g: globals()["check_" + g] for g in SIM_GROUPS}}[group](*args)
     print(f"ok {group}")
 
 
 if __name__ == "__main__":
-    _main(sys.argv[1])
+    _main(*sys.argv[1:])

@@ -97,3 +97,17 @@ print(mpigc.cuda_aware_mpi().source)
 print("numba.cuda" in sys.modules)
 """, sim=False)
     assert out.split()[-1] == "False", out
+
+
+def test_numpy_too_new_for_numba_cuda_is_a_clear_error():
+    """numba-cuda 0.30.4 compiles no kernel with numpy 2.5 (numpy.row_stack is
+    gone): the first device call says so, naming both versions; newer
+    numba-cuda releases and older numpy pass."""
+    import mpigc
+    from mpigc import _dispatch
+    with pytest.raises(mpigc.DTypeError, match=r"numba-cuda 0\.30\.4 .* numpy 2\.5\.2"):
+        _dispatch.check_numpy_for_numba_cuda("0.30.4", "2.5.2")
+    with pytest.raises(mpigc.DTypeError, match="numpy<2.5"):
+        _dispatch.check_numpy_for_numba_cuda("0.29.0", "2.6.0rc1")
+    _dispatch.check_numpy_for_numba_cuda("0.30.4", "2.4.6")
+    _dispatch.check_numpy_for_numba_cuda("0.31.0", "2.5.2")

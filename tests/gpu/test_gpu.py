@@ -9,26 +9,45 @@ Run on a machine with a GPU::
     python -m pytest tests/gpu -v
 
 Not part of the default run (see ``conftest.py``). Every test FAILS when no
-CUDA GPU is usable, or when NUMBA_ENABLE_CUDASIM is set.
+CUDA GPU is usable, or when NUMBA_ENABLE_CUDASIM is set. ``tests/gpu/run.sh``
+runs them with the multi-rank check and the benchmark, from a checkout.
+
+``MPIGC_GPU_SIM=1`` (the runner's simulator mode) runs them in Numba's CUDA
+simulator instead (``NUMBA_ENABLE_CUDASIM=1``) at tiny sizes: a test of the
+runner without a GPU, not of the GPU.
 """
 import os
 
 import numpy as np
 import pytest
 
-SIZES = [1, 1027, (1 << 20) + 3, (1 << 23) + 5]  # the last: several grid rounds
+SIM = os.environ.get("MPIGC_GPU_SIM") == "1"
+# the last size: several grid-stride rounds
+SIZES = [1, 1027] if SIM else [1, 1027, (1 << 20) + 3, (1 << 23) + 5]
+BIG = 1027 if SIM else (1 << 20) + 3
 DTYPES = [np.float32, np.float64]
 
 
 @pytest.fixture(scope="module")
 def gpu():
-    assert not os.environ.get("NUMBA_ENABLE_CUDASIM"), \
-        "NUMBA_ENABLE_CUDASIM is set: these tests need a real GPU, not the simulator"
+    if SIM:
+        assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", \
+            "MPIGC_GPU_SIM=1 runs these tests in the simulator: set NUMBA_ENABLE_CUDASIM=1"
+    else:
+        assert not os.environ.get("NUMBA_ENABLE_CUDASIM"), \
+            "NUMBA_ENABLE_CUDASIM is set: these tests need a real GPU, not the simulator"
     from numba import cuda
     assert cuda.is_available(), "no CUDA GPU found (these tests must run on one)"
     from mpigc.kernels import cpu
     from mpigc.kernels import cuda as kc
-    assert not kc.SIMULATOR
+    assert kc.SIMULATOR == SIM
+    if SIM:
+        import sys
+        sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        import launch_contract
+        from simulator_fix import fix_simulator_shared_arrays
+        fix_simulator_shared_arrays()
+        launch_contract.install(kc)
     return cuda, cpu, kc
 
 
@@ -82,7 +101,8 @@ def _decode(gpu, name, payloads, n, dtype, args):
 def test_gpu_present(gpu):
     cuda, _, _ = gpu
     dev = cuda.get_current_device()
-    print(f"GPU: {dev.name} cc={dev.compute_capability}")
+    name = "Numba CUDA simulator" if SIM else dev.name
+    print(f"GPU: {name} cc={dev.compute_capability}")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -158,7 +178,8 @@ def test_fp16_conversion_exhaustive(gpu):
     fin = ~np.isnan(want)
     _same("decode", got[fin], want[fin])
     assert np.isnan(got[~fin]).all()
-    u = np.arange(0, 1 << 32, 251, dtype=np.uint64).astype(np.uint32)  # 17M patterns
+    step = 1_000_003 if SIM else 251  # 17M patterns on a GPU, 4295 in the simulator
+    u = np.arange(0, 1 << 32, step, dtype=np.uint64).astype(np.uint32)
     v = u.view(np.float32)
     v = v[~np.isnan(v)]
     out = cuda.to_device(np.zeros(v.size, np.uint16))
@@ -186,7 +207,7 @@ def test_streams_and_foreign_arrays(gpu):
     """A non-default stream, and arrays that only expose
     ``__cuda_array_interface__`` (CuPy or torch, whichever is installed)."""
     cuda, cpu, kc = gpu
-    n = (1 << 20) + 1
+    n = BIG
     x, e = _data(n, np.float32, 4)
     s = cuda.stream()
     dx, de = cuda.to_device(x, stream=s), cuda.to_device(e, stream=s)
@@ -198,8 +219,12 @@ def test_streams_and_foreign_arrays(gpu):
     _same("2bit on a stream", out.copy_to_host(stream=s), hout)
     s.synchronize()
 
+    if SIM:  # the simulator's arrays export no __cuda_array_interface__
+        return
+
     class Foreign:  # a bare __cuda_array_interface__ exporter
         def __init__(self, a):
+            self.keep = a  # the memory it points to
             self.__cuda_array_interface__ = a.__cuda_array_interface__
 
     fx, fout = Foreign(cuda.to_device(x)), cuda.device_array((n + 3) // 4, np.uint8)
@@ -248,7 +273,7 @@ def test_device_allreduce_end_to_end(gpu, monkeypatch, aware, dtype, gather):
     try:
         print(mpigc.cuda_aware_mpi(comm))
         rank = comm.Get_rank()
-        n = (1 << 20) + 3
+        n = 101 if SIM else (1 << 20) + 3
         for op in E2E_OPS:
             fbh, fbd = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
             for step in range(2):
@@ -281,10 +306,17 @@ def test_device_allreduce_foreign_arrays(gpu):
     in place on the device."""
     cuda, _, _ = gpu
     import mpigc
-    n = 100_003
+    n = 2500 if SIM else 100_003  # above MPIGC_MIN_COMPRESS_BYTES: compressed
     g = np.random.default_rng(0).standard_normal(n).astype(np.float32)
     want = g.copy()
     mpigc.allreduce(want, "2bit", key="foreign-host", feedback=False)
+    if SIM:  # no CUDA torch here: an object that behaves like one
+        from foreign_arrays import TorchLikeTensor
+        d = cuda.to_device(g)
+        t = TorchLikeTensor(d)
+        assert mpigc.allreduce(t, "2bit", key="foreign-sim", feedback=False) is t
+        _same("torch-like", d.copy_to_host(), want)
+        return
     tried = 0
     try:
         import cupy

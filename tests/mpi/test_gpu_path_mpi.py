@@ -214,6 +214,38 @@ def _matrix(c, cuda, full):
     _compare(c, cuda, "allreduce", OPS[0], "compressed", np.float32, max(1, N - 1), 2)
 
 
+def _compare_foreign(c, cuda, op, dtype, n):
+    """Arrays that behave like CUDA torch tensors (``tests/foreign_arrays.py``:
+    a torch ``.dtype``, the numpy type only in ``__cuda_array_interface__``)
+    give what host arrays give, in place, as ``out=`` too; a read-only one is
+    refused on every rank."""
+    from foreign_arrays import TorchLikeTensor
+    name = op if isinstance(op, str) else op["type"]
+    what = f"foreign {name} {np.dtype(dtype).name} n={n}"
+    fbh, fbd = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
+    for step in range(2):
+        g = _grad(c.rank, n, dtype, 10 + step)
+        h, d = g.copy(), cuda.to_device(g)
+        t = TorchLikeTensor(d)
+        r = mpigc.allreduce(t, op=op, key="f", feedback=fbd, average=True)
+        mpigc.allreduce(h, op=op, key="f", feedback=fbh, average=True)
+        c.check(r is t, f"{what}: allreduce must return the tensor")
+        c.same(f"{what} step {step}", d.copy_to_host(), h)
+    _same_state(c, what, fbh, fbd)
+    g = _grad(c.rank, n, dtype, 20)
+    lo, hi = mpigc.shard_bounds(n, c.comm.size)[c.rank]
+    out = cuda.to_device(np.zeros(hi - lo, dtype))
+    tout = TorchLikeTensor(out)
+    got = mpigc.reduce_scatter(TorchLikeTensor(cuda.to_device(g)), op=op, out=tout, key="o",
+                               feedback=mpigc.ErrorFeedback())
+    want = mpigc.reduce_scatter(g, op=op, key="o", feedback=mpigc.ErrorFeedback())
+    c.check(got is tout, f"{what}: out= not returned")
+    c.same(f"{what} reduce_scatter out=", out.copy_to_host(), want)
+    ro = TorchLikeTensor(cuda.to_device(g), readonly=True)
+    _raises_everywhere(c, f"{what} read-only", mpigc.InvalidBufferError,
+                       lambda: mpigc.allreduce(ro, op=op, key="r", feedback=False))
+
+
 def group_staged(c, cuda):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -224,6 +256,10 @@ def group_staged(c, cuda):
             f"cuda_aware_mpi: {mpigc.cuda_aware_mpi()}")
     c.check(_cuda.staging_pool.allocated > 0 or c.comm.size == 1,
             "no staging buffer was used")
+    for op in OPS:
+        _compare_foreign(c, cuda, op, np.float32, 45)
+    _compare_foreign(c, cuda, OPS[0], np.float16, 45)
+    _compare_foreign(c, cuda, OPS[2], np.float64, 45)
     # the small-buffer fallback (plain MPI sum) on device arrays, staged
     os.environ["MPIGC_MIN_COMPRESS_BYTES"] = "8192"
     try:
@@ -239,6 +275,8 @@ def group_aware(c, cuda):
     _matrix(c, cuda, full=False)
     _compare(c, cuda, "allreduce", OPS[0], "compressed", np.float16, 101, 2)
     _compare(c, cuda, "allreduce", "none", "compressed", np.float16, 101, 1, average=True)
+    _compare_foreign(c, cuda, OPS[1], np.float32, 45)
+    _compare_foreign(c, cuda, "none", np.float16, 45)
     c.check(_cuda.staging_pool.allocated == 0,
             f"{_cuda.staging_pool.allocated} staging buffer(s) with CUDA-aware MPI")
 
@@ -360,6 +398,9 @@ def main(group):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from simulator_fix import fix_simulator_shared_arrays
     fix_simulator_shared_arrays()
+    import launch_contract
+    from mpigc.kernels import cuda as kc
+    launch_contract.install(kc)  # every simulated launch: what a real launch accepts
     comm = MPI.COMM_WORLD
     c = Checks(comm)
     try:

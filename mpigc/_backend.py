@@ -1,0 +1,196 @@
+"""Where a collective's arrays live: one backend object per side.
+
+The engine (:mod:`mpigc._collective`) owns MPI and nothing else; everything
+that differs between host (numpy) and device (CUDA) arrays is here, behind
+the same methods, as array-API code asks one namespace instead of branching
+on the array kind at every line. :func:`mpigc._dispatch.backend` picks the
+side from the array itself.
+
+- :class:`HostBackend`: numpy arrays, ``mpigc.kernels.cpu``; MPI reads and
+  writes the arrays themselves.
+- :class:`DeviceBackend`: CUDA device arrays, ``mpigc.kernels.cuda``; MPI gets
+  device buffers when it is CUDA-aware, otherwise staging buffers (pinned
+  host memory from a pool) that the backend fills and empties.
+
+A backend instance serves one call (it holds the call's staging buffers).
+"""
+import numpy as np
+
+from . import _cuda
+from ._errors import DTypeError, InvalidBufferError
+
+__all__ = ["HostBackend", "DeviceBackend"]
+
+
+class HostBackend:
+    """numpy arrays; MPI takes them as they are."""
+
+    device = False
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+
+    # -- the input -------------------------------------------------------------
+    def adopt(self, buf, kind, cs):
+        """``buf`` as an array of this side (no copy), or raise."""
+        if not isinstance(buf, np.ndarray):
+            raise DTypeError(f"{kind}: expected a numpy array or a CUDA device array, "
+                             f"got {type(buf).__name__}")
+        return buf
+
+    def is_c_contiguous(self, buf, a):
+        return bool(a.flags.c_contiguous)
+
+    def is_writable(self, buf):
+        return bool(buf.flags.writeable)
+
+    def adopt_out(self, out, n, dtype):
+        """reduce_scatter's ``out=``: an array of this side, or raise."""
+        if not isinstance(out, np.ndarray):
+            raise InvalidBufferError(
+                f"out: expected a numpy array like buf, got {_side(out)}: host and device "
+                "arrays cannot be mixed in one call")
+        if (out.dtype != dtype or out.size != n or not out.flags.c_contiguous
+                or not out.flags.writeable):
+            raise InvalidBufferError(f"out: expected a writable contiguous array of {n} "
+                                     f"{dtype} values")
+        return out
+
+    # -- arrays ----------------------------------------------------------------
+    def empty(self, n, dtype):
+        return np.empty(n, dtype)
+
+    def zeros(self, n, dtype):
+        return np.zeros(n, dtype)
+
+    def converted(self, a, dtype):
+        """``a.astype(dtype)``."""
+        return a.astype(dtype)
+
+    def assign(self, dst, src):
+        """``dst[...] = src`` with numpy's casting."""
+        dst[...] = src
+
+    def divide(self, a, d):
+        np.divide(a, d, out=a)
+
+    def fill_nan(self, a):
+        a[...] = np.nan
+
+    def count_nonfinite(self, a):
+        return self.kernels.count_nonfinite(a)
+
+    # -- what MPI touches ------------------------------------------------------
+    def sync(self):
+        """Wait for the kernels before MPI or the host reads their results."""
+
+    def wire(self, a, send=None):
+        """What MPI reads or writes for ``a``: ``a`` itself here."""
+        return a
+
+    def unstage(self, dst, wire):
+        """After a receive into ``wire`` (from :meth:`wire`): into ``dst``."""
+
+    def release(self):
+        """The call is over: give back what it took."""
+
+
+class DeviceBackend:
+    """CUDA device arrays (Numba's, or anything with
+    ``__cuda_array_interface__``, read through the interface only)."""
+
+    device = True
+
+    def __init__(self, kernels):
+        self.kernels = kernels
+        self.aware = None  # CudaAwareness of the call's communicator
+        self.staged = []  # staging buffers taken from the pool
+
+    # -- the input -------------------------------------------------------------
+    def adopt(self, buf, kind, cs):
+        """Device array ``buf`` as a Numba device array (no copy), typed from
+        ``__cuda_array_interface__``; decides CUDA-aware MPI for ``cs``."""
+        self.aware = _cuda.awareness(cs)
+        if not self.aware.aware:
+            _cuda.warn_staging_once(self.aware)
+        _cuda.ensure_device(buf, cs)
+        return _cuda.as_device(buf)
+
+    def is_c_contiguous(self, buf, a):
+        return _cuda.is_c_contiguous(a)
+
+    def is_writable(self, buf):
+        return not _cuda.is_readonly(buf)
+
+    def adopt_out(self, out, n, dtype):
+        from ._dispatch import is_device_array
+        if not is_device_array(out):
+            raise InvalidBufferError(
+                f"out: expected a CUDA device array like buf, got {_side(out)}: host and "
+                "device arrays cannot be mixed in one call")
+        d = _cuda.as_device(out)
+        if (np.dtype(d.dtype) != dtype or d.size != n or not _cuda.is_c_contiguous(d)
+                or _cuda.is_readonly(out)):
+            raise InvalidBufferError(f"out: expected a writable contiguous device array "
+                                     f"of {n} {dtype} values")
+        return d.reshape(d.size)
+
+    # -- arrays ----------------------------------------------------------------
+    def empty(self, n, dtype):
+        return _cuda.empty(max(int(n), 1), dtype)[:n]
+
+    def zeros(self, n, dtype):
+        return _cuda.zeros(n, dtype)
+
+    def converted(self, a, dtype):
+        out = self.empty(a.size, dtype)
+        self.kernels.convert(a, out)
+        return out
+
+    def assign(self, dst, src):
+        self.kernels.convert(src, dst)
+
+    def divide(self, a, d):
+        self.kernels.divide(a, d)
+
+    def fill_nan(self, a):
+        if a.size:
+            _cuda.copy(a, np.full(a.size, np.nan, a.dtype))
+
+    def count_nonfinite(self, a):
+        return self.kernels.count_nonfinite(a)
+
+    # -- what MPI touches ------------------------------------------------------
+    def sync(self):
+        _cuda.sync()
+
+    def wire(self, a, send=None):
+        """What MPI reads or writes for device array ``a``: the device buffer
+        with CUDA-aware MPI, else a staging buffer of the same bytes into
+        which ``a[lo:hi]`` is copied for ``send=(lo, hi)`` (``True``: all of
+        it). Synchronise the device first."""
+        if self.aware.aware:
+            return _cuda.mpi_buffer(a)
+        b = _cuda.staging_pool.take(a.nbytes)
+        self.staged.append(b)
+        w = b[:a.nbytes].view(a.dtype)
+        if send is True:
+            send = (0, a.size)
+        if send is not None and send[1] > send[0]:
+            lo, hi = send
+            _cuda.copy(w[lo:hi], a[lo:hi])
+        return w
+
+    def unstage(self, dst, wire):
+        if not self.aware.aware and dst.size:
+            _cuda.copy(dst, wire)
+
+    def release(self):
+        for b in self.staged:
+            _cuda.staging_pool.give(b)
+        self.staged = []
+
+
+def _side(a):
+    from ._dispatch import is_device_array
+    return "a CUDA device array" if is_device_array(a) else type(a).__name__

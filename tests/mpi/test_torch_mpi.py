@@ -777,3 +777,20 @@ def test_comm_hook_checkpoint_and_no_sync(comm, gloo, tmp_path_factory):
     sync.wait()
     ok &= compare(ddp2)
     assert_all(ok)
+
+
+@pytest.mark.mpi
+def test_comm_hook_under_ddp_join_with_uneven_inputs(comm, gloo):
+    from torch.distributed.algorithms.join import Join
+    model = make_model()
+    ddp = _ddp(model)
+    state = mt.CommHookState(ddp, **_HOOK_OP)
+    ddp.register_comm_hook(state, mt.comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with Join([ddp]):  # joined ranks run the hook on zero buckets
+        for step in range(2 + (comm.rank == 0)):
+            opt.zero_grad()
+            backward(ddp, comm.rank, step)
+            opt.step()
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert_all(all(torch.equal(mine, other) for other in comm.allgather(mine)))

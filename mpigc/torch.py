@@ -12,11 +12,14 @@ One line makes an existing model's gradient exchange compressed::
         opt.step()
 
 or, Horovod style, ``opt = mpigc.torch.DistributedOptimizer(opt, model, op="2bit")``,
-whose ``step()`` waits first.
+an optimizer of the wrapped class whose gradients are averaged by the end of
+``backward()`` (as with DDP); or, keeping DDP, its communication hook:
+``ddp.register_comm_hook(mpigc.torch.CommHookState(ddp, op="2bit"), mpigc.torch.comm_hook)``.
 
 A thin layer by composition over :func:`mpigc.iallreduce` and
 :class:`mpigc.ErrorFeedback`; see ``docs/torch.md`` for the design (bucket order, keys,
-residual layout, unused and frozen parameters, CUDA staging) and a migration guide
+residual layout, unused and frozen parameters, CUDA staging, AMP and the
+``nonfinite="skip"`` default, uneven inputs and ``join()``) and a migration guide
 from DDP and Horovod. Importing this module imports torch; ``import mpigc`` does not.
 """
 import contextlib
@@ -42,7 +45,8 @@ from ._errors import (ConfigError, DTypeError, MismatchError, MpigcError, NonFin
                       StateError)
 from .allreduce import iallreduce
 from .compressors import get_compressor
-from .feedback import ErrorFeedback, shard_bounds
+from . import _dispatch
+from .feedback import ErrorFeedback, _host, shard_bounds
 
 __all__ = ["GradientSync", "DistributedOptimizer", "CommHookState", "comm_hook",
            "broadcast_parameters", "broadcast_optimizer_state", "Bucket"]
@@ -153,12 +157,11 @@ def _wait_request(req, timeout, progress, what):
 
 
 def _snapshot(fb, key):
-    """A copy of ``key``'s residuals (None if the key has none yet)."""
+    """A host copy of ``key``'s residuals (None if the key has none yet)."""
     e = fb._entries.get(key)
     if e is None:
         return None
-    return (None if e.worker is None else e.worker.copy(),
-            None if e.owner is None else e.owner.copy(), e.calls)
+    return _host(e.worker), _host(e.owner), e.calls
 
 
 def _restore(fb, key, snap):
@@ -172,6 +175,9 @@ def _restore(fb, key, snap):
         cur = getattr(e, name)
         if old is None or cur is None:
             setattr(e, name, old)
+        elif _dispatch.is_device_array(cur):
+            from . import _cuda
+            _cuda.copy(cur, old)
         else:
             cur[...] = old
     e.calls = calls
@@ -1168,9 +1174,11 @@ class CommHookState:
         several = not (bucket.is_last() and bucket.index() == 0)
         snap = (_snapshot(self.feedback, layout.key)
                 if self.nonfinite == "skip" and several else None)
-        # DDP's flat bucket is reduced in place (a device backend would take
-        # the CUDA tensor as it is here)
-        req = iallreduce(tensor.detach().numpy(), op=self.compressor, comm=self.comm,
+        # DDP's flat bucket is reduced in place: a CUDA tensor as it is (the
+        # engine reduces device arrays on the GPU), a CPU one as numpy
+        flat = tensor.detach()
+        req = iallreduce(flat if flat.is_cuda else flat.numpy(), op=self.compressor,
+                         comm=self.comm,
                          key=layout.key, average=self.average, gather=self.gather,
                          feedback=self.feedback, nonfinite=self.nonfinite)
         fut = torch.futures.Future()

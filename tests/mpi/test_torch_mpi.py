@@ -60,9 +60,8 @@ def reference_sync(sync, model, op, fb, **kw):
 def test_gradients_equal_compressed_allreduce_reference(comm, op):
     model, ref = make_model(), make_model()
     sync = mt.GradientSync(model, op=op, bucket_mb=0.002)  # several buckets
-    assert len(sync.buckets) >= 2
     fb = mpigc.ErrorFeedback()
-    ok = True
+    ok = len(sync.buckets) >= 2  # agreed on below, no rank-local raise between collectives
     for step in range(3):  # residuals carry over between steps
         model.zero_grad()
         ref.zero_grad()
@@ -145,7 +144,7 @@ class SlowFirstLayer(torch.nn.Module):
 def test_first_bucket_starts_before_backward_finishes(comm):
     model = SlowFirstLayer()
     sync = mt.GradientSync(model, op="2bit", bucket_mb=0.0005)  # last.* fills bucket 0
-    assert sync.buckets[0].names == ["last.bias", "last.weight"]
+    layout_ok = sync.buckets[0].names == ["last.bias", "last.weight"]
     _Slow.log.clear()
     x, y = batch(comm.rank, 0)
     ((model(x) - y) ** 2).mean().backward()
@@ -154,7 +153,7 @@ def test_first_bucket_starts_before_backward_finishes(comm):
     started_early = first.started_at is not None and first.started_at < _Slow.log[0]
     last_after = last.started_at is not None and last.started_at > _Slow.log[0]
     sync.wait()
-    assert_all(started_early and last_after and first.started_at < t_end,
+    assert_all(layout_ok and started_early and last_after and first.started_at < t_end,
                f"bucket 0 started at {first.started_at}, slow backward at {_Slow.log}")
 
 
@@ -234,7 +233,7 @@ def test_different_parameters_raise_on_every_rank(comm):
         mt.GradientSync(model, op="2bit")
         return
     e = raises_everywhere(mpigc.MismatchError, lambda: mt.GradientSync(model, op="2bit"))
-    assert "extra.weight" in str(e)
+    assert_all("extra.weight" in str(e), str(e))
     # frozen on one rank only is a different parameter set too
     model = make_model()
     if comm.rank == 0:
@@ -344,7 +343,7 @@ def test_state_dict_survives_rebucketing_and_resumes_bit_exact(comm, op):
     sync = mt.GradientSync(model, op=op, bucket_mb=0.002)
     _steps(sync, model, comm.rank, range(3))
     state = sync.state_dict()
-    assert set(state) == set(sync.names)
+    names_ok = set(state) == set(sync.names)
     # same bucketing: the next step is bit-identical to an uninterrupted run
     m2 = copy.deepcopy(model)
     s2 = mt.GradientSync(m2, op=op, bucket_mb=0.002)
@@ -355,7 +354,7 @@ def test_state_dict_survives_rebucketing_and_resumes_bit_exact(comm, op):
     # another bucketing (one bucket, other shards): the per-parameter state is kept
     m3 = copy.deepcopy(model)
     s3 = mt.GradientSync(m3, op=op, bucket_mb=25)
-    assert len(s3.buckets) == 1 and len(s2.buckets) > 1
+    ok &= names_ok and len(s3.buckets) == 1 and len(s2.buckets) > 1
     s3.load_state_dict(state)
     back = s3.state_dict()
     for n in state:
@@ -591,7 +590,7 @@ def test_gradscaler_skips_nonfinite_steps_and_residuals_stay(comm):
     model = make_model()
     opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
                                   op="2bit", bucket_mb=0.002, threshold=2.0 ** -6)
-    assert len(opt.sync.buckets) >= 2
+    several = len(opt.sync.buckets) >= 2
     scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
 
     def step(s, poison):
@@ -608,7 +607,7 @@ def test_gradscaler_skips_nonfinite_steps_and_residuals_stay(comm):
     state, before = opt.sync.state_dict(), _params(model)
     step(1, True)
     after = opt.sync.state_dict()
-    ok = scaler.get_scale() == 32768.0 and opt.sync.nonfinite_steps == 1
+    ok = several and scaler.get_scale() == 32768.0 and opt.sync.nonfinite_steps == 1
     ok &= all(torch.equal(a, b) for a, b in zip(before, _params(model)))
     ok &= all(np.array_equal(state[n][k], after[n][k]) for n in state for k in ("worker", "owner"))
     step(2, False)  # and training goes on

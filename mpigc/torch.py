@@ -750,13 +750,13 @@ class GradientSync:
                 f"on {int(buf[1])} rank(s) (here: {changed[:5]}); the averaged gradients "
                 "would overwrite that change. Call sync.wait() (opt.synchronize()) before "
                 "clipping, GradScaler.unscale_() or any other change of the gradients")
-        skipped = (self.nonfinite == "skip"
-                   and any(b.n and np.isnan(b.flat[0]) for b in self.buckets))
+        nan = [bool(b.n and torch.isnan(b.tensor[0])) for b in self.buckets]  # skipped: all NaN
+        skipped = self.nonfinite == "skip" and any(nan)
         self.last_step_finite = not skipped
         if skipped:  # a step that a loss scaler will skip: no residual changes
             self.nonfinite_steps += 1
-            for b in self.buckets:
-                if b.key in snapshots and not np.isnan(b.flat[0]):
+            for b, bad in zip(self.buckets, nan):
+                if b.key in snapshots and not bad:
                     _restore(self.feedback, b.key, snapshots[b.key])
         with torch.no_grad():
             for i, p in enumerate(self._params):

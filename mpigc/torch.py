@@ -1147,8 +1147,17 @@ class CommHookState:
         stale = [lay for lay in self._layouts.values()
                  if lay.key != layout.key and mine & set(lay.names)]
         if stale:
-            fbs = {k: v for k, v in self.feedback.state_dict().items()
-                   if k in {lay.key for lay in stale}}
+            # not feedback.state_dict(): buckets of this step before this one are
+            # in flight (their keys busy); the stale ones are not (their
+            # parameters are this bucket's)
+            fbs = {}
+            for lay in stale:
+                e = self.feedback._entries.get(lay.key)
+                if e is not None:
+                    fbs[lay.key] = {"worker": _host(e.worker), "owner": _host(e.owner),
+                                    "config": dict(e.config), "calls": e.calls,
+                                    "world_size": e.world_size, "rank": e.rank, "n": e.n,
+                                    "dtype": e.dtype.name}
             self._pending.update(_state_from_layouts(stale, fbs, self._comm, self.gather))
             for lay in stale:
                 self.feedback.reset(lay.key)

@@ -793,3 +793,57 @@ def test_comm_hook_under_ddp_join_with_uneven_inputs(comm, gloo):
             opt.step()
     mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert_all(all(torch.equal(mine, other) for other in comm.allgather(mine)))
+
+
+class _FakeBucket:
+    """What DDP hands a comm hook (torch.distributed.GradBucket's methods)."""
+
+    def __init__(self, index, params, last):
+        self._index, self._params, self._last = index, params, last
+        self._buffer = torch.cat([p.grad.reshape(-1) for p in params])
+
+    def index(self):
+        return self._index
+
+    def parameters(self):
+        return self._params
+
+    def buffer(self):
+        return self._buffer
+
+    def is_last(self):
+        return self._last
+
+
+@pytest.mark.mpi
+def test_comm_hook_takes_residuals_over_when_a_later_bucket_changes(comm):
+    """A layout change at bucket 1 while bucket 0 (unchanged) is in flight."""
+    model, ref = make_model(), make_model()
+    state = mt.CommHookState(model, **_HOOK_OP)
+    sync = mt.GradientSync(ref, bucket_mb=0.002, **_HOOK_OP)
+    p = list(model.parameters())  # 0.weight 0.bias 2.weight 2.bias 4.weight 4.bias
+    layouts = [[[p[5], p[4]], [p[3], p[2], p[1], p[0]]],       # step 0
+               [[p[5], p[4]], [p[3], p[2]], [p[1], p[0]]],     # DDP "rebuilt" bucket 1
+               [[p[5], p[4]], [p[2], p[3]], [p[0], p[1]]]]     # and again, reordered
+    ok = True
+    for step, layout in enumerate(layouts):
+        model.zero_grad()
+        ref.zero_grad()
+        backward(model, comm.rank, step)
+        backward(ref, comm.rank, step)
+        sync.wait()
+        buckets = [_FakeBucket(i, ps, i == len(layout) - 1) for i, ps in enumerate(layout)]
+        futures = [mt.comm_hook(state, b) for b in buckets]
+        for b, fut in zip(buckets, futures):
+            out = fut.wait()
+            off = 0
+            for q in b.parameters():
+                q.grad.copy_(out[off:off + q.numel()].view_as(q))
+                off += q.numel()
+        want = grads_of(ref)
+        ok &= all(got.numpy().tobytes() == want[n].numpy().tobytes()
+                  for n, got in grads_of(model).items())
+    a, b = state.state_dict(), sync.state_dict()
+    ok &= set(a) == set(b) and all(np.array_equal(a[n][k], b[n][k])
+                                   for n in b for k in ("worker", "owner"))
+    assert_all(ok)

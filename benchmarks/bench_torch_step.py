@@ -19,6 +19,10 @@ slowest rank's. DDP and mpigc both keep the gradients in their buckets
 ``mpigc-OP``        ``mpigc.torch.GradientSync(model, op=OP)`` for OP in none, fp16,
                     2bit, 1bit, terngrad (25 MiB buckets); 2bit in its relative mode
                     (``rel_threshold=1.5``) unless ``--threshold`` is given
+``ddp-mpigc-OP``    DDP (gloo process group, ``--bucket-mb`` buckets) with mpigc's
+                    compressed allreduce over MPI as its communication hook
+                    (``mpigc.torch.comm_hook``), OP and its parameters as for
+                    ``mpigc-OP``
 
 torch.distributed is initialised from the MPI rank and size with a TCP store at
 rank 0's address (``--master-addr``, default: rank 0's host name resolved by
@@ -41,6 +45,7 @@ import mpigc.torch
 
 ALL_MODES = ("ddp", "ddp-fp16", "ddp-powersgd", "mpigc-none", "mpigc-fp16", "mpigc-2bit",
              "mpigc-1bit")
+# also accepted: ddp-mpigc-OP (DDP with mpigc.torch.comm_hook), mpigc-terngrad
 
 
 def parse_args():
@@ -92,8 +97,23 @@ def init_gloo(args, comm):
                                          rank=comm.rank, world_size=comm.size)
 
 
+def op_params(op, args):
+    if op == "2bit":
+        return ({"threshold": args.threshold} if args.threshold
+                else {"rel_threshold": args.rel_threshold})
+    return {}
+
+
 def wrap(mode, model, args, comm):
     """Returns ``(module_to_call, after_backward)``."""
+    if mode.startswith("ddp-mpigc-"):
+        init_gloo(args, comm)
+        op = mode[len("ddp-mpigc-"):]
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=args.bucket_mb, gradient_as_bucket_view=not args.copy_grads)
+        state = mpigc.torch.CommHookState(ddp, op=op, **op_params(op, args))
+        ddp.register_comm_hook(state, mpigc.torch.comm_hook)
+        return ddp, lambda: None
     if mode.startswith("ddp"):
         init_gloo(args, comm)
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
@@ -113,12 +133,9 @@ def wrap(mode, model, args, comm):
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return ddp, lambda: None
     op = mode.split("-", 1)[1]
-    kw = {}
-    if op == "2bit":
-        kw = ({"threshold": args.threshold} if args.threshold
-              else {"rel_threshold": args.rel_threshold})
     sync = mpigc.torch.GradientSync(model, op=op, bucket_mb=args.bucket_mb,
-                                    gradient_as_bucket_view=not args.copy_grads, **kw)
+                                    gradient_as_bucket_view=not args.copy_grads,
+                                    **op_params(op, args))
     return model, sync.wait
 
 
@@ -146,7 +163,7 @@ def run(mode, args, comm):
             times.append(dt)
             losses.append(loss.item())
     # mpigc.traffic() counts the compressed paths (op="none" is a plain MPI_Iallreduce)
-    counted = mode.startswith("mpigc") and mode != "mpigc-none"
+    counted = "mpigc-" in mode and not mode.endswith("-none")
     sent = mpigc.traffic()["bytes_sent"] / args.steps if counted else None
     return times, sent, comm.allreduce(losses[-1]) / comm.size
 
@@ -163,11 +180,11 @@ def main():
         print(f"{comm.size} ranks ({local} on this host), {threads} torch thread(s) per rank, "
               f"{nparams / 1e6:.1f}M parameters, batch {args.batch}/rank, "
               f"{args.steps} timed steps after {args.warmup}")
-        print(f"{'mode':<14} {'step ms':>9} {'median':>9} {'min':>9} {'vs ddp':>7} "
+        print(f"{'mode':<16} {'step ms':>9} {'median':>9} {'min':>9} {'vs ddp':>7} "
               f"{'MiB sent/step/rank':>19} {'final loss':>11}", flush=True)
     base = None
     for mode in modes:
-        if mode not in ALL_MODES and not mode.startswith("mpigc-"):
+        if mode not in ALL_MODES and not mode.startswith(("mpigc-", "ddp-mpigc-")):
             raise SystemExit(f"unknown mode {mode!r}; expected one of {ALL_MODES}")
         times, sent, loss = run(mode, args, comm)
         mean = statistics.mean(times)
@@ -176,7 +193,7 @@ def main():
         if comm.rank == 0:
             ratio = f"{base / mean:6.2f}x" if base else "      -"
             mib = "-" if sent is None else f"{sent / 2**20:.2f}"
-            print(f"{mode:<14} {mean * 1e3:9.1f} {statistics.median(times) * 1e3:9.1f} "
+            print(f"{mode:<16} {mean * 1e3:9.1f} {statistics.median(times) * 1e3:9.1f} "
                   f"{min(times) * 1e3:9.1f} {ratio:>7} {mib:>19} {loss:11.5f}", flush=True)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

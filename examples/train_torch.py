@@ -8,11 +8,19 @@ parallel over MPI, with compressed gradient averaging (mpigc.torch).
 The data (``sklearn.datasets.load_digits``: 1797 8x8 images, 10 classes) ships
 with scikit-learn (``pip install scikit-learn``); nothing is downloaded. Each
 rank trains on its own slice of the training set; the test set is the same on
-every rank. ``--checkpoint DIR`` saves, after every epoch, the model and the
-optimizer (``DIR/train.pt``, one file written by rank 0) and the residuals of
-the error feedback (``mpigc.save_checkpoint`` in ``DIR/residuals``, which can be
-loaded on another number of ranks); ``--resume`` restores all three and
-continues with the next epoch.
+every rank. ``--checkpoint DIR`` saves, after every epoch, the model, the
+optimizer and the learning-rate schedule (``DIR/train.pt``, one file written by
+rank 0) and the residuals of the error feedback (``mpigc.save_checkpoint`` in
+``DIR/residuals``, which can be loaded on another number of ranks);
+``--resume`` restores all four and continues with the next epoch. The cosine
+schedule is a function of the epoch and ``--epochs``: a resumed run with the
+same ``--epochs`` continues it exactly, one with more epochs follows the
+schedule of the new total from the next epoch on.
+
+``--sync ddp-hook`` trains with torch's DistributedDataParallel (gloo process
+group, started from the MPI ranks) and mpigc's compressed allreduce as its
+communication hook (``mpigc.torch.comm_hook``) instead of
+``mpigc.torch.DistributedOptimizer``.
 
 Optimizer and threshold: SGD with momentum (default), as 1-bit SGD and MXNet's
 2-bit compression were designed for; Adam (``--optimizer adam``) divides each
@@ -31,7 +39,9 @@ The 2bit threshold, three ways (give at most one):
   training); what ``--rel-threshold`` meant before the relative mode existed.
 """
 import argparse
+import math
 import os
+import socket
 import time
 
 import numpy as np
@@ -72,6 +82,9 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", metavar="DIR", help="save after every epoch")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--sync", choices=("optimizer", "ddp-hook"), default="optimizer",
+                   help="mpigc.torch.DistributedOptimizer (default), or DDP with "
+                        "mpigc.torch.comm_hook")
     args = p.parse_args()
     given = [o for o, v in (("--threshold", args.threshold),
                             ("--rel-threshold", args.rel_threshold),
@@ -117,24 +130,57 @@ def accuracy(model, x, y):
     return acc
 
 
-def save(args, comm, epoch, model, opt, sync):
+def make_scheduler(opt, args):
+    """The learning-rate schedule over ``args.epochs`` (None: constant). A
+    closed form of the epoch (``LambdaLR``), not CosineAnnealingLR's recursive
+    one, so that a resumed run may change ``--epochs``."""
+    if args.schedule == "constant":
+        return None
+    epochs = args.epochs
+    return torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda e: 0.5 * (1 + math.cos(math.pi * min(e, epochs) / epochs)))
+
+
+def save(args, comm, epoch, model, opt, sched, residuals):
+    """Model, optimizer and schedule (rank 0, one file) and the residuals
+    (``residuals.save_checkpoint``: a GradientSync or a CommHookState)."""
     os.makedirs(args.checkpoint, exist_ok=True)
     comm.Barrier()
     if comm.rank == 0:
         tmp = os.path.join(args.checkpoint, "train.pt.tmp")
         torch.save({"epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
+                    "scheduler": None if sched is None else sched.state_dict(),
                     "op": args.op, "world_size": comm.size}, tmp)
         os.replace(tmp, os.path.join(args.checkpoint, "train.pt"))
-    sync.save_checkpoint(os.path.join(args.checkpoint, "residuals"), step=epoch)
+    residuals.save_checkpoint(os.path.join(args.checkpoint, "residuals"), step=epoch)
     comm.Barrier()
 
 
-def resume(args, comm, model, opt, sync):
+def resume(args, comm, model, opt, sched, residuals):
+    """Restore what :func:`save` saved; returns the next epoch."""
     ck = torch.load(os.path.join(args.checkpoint, "train.pt"), weights_only=True)
     model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["optimizer"])
-    sync.load_checkpoint(os.path.join(args.checkpoint, "residuals"))
+    if sched is not None and ck.get("scheduler") is not None:
+        sched.load_state_dict(ck["scheduler"])
+        # the lr of the next epoch by this run's schedule (the same value when
+        # --epochs did not change; the new total's when it did)
+        for group, base, lam in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
+            group["lr"] = base * lam(sched.last_epoch)
+    residuals.load_checkpoint(os.path.join(args.checkpoint, "residuals"))
     return ck["epoch"] + 1
+
+
+def init_gloo(comm):
+    """torch.distributed's gloo process group on the MPI ranks (one host)."""
+    port = None
+    if comm.rank == 0:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    port = comm.bcast(port)
+    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                         rank=comm.rank, world_size=comm.size)
 
 
 def first_gradient_rms(model, x, y, comm):
@@ -167,29 +213,40 @@ def main():
             params["rel_threshold"] = (DEFAULT_REL_THRESHOLD if args.rel_threshold is None
                                        else args.rel_threshold)
             params["block_size"] = args.block_size
-    sync = mpigc.torch.GradientSync(model, op=args.op, bucket_mb=args.bucket_mb,
-                                    gather=args.gather, **params)
     if args.optimizer == "sgd":
         opt = torch.optim.SGD(model.parameters(), lr=args.lr or 0.05, momentum=args.momentum)
     else:
         opt = torch.optim.Adam(model.parameters(), lr=args.lr or 1e-3)
-    opt = mpigc.torch.DistributedOptimizer(opt, sync=sync)  # step() waits for the sync
+    net = model
+    if args.sync == "ddp-hook":
+        init_gloo(comm)
+        net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
+        residuals = mpigc.torch.CommHookState(net, op=args.op, gather=args.gather, **params)
+        net.register_comm_hook(residuals, mpigc.torch.comm_hook)
+        layout = "DDP's buckets"
+    else:
+        # an optimizer whose step() applies the averaged gradients; they are
+        # averaged by the end of backward(), as with DDP
+        opt = mpigc.torch.DistributedOptimizer(opt, model, op=args.op,
+                                               bucket_mb=args.bucket_mb, gather=args.gather,
+                                               **params)
+        residuals = opt.sync
+        layout = f"{len(opt.sync.buckets)} bucket(s)"
 
-    sched = None
-    if args.schedule == "cosine":
-        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt.optimizer, T_max=args.epochs)
+    sched = make_scheduler(opt, args)
     start = 0
     if args.resume:
         if not args.checkpoint:
             raise SystemExit("--resume needs --checkpoint DIR")
-        start = resume(args, comm, model, opt.optimizer, sync)
+        start = resume(args, comm, model, opt, sched, residuals)
         if comm.rank == 0:
-            print(f"resumed from {args.checkpoint} at epoch {start}")
+            print(f"resumed from {args.checkpoint} at epoch {start}, "
+                  f"lr {opt.param_groups[0]['lr']:.5f}")
     if comm.rank == 0:
         print(f"{comm.size} rank(s), op={args.op} {params}, "
               f"{sum(p.numel() for p in model.parameters())} parameters in "
-              f"{len(sync.buckets)} bucket(s), {len(ytr)} training samples per rank, "
-              f"{args.optimizer}")
+              f"{layout}, {len(ytr)} training samples per rank, "
+              f"{args.optimizer}, sync {args.sync}")
 
     # every rank runs the same number of steps per epoch
     steps = comm.allreduce(-(-len(ytr) // args.batch_size), op=MPI.MIN)
@@ -201,9 +258,9 @@ def main():
         for s in range(steps):
             idx = perm[s * args.batch_size:(s + 1) * args.batch_size]
             opt.zero_grad()
-            loss = torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx])
+            loss = torch.nn.functional.cross_entropy(net(xtr[idx]), ytr[idx])
             loss.backward()   # buckets start their compressed allreduce as they fill
-            opt.step()        # = sync.wait(); optimizer.step()
+            opt.step()        # with the gradients averaged over the ranks
             total += loss.item()
         loss = comm.allreduce(total / steps) / comm.size
         acc = accuracy(model, xte, yte)
@@ -215,10 +272,12 @@ def main():
         if sched is not None:
             sched.step()
         if args.checkpoint:
-            save(args, comm, epoch, model, opt.optimizer, sync)
+            save(args, comm, epoch, model, opt, sched, residuals)
     same = comm.allgather(float(sum(p.detach().double().sum() for p in model.parameters())))
     if comm.rank == 0:
         print("parameters equal on every rank:", all(v == same[0] for v in same))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -12,17 +12,22 @@ One line makes an existing model's gradient exchange compressed::
         opt.step()
 
 or, Horovod style, ``opt = mpigc.torch.DistributedOptimizer(opt, model, op="2bit")``,
-whose ``step()`` waits first.
+an optimizer of the wrapped class whose gradients are averaged by the end of
+``backward()`` (as with DDP); or, keeping DDP, its communication hook:
+``ddp.register_comm_hook(mpigc.torch.CommHookState(ddp, op="2bit"), mpigc.torch.comm_hook)``.
 
 A thin layer by composition over :func:`mpigc.iallreduce` and
 :class:`mpigc.ErrorFeedback`; see ``docs/torch.md`` for the design (bucket order, keys,
-residual layout, unused and frozen parameters, CUDA staging) and a migration guide
+residual layout, unused and frozen parameters, CUDA staging, AMP and the
+``nonfinite="skip"`` default, uneven inputs and ``join()``) and a migration guide
 from DDP and Horovod. Importing this module imports torch; ``import mpigc`` does not.
 """
 import contextlib
 import hashlib
 import json
+import os
 import time
+import weakref
 import zlib
 
 import numpy as np
@@ -36,13 +41,23 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 from . import _comm as _engine_comm
 from . import _comm
-from ._errors import ConfigError, DTypeError, MismatchError, MpigcError, StateError
+from ._errors import (ConfigError, DTypeError, MismatchError, MpigcError, NonFiniteError,
+                      StateError)
 from .allreduce import iallreduce
 from .compressors import get_compressor
-from .feedback import ErrorFeedback, shard_bounds
+from . import _dispatch
+from .feedback import ErrorFeedback, _host, shard_bounds
 
-__all__ = ["GradientSync", "DistributedOptimizer", "broadcast_parameters",
-           "broadcast_optimizer_state", "Bucket"]
+__all__ = ["GradientSync", "DistributedOptimizer", "CommHookState", "comm_hook",
+           "broadcast_parameters", "broadcast_optimizer_state", "Bucket"]
+
+
+def _hooked_by(p):
+    """The GradientSync whose hooks are on parameter ``p``, or None."""
+    ref = getattr(p, "_mpigc_sync", None)  # (copies of p carry it too)
+    sync = None if ref is None else ref()
+    return sync if sync is not None and id(p) in sync._hooked_ids else None
+
 
 _BUCKET_DTYPES = {torch.float16: np.float32, torch.bfloat16: np.float32,
                   torch.float32: np.float32, torch.float64: np.float64}
@@ -98,6 +113,188 @@ def _resolve_comm(comm):
     if not isinstance(comm, MPI.Intracomm):
         raise TypeError(f"comm: expected an mpi4py Intracomm, got {type(comm).__name__}")
     return comm
+
+
+def _torch_nonfinite(nonfinite):
+    """The torch layer's default policy for NaN/Inf gradients: ``"skip"``
+    (``$MPIGC_NONFINITE`` overrides it), so that a loss scaler sees them."""
+    return nonfinite if nonfinite is not None else os.environ.get("MPIGC_NONFINITE", "skip")
+
+
+def _resolve_timeout(timeout):
+    """Seconds a rank waits for the others to reach a step's synchronisation
+    (``$MPIGC_TORCH_TIMEOUT``, default 1800 as torch.distributed's); None or
+    0: forever."""
+    if timeout is None:
+        env = os.environ.get("MPIGC_TORCH_TIMEOUT", "1800")
+        try:
+            timeout = float(env)
+        except ValueError:
+            raise ConfigError(f"MPIGC_TORCH_TIMEOUT: expected seconds, got {env!r}") from None
+    timeout = float(timeout)
+    if timeout < 0:
+        raise ConfigError(f"timeout: expected seconds >= 0, got {timeout!r}")
+    return timeout or None
+
+
+def _wait_request(req, timeout, progress, what):
+    """Complete an mpi4py request, calling ``progress()`` while polling;
+    :class:`StateError` (on this rank) after ``timeout`` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    spins = 0
+    while not req.Test():
+        progress()
+        spins += 1
+        if spins > 200:
+            if deadline is not None and time.monotonic() > deadline:
+                raise StateError(
+                    f"{what}: the other ranks did not reach this step's gradient "
+                    f"synchronisation within {timeout:g} s. A rank that ran out of batches "
+                    "(uneven inputs)? Wrap the training loop in `with sync.join():` "
+                    "(`opt.join()`, DistributedOptimizer) on every rank. The step stays "
+                    "pending (timeout=, $MPIGC_TORCH_TIMEOUT)")
+            time.sleep(0.0002)
+
+
+def _snapshot(fb, key):
+    """A host copy of ``key``'s residuals (None if the key has none yet)."""
+    e = fb._entries.get(key)
+    if e is None:
+        return None
+    return _host(e.worker), _host(e.owner), e.calls
+
+
+def _restore(fb, key, snap):
+    """Put back what :func:`_snapshot` took."""
+    if snap is None:
+        fb.reset(key)
+        return
+    e = fb._entries[key]
+    worker, owner, calls = snap
+    for name, old in (("worker", worker), ("owner", owner)):
+        cur = getattr(e, name)
+        if old is None or cur is None:
+            setattr(e, name, old)
+        elif _dispatch.is_device_array(cur):
+            from . import _cuda
+            _cuda.copy(cur, old)
+        else:
+            cur[...] = old
+    e.calls = calls
+
+
+class _Layout:
+    """Where parameters sit in one flat buffer (a bucket of GradientSync or
+    of DDP): ``index``, ``key``, ``names``, ``offsets``, ``numels``, ``n``,
+    ``dtype`` (numpy)."""
+
+    def __init__(self, index, names, numels, dtype):
+        self.index = index
+        self.names = list(names)
+        self.numels = [int(m) for m in numels]
+        self.offsets = np.concatenate([[0], np.cumsum(self.numels)])[:-1].astype(int).tolist()
+        self.n = int(sum(self.numels))
+        self.dtype = np.dtype(dtype)
+        desc = json.dumps([[n, m] for n, m in zip(self.names, self.numels)]).encode()
+        digest = hashlib.sha1(desc).hexdigest()[:12]
+        self.key = f"torch/{self.names[0]}..{self.names[-1]}/{digest}"
+
+
+def _uses_owner(gather, config):
+    return gather == "compressed" and get_compressor(dict(config)).uses_feedback
+
+
+def _state_from_layouts(layouts, fbs, comm, gather):
+    """Per-parameter residual state (see :meth:`GradientSync.state_dict`)
+    from the per-bucket ``fbs`` (an ``ErrorFeedback.state_dict()``) of
+    ``layouts`` (collective: one alltoall moves owner shards)."""
+    N, r = comm.size, comm.rank
+    out, sends = {}, [[] for _ in range(N)]
+    for b in layouts:
+        s = fbs.get(b.key)
+        if s is None:
+            continue
+        has_owner = _uses_owner(gather, s["config"])
+        lo, hi = shard_bounds(b.n, N)[r]
+        for name, off, m in zip(b.names, b.offsets, b.numels):
+            qlo, qhi = shard_bounds(m, N)[r]
+            out[name] = {
+                "worker": None if s["worker"] is None else s["worker"][off:off + m].copy(),
+                "owner": np.zeros(qhi - qlo, s["dtype"]) if has_owner else None,
+                "config": dict(s["config"]), "calls": s["calls"], "world_size": N,
+                "rank": r, "n": m, "dtype": s["dtype"]}
+            if s["owner"] is None:
+                continue
+            plo, phi = max(lo - off, 0), min(hi - off, m)  # my owned elements of it
+            for j, (jlo, jhi) in enumerate(shard_bounds(m, N)):
+                a, z = max(plo, jlo), min(phi, jhi)
+                if a < z:
+                    sends[j].append((name, a - jlo, s["owner"][off + a - lo:off + z - lo]))
+    for pieces in comm.alltoall(sends):
+        for name, start, vals in pieces:
+            out[name]["owner"][start:start + vals.size] = vals
+    return out
+
+
+def _check_state(state, numel_of, N, r):
+    """Validate a per-parameter state against ``{name: numel}`` (local)."""
+    for name, s in state.items():
+        if name not in numel_of:
+            continue
+        m = numel_of[name]
+        if (int(s["world_size"]), int(s["rank"])) != (N, r):
+            raise StateError(
+                f"{name!r}: residuals of rank {s['rank']} of {s['world_size']}, this "
+                f"is rank {r} of {N}; reshard with mpigc.load_checkpoint first")
+        if int(s["n"]) != m:
+            raise StateError(f"{name!r}: residuals of {s['n']} values, the "
+                             f"parameter has {m}")
+        qlo, qhi = shard_bounds(m, N)[r]
+        if s.get("owner") is not None and np.asarray(s["owner"]).size != qhi - qlo:
+            raise StateError(f"{name!r}: owner residual of {np.asarray(s['owner']).size}"
+                             f" values, expected {qhi - qlo}")
+
+
+def _entries_for_layouts(layouts, state, comm):
+    """The per-bucket ``ErrorFeedback`` state of ``layouts`` built from a
+    per-parameter ``state`` (collective: one alltoall moves owner shards)."""
+    N, r = comm.size, comm.rank
+    new, sends = {}, [[] for _ in range(N)]
+    by_index = {b.index: b for b in layouts}
+    for b in layouts:
+        saved = [(name, off, m, state[name]) for name, off, m
+                 in zip(b.names, b.offsets, b.numels) if name in state]
+        if not saved:
+            continue
+        dtype = b.dtype
+        worker = None
+        if any(s.get("worker") is not None for *_, s in saved):
+            worker = np.zeros(b.n, dtype)
+            for name, off, m, s in saved:
+                if s.get("worker") is not None:
+                    worker[off:off + m] = np.asarray(s["worker"]).reshape(-1)
+        has_owner = any(s.get("owner") is not None for *_, s in saved)
+        bounds = shard_bounds(b.n, N)
+        lo, hi = bounds[r]
+        new[b.key] = {"worker": worker,
+                      "owner": np.zeros(hi - lo, dtype) if has_owner else None,
+                      "config": dict(saved[0][3]["config"]),
+                      "calls": max(int(s.get("calls", 0)) for *_, s in saved),
+                      "world_size": N, "rank": r, "n": b.n, "dtype": dtype.name}
+        for name, off, m, s in saved:
+            if s.get("owner") is None:
+                continue
+            vals = np.asarray(s["owner"]).reshape(-1)
+            qlo, qhi = shard_bounds(m, N)[r]  # bucket positions off+qlo .. off+qhi
+            for j, (jlo, jhi) in enumerate(bounds):
+                a, z = max(off + qlo, jlo), min(off + qhi, jhi)
+                if a < z:
+                    sends[j].append((b.index, a - jlo, vals[a - off - qlo:z - off - qlo]))
+    for pieces in comm.alltoall(sends):
+        for index, start, vals in pieces:
+            owner = new[by_index[index].key]["owner"]
+            owner[start:start + vals.size] = vals
+    return new
 
 
 # -- broadcast helpers ---------------------------------------------------------
@@ -158,7 +355,7 @@ def broadcast_optimizer_state(optimizer, root=0, *, comm=None):
 
 
 # -- buckets -------------------------------------------------------------------
-class Bucket:
+class Bucket(_Layout):
     """One fused gradient buffer (read-only view for users and tests).
 
     Attributes
@@ -179,16 +376,11 @@ class Bucket:
     """
 
     def __init__(self, index, entries, np_dtype, pin):
-        self.index = index
-        self.names = [n for n, _, _ in entries]
+        super().__init__(index, [n for n, _, _ in entries],
+                         [p.numel() for _, _, p in entries], np_dtype)
         self.param_index = [i for _, i, _ in entries]
-        self.numels = [p.numel() for _, _, p in entries]
-        self.offsets = np.concatenate([[0], np.cumsum(self.numels)])[:-1].astype(int).tolist()
-        self.n = int(sum(self.numels))
-        desc = json.dumps([[n, m] for n, m in zip(self.names, self.numels)]).encode()
-        digest = hashlib.sha1(desc).hexdigest()[:12]
-        self.key = f"torch/{self.names[0]}..{self.names[-1]}/{digest}"
-        tdtype = torch.float64 if np_dtype == np.float64 else torch.float32
+        # the host buffer; a device backend would allocate its buckets here
+        tdtype = torch.float64 if self.dtype == np.float64 else torch.float32
         self.tensor = torch.zeros(self.n, dtype=tdtype, pin_memory=pin)
         self.flat = self.tensor.numpy()
         self.pending = len(self.names)
@@ -235,8 +427,27 @@ class GradientSync:
         Default ``MPI.COMM_WORLD``.
     average : bool
         Average (default) or sum over ranks.
-    gather, nonfinite : str, optional
+    gather : str, optional
         As for :func:`mpigc.allreduce`.
+    nonfinite : {"skip", "raise", "ignore"}, optional
+        NaN/Inf in any rank's gradient. Default ``"skip"`` (or
+        ``$MPIGC_NONFINITE``), as DDP passes them on: the gradients of the
+        affected buckets become NaN on every rank (so ``GradScaler`` sees them,
+        skips the step and lowers its scale) and no residual changes (with
+        several buckets, those of the finite buckets are put back as they were
+        before the step). ``"raise"``: :class:`mpigc.NonFiniteError` on every
+        rank. See :attr:`nonfinite_steps`.
+    timeout : float, optional
+        Seconds a rank waits in a step's synchronisation for the others
+        before it raises :class:`mpigc.StateError` (uneven inputs without
+        :meth:`join`); default ``$MPIGC_TORCH_TIMEOUT`` or 1800 (as
+        torch.distributed); 0 waits forever.
+    sync_on_backward : bool
+        Complete the synchronisation at the end of every ``backward()``, as
+        DDP does, so ``param.grad`` holds the averages when ``backward()``
+        returns (clipping, ``GradScaler`` and anything else that reads the
+        gradients then need no :meth:`wait`). Default False: :meth:`wait`
+        completes it. :class:`DistributedOptimizer` turns it on.
     feedback : ErrorFeedback, optional
         The residual store of the buckets; default a new one, :attr:`feedback`.
     gradient_as_bucket_view : bool
@@ -265,12 +476,21 @@ class GradientSync:
 
     def __init__(self, module, op="2bit", *, bucket_mb=25.0, comm=None, average=True,
                  gather="compressed", nonfinite=None, feedback=None,
-                 find_unused_parameters=False, gradient_as_bucket_view=False, **params):
+                 find_unused_parameters=False, gradient_as_bucket_view=False,
+                 timeout=None, sync_on_backward=False, **params):
         self.comm = _resolve_comm(comm)
         self.compressor = get_compressor(op, **params)
         self.average = bool(average)
         self.gather = gather
-        self.nonfinite = nonfinite
+        self.nonfinite = _torch_nonfinite(nonfinite)
+        self.timeout = _resolve_timeout(timeout)
+        self.sync_on_backward = bool(sync_on_backward)
+        #: steps whose gradients were non-finite on some rank (``nonfinite="skip"``)
+        self.nonfinite_steps = 0
+        #: False when the last synchronised step was skipped for NaN/Inf
+        self.last_step_finite = True
+        #: steps this object synchronised with gradients of this rank
+        self.steps = 0
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
         self.feedback = ErrorFeedback() if feedback is None else feedback
@@ -294,6 +514,12 @@ class GradientSync:
         _raise_everywhere(self._comm, exc, "GradientSync")
         named = [(n, p) for n, p in named if p.requires_grad]
         _check_same(self._comm, _describe(named), "GradientSync")
+        taken = [n for n, p in named if _hooked_by(p) is not None]
+        _raise_everywhere(self._comm, None if not taken else StateError(
+            f"parameters {taken[:5]} are synchronised by another GradientSync (or "
+            "DistributedOptimizer) already: call remove_hooks() on it (opt.sync."
+            "remove_hooks()) before wrapping the model again, e.g. after unfreezing "
+            "layers"), "GradientSync")
         self.names = [n for n, _ in named]
         self._params = [p for _, p in named]
         self.size, self.rank = self._comm.size, self._comm.rank
@@ -311,9 +537,20 @@ class GradientSync:
         self._next = 0
         self._dirty = False
         self._no_sync = 0
+        self._versions = {}  # param index -> (grad, its _version) when its bucket started
+        # nonfinite="skip" with several buckets: residuals before the step, put
+        # back when another bucket of the step was skipped
+        self._keep_snapshots = self.nonfinite == "skip" and len(self.buckets) > 1
+        self._snapshots = {}
+        self._agree_req = None
+        self._agree_buf = None
+        self._changed = []
+        self._callback_queued = False
         self._handles = []
+        self._hooked_ids = {id(p) for p in self._params}
         for i, p in enumerate(self._params):
             self._handles.append(_accumulate_grad_hook(p, self._make_hook(i)))
+            p._mpigc_sync = weakref.ref(self)  # see _hooked_by
 
     # -- construction ----------------------------------------------------------
     def _make_buckets(self, named, bucket_mb):
@@ -341,10 +578,18 @@ class GradientSync:
         return hook
 
     def remove_hooks(self):
-        """Detach from the model (the hooks are removed)."""
+        """Detach from the model: its gradients are no longer synchronised.
+
+        Call it before building a new ``GradientSync`` (or
+        ``DistributedOptimizer``) for the same parameters, e.g. after
+        unfreezing layers: otherwise both objects' hooks fire and the old
+        one, which does not know the new parameters, raises at the next
+        step. Not collective; the residuals stay in :attr:`feedback`.
+        """
         for h, _ in self._handles:
             h.remove()
         self._handles = []
+        self._hooked_ids = set()
 
     # -- during backward ---------------------------------------------------------
     def _grad_ready(self, i, p):
@@ -354,7 +599,13 @@ class GradientSync:
         if self._ready[i]:
             raise StateError(
                 f"parameter {self.names[i]!r} got a second gradient before sync.wait(); "
-                "accumulate gradients inside `with sync.no_sync():` instead")
+                "accumulate gradients inside `with sync.no_sync():` instead. Or is another "
+                "GradientSync hooked to the same parameters? Call remove_hooks() on the "
+                "old one before wrapping the model again")
+        if self.sync_on_backward and not self._callback_queued:
+            # as DDP: finish the step when the autograd engine finishes backward
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+            self._callback_queued = True
         view = self._views.get(i)
         if view is None or not self._is_view(p.grad, view):
             with torch.no_grad():
@@ -374,7 +625,18 @@ class GradientSync:
                 and grad.shape == view.shape and grad.dtype == view.dtype
                 and grad.stride() == view.stride())
 
+    def _end_of_backward(self):
+        self._callback_queued = False
+        self.wait()
+
     def _launch(self, b):
+        # the gradients as sent: a change before wait() would be lost (see wait)
+        for i in b.param_index:
+            g = self._params[i].grad
+            if self._ready[i] and g is not None:
+                self._versions[i] = (g, g._version)
+        if self._keep_snapshots:
+            self._snapshots[b.key] = _snapshot(self.feedback, b.key)
         b.started_at = time.perf_counter()
         b.request = iallreduce(b.flat, op=self.compressor, comm=self.comm, key=b.key,
                                average=self.average, gather=self.gather,
@@ -412,28 +674,62 @@ class GradientSync:
         """Complete this step's allreduces and write the averaged gradients
         into ``param.grad`` (collective; call it after ``backward()`` and
         before ``optimizer.step()``). A no-op when no gradient arrived since
-        the last call.
+        the last call (e.g. after ``sync_on_backward`` finished the step).
 
         Raises
         ------
         MpigcError
             On every rank, when a bucket's allreduce failed (e.g.
-            :class:`mpigc.NonFiniteError` for NaN/Inf gradients); ``param.grad``
-            and the residuals are then unchanged.
+            :class:`mpigc.NonFiniteError` for NaN/Inf gradients with
+            ``nonfinite="raise"``); ``param.grad`` and the residuals are then
+            unchanged.
+        StateError
+            On every rank, when some rank changed a ``param.grad`` in place or
+            replaced it after its bucket started (clipping or
+            ``GradScaler.unscale_`` before ``wait()``): that change would be
+            silently lost. Call ``wait()`` (``opt.synchronize()``) first.
+            On this rank only, when the other ranks did not reach the step
+            within ``timeout`` seconds (see :meth:`join`).
         """
         if not self._dirty:
             return
-        for b in self.buckets[self._next:]:  # buckets that some parameter did not fill
-            for i, off, m in zip(b.param_index, b.offsets, b.numels):
-                if not self._ready[i]:
-                    b.flat[off:off + m] = 0
-            b.pending = 0
-        self._launch_ready()
-        unused = None
-        if self.find_unused_parameters:
-            used = np.array(self._ready, np.uint8)
-            self._comm.Allreduce(MPI.IN_PLACE, used, op=MPI.MAX)
-            unused = ~used.astype(bool)
+        if self._agree_req is None:
+            for b in self.buckets[self._next:]:  # buckets that some parameter did not fill
+                for i, off, m in zip(b.param_index, b.offsets, b.numels):
+                    if not self._ready[i]:
+                        b.flat[off:off + m] = 0
+                b.pending = 0
+            self._launch_ready()
+            changed = [self.names[i] for i, (g, v) in self._versions.items()
+                       if self._params[i].grad is not g or g._version != v]
+            self._post_agreement(active=True, changed=len(changed),
+                                 used=self._ready if self.find_unused_parameters else None)
+            self._changed = changed
+        buf = self._agreement()
+        self._finish(buf, write=True)
+        self.steps += 1
+
+    def _post_agreement(self, active, changed, used=None):
+        """Every step starts with one small allreduce on every rank, active
+        or joined: [ranks with gradients, ranks whose gradients changed
+        after they were sent, per parameter: ranks that used it]."""
+        buf = np.zeros(2 + (len(self._params) if self.find_unused_parameters else 0),
+                       np.int64)
+        buf[0], buf[1] = int(active), int(changed)
+        if used is not None:
+            buf[2:] = np.asarray(used, np.int64)
+        self._agree_buf = buf
+        self._agree_req = self._comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+    def _agreement(self):
+        _wait_request(self._agree_req, self.timeout, self._poke,
+                      f"GradientSync (rank {self.rank} of {self.size})")
+        self._agree_req = None
+        return self._agree_buf
+
+    def _finish(self, buf, write):
+        """Complete the step's allreduces (every rank, active or joined)."""
+        unused = (buf[2:] == 0) if self.find_unused_parameters else None
         errors = []
         for b in self.buckets:
             try:
@@ -443,16 +739,35 @@ class GradientSync:
                 b.error = e
             if b.error is not None:
                 errors.append(b.error)
+        snapshots, self._snapshots = self._snapshots, {}
+        changed, self._changed = self._changed, []
         self._reset_step()
         if errors:
             raise errors[0]
+        if buf[1]:
+            raise StateError(
+                f"param.grad was changed in place or replaced after backward() had sent it, "
+                f"on {int(buf[1])} rank(s) (here: {changed[:5]}); the averaged gradients "
+                "would overwrite that change. Call sync.wait() (opt.synchronize()) before "
+                "clipping, GradScaler.unscale_() or any other change of the gradients")
+        nan = [bool(b.n and torch.isnan(b.tensor[0])) for b in self.buckets]  # skipped: all NaN
+        skipped = self.nonfinite == "skip" and any(nan)
+        self.last_step_finite = not skipped
+        if skipped:  # a step that a loss scaler will skip: no residual changes
+            self.nonfinite_steps += 1
+            for b, bad in zip(self.buckets, nan):
+                if b.key in snapshots and not bad:
+                    _restore(self.feedback, b.key, snapshots[b.key])
         with torch.no_grad():
             for i, p in enumerate(self._params):
                 b, off, m = self._where[i]
                 if unused is not None and unused[i]:
-                    self._fold_back(b, off, m)
+                    if not skipped:
+                        self._fold_back(b, off, m)
                     if i in self._views:
                         b.flat[off:off + m] = 0  # a .grad that is the view reads 0
+                    continue
+                if not write:
                     continue
                 if i in self._views:
                     p.grad = self._views[i]  # the result is in place already
@@ -462,10 +777,51 @@ class GradientSync:
                     p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
                 p.grad.copy_(src)
 
+    @contextlib.contextmanager
+    def join(self):
+        """Uneven inputs, as DDP's ``Join`` and Horovod's ``hvd.join()``:
+        wrap the training loop in it on every rank; a rank that leaves the
+        block while others still train shadows their steps (it contributes
+        zero gradients, and the average stays over all ranks, as DDP's
+        ``divide_by_initial_world_size=True``) until every rank has left.
+        Then the trainable parameters of the rank that synchronised the most
+        steps are broadcast to all (as DDP's Join; optimizer states of ranks
+        that left early are their own). Collective when leaving the block.
+
+        Examples
+        --------
+        >>> with sync.join():                             # doctest: +SKIP
+        ...     for x, y in my_shard_of_uneven_length:
+        ...         opt.zero_grad(); loss_fn(model(x), y).backward(); sync.wait(); opt.step()
+        """
+        start = self.steps
+        yield self
+        if self._dirty:  # a step the body left unfinished (e.g. after a timeout)
+            self.wait()
+        while True:
+            self._post_agreement(active=False, changed=0,
+                                 used=[False] * len(self._params)
+                                 if self.find_unused_parameters else None)
+            buf = self._agreement()
+            if buf[0] == 0:
+                break
+            for b in self.buckets:  # shadow: zeros, in bucket order
+                b.flat[...] = 0
+                b.pending = 0
+            self._dirty = True
+            self._launch_ready()
+            self._finish(buf, write=False)
+        counts = self._comm.allgather(self.steps - start)
+        root = int(np.argmax(counts))
+        if max(counts) > min(counts):
+            broadcast_parameters(list(zip(self.names, self._params)), root=root,
+                                 comm=self.comm)
+
     def _reset_step(self):
         self._ready = [False] * len(self._params)
         self._next = 0
         self._dirty = False
+        self._versions = {}
         for b in self.buckets:
             b.pending = len(b.names)
             b.request = None
@@ -504,35 +860,7 @@ class GradientSync:
         except MpigcError as e:
             exc, fbs = e, {}
         _raise_everywhere(self._comm, exc, "GradientSync.state_dict")
-        N, r = self.size, self.rank
-        out, sends = {}, [[] for _ in range(N)]
-        for b in self.buckets:
-            s = fbs.get(b.key)
-            if s is None:
-                continue
-            has_owner = self._uses_owner(s["config"])
-            lo, hi = shard_bounds(b.n, N)[r]
-            for name, off, m in zip(b.names, b.offsets, b.numels):
-                qlo, qhi = shard_bounds(m, N)[r]
-                out[name] = {
-                    "worker": None if s["worker"] is None else s["worker"][off:off + m].copy(),
-                    "owner": np.zeros(qhi - qlo, s["dtype"]) if has_owner else None,
-                    "config": dict(s["config"]), "calls": s["calls"], "world_size": N,
-                    "rank": r, "n": m, "dtype": s["dtype"]}
-                if s["owner"] is None:
-                    continue
-                plo, phi = max(lo - off, 0), min(hi - off, m)  # my owned elements of it
-                for j, (jlo, jhi) in enumerate(shard_bounds(m, N)):
-                    a, z = max(plo, jlo), min(phi, jhi)
-                    if a < z:
-                        sends[j].append((name, a - jlo, s["owner"][off + a - lo:off + z - lo]))
-        for pieces in self._comm.alltoall(sends):
-            for name, start, vals in pieces:
-                out[name]["owner"][start:start + vals.size] = vals
-        return out
-
-    def _uses_owner(self, config):
-        return self.gather == "compressed" and get_compressor(dict(config)).uses_feedback
+        return _state_from_layouts(self.buckets, fbs, self._comm, self.gather)
 
     def load_state_dict(self, state, strict=True):
         """Load residuals from :meth:`state_dict` (collective), whatever the
@@ -546,7 +874,6 @@ class GradientSync:
         :class:`mpigc.StateError` on every rank; otherwise they are ignored
         and the missing residuals start at zero.
         """
-        N, r = self.size, self.rank
         exc = None
         try:
             self._idle("load_state_dict")
@@ -558,60 +885,12 @@ class GradientSync:
                 raise StateError(f"state names do not match the parameters: unexpected "
                                  f"{extra[:5]}, missing {missing[:5]} (strict=False "
                                  "ignores them)")
-            for name, s in state.items():
-                if name not in known:
-                    continue
-                i = self.names.index(name)
-                m = self._params[i].numel()
-                if (int(s["world_size"]), int(s["rank"])) != (N, r):
-                    raise StateError(
-                        f"{name!r}: residuals of rank {s['rank']} of {s['world_size']}, this "
-                        f"is rank {r} of {N}; reshard with mpigc.load_checkpoint first")
-                if int(s["n"]) != m:
-                    raise StateError(f"{name!r}: residuals of {s['n']} values, the "
-                                     f"parameter has {m}")
-                qlo, qhi = shard_bounds(m, N)[r]
-                if s.get("owner") is not None and np.asarray(s["owner"]).size != qhi - qlo:
-                    raise StateError(f"{name!r}: owner residual of {np.asarray(s['owner']).size}"
-                                     f" values, expected {qhi - qlo}")
+            _check_state(state, {n: p.numel() for n, p in zip(self.names, self._params)},
+                         self.size, self.rank)
         except MpigcError as e:
             exc = e
         _raise_everywhere(self._comm, exc, "GradientSync.load_state_dict")
-        new, sends = {}, [[] for _ in range(N)]
-        for b in self.buckets:
-            saved = [(name, off, m, state[name]) for name, off, m
-                     in zip(b.names, b.offsets, b.numels) if name in state]
-            if not saved:
-                continue
-            dtype = b.flat.dtype
-            worker = None
-            if any(s.get("worker") is not None for *_, s in saved):
-                worker = np.zeros(b.n, dtype)
-                for name, off, m, s in saved:
-                    if s.get("worker") is not None:
-                        worker[off:off + m] = np.asarray(s["worker"]).reshape(-1)
-            has_owner = any(s.get("owner") is not None for *_, s in saved)
-            bounds = shard_bounds(b.n, N)
-            lo, hi = bounds[r]
-            new[b.key] = {"worker": worker,
-                          "owner": np.zeros(hi - lo, dtype) if has_owner else None,
-                          "config": dict(saved[0][3]["config"]),
-                          "calls": max(int(s.get("calls", 0)) for *_, s in saved),
-                          "world_size": N, "rank": r, "n": b.n, "dtype": dtype.name}
-            for name, off, m, s in saved:
-                if s.get("owner") is None:
-                    continue
-                vals = np.asarray(s["owner"]).reshape(-1)
-                qlo, qhi = shard_bounds(m, N)[r]  # bucket positions off+qlo .. off+qhi
-                for j, (jlo, jhi) in enumerate(bounds):
-                    a, z = max(off + qlo, jlo), min(off + qhi, jhi)
-                    if a < z:
-                        sends[j].append((b.index, a - jlo, vals[a - off - qlo:z - off - qlo]))
-        for pieces in self._comm.alltoall(sends):
-            for index, start, vals in pieces:
-                self_owner = new[self.buckets[index].key]["owner"]
-                self_owner[start:start + vals.size] = vals
-        self.feedback.load_state_dict(new)
+        self.feedback.load_state_dict(_entries_for_layouts(self.buckets, state, self._comm))
 
     def save_checkpoint(self, path, step=None):
         """Save the residuals with :func:`mpigc.save_checkpoint` (collective),
@@ -636,36 +915,385 @@ class GradientSync:
 
 
 class DistributedOptimizer:
-    """An optimizer whose ``step()`` first waits for the compressed gradient
-    averaging (Horovod's ``hvd.DistributedOptimizer``, by composition).
+    """The wrapped optimizer, whose ``step()`` applies gradients averaged over
+    the ranks (Horovod's ``hvd.DistributedOptimizer``).
+
+    ``DistributedOptimizer(opt, model, op="2bit")`` returns an instance of a
+    subclass of ``type(opt)`` (and of this class) created for it, so it is a
+    ``torch.optim.Optimizer`` to learning-rate schedulers, ``GradScaler`` and
+    ``isinstance``. It holds no optimizer state of its own: ``param_groups``,
+    ``state``, ``defaults``, hooks and every other attribute are read from and
+    written to the wrapped ``opt`` (:attr:`optimizer`), whose ``step()`` does
+    the update. Its :class:`GradientSync` (:attr:`sync`) completes the
+    synchronisation at the end of every ``backward()``, as DDP does
+    (``sync_on_backward=True``), so clipping, ``GradScaler`` (unscale, step,
+    update) and anything else that reads ``param.grad`` after ``backward()``
+    see the averaged gradients.
 
     Parameters
     ----------
     optimizer : torch.optim.Optimizer
     module : torch.nn.Module, optional
-        The model; a :class:`GradientSync` is built for it with ``**kwargs``.
+        The model; a :class:`GradientSync` is built for it with ``**kwargs``
+        (``op``, ``bucket_mb``, ``nonfinite``, ...).
     sync : GradientSync, optional
-        Use an existing one instead.
+        Use an existing one instead (its ``sync_on_backward`` is turned on).
 
-    Everything else (``zero_grad``, ``state_dict``, ``param_groups``, ...) is
-    the wrapped optimizer's.
+    Notes
+    -----
+    ``step()`` raises :class:`mpigc.NonFiniteError` on every rank when the
+    step's gradients were non-finite on some rank (``nonfinite="skip"``, the
+    default): without a loss scaler the update would write NaN into the
+    parameters. ``GradScaler.step`` does not call ``step()`` for such steps.
+    Horovod's ``synchronize()`` and ``skip_synchronize()`` are supported.
     """
+
+    _subclasses = {}
+
+    def __new__(cls, optimizer, module=None, *, sync=None, **kwargs):
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer: expected a torch.optim.Optimizer, got "
+                            f"{type(optimizer).__name__}")
+        if isinstance(optimizer, DistributedOptimizer):
+            raise ConfigError("optimizer: already a DistributedOptimizer")
+        base = type(optimizer)
+        sub = DistributedOptimizer._subclasses.get(base)
+        if sub is None:
+            sub = type(f"Distributed{base.__name__}", (DistributedOptimizer, base),
+                       {"__module__": __name__, "__doc__": DistributedOptimizer.__doc__})
+            DistributedOptimizer._subclasses[base] = sub
+        return object.__new__(sub)
 
     def __init__(self, optimizer, module=None, *, sync=None, **kwargs):
         if (module is None) == (sync is None):
             raise ConfigError("DistributedOptimizer: pass either a module or sync=")
-        self.optimizer = optimizer
-        self.sync = sync if sync is not None else GradientSync(module, **kwargs)
+        if sync is None:
+            kwargs.setdefault("sync_on_backward", True)
+            sync = GradientSync(module, **kwargs)
+        elif kwargs:
+            raise ConfigError(f"DistributedOptimizer: with sync=, no other options "
+                              f"(got {sorted(kwargs)})")
+        else:
+            sync.sync_on_backward = True
+        object.__setattr__(self, "_mpigc_optimizer", optimizer)
+        object.__setattr__(self, "_mpigc_sync", sync)
+        object.__setattr__(self, "_mpigc_skip", 0)
 
-    def step(self, closure=None):
-        self.sync.wait()
-        return self.optimizer.step() if closure is None else self.optimizer.step(closure)
-
-    def zero_grad(self, set_to_none=True):
-        return self.optimizer.zero_grad(set_to_none=set_to_none)
+    # -- the wrapped optimizer's attributes are this object's --------------------
+    _OWN = ("step",)  # set here by LR schedulers (they wrap this object's step)
 
     def __getattr__(self, name):
-        return getattr(self.__dict__["optimizer"], name)
+        if name.startswith("_mpigc_"):
+            raise AttributeError(name)
+        return getattr(object.__getattribute__(self, "_mpigc_optimizer"), name)
+
+    def __setattr__(self, name, value):
+        if name.startswith("_mpigc_") or name in DistributedOptimizer._OWN:
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._mpigc_optimizer, name, value)
+
+    def __delattr__(self, name):
+        if name.startswith("_mpigc_") or name in DistributedOptimizer._OWN:
+            object.__delattr__(self, name)
+        else:
+            delattr(self._mpigc_optimizer, name)
+
+    @property
+    def optimizer(self):
+        """The wrapped optimizer (it holds the state and does the update)."""
+        return self._mpigc_optimizer
+
+    @property
+    def sync(self):
+        """The :class:`GradientSync` of the model."""
+        return self._mpigc_sync
+
+    def state_dict(self):
+        return self._mpigc_optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        return self._mpigc_optimizer.load_state_dict(state_dict)
+
+    def __getstate__(self):
+        raise TypeError("a DistributedOptimizer is not picklable: save "
+                        "opt.state_dict() and sync.state_dict() instead")
+
+    # -- Horovod's API ---------------------------------------------------------
+    def synchronize(self):
+        """Complete the pending synchronisation now (collective): the averaged
+        gradients are in ``param.grad`` (a no-op when ``backward()`` completed
+        it already)."""
+        self._mpigc_sync.wait()
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """Horovod's recipe for changing the averaged gradients before the
+        step: ``opt.synchronize()``, clip or unscale, then ``step()`` inside
+        this block, which then applies ``param.grad`` as it is. A step
+        inside it while a synchronisation is pending completes it and raises
+        :class:`mpigc.StateError` (on every rank): call ``synchronize()``
+        first."""
+        self._mpigc_skip += 1
+        try:
+            yield
+        finally:
+            self._mpigc_skip -= 1
+
+    def join(self):
+        """:meth:`GradientSync.join` of :attr:`sync` (uneven inputs)."""
+        return self._mpigc_sync.join()
+
+    def step(self, closure=None):
+        sync = self._mpigc_sync
+        if self._mpigc_skip and sync._dirty:
+            sync.wait()  # the peers are in it too: complete it, then say why not
+            raise StateError("step() inside skip_synchronize() while this step's "
+                             "gradients were not synchronised: call opt.synchronize() "
+                             "before changing the gradients and stepping")
+        sync.wait()
+        if not sync.last_step_finite:
+            raise NonFiniteError(
+                "the gradients of this step are NaN/Inf (non-finite on some rank; the "
+                "residuals are unchanged). With a torch.amp.GradScaler, call "
+                "scaler.step(opt), which skips such steps; nonfinite='raise' raises "
+                "in backward() instead")
+        opt = self._mpigc_optimizer
+        return opt.step() if closure is None else opt.step(closure)
 
     def __repr__(self):
-        return f"DistributedOptimizer({self.optimizer!r}, {self.sync!r})"
+        return f"DistributedOptimizer({self._mpigc_optimizer!r}, {self._mpigc_sync!r})"
+
+
+# -- DDP communication hook ----------------------------------------------------
+_NP_OF_TORCH = {torch.float16: np.float16, torch.float32: np.float32,
+                torch.float64: np.float64}
+
+
+class CommHookState:
+    """The state of :func:`comm_hook`: mpigc's compressed allreduce as a DDP
+    communication hook, with residuals keyed by parameter name.
+
+    ``ddp.register_comm_hook(CommHookState(ddp, op="2bit"), mpigc.torch.comm_hook)``:
+    DDP keeps its process group (gloo, NCCL) for everything else (broadcasts,
+    ``Join``); the buckets' gradients travel over MPI, compressed. Build it on
+    every rank (collective over ``comm``).
+
+    DDP builds its buckets anew after the first iteration (and whenever it
+    rebuilds them); each bucket's residuals are kept per parameter, so a new
+    bucketing takes over the residuals of the old one (one ``alltoall`` when
+    it first appears). :meth:`state_dict` is per parameter name, in
+    :meth:`GradientSync.state_dict`'s format: a checkpoint of either loads
+    into the other. Under ``ddp.no_sync()`` DDP calls no hook.
+
+    Parameters
+    ----------
+    module : torch.nn.Module or DistributedDataParallel
+        The model (a DDP wrapper is unwrapped: names as ``ddp.module``'s).
+    op, comm, average, gather, feedback, **params
+        As for :class:`GradientSync`.
+    nonfinite : str, optional
+        As for :class:`GradientSync`: default ``"skip"``, so NaN/Inf reach DDP's
+        gradients (and ``GradScaler``) as with DDP's own allreduce, and no
+        residual changes in that step.
+    """
+
+    def __init__(self, module, op="2bit", *, comm=None, average=True, gather="compressed",
+                 nonfinite=None, feedback=None, **params):
+        if isinstance(module, torch.nn.parallel.DistributedDataParallel):
+            module = module.module
+        self.comm = _resolve_comm(comm)
+        self.compressor = get_compressor(op, **params)
+        self.average = bool(average)
+        self.gather = gather
+        self.nonfinite = _torch_nonfinite(nonfinite)
+        self.feedback = ErrorFeedback() if feedback is None else feedback
+        if not isinstance(self.feedback, ErrorFeedback):
+            raise ConfigError(f"feedback: expected an ErrorFeedback, got "
+                              f"{type(self.feedback).__name__}")
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        self._comm = self.comm.Dup()
+        _engine_comm.resolve(self.comm)
+        _check_same(self._comm, _describe(named), "CommHookState")
+        self.names = [n for n, _ in named]
+        self._numel = {n: p.numel() for n, p in named}
+        self._name_of = {id(p): n for n, p in named}
+        self._params = [p for _, p in named]  # keeps the ids valid
+        self._layouts = {}   # bucket index -> _Layout in use
+        self._pending = {}   # per-parameter state waiting for its bucket
+        self._inflight = []  # (layout, future, request, tensor, snapshot)
+        #: steps whose gradients were non-finite on some rank (``nonfinite="skip"``)
+        self.nonfinite_steps = 0
+        self.size, self.rank = self._comm.size, self._comm.rank
+
+    # -- in the hook -------------------------------------------------------------
+    def _layout_of(self, bucket, tensor):
+        try:
+            names = [self._name_of[id(p)] for p in bucket.parameters()]
+        except KeyError:
+            raise StateError("comm_hook: DDP's bucket holds a parameter that "
+                             "CommHookState does not know (build it for the module "
+                             "that DDP wraps)") from None
+        if tensor.dtype not in _NP_OF_TORCH:
+            raise DTypeError(f"comm_hook: expected float16, float32 or float64 "
+                             f"gradients, got {tensor.dtype}")
+        return _Layout(bucket.index(), names, [self._numel[n] for n in names],
+                       _NP_OF_TORCH[tensor.dtype])
+
+    def _place(self, layout):
+        """A bucket layout seen for the first time takes over the residuals of
+        its parameters (collective; every rank has the same buckets)."""
+        mine = set(layout.names)
+        stale = [lay for lay in self._layouts.values()
+                 if lay.key != layout.key and mine & set(lay.names)]
+        if stale:
+            # not feedback.state_dict(): buckets of this step before this one are
+            # in flight (their keys busy); the stale ones are not (their
+            # parameters are this bucket's)
+            fbs = {}
+            for lay in stale:
+                e = self.feedback._entries.get(lay.key)
+                if e is not None:
+                    fbs[lay.key] = {"worker": _host(e.worker), "owner": _host(e.owner),
+                                    "config": dict(e.config), "calls": e.calls,
+                                    "world_size": e.world_size, "rank": e.rank, "n": e.n,
+                                    "dtype": e.dtype.name}
+            self._pending.update(_state_from_layouts(stale, fbs, self._comm, self.gather))
+            for lay in stale:
+                self.feedback.reset(lay.key)
+                del self._layouts[lay.index]
+        if any(n in self._pending for n in layout.names):
+            tmp = ErrorFeedback()
+            tmp.load_state_dict(_entries_for_layouts([layout], self._pending, self._comm))
+            with self.feedback._lock:
+                self.feedback._entries.update(tmp._entries)
+            for n in layout.names:
+                self._pending.pop(n, None)
+        old = self._layouts.get(layout.index)
+        if old is not None and old.key != layout.key:
+            del self._layouts[layout.index]
+        self._layouts[layout.index] = layout
+
+    def _hook(self, bucket):
+        tensor = bucket.buffer()
+        layout = self._layout_of(bucket, tensor)
+        known = self._layouts.get(layout.index)
+        if known is None or known.key != layout.key:
+            self._place(layout)
+        several = not (bucket.is_last() and bucket.index() == 0)
+        snap = (_snapshot(self.feedback, layout.key)
+                if self.nonfinite == "skip" and several else None)
+        # DDP's flat bucket is reduced in place: a CUDA tensor as it is (the
+        # engine reduces device arrays on the GPU), a CPU one as numpy
+        flat = tensor.detach()
+        req = iallreduce(flat if flat.is_cuda else flat.numpy(), op=self.compressor,
+                         comm=self.comm,
+                         key=layout.key, average=self.average, gather=self.gather,
+                         feedback=self.feedback, nonfinite=self.nonfinite)
+        fut = torch.futures.Future()
+        self._inflight.append((layout, fut, req, tensor, snap))
+        for _, _, r, _, _ in self._inflight[:-1]:
+            try:
+                r.test()  # progress; errors come from wait()
+            except Exception:  # noqa: BLE001
+                pass
+        if bucket.is_last():
+            self._complete()
+        return fut
+
+    def _complete(self):
+        """The last bucket of the step: complete every bucket's allreduce and
+        its future (DDP waits for them when backward ends)."""
+        items, self._inflight = self._inflight, []
+        error = None
+        for _, _, req, _, _ in items:
+            try:
+                req.wait()
+            except Exception as e:  # noqa: BLE001
+                error = error or e
+        if error is None and self.nonfinite == "skip":
+            bad = [bool(t.numel() and torch.isnan(t[0])) for _, _, _, t, _ in items]
+            if any(bad):  # a step GradScaler skips: put the other residuals back
+                self.nonfinite_steps += 1
+                for (layout, _, _, _, snap), b in zip(items, bad):
+                    if not b and len(items) > 1:
+                        _restore(self.feedback, layout.key, snap)
+        for _, fut, _, tensor, _ in items:
+            if error is None:
+                fut.set_result(tensor)
+            else:
+                fut.set_exception(error)
+
+    # -- state -------------------------------------------------------------------
+    def state_dict(self):
+        """Residuals per parameter name (collective), as
+        :meth:`GradientSync.state_dict`."""
+        exc = None
+        try:
+            if self._inflight:
+                raise StateError("CommHookState.state_dict: a step is in progress")
+            fbs = self.feedback.state_dict()
+        except MpigcError as e:
+            exc, fbs = e, {}
+        _raise_everywhere(self._comm, exc, "CommHookState.state_dict")
+        out = {n: dict(s) for n, s in self._pending.items()}
+        out.update(_state_from_layouts(list(self._layouts.values()), fbs, self._comm,
+                                       self.gather))
+        return out
+
+    def load_state_dict(self, state, strict=True):
+        """Load :meth:`state_dict` (or :meth:`GradientSync.state_dict`) output
+        of this world size (collective); each bucket takes its parameters'
+        residuals at its next step. ``strict`` as for GradientSync."""
+        exc = None
+        try:
+            if self._inflight:
+                raise StateError("CommHookState.load_state_dict: a step is in progress")
+            state = dict(state)
+            extra = sorted(set(state) - set(self.names))
+            missing = [n for n in self.names if n not in state] if state else []
+            if strict and (extra or missing):
+                raise StateError(f"state names do not match the parameters: unexpected "
+                                 f"{extra[:5]}, missing {missing[:5]} (strict=False "
+                                 "ignores them)")
+            _check_state(state, self._numel, self.size, self.rank)
+        except MpigcError as e:
+            exc = e
+        _raise_everywhere(self._comm, exc, "CommHookState.load_state_dict")
+        self.feedback.reset()
+        self._layouts = {}
+        self._pending = {n: s for n, s in state.items() if n in self._numel}
+
+    def save_checkpoint(self, path, step=None):
+        """:func:`mpigc.save_checkpoint` of :meth:`state_dict` (collective)."""
+        import mpigc
+        fb = ErrorFeedback()
+        fb.load_state_dict(self.state_dict())
+        return mpigc.save_checkpoint(path, fb, comm=self.comm, step=step)
+
+    def load_checkpoint(self, path, strict=True):
+        """Load a checkpoint of :meth:`save_checkpoint` or
+        :meth:`GradientSync.save_checkpoint`, of any world size (collective)."""
+        import mpigc
+        fb = ErrorFeedback()
+        info = mpigc.load_checkpoint(path, fb, comm=self.comm)
+        self.load_state_dict(fb.state_dict(), strict=strict)
+        return info
+
+    def __repr__(self):
+        return (f"CommHookState(op={self.compressor!r}, params={len(self.names)}, "
+                f"buckets={len(self._layouts)}, ranks={self.size})")
+
+
+def comm_hook(state, bucket):
+    """DDP communication hook: mpigc's compressed allreduce of the bucket,
+    over MPI, with error feedback keyed by parameter name.
+
+    >>> ddp.register_comm_hook(mpigc.torch.CommHookState(ddp, op="2bit",
+    ...                                                   rel_threshold=1.5),
+    ...                        mpigc.torch.comm_hook)        # doctest: +SKIP
+
+    Returns a ``torch.futures.Future`` of the averaged bucket; the futures of a
+    step complete when DDP hands over its last bucket.
+    """
+    return state._hook(bucket)

@@ -60,9 +60,8 @@ def reference_sync(sync, model, op, fb, **kw):
 def test_gradients_equal_compressed_allreduce_reference(comm, op):
     model, ref = make_model(), make_model()
     sync = mt.GradientSync(model, op=op, bucket_mb=0.002)  # several buckets
-    assert len(sync.buckets) >= 2
     fb = mpigc.ErrorFeedback()
-    ok = True
+    ok = len(sync.buckets) >= 2  # agreed on below, no rank-local raise between collectives
     for step in range(3):  # residuals carry over between steps
         model.zero_grad()
         ref.zero_grad()
@@ -145,7 +144,7 @@ class SlowFirstLayer(torch.nn.Module):
 def test_first_bucket_starts_before_backward_finishes(comm):
     model = SlowFirstLayer()
     sync = mt.GradientSync(model, op="2bit", bucket_mb=0.0005)  # last.* fills bucket 0
-    assert sync.buckets[0].names == ["last.bias", "last.weight"]
+    layout_ok = sync.buckets[0].names == ["last.bias", "last.weight"]
     _Slow.log.clear()
     x, y = batch(comm.rank, 0)
     ((model(x) - y) ** 2).mean().backward()
@@ -154,7 +153,7 @@ def test_first_bucket_starts_before_backward_finishes(comm):
     started_early = first.started_at is not None and first.started_at < _Slow.log[0]
     last_after = last.started_at is not None and last.started_at > _Slow.log[0]
     sync.wait()
-    assert_all(started_early and last_after and first.started_at < t_end,
+    assert_all(layout_ok and started_early and last_after and first.started_at < t_end,
                f"bucket 0 started at {first.started_at}, slow backward at {_Slow.log}")
 
 
@@ -234,7 +233,7 @@ def test_different_parameters_raise_on_every_rank(comm):
         mt.GradientSync(model, op="2bit")
         return
     e = raises_everywhere(mpigc.MismatchError, lambda: mt.GradientSync(model, op="2bit"))
-    assert "extra.weight" in str(e)
+    assert_all("extra.weight" in str(e), str(e))
     # frozen on one rank only is a different parameter set too
     model = make_model()
     if comm.rank == 0:
@@ -298,15 +297,20 @@ def test_second_backward_without_wait_is_an_error(comm):
     model = make_model()
     sync = mt.GradientSync(model, op="2bit")
     backward(model, comm.rank, 0)
-    with pytest.raises(mpigc.StateError, match="no_sync"):
+    try:
         backward(model, comm.rank, 1)
-    sync.wait()
+        got = None
+    except mpigc.StateError as e:
+        got = str(e)
+    # that backward added into param.grad after it was sent: wait() says so
+    raises_everywhere(mpigc.StateError, sync.wait)
+    assert_all(got is not None and "no_sync" in got and "remove_hooks" in got, got)
 
 
 @pytest.mark.mpi
 def test_nonfinite_raises_everywhere_and_changes_nothing(comm):
     model = make_model()
-    sync = mt.GradientSync(model, op="2bit", bucket_mb=0.002)
+    sync = mt.GradientSync(model, op="2bit", bucket_mb=0.002, nonfinite="raise")
     backward(model, comm.rank, 0)
     sync.wait()
     state = sync.state_dict()
@@ -339,7 +343,7 @@ def test_state_dict_survives_rebucketing_and_resumes_bit_exact(comm, op):
     sync = mt.GradientSync(model, op=op, bucket_mb=0.002)
     _steps(sync, model, comm.rank, range(3))
     state = sync.state_dict()
-    assert set(state) == set(sync.names)
+    names_ok = set(state) == set(sync.names)
     # same bucketing: the next step is bit-identical to an uninterrupted run
     m2 = copy.deepcopy(model)
     s2 = mt.GradientSync(m2, op=op, bucket_mb=0.002)
@@ -350,7 +354,7 @@ def test_state_dict_survives_rebucketing_and_resumes_bit_exact(comm, op):
     # another bucketing (one bucket, other shards): the per-parameter state is kept
     m3 = copy.deepcopy(model)
     s3 = mt.GradientSync(m3, op=op, bucket_mb=25)
-    assert len(s3.buckets) == 1 and len(s2.buckets) > 1
+    ok &= names_ok and len(s3.buckets) == 1 and len(s2.buckets) > 1
     s3.load_state_dict(state)
     back = s3.state_dict()
     for n in state:
@@ -420,3 +424,426 @@ def test_distributed_optimizer_steps_after_wait(comm):
         ref_opt.step()
     ok = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
     assert_all(ok and opt.param_groups[0]["lr"] == 0.1)
+
+
+# -- issue 13: what PyTorch users expect ---------------------------------------------
+def _params(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _average(tensors, comm):
+    return [sum(comm.allgather(t)) / comm.size for t in tensors]
+
+
+def _clip_like_torch(grads, max_norm):
+    """torch.nn.utils.clip_grad_norm_'s rule on a list of tensors."""
+    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return [g * coef for g in grads]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("recipe", ["plain", "clip", "scaler", "scaler-clip",
+                                    "horovod-scaler-clip"])
+def test_update_is_the_reference_update(comm, recipe):
+    """The documented recipes apply lr x (clipped) average gradient, 1.0x."""
+    lr, max_norm = 0.1, 0.05
+    model, ref = make_model(), make_model()
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr), model,
+                                  op="none", bucket_mb=0.002)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if "scaler" in recipe else None
+    ok, ratios = True, []
+    for step in range(2):
+        ref.load_state_dict(model.state_dict())
+        ref.zero_grad()
+        backward(ref, comm.rank, step)
+        want = _average([p.grad for p in ref.parameters()], comm)
+        if "clip" in recipe:
+            want = _clip_like_torch(want, max_norm)
+        want = [-lr * g for g in want]
+        before = _params(model)
+        opt.zero_grad()
+        x, y = batch(comm.rank, step)
+        loss = ((model(x) - y) ** 2).mean()
+        if recipe == "plain":
+            loss.backward()
+            opt.step()
+        elif recipe == "clip":  # DDP's recipe: clip after backward
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+        elif recipe == "scaler":  # DDP's AMP recipe
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+        elif recipe == "scaler-clip":
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            scaler.step(opt)
+            scaler.update()
+        else:  # Horovod's AMP recipe
+            scaler.scale(loss).backward()
+            opt.synchronize()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            with opt.skip_synchronize():
+                scaler.step(opt)
+            scaler.update()
+        got = [a - b for a, b in zip(_params(model), before)]
+        ratios.append(float(sum((g * w).sum() for g, w in zip(got, want))
+                            / sum((w * w).sum() for w in want)))
+        err = (sum(((g - w) ** 2).sum() for g, w in zip(got, want))
+               / sum((w * w).sum() for w in want)) ** 0.5
+        ok &= bool(err < 1e-3)  # the update is p_after - p_before in float32
+    assert_all(ok, f"{recipe}: applied / reference update = {ratios}")
+
+
+def _example():
+    import importlib.util
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "train_torch.py")
+    spec = importlib.util.spec_from_file_location("train_torch_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not hasattr(mpigc, "save_checkpoint"),
+                    reason="mpigc.save_checkpoint is not in this build")
+@pytest.mark.parametrize("first_run_epochs", [4, 2])
+def test_example_resume_continues_the_schedule(comm, tmp_path_factory, first_run_epochs):
+    """examples/train_torch.py's save/resume: the same --epochs resumes bit for
+    bit; a longer --epochs (the issue: 2, then 4) follows the new schedule
+    (it trained with lr 0 before)."""
+    import argparse
+    ex = _example()
+    path = comm.bcast(str(tmp_path_factory.mktemp("resume")) if comm.rank == 0 else None)
+
+    def build(epochs):
+        args = argparse.Namespace(schedule="cosine", epochs=epochs, checkpoint=path, op="2bit")
+        model = make_model()
+        opt = mt.DistributedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, op="2bit",
+            bucket_mb=0.002)
+        return args, model, opt, ex.make_scheduler(opt, args)
+
+    def epoch(model, opt, e):
+        for s in range(2):
+            opt.zero_grad()
+            backward(model, comm.rank, 10 * e + s)
+            opt.step()
+
+    args, model, opt, sched = build(4)   # uninterrupted, 4 epochs
+    lrs = []
+    for e in range(4):
+        lrs.append(opt.param_groups[0]["lr"])
+        epoch(model, opt, e)
+        sched.step()
+    args, m1, o1, s1 = build(first_run_epochs)
+    for e in range(2):
+        epoch(m1, o1, e)
+        s1.step()
+        ex.save(args, comm, e, m1, o1, s1, o1.sync)
+    args, m2, o2, s2 = build(4)
+    start = ex.resume(args, comm, m2, o2, s2, o2.sync)
+    resumed = []
+    for e in range(start, 4):
+        resumed.append(o2.param_groups[0]["lr"])
+        epoch(m2, o2, e)
+        s2.step()
+    ok = start == 2 and resumed == lrs[2:] and resumed[0] > 0
+    if first_run_epochs == 4:
+        ok &= all(torch.equal(a, b) for a, b in zip(_params(model), _params(m2)))
+    assert_all(ok, f"start {start}, lrs {resumed} vs {lrs[2:]}")
+
+
+@pytest.mark.mpi
+def test_distributed_optimizer_is_an_optimizer_to_schedulers(comm):
+    import warnings
+    model = make_model()
+    base = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    opt = mt.DistributedOptimizer(base, model, op="none")
+    ok = (isinstance(opt, torch.optim.SGD) and isinstance(opt, mt.DistributedOptimizer)
+          and opt.optimizer is base)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for step in range(2):
+            opt.zero_grad()
+            backward(model, comm.rank, step)
+            opt.step()
+            sched.step()
+    ok &= not [w for w in caught if "lr_scheduler.step()" in str(w.message)]
+    ok &= base.param_groups[0]["lr"] == pytest.approx(0.025)
+    ok &= opt.param_groups is base.param_groups and opt.state is base.state
+    ok &= len(base.state) == len(list(model.parameters()))  # momentum buffers
+    opt.load_state_dict(opt.state_dict())
+    ok &= opt.param_groups is base.param_groups and opt.state is base.state
+    assert_all(ok, f"{type(opt).__mro__}")
+
+
+@pytest.mark.mpi
+def test_gradscaler_skips_nonfinite_steps_and_residuals_stay(comm):
+    """nonfinite default 'skip': the scaler sees the Inf, skips the step and
+    backs off; no residual changes, though only one bucket was non-finite."""
+    model = make_model()
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                  op="2bit", bucket_mb=0.002, threshold=2.0 ** -6)
+    several = len(opt.sync.buckets) >= 2
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
+
+    def step(s, poison):
+        opt.zero_grad()
+        x, y = batch(comm.rank, s)
+        loss = ((model(x) - y) ** 2).mean()
+        if poison and comm.rank == comm.size - 1:
+            loss = loss + (model[4].bias * float("inf")).sum()  # one bucket only
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    step(0, False)
+    state, before = opt.sync.state_dict(), _params(model)
+    step(1, True)
+    after = opt.sync.state_dict()
+    ok = several and scaler.get_scale() == 32768.0 and opt.sync.nonfinite_steps == 1
+    ok &= all(torch.equal(a, b) for a, b in zip(before, _params(model)))
+    ok &= all(np.array_equal(state[n][k], after[n][k]) for n in state for k in ("worker", "owner"))
+    step(2, False)  # and training goes on
+    ok &= scaler.get_scale() == 32768.0 and opt.sync.last_step_finite
+    # without a scaler, the optimizer refuses a non-finite update on every rank
+    opt.zero_grad()
+    x, y = batch(comm.rank, 3)
+    loss = ((model(x) - y) ** 2).mean()
+    if comm.rank == 0:
+        loss = loss * float("inf")
+    loss.backward()
+    raises_everywhere(mpigc.NonFiniteError, opt.step)
+    assert_all(ok, f"scale {scaler.get_scale()}, skipped {opt.sync.nonfinite_steps}")
+
+
+@pytest.mark.mpi
+def test_rewrapping_needs_remove_hooks_and_then_works(comm):
+    model = make_model()
+    model[0].requires_grad_(False)
+    opt = mt.DistributedOptimizer(
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1), model,
+        op="none")
+    opt.zero_grad()
+    backward(model, comm.rank, 0)
+    opt.step()
+    model[0].requires_grad_(True)  # unfreeze, wrap again
+    e = raises_everywhere(mpigc.StateError, lambda: mt.DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.1), model, op="none"))
+    ok = "remove_hooks" in str(e)
+    opt.sync.remove_hooks()
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                  op="none")
+    ref = copy.deepcopy(model)
+    opt.zero_grad()
+    backward(model, comm.rank, 1)
+    backward(ref, comm.rank, 1)
+    want = _average([p.grad for p in ref.parameters()], comm)
+    ok &= all(torch.allclose(p.grad, w, rtol=1e-5, atol=1e-7)
+              for p, w in zip(model.parameters(), want))
+    assert_all(ok, str(e))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["none", "2bit"])
+def test_join_shadows_the_steps_of_ranks_with_more_batches(comm, op):
+    model, ref = make_model(), make_model()
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                  op=op, bucket_mb=0.002, timeout=120)
+    extra = comm.rank == 0
+    ok = True
+    with opt.join():
+        for step in range(2 + extra):
+            opt.zero_grad()
+            ref.load_state_dict(model.state_dict())
+            ref.zero_grad()
+            backward(ref, comm.rank, step)
+            backward(model, comm.rank, step)
+            if step == 2 and op == "none":  # the others gave zeros: my gradient / N
+                ok &= all(torch.allclose(p.grad, q.grad / comm.size, rtol=1e-5, atol=1e-8)
+                          for p, q in zip(model.parameters(), ref.parameters()))
+            opt.step()
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ok &= all(torch.equal(mine, other) for other in comm.allgather(mine))
+    assert_all(ok)
+
+
+@pytest.mark.mpi
+def test_uneven_inputs_without_join_raise_within_the_timeout(comm):
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    model = make_model()
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                  op="2bit", bucket_mb=0.002, timeout=3)
+    err, took = None, None
+    try:
+        for step in range(2 + (comm.rank == 0)):
+            opt.zero_grad()
+            t0 = time.monotonic()
+            backward(model, comm.rank, step)
+            opt.step()
+    except mpigc.StateError as e:
+        err, took = e, time.monotonic() - t0
+    comm.Barrier()  # the others wait here meanwhile (not in mpigc)
+    with opt.join():  # rank 0's step is still pending: join completes it
+        pass
+    if comm.rank == 0:
+        ok = err is not None and "join" in str(err) and took < 60
+    else:
+        ok = err is None
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    ok &= all(torch.equal(mine, other) for other in comm.allgather(mine))
+    assert_all(ok, f"{err!r} after {took} s")
+
+
+def _ddp(model, **kw):
+    return torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.002, **kw)
+
+
+_HOOK_OP = {"op": "2bit", "threshold": 2.0 ** -6}  # sums of +-t are exact: any layout
+
+
+@pytest.mark.mpi
+def test_comm_hook_equals_gradient_sync_across_ddp_bucket_rebuild(comm, gloo):
+    model, ref = make_model(), make_model()
+    ddp = _ddp(model)
+    state = mt.CommHookState(ddp, **_HOOK_OP)
+    ddp.register_comm_hook(state, mt.comm_hook)
+    sync = mt.GradientSync(ref, bucket_mb=0.002, **_HOOK_OP)
+    ok, layouts = True, []
+    for step in range(4):
+        ddp.zero_grad()
+        ref.zero_grad()
+        backward(ddp, comm.rank, step)
+        backward(ref, comm.rank, step)
+        sync.wait()
+        layouts.append(sorted(lay.key for lay in state._layouts.values()))
+        got = {n.replace("module.", "", 1): g for n, g in grads_of(ddp).items()}
+        want = grads_of(ref)
+        ok &= got.keys() == want.keys() and all(
+            got[n].numpy().tobytes() == want[n].numpy().tobytes() for n in want)
+    a, b = state.state_dict(), sync.state_dict()
+    ok &= set(a) == set(b) and all(np.array_equal(a[n][k], b[n][k])
+                                   for n in b for k in ("worker", "owner"))
+    assert_all(ok and layouts[0] != layouts[-1],
+               f"DDP buckets {layouts[0]} -> {layouts[-1]}")
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not hasattr(mpigc, "save_checkpoint"),
+                    reason="mpigc.save_checkpoint is not in this build")
+def test_comm_hook_checkpoint_and_no_sync(comm, gloo, tmp_path_factory):
+    path = comm.bcast(str(tmp_path_factory.mktemp("hook")) if comm.rank == 0 else None)
+    model, ref = make_model(), make_model()
+    ddp = _ddp(model)
+    state = mt.CommHookState(ddp, **_HOOK_OP)
+    ddp.register_comm_hook(state, mt.comm_hook)
+    sync = mt.GradientSync(ref, bucket_mb=1, **_HOOK_OP)  # another layout
+
+    def compare(d):
+        got = {n.replace("module.", "", 1): g for n, g in grads_of(d).items()}
+        want = grads_of(ref)
+        return got.keys() == want.keys() and all(
+            got[n].numpy().tobytes() == want[n].numpy().tobytes() for n in want)
+
+    ok = True
+    for step in range(3):
+        ddp.zero_grad()
+        ref.zero_grad()
+        if step == 2:  # accumulation
+            with ddp.no_sync(), sync.no_sync():
+                backward(ddp, comm.rank, 20)
+                backward(ref, comm.rank, 20)
+        backward(ddp, comm.rank, step)
+        backward(ref, comm.rank, step)
+        sync.wait()
+        ok &= compare(ddp)
+    state.save_checkpoint(path + "/res", step=3)
+    ddp2 = _ddp(copy.deepcopy(model))
+    state2 = mt.CommHookState(ddp2, **_HOOK_OP)
+    state2.load_checkpoint(path + "/res")
+    ddp2.register_comm_hook(state2, mt.comm_hook)
+    ddp2.zero_grad()
+    ref.zero_grad()
+    backward(ddp2, comm.rank, 3)
+    backward(ref, comm.rank, 3)
+    sync.wait()
+    ok &= compare(ddp2)
+    assert_all(ok)
+
+
+@pytest.mark.mpi
+def test_comm_hook_under_ddp_join_with_uneven_inputs(comm, gloo):
+    from torch.distributed.algorithms.join import Join
+    model = make_model()
+    ddp = _ddp(model)
+    state = mt.CommHookState(ddp, **_HOOK_OP)
+    ddp.register_comm_hook(state, mt.comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    with Join([ddp]):  # joined ranks run the hook on zero buckets
+        for step in range(2 + (comm.rank == 0)):
+            opt.zero_grad()
+            backward(ddp, comm.rank, step)
+            opt.step()
+    mine = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    assert_all(all(torch.equal(mine, other) for other in comm.allgather(mine)))
+
+
+class _FakeBucket:
+    """What DDP hands a comm hook (torch.distributed.GradBucket's methods)."""
+
+    def __init__(self, index, params, last):
+        self._index, self._params, self._last = index, params, last
+        self._buffer = torch.cat([p.grad.reshape(-1) for p in params])
+
+    def index(self):
+        return self._index
+
+    def parameters(self):
+        return self._params
+
+    def buffer(self):
+        return self._buffer
+
+    def is_last(self):
+        return self._last
+
+
+@pytest.mark.mpi
+def test_comm_hook_takes_residuals_over_when_a_later_bucket_changes(comm):
+    """A layout change at bucket 1 while bucket 0 (unchanged) is in flight."""
+    model, ref = make_model(), make_model()
+    state = mt.CommHookState(model, **_HOOK_OP)
+    sync = mt.GradientSync(ref, bucket_mb=0.002, **_HOOK_OP)
+    p = list(model.parameters())  # 0.weight 0.bias 2.weight 2.bias 4.weight 4.bias
+    layouts = [[[p[5], p[4]], [p[3], p[2], p[1], p[0]]],       # step 0
+               [[p[5], p[4]], [p[3], p[2]], [p[1], p[0]]],     # DDP "rebuilt" bucket 1
+               [[p[5], p[4]], [p[2], p[3]], [p[0], p[1]]]]     # and again, reordered
+    ok = True
+    for step, layout in enumerate(layouts):
+        model.zero_grad()
+        ref.zero_grad()
+        backward(model, comm.rank, step)
+        backward(ref, comm.rank, step)
+        sync.wait()
+        buckets = [_FakeBucket(i, ps, i == len(layout) - 1) for i, ps in enumerate(layout)]
+        futures = [mt.comm_hook(state, b) for b in buckets]
+        for b, fut in zip(buckets, futures):
+            out = fut.wait()
+            off = 0
+            for q in b.parameters():
+                q.grad.copy_(out[off:off + q.numel()].view_as(q))
+                off += q.numel()
+        want = grads_of(ref)
+        ok &= all(got.numpy().tobytes() == want[n].numpy().tobytes()
+                  for n, got in grads_of(model).items())
+    a, b = state.state_dict(), sync.state_dict()
+    ok &= set(a) == set(b) and all(np.array_equal(a[n][k], b[n][k])
+                                   for n in b for k in ("worker", "owner"))
+    assert_all(ok)

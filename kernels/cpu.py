@@ -33,6 +33,7 @@ __all__ = [
     "pack_2bit_rel", "unpack_2bit_rel",
     "stats", "pack_ternary",
     "pack_fp16", "unpack_fp16",
+    "pack_bf16", "unpack_bf16",
     "count_nonfinite", "ternary_stream",
     "PARALLEL_MIN_ELEMENTS",
 ]
@@ -95,7 +96,7 @@ def _nchunks(n):
 
 
 # ----------------------------------------------------------------------------
-# bit casts (float32 <-> uint32), used by the float16 conversions
+# bit casts (float32 <-> uint32), used by the float16 and bfloat16 conversions
 # ----------------------------------------------------------------------------
 @intrinsic
 def _f32_as_u32(typingctx, x):
@@ -156,6 +157,27 @@ def _f16_bits_to_f32(h):
         _f32_as_u32(f_sub) if exp == 0 else _f32_as_u32(f_norm))
     sign = np.uint32((h & np.uint32(0x8000)) << np.uint32(16))
     return _u32_as_f32(np.uint32(b | sign))
+
+
+@njit(inline="always", **_JIT)
+def _f32_to_bf16_bits(f):
+    """float32 -> bfloat16 bits: the upper 16 bits after rounding to nearest
+    even. A NaN becomes the quiet NaN ``0x7FC0`` with its sign (payload bits
+    dropped, as fp16 does); inf stays inf; finite values whose rounding
+    carries into the exponent (|f| >= 0x7F7F8000) become inf. Branch-free."""
+    u = _f32_as_u32(f)
+    odd = (u >> np.uint32(16)) & np.uint32(1)
+    # no wrap-around for non-NaN u (<= 0xFF800000); a NaN's sum is discarded
+    o_num = np.uint32(np.uint32(u + np.uint32(0x7FFF) + odd) >> np.uint32(16))
+    o_nan = np.uint32(((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
+    o = o_nan if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000) else o_num
+    return np.uint16(o)
+
+
+@njit(inline="always", **_JIT)
+def _bf16_bits_to_f32(b):
+    """bfloat16 bits -> float32 (exact: the bits become the upper half)."""
+    return _u32_as_f32(np.uint32(np.uint32(b) << np.uint32(16)))
 
 
 # ----------------------------------------------------------------------------
@@ -1098,6 +1120,106 @@ def unpack_fp16(payload, out, accumulate):
         _unpack_fp16_range(payload, out, bool(accumulate), 0, out.size)
     else:
         _unpack_fp16_par(payload, out, bool(accumulate), nch)
+
+
+# ----------------------------------------------------------------------------
+# bf16: bfloat16 on the wire (float32's range, 8 bits of significand)
+# ----------------------------------------------------------------------------
+@njit(**_JIT)
+def _quantize_bf16(xs, ei, eo, ep, bs, dv):
+    for i in range(xs.size):
+        v = xs[i]
+        if ei is not None:
+            v = v + ei[i]
+        if ep is not None:
+            v = v + ep[i]
+        b = _f32_to_bf16_bits(np.float32(v / dv))
+        bs[i] = b
+        if eo is not None:
+            eo[i] = v - xs.dtype.type(_bf16_bits_to_f32(b)) * dv
+        if ep is not None:
+            ep[i] = v - xs.dtype.type(_bf16_bits_to_f32(b)) * dv
+
+
+@njit(**_JIT)
+def _pack_bf16_range(x, e_in, e_out, out, divisor, i0, i1):
+    dv = x.dtype.type(divisor)
+    inplace = _same(e_in, e_out)
+    nbad = 0
+    for c0 in range(i0, i1, _CH):
+        c1 = min(i1, c0 + _CH)
+        if inplace:
+            _quantize_bf16(x[c0:c1], None, None, _win(e_in, c0, c1), out[c0:c1], dv)
+        else:
+            _quantize_bf16(x[c0:c1], _win(e_in, c0, c1), _win(e_out, c0, c1), None,
+                           out[c0:c1], dv)
+        # NaN/inf on the wire: from a non-finite value, or one beyond the range
+        nbad += _count_bf16_nonfinite(out[c0:c1])
+    return nbad
+
+
+@njit(**_JIT)
+def _count_bf16_nonfinite(bs):
+    nbad = 0
+    for i in range(bs.size):
+        nbad += (bs[i] & np.uint16(0x7F80)) == np.uint16(0x7F80)
+    return nbad
+
+
+@njit(parallel=True, **_JIT)
+def _pack_bf16_par(x, e_in, e_out, out, divisor, nchunks):
+    n = x.size
+    per = (n + nchunks - 1) // nchunks
+    nbad = 0
+    for c in prange(nchunks):
+        i0 = min(n, c * per)
+        nbad += _pack_bf16_range(x, e_in, e_out, out, divisor, i0, min(n, i0 + per))
+    return nbad
+
+
+@njit(**_JIT)
+def _unpack_bf16_range(payload, out, accumulate, i0, i1):
+    bs = payload[i0:i1]
+    os = out[i0:i1]
+    if accumulate:
+        for i in range(os.size):
+            os[i] += _bf16_bits_to_f32(bs[i])
+    else:
+        for i in range(os.size):
+            os[i] = _bf16_bits_to_f32(bs[i])
+
+
+@njit(parallel=True, **_JIT)
+def _unpack_bf16_par(payload, out, accumulate, nchunks):
+    n = out.size
+    per = (n + nchunks - 1) // nchunks
+    for c in prange(nchunks):
+        i0 = min(n, c * per)
+        _unpack_bf16_range(payload, out, accumulate, i0, min(n, i0 + per))
+
+
+def pack_bf16(x, e_in, e_out, out, divisor):
+    """``out`` (uint16 bits of bfloat16) = bf16(float32((x + e_in) / divisor)).
+
+    bf16 rounds to nearest even; a NaN becomes ``0x7FC0`` with its sign. The
+    residual is ``v - bf16 * divisor``. Returns the number of values that are
+    not finite on the wire: non-finite ones, and finite ones beyond the
+    bfloat16 range (float64 values beyond float32's, and float32 values that
+    round up to inf), which would arrive as inf.
+    """
+    nch = _nchunks(x.size)
+    if nch == 1:
+        return int(_pack_bf16_range(x, e_in, e_out, out, float(divisor), 0, x.size))
+    return int(_pack_bf16_par(x, e_in, e_out, out, float(divisor), nch))
+
+
+def unpack_bf16(payload, out, accumulate):
+    """Decode ``out.size`` bfloat16 values (uint16 bits) into ``out``."""
+    nch = _nchunks(out.size)
+    if nch == 1:
+        _unpack_bf16_range(payload, out, bool(accumulate), 0, out.size)
+    else:
+        _unpack_bf16_par(payload, out, bool(accumulate), nch)
 
 
 # ----------------------------------------------------------------------------

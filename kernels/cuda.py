@@ -12,7 +12,7 @@ copied.
 
 Bit-identity with the CPU kernels
 ---------------------------------
-- ``2bit`` (both modes), ``1bit``, ``fp16``, ``terngrad`` (same ``stream``,
+- ``2bit`` (both modes), ``1bit``, ``fp16``, ``bf16``, ``terngrad`` (same ``stream``,
   ``scale`` and ``clip``): packed bytes, block means or thresholds and
   residuals are bit-identical for finite inputs. The 1bit block sums follow the canonical order of
   ``kernels/cpu.py`` (32 lanes strided by 32, sequential float64, then the
@@ -20,8 +20,9 @@ Bit-identity with the CPU kernels
   memory. The relative 2bit block sums of squares, and the sums of |v| over
   the selected values, follow the same order (squares by ``mul.rn``, never
   fused into the sum). float16 uses the same integer conversion as the CPU kernels (not
-  the hardware ``cvt``, whose NaN payload differs). A product followed by a
-  sum or difference (the fp16 residual ``v - half * divisor``) uses
+  the hardware ``cvt``, whose NaN payload differs); bfloat16 likewise (integer
+  round to nearest even, NaN as ``0x7FC0`` with its sign). A product followed by a
+  sum or difference (the fp16 and bf16 residual ``v - wire * divisor``) uses
   ``mul.rn`` (libdevice ``__fmul_rn`` / ``__dmul_rn``) so that neither NVVM
   nor ptxas contracts it into an fma, which rounds once where the CPU
   rounds twice.
@@ -59,6 +60,7 @@ __all__ = [
     "pack_2bit_rel", "unpack_2bit_rel",
     "stats", "pack_ternary",
     "pack_fp16", "unpack_fp16",
+    "pack_bf16", "unpack_bf16",
     "count_nonfinite", "ternary_stream",
     "PARALLEL_MIN_ELEMENTS",
 ]
@@ -741,6 +743,90 @@ def unpack_fp16(payload, out, accumulate, *, cuda_stream=0):
     payload, out = _dev(payload, "payload"), _dev(out, "out")
     if out.size:
         _launch(_unpack_fp16_kernel, _grid(out.size), cuda_stream,
+                payload, out, bool(accumulate))
+
+
+# ----------------------------------------------------------------------------
+# bf16: bfloat16 on the wire, one thread per element
+# ----------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _f32_to_bf16_bits(f):
+    """float32 -> bfloat16 bits, round to nearest even; NaN -> ``0x7FC0`` with
+    its sign (the CPU kernels' conversion, bit for bit)."""
+    u = f.view(np.uint32)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN
+        o = np.uint32(((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
+    else:  # u <= 0xFF800000: the sum does not wrap
+        odd = np.uint32((u >> np.uint32(16)) & np.uint32(1))
+        u = np.uint32(u + np.uint32(0x7FFF))
+        u = np.uint32(u + odd)
+        o = np.uint32(u >> np.uint32(16))
+    return np.uint16(o)
+
+
+@cuda.jit(device=True)
+def _bf16_bits_to_f32(b):
+    """bfloat16 bits -> float32 (exact)."""
+    return np.uint32(np.uint32(b) << np.uint32(16)).view(np.float32)
+
+
+def _make_pack_bf16_kernel(mul_rn):
+    """The bf16 pack kernel for one work dtype (``mul_rn`` of that dtype)."""
+    @cuda.jit
+    def kernel(x, e_in, has_e_in, e_out, has_e_out, out, dv, nbad_out):
+        zero = dv - dv
+        nbad = 0
+        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+            v = x[i]
+            if has_e_in:
+                v = v + e_in[i]
+            b = _f32_to_bf16_bits(np.float32(v / dv))
+            out[i] = b
+            if has_e_out:
+                e_out[i] = v - mul_rn(x.dtype.type(_bf16_bits_to_f32(b)), dv)
+            # a value beyond the bfloat16 range is as bad as a non-finite one
+            nbad += ((v - v) != zero) or ((b & 0x7F80) == 0x7F80)
+        if nbad:
+            cuda.atomic.add(nbad_out, 0, nbad)
+    return kernel
+
+
+_pack_bf16_kernel_f32 = _make_pack_bf16_kernel(_fmul_rn)
+_pack_bf16_kernel_f64 = _make_pack_bf16_kernel(_dmul_rn)
+
+
+@cuda.jit
+def _unpack_bf16_kernel(payload, out, accumulate):
+    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+        if accumulate:
+            out[i] += _bf16_bits_to_f32(payload[i])
+        else:
+            out[i] = _bf16_bits_to_f32(payload[i])
+
+
+def pack_bf16(x, e_in, e_out, out, divisor, *, cuda_stream=0):
+    """``out`` (uint16 bits of bfloat16) = bf16(float32((x + e_in) / divisor)).
+
+    The residual is ``v - bf16 * divisor``. Returns the non-finite count.
+    """
+    x, e_in, e_out, out = (_dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out"),
+                           _dev(out, "out"))
+    dv = x.dtype.type(divisor)
+    cnt = _counter(cuda_stream)
+    if x.size:
+        kernel = (_pack_bf16_kernel_f64 if x.dtype == np.float64
+                  else _pack_bf16_kernel_f32)
+        _launch(kernel, _grid(x.size), cuda_stream,
+                x, *_opt(e_in, x), *_opt(e_out, x), out, dv, cnt)
+    return _read_count(cnt, cuda_stream)
+
+
+def unpack_bf16(payload, out, accumulate, *, cuda_stream=0):
+    """Decode ``out.size`` bfloat16 values (uint16 bits) into ``out``
+    (asynchronous)."""
+    payload, out = _dev(payload, "payload"), _dev(out, "out")
+    if out.size:
+        _launch(_unpack_bf16_kernel, _grid(out.size), cuda_stream,
                 payload, out, bool(accumulate))
 
 

@@ -13,8 +13,8 @@ from ._version import __version__
 from .allreduce import allreduce, iallreduce
 from ._collective import Request, reset_traffic, traffic
 from ._cuda import CudaAwareness, cuda_aware_mpi, select_device
-from .compressors import (FP16, Compressor, NoCompression, OneBit, TernGrad, TwoBit,
-                          available_compressors, get_compressor, register_compressor)
+from .compressors import (BF16, FP16, Compressor, NoCompression, OneBit, TernGrad,
+                          TwoBit, available_compressors, get_compressor, register_compressor)
 from .feedback import ErrorFeedback, get_default_feedback, shard_bounds
 from .reduce_scatter import ireduce_scatter, reduce_scatter
 
@@ -24,7 +24,7 @@ __all__ = [
     "traffic", "reset_traffic",
     "cuda_aware_mpi", "CudaAwareness", "select_device",
     "get_compressor", "register_compressor", "available_compressors",
-    "Compressor", "NoCompression", "FP16", "TwoBit", "OneBit", "TernGrad",
+    "Compressor", "NoCompression", "FP16", "BF16", "TwoBit", "OneBit", "TernGrad",
     "ErrorFeedback", "get_default_feedback", "shard_bounds",
     "MpigcError", "ConfigError", "InvalidBufferError", "DTypeError", "MismatchError",
     "NonFiniteError", "StateError",

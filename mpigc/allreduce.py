@@ -26,7 +26,7 @@ def allreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm]
         float16, float32 or float64, C-contiguous, writable, same size on
         every rank. Overwritten with the (decompressed) result.
     op : str, dict or Compressor
-        ``"none"``, ``"fp16"``, ``"2bit"``, ``"1bit"``, ``"terngrad"``; an
+        ``"none"``, ``"fp16"``, ``"bf16"``, ``"2bit"``, ``"1bit"``, ``"terngrad"``; an
         MXNet-style dict ``{"type": "2bit", "threshold": 0.5}``; or a
         compressor object. ``"none"`` is exactly ``MPI_Allreduce``.
     comm : mpi4py.MPI.Intracomm, optional

@@ -335,8 +335,9 @@ def build_parser():
         epilog="Sizes take K/M/G suffixes (binary). Example: mpirun -n 4 mpigc-bench "
                "--sizes 4K,1M,32M --ops none,2bit,1bit --json out.json --plot out.png")
     p.add_argument("--ops", default=",".join(DEFAULT_OPS),
-                   help="comma-separated: mpi (bare MPI), none, fp16, 2bit, 1bit, terngrad "
-                        "(default: all; none is always added as the reference)")
+                   help="comma-separated: mpi (bare MPI), none, fp16, bf16, 2bit, 1bit, "
+                        "terngrad, any registered id (default: all but bf16; none is "
+                        "always added as the reference)")
     p.add_argument("--collectives", default="allreduce,reduce_scatter",
                    help="allreduce and/or reduce_scatter (default: both)")
     p.add_argument("--min-size", type=parse_size, default=4 << 10, help="default 4K")

@@ -29,7 +29,7 @@ from . import _dispatch
 from ._errors import ConfigError, DTypeError, InvalidBufferError, NonFiniteError
 
 __all__ = [
-    "Compressor", "NoCompression", "FP16", "TwoBit", "OneBit", "TernGrad",
+    "Compressor", "NoCompression", "FP16", "BF16", "TwoBit", "OneBit", "TernGrad",
     "get_compressor", "register_compressor", "available_compressors",
 ]
 
@@ -139,7 +139,8 @@ class Compressor:
 
     codec_id = None
     _params = {}
-    #: fp16 divides by the world size on the worker (pre-scaling) when averaging
+    #: fp16 and bf16 divide by the world size on the worker (pre-scaling) when
+    #: averaging
     prescales_average = False
     #: terngrad needs a scale agreed by all ranks before it can quantize
     needs_global_scale = False
@@ -205,8 +206,8 @@ class Compressor:
 
     def _mark_out_of_range(self, payload, n):
         """Make the payload of ``n`` values, which ``_encode`` counted as not
-        fitting the wire format, decode visibly non-finite. fp16's inf
-        halves and 1bit's inf means do that by themselves, so by default
+        fitting the wire format, decode visibly non-finite. fp16's and bf16's
+        inf values and 1bit's inf means do that by themselves, so by default
         nothing changes."""
 
     # -- public kernel-level API ---------------------------------------------
@@ -340,6 +341,36 @@ class FP16(Compressor):
 
     def _decode(self, payload, out, accumulate):
         _dispatch.kernels(out).unpack_fp16(payload.view(np.uint16), out, accumulate)
+
+
+@register_compressor
+class BF16(Compressor):
+    """``bf16``: bfloat16 on the wire, sums in float32 at the owner.
+
+    Each value is rounded to nearest even to bfloat16 (the upper 16 bits of
+    its float32): float32's range, 8 significant bits (fp16 has 11, but
+    overflows beyond 65504). A NaN travels as the quiet NaN ``0x7FC0`` with
+    its sign. float64 values beyond the bfloat16 range are values the wire
+    format cannot carry (counted, as fp16 counts its out-of-range values).
+    When averaging, workers divide by the world size before rounding
+    (pre-scaling), as fp16 does. Error feedback is off by default (as in
+    DDP's bf16 hook); ``error_feedback=True`` turns it on.
+    """
+
+    codec_id = "bf16"
+    _params = {"error_feedback": False}
+    prescales_average = True
+    wire_range = "bfloat16, magnitudes up to 3.39e38"
+
+    def payload_nbytes(self, n, dtype=np.float32):
+        return 2 * int(n)
+
+    def _encode(self, x, e_in, e_out, payload, *, divisor=1.0, **kw):
+        return _dispatch.kernels(x).pack_bf16(x, e_in, e_out, payload.view(np.uint16),
+                                              divisor)
+
+    def _decode(self, payload, out, accumulate):
+        _dispatch.kernels(out).unpack_bf16(payload.view(np.uint16), out, accumulate)
 
 
 @register_compressor

@@ -418,7 +418,7 @@ class GradientSync:
         are left out, as DDP does.
     op : str, dict or Compressor
         As for :func:`mpigc.allreduce`: ``"2bit"`` (default), ``"1bit"``,
-        ``"terngrad"``, ``"fp16"``, ``"none"`` (exactly ``MPI_Allreduce``).
+        ``"terngrad"``, ``"fp16"``, ``"bf16"``, ``"none"`` (exactly ``MPI_Allreduce``).
     bucket_mb : float
         Bucket capacity in MiB of the bucket dtype (float32, or float64 for
         float64 parameters); DDP's default is 25. A larger parameter gets a

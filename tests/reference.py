@@ -16,6 +16,11 @@ Conventions spelled out here (the contract):
 * ``none``: the values of ``v`` as little-endian bytes; residual 0.
 * ``fp16``: ``h = half(float32(v / divisor))`` (the division in ``v``'s
   dtype), little-endian binary16; residual ``v - dtype(h) * divisor``.
+* ``bf16``: ``b = bf16(float32(v / divisor))``: the upper 16 bits of the
+  float32 after rounding to nearest even (integer add of ``0x7FFF`` plus the
+  kept part's lowest bit); a NaN becomes ``0x7FC0`` with its sign; little-endian
+  uint16; residual ``v - dtype(b) * divisor`` (``b`` decoded exactly: its bits
+  as the upper half of a float32).
 * ``2bit``: ``v >= t`` -> ``11`` (+t), ``v <= -t`` -> ``10`` (-t), else
   ``00`` (0); element i in the bit pair ``(0xC0, 0x30, 0x0C, 0x03)[i % 4]`` of
   byte ``i // 4``, the tail padded with ``00``. ``t`` is cast to the array's
@@ -83,7 +88,7 @@ def payload_nbytes(fmt, n, dtype=np.float32, block_size=1024):
     n = int(n)
     if fmt == "none":
         return n * np.dtype(dtype).itemsize
-    if fmt == "fp16":
+    if fmt in ("fp16", "bf16"):
         return 2 * n
     if fmt == "2bit":
         return -(-n // 4)
@@ -166,6 +171,39 @@ def encode_fp16(x, e=None, divisor=1.0):
 
 def decode_fp16(payload, n, dtype=np.float32):
     return np.frombuffer(bytes(payload), "<f2", count=n).astype(dtype)
+
+
+# ----------------------------------------------------------------------------
+# bf16
+# ----------------------------------------------------------------------------
+def f32_to_bf16_bits(f):
+    """float32 array -> uint16 bfloat16 bits (round to nearest even; NaN ->
+    0x7FC0 with its sign)."""
+    u = np.asarray(f, np.float32).view(np.uint32).astype(np.uint64)
+    b = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    b[nan] = ((u[nan] >> 16) & 0x8000).astype(np.uint16) | np.uint16(0x7FC0)
+    return b
+
+
+def bf16_bits_to_f32(b):
+    """uint16 bfloat16 bits -> float32 (exact)."""
+    return (np.asarray(b, np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+def encode_bf16(x, e=None, divisor=1.0):
+    v = _v(x, e)
+    dt = v.dtype
+    dv = dt.type(divisor)
+    with np.errstate(over="ignore", invalid="ignore"):  # overflow -> inf, as IEEE
+        b = f32_to_bf16_bits((v / dv).astype(np.float32))
+        residual = v - bf16_bits_to_f32(b).astype(dt) * dv
+    return b.astype("<u2").tobytes(), residual
+
+
+def decode_bf16(payload, n, dtype=np.float32):
+    b = np.frombuffer(bytes(payload), "<u2", count=n)
+    return bf16_bits_to_f32(b).astype(dtype)
 
 
 # ----------------------------------------------------------------------------
@@ -420,6 +458,8 @@ def encode(config, x, e=None, **kw):
         return encode_none(x, e)
     if fmt == "fp16":
         return encode_fp16(x, e, **kw)
+    if fmt == "bf16":
+        return encode_bf16(x, e, **kw)
     if fmt == "2bit" and config.get("rel_threshold") is not None:
         return encode_2bit_rel(x, config["rel_threshold"], config.get("block_size", 1024), e)
     if fmt == "2bit":
@@ -437,6 +477,8 @@ def decode(config, payload, n, dtype=np.float32):
         return decode_none(payload, n, dtype)
     if fmt == "fp16":
         return decode_fp16(payload, n, dtype)
+    if fmt == "bf16":
+        return decode_bf16(payload, n, dtype)
     if fmt == "2bit" and config.get("rel_threshold") is not None:
         return decode_2bit_rel(payload, n, config.get("block_size", 1024), dtype)
     if fmt == "2bit":

@@ -62,7 +62,7 @@ def test_bench_under_mpirun(tmp_path):
     out = tmp_path / "rows.json"
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
     cmd = ["timeout", "240", "mpirun", "--oversubscribe", "-n", "2", sys.executable, "-m",
-           "mpigc.bench", "--sizes", "4K,64K", "--ops", "none,2bit,1bit",
+           "mpigc.bench", "--sizes", "4K,64K", "--ops", "none,2bit,1bit,bf16",
            "--collectives", "allreduce", "--iters", "2", "--min-iters", "1",
            "--no-progress", "--json", str(out)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -74,6 +74,7 @@ def test_bench_under_mpirun(tmp_path):
     assert by[("none", 65536)]["wire_bytes"] == 65536
     assert by[("2bit", 65536)]["compression_ratio"] == pytest.approx(16.0)
     assert by[("1bit", 65536)]["compression_ratio"] > 25
+    assert by[("bf16", 65536)]["compression_ratio"] == pytest.approx(2.0)
     assert "speedup against none" in p.stdout
 
 

@@ -17,13 +17,15 @@ except ImportError:
     import reference as ref
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "golden.json")
-IDS = ["1bit", "2bit", "fp16", "none", "terngrad"]
-CLASSES = {"none": mpigc.NoCompression, "fp16": mpigc.FP16, "2bit": mpigc.TwoBit,
+IDS = ["1bit", "2bit", "bf16", "fp16", "none", "terngrad"]
+CLASSES = {"none": mpigc.NoCompression, "fp16": mpigc.FP16, "bf16": mpigc.BF16,
+           "2bit": mpigc.TwoBit,
            "1bit": mpigc.OneBit, "terngrad": mpigc.TernGrad}
 # a non-default configuration of each id, as get_config returns it
 CONFIGS = [
     {"id": "none"},
     {"id": "fp16", "error_feedback": True},
+    {"id": "bf16", "error_feedback": True},
     {"id": "2bit", "threshold": 0.25, "error_feedback": False},
     {"id": "2bit", "rel_threshold": 1.5, "block_size": 64, "error_feedback": True},
     {"id": "1bit", "block_size": 64, "error_feedback": True},
@@ -66,11 +68,14 @@ def test_defaults():
     assert mpigc.get_compressor("1bit").get_config() == {
         "id": "1bit", "block_size": 1024, "error_feedback": True}
     assert mpigc.get_compressor("fp16").get_config() == {"id": "fp16", "error_feedback": False}
+    assert mpigc.get_compressor("bf16").get_config() == {"id": "bf16", "error_feedback": False}
     assert mpigc.get_compressor("terngrad").get_config() == {
         "id": "terngrad", "seed": 0, "clip": None, "error_feedback": False}
     assert mpigc.get_compressor("none").get_config() == {"id": "none"}
     assert mpigc.get_compressor("2bit").uses_feedback
     assert not mpigc.get_compressor("fp16").uses_feedback
+    assert not mpigc.get_compressor("bf16").uses_feedback
+    assert mpigc.get_compressor("bf16", error_feedback=True).uses_feedback
     assert not mpigc.get_compressor("terngrad").uses_feedback
     assert not mpigc.get_compressor("none").uses_feedback
 
@@ -171,6 +176,8 @@ BAD_PARAMS = [
     ("1bit", {"threshold": 0.5}),
     ("none", {"error_feedback": True}),
     ("fp16", {"threshold": 0.5}),
+    ("bf16", {"error_feedback": 1}),
+    ("bf16", {"threshold": 0.5}),
 ]
 
 
@@ -259,6 +266,7 @@ def test_equality_and_hash():
     assert mpigc.TwoBit() != mpigc.TwoBit(error_feedback=False)
     assert mpigc.OneBit() != mpigc.TwoBit()
     assert mpigc.FP16() != mpigc.NoCompression()
+    assert mpigc.BF16() != mpigc.FP16()
     assert mpigc.TernGrad(seed=1) != mpigc.TernGrad(seed=2)
     assert mpigc.TwoBit() != {"id": "2bit", "threshold": 0.5, "error_feedback": True}
     assert mpigc.TwoBit() != "2bit"
@@ -272,6 +280,7 @@ def test_repr():
         "TwoBit(rel_threshold=1.5, block_size=64, error_feedback=True)"
     assert repr(mpigc.TernGrad()) == "TernGrad(seed=0, clip=None, error_feedback=False)"
     assert repr(mpigc.FP16()) == "FP16(error_feedback=False)"
+    assert repr(mpigc.BF16()) == "BF16(error_feedback=False)"
     assert repr(mpigc.NoCompression()) == "NoCompression()"
 
 
@@ -293,6 +302,8 @@ def test_payload_nbytes(n):
     assert mpigc.NoCompression().payload_nbytes(n, np.float64) == 8 * n
     assert mpigc.FP16().payload_nbytes(n) == 2 * n
     assert mpigc.FP16().payload_nbytes(n, np.float64) == 2 * n
+    assert mpigc.BF16().payload_nbytes(n) == 2 * n
+    assert mpigc.BF16().payload_nbytes(n, np.float64) == 2 * n
     assert mpigc.TwoBit().payload_nbytes(n) == math.ceil(n / 4)
     assert mpigc.TwoBit().payload_nbytes(n, np.float64) == math.ceil(n / 4)
     for b in (8, 16, 1024):
@@ -526,7 +537,7 @@ def test_nonfinite_residual_raises_and_is_kept(cid):
     assert e.tobytes() == e0.tobytes()
 
 
-@pytest.mark.parametrize("cid", ["2bit", "1bit", "fp16", "none"])
+@pytest.mark.parametrize("cid", ["2bit", "1bit", "fp16", "bf16", "none"])
 def test_nonfinite_without_check_does_not_raise(cid):
     c = mpigc.get_compressor(cid)
     x = np.ones(9, np.float32)
@@ -686,15 +697,20 @@ def test_terngrad_clip_delivers_a_constant_gradient(n):
 # finite values that a wire format cannot carry (issue 14)
 # ----------------------------------------------------------------------------
 # the configurations of the wire formats, and the (config, dtype) pairs whose
-# largest values do not fit: fp16's halves; the float32 means, magnitudes,
-# thresholds or scale of 1bit, relative 2bit and terngrad (float64 input;
-# float32 input too for relative 2bit, whose threshold is c * rms with c > 1)
+# largest values do not fit: fp16's halves, bf16's bfloat16s; the float32
+# means, magnitudes, thresholds or scale of 1bit, relative 2bit and terngrad
+# (float64 input; float32 input too for relative 2bit, whose threshold is
+# c * rms with c > 1)
 RANGE_CONFIGS = {"none": {"id": "none"}, "2bit": {"id": "2bit"},
                  "2bit_rel": {"id": "2bit", "rel_threshold": 1.5},
                  "1bit": {"id": "1bit"},
                  "terngrad": {"id": "terngrad", "error_feedback": True},
-                 "fp16": {"id": "fp16", "error_feedback": True}}
-BEYOND = {("fp16", np.float32), ("fp16", np.float64), ("1bit", np.float64),
+                 "fp16": {"id": "fp16", "error_feedback": True},
+                 "bf16": {"id": "bf16", "error_feedback": True}}
+# bf16: float32's largest value rounds up to inf (the largest bfloat16 is
+# 0x7F7F, 3.3895e38); float64's 1e39 is beyond float32
+BEYOND = {("fp16", np.float32), ("fp16", np.float64), ("bf16", np.float32),
+          ("bf16", np.float64), ("1bit", np.float64),
           ("terngrad", np.float64), ("2bit_rel", np.float32), ("2bit_rel", np.float64)}
 
 

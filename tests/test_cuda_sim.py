@@ -30,8 +30,8 @@ import pytest
 
 HERE = os.path.abspath(__file__)
 
-SIM_GROUPS = ["fp16_conversion", "2bit", "2bit_rel", "1bit", "terngrad", "fp16", "stats",
-              "count_nonfinite", "guards"]
+SIM_GROUPS = ["fp16_conversion", "bf16_conversion", "2bit", "2bit_rel", "1bit", "terngrad",
+              "fp16", "bf16", "stats", "count_nonfinite", "guards"]
 
 _SKIP = 77  # exit code of a script that cannot run here (e.g. no NVVM)
 
@@ -237,6 +237,54 @@ def check_fp16_conversion():
     _same(np, "fp16 decode of all halves vs CPU", got, hh)
 
 
+def _bf16_rne_reference(np, v):
+    """numpy reference: the upper 16 bits of float32 ``v`` after rounding to
+    nearest even; a NaN becomes 0x7FC0 with its sign."""
+    u = v.view(np.uint32).astype(np.uint64)
+    r = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+    nan = (u & 0x7FFFFFFF) > 0x7F800000
+    r[nan] = ((u[nan] >> 16) & 0x8000).astype(np.uint16) | np.uint16(0x7FC0)
+    return r
+
+
+def check_bf16_conversion():
+    """The device float32 -> bfloat16 conversion against a numpy reference
+    (round to nearest even, ties both ways, overflow to inf, NaN with payload
+    and sign, subnormals, signed zeros) and against the CPU kernel, and the
+    decoder on all 65536 bfloat16 bit patterns."""
+    np, cuda, cpu, kc = _ctx()
+    rng = np.random.default_rng(2)
+    hi = rng.integers(0, 2**16, 1000, dtype=np.uint64).astype(np.uint32) << np.uint32(16)
+    low = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF], np.uint32)
+    edges = (hi[:, None] | low[None, :]).ravel()  # exact ties and their neighbours
+    special = np.array([0x7F7FFFFF, 0x7F7F8000, 0x7F7F7FFF, 0x7F800000, 0xFF800000,
+                        0x7F800001, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000,
+                        0x00000001, 0x80008000, 0x00018000, 0x3F808000, 0x3F818000],
+                       np.uint32)
+    u = np.concatenate([special, edges,
+                        rng.integers(0, 2**32, 3000, dtype=np.uint64).astype(np.uint32)])
+    v = u.view(np.float32)
+    dout = cuda.to_device(np.zeros(v.size, np.uint16))
+    n = kc.pack_bf16(cuda.to_device(v), None, None, dout, 1.0)
+    got = dout.copy_to_host()
+    want = _bf16_rne_reference(np, v)
+    _same(np, "bf16 pack vs numpy reference", got, want)
+    hout = np.zeros(v.size, np.uint16)
+    nh = cpu.pack_bf16(v, None, None, hout, 1.0)
+    _same(np, "bf16 pack vs CPU", got, hout)
+    nw = int(((want & 0x7F80) == 0x7F80).sum())
+    assert n == nh == nw, f"non-finite count: cuda {n}, cpu {nh}, want {nw}"
+    allb = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    dd = cuda.to_device(np.zeros(65536, np.float32))
+    kc.unpack_bf16(cuda.to_device(allb), dd, False)
+    got = dd.copy_to_host()
+    _same(np, "bf16 decode of all patterns vs bit shift", got,
+          (allb.astype(np.uint32) << np.uint32(16)).view(np.float32))
+    hh = np.zeros(65536, np.float32)
+    cpu.unpack_bf16(allb, hh, False)
+    _same(np, "bf16 decode of all patterns vs CPU", got, hh)
+
+
 def check_2bit():
     np, cuda, cpu, kc = _ctx()
     for dtype in DTYPES:
@@ -382,6 +430,27 @@ def check_fp16():
                           kc.unpack_fp16, [payload], n, dtype, ())
 
 
+def check_bf16():
+    np, cuda, cpu, kc = _ctx()
+    for dtype in DTYPES:
+        for n in SIZES:
+            x, e = _data(np, n, dtype, 7 * n, scale=1000.0)
+            if n > 10:  # beyond float32 (float64 only), near the top, subnormal
+                x[:5] = [3.4e38, -3.3e38, 1e-39, -3e-45, 1.00390625]
+                if np.dtype(dtype) == np.float64:
+                    x[5] = 1e39
+            for divisor in (1.0, 3.0):
+                tag = f"bf16 {dtype} n={n} divisor={divisor}"
+                out = np.zeros(n, np.uint16)
+                _check_pack(np, cuda, tag, cpu.pack_bf16, kc.pack_bf16, x, e, [out],
+                            (divisor,))
+            payload = np.random.default_rng(n).integers(0, 2**16, n, dtype=np.uint64)
+            payload = payload.astype(np.uint16)
+            payload &= 0xBFFF  # exponents below 0x80: sums stay finite
+            _check_decode(np, cuda, f"bf16 {dtype} n={n}", cpu.unpack_bf16,
+                          kc.unpack_bf16, [payload], n, dtype, ())
+
+
 def check_stats():
     np, cuda, cpu, kc = _ctx()
     for dtype in DTYPES:
@@ -443,6 +512,8 @@ def check_guards():
     kc.unpack_2bit_rel(cuda.to_device(np.zeros(0, np.uint8)),
                        cuda.to_device(np.zeros(0, np.float32)), z, 1024, True)
     kc.unpack_fp16(cuda.to_device(np.zeros(0, np.uint16)), z, True)
+    assert kc.pack_bf16(z, None, None, cuda.to_device(np.zeros(0, np.uint16)), 1.0) == 0
+    kc.unpack_bf16(cuda.to_device(np.zeros(0, np.uint16)), z, True)
 
 
 def check_import():
@@ -493,7 +564,8 @@ def _engine_launches(np, cuda):
     ops = [{"type": "2bit", "threshold": 0.5}, {"type": "2bit", "rel_threshold": 1.5,
                                                   "block_size": 8},
            {"type": "1bit", "block_size": 8}, {"type": "fp16", "error_feedback": True},
-           {"type": "fp16"}, {"type": "terngrad", "error_feedback": True},
+           {"type": "fp16"}, {"type": "bf16", "error_feedback": True}, {"type": "bf16"},
+           {"type": "terngrad", "error_feedback": True},
            {"type": "terngrad", "clip": 2.0}, "none"]
     rng = np.random.default_rng(0)
     for op in ops:
@@ -524,12 +596,14 @@ def _kernel_launches(np, cuda, kc):
             kc.pack_2bit_rel(x, e_in, e_out, u8[:4], f4[:2], 1.5, 8)
             kc.pack_ternary(x, e_in, e_out, u8[:4], 1.0, 2.0, 7, 0)
             kc.pack_fp16(x, e_in, e_out, cuda.to_device(np.zeros(n, np.uint16)), 2.0)
+            kc.pack_bf16(x, e_in, e_out, cuda.to_device(np.zeros(n, np.uint16)), 2.0)
             kc.stats(x, e_in)
         for acc in (False, True):
             kc.unpack_2bit(u8[:4], x, 0.5, acc)
             kc.unpack_1bit(u8[:2], f4[:4], x, 8, acc)
             kc.unpack_2bit_rel(u8[:4], f4[:2], x, 8, acc)
             kc.unpack_fp16(cuda.to_device(np.zeros(n, np.uint16)), x, acc)
+            kc.unpack_bf16(cuda.to_device(np.zeros(n, np.uint16)), x, acc)
         kc.count_nonfinite(x)
         kc.divide(x, 3)
     for src in (np.float16, np.float32, np.float64):
@@ -584,7 +658,8 @@ def check_ptx(path):
     assert not missing, f"kernels never launched in the signature run: {sorted(missing)}"
     unknown = set(sigs) - _module_kernels(kc)
     assert not unknown, f"launched objects that are not kernels: {sorted(unknown)}"
-    exact = {"_pack_fp16_kernel_f32", "_pack_fp16_kernel_f64", "_stats_kernel",
+    exact = {"_pack_fp16_kernel_f32", "_pack_fp16_kernel_f64", "_pack_bf16_kernel_f32",
+             "_pack_bf16_kernel_f64", "_stats_kernel",
              "_pack_2bit_rel_kernel"}
     count = 0
     for name in sorted(sigs):

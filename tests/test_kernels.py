@@ -23,7 +23,7 @@ PROP = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 DTYPES = [np.float32, np.float64]
-FORMATS = ["none", "fp16", "2bit", "2bit_rel", "1bit", "terngrad"]
+FORMATS = ["none", "fp16", "bf16", "2bit", "2bit_rel", "1bit", "terngrad"]
 
 
 # ----------------------------------------------------------------------------
@@ -117,6 +117,10 @@ def kernel_encode(fmt, params, x, e_in, e_out):
         out = np.empty(n, np.uint16)
         nbad = cpu.pack_fp16(x, e_in, e_out, out, params.get("divisor", 1.0))
         return out.astype("<u2").tobytes(), nbad
+    if fmt == "bf16":
+        out = np.empty(n, np.uint16)
+        nbad = cpu.pack_bf16(x, e_in, e_out, out, params.get("divisor", 1.0))
+        return out.astype("<u2").tobytes(), nbad
     if fmt == "terngrad":
         out = np.empty((n + 3) // 4, np.uint8)
         nbad = cpu.pack_ternary(x, e_in, e_out, out, params["scale"], params["clip_bound"],
@@ -142,6 +146,8 @@ def kernel_decode(fmt, params, payload, out, accumulate=False):
         cpu.unpack_1bit(p[:nb], means, out, params["block_size"], accumulate)
     elif fmt == "fp16":
         cpu.unpack_fp16(np.frombuffer(payload, "<u2").astype(np.uint16), out, accumulate)
+    elif fmt == "bf16":
+        cpu.unpack_bf16(np.frombuffer(payload, "<u2").astype(np.uint16), out, accumulate)
     elif fmt == "terngrad":
         if n == 0:
             return out
@@ -162,6 +168,8 @@ def reference_encode(fmt, params, x, e):
         return ref.encode_1bit(x, params["block_size"], e)
     if fmt == "fp16":
         return ref.encode_fp16(x, e, params.get("divisor", 1.0))
+    if fmt == "bf16":
+        return ref.encode_bf16(x, e, params.get("divisor", 1.0))
     if fmt == "terngrad":
         return ref.encode_terngrad(x, e, scale=params["scale"], stream=params["stream"],
                                    offset=params["offset"], clip_bound=params["clip_bound"])
@@ -177,6 +185,8 @@ def reference_decode(fmt, params, payload, n, dtype):
         return ref.decode_1bit(payload, n, params["block_size"], dtype)
     if fmt == "fp16":
         return ref.decode_fp16(payload, n, dtype)
+    if fmt == "bf16":
+        return ref.decode_bf16(payload, n, dtype)
     if fmt == "terngrad":
         return ref.decode_terngrad(payload, n, dtype) if n else np.zeros(0, dtype)
     raise ValueError(fmt)
@@ -190,7 +200,7 @@ def kernel_params(draw, fmt):
         return {"rel_threshold": draw(rel_thresholds), "block_size": draw(rel_block_sizes)}
     if fmt == "1bit":
         return {"block_size": draw(block_sizes)}
-    if fmt == "fp16":
+    if fmt in ("fp16", "bf16"):
         return {"divisor": draw(divisors)}
     if fmt == "terngrad":
         return {"scale": draw(st.sampled_from([0.0, 0.5, 1.0, 3.0, 100.0])),
@@ -215,13 +225,17 @@ def assert_same(a, b):
 # ----------------------------------------------------------------------------
 # kernels == reference, bit for bit
 # ----------------------------------------------------------------------------
-@pytest.mark.parametrize("fmt", ["2bit", "2bit_rel", "1bit", "fp16", "terngrad"])
+# what is not finite on the wire: all exponent bits set (inf or NaN)
+WIRE_EXP = {"fp16": 0x7C00, "bf16": 0x7F80}
+
+
+@pytest.mark.parametrize("fmt", ["2bit", "2bit_rel", "1bit", "fp16", "bf16", "terngrad"])
 @pytest.mark.parametrize("mode", ["none", "inplace", "outofplace", "outonly"])
 @PROP
 @given(data=st.data())
 def test_kernel_matches_reference(fmt, mode, data):
     x, e = data.draw(vector_and_residual(
-        magnitude=1e4 if fmt == "fp16" else None))
+        magnitude={"fp16": 1e4, "bf16": 2.0 ** 100}.get(fmt)))
     params = data.draw(kernel_params(fmt))
     e_in, e_out = residual_args(x, e, mode)
     e_in_before = None if e_in is None else e_in.copy()
@@ -229,12 +243,13 @@ def test_kernel_matches_reference(fmt, mode, data):
     ref_e = e_in_before if mode in ("inplace", "outofplace") else None
     ref_payload, ref_res = reference_encode(fmt, params, x, ref_e)
     assert payload == ref_payload
-    if fmt != "fp16":  # fp16 may overflow to inf; the other inputs are finite
+    if fmt not in WIRE_EXP:  # fp16, bf16 may overflow to inf; the others are finite
         assert nbad == 0
     v = x if ref_e is None else x + ref_e
-    if fmt == "fp16":  # what is not finite on the wire: non-finite or beyond the range
+    if fmt in WIRE_EXP:  # what is not finite on the wire: non-finite or beyond the range
+        m = WIRE_EXP[fmt]
         halves = np.frombuffer(ref_payload, np.uint16)
-        assert nbad == int(np.count_nonzero((halves & 0x7C00) == 0x7C00))
+        assert nbad == int(np.count_nonzero((halves & m) == m))
     else:
         assert nbad == int(np.count_nonzero(~np.isfinite(v)))
     if e_out is not None:
@@ -251,7 +266,7 @@ def test_kernel_matches_reference(fmt, mode, data):
 
 
 @pytest.mark.parametrize("config", [
-    {"id": "none"}, {"id": "fp16"}, {"id": "2bit", "threshold": 0.5},
+    {"id": "none"}, {"id": "fp16"}, {"id": "bf16"}, {"id": "2bit", "threshold": 0.5},
     {"id": "2bit", "threshold": 0.1}, {"id": "1bit", "block_size": 16},
     {"id": "1bit", "block_size": 1024}, {"id": "terngrad"},
     {"id": "terngrad", "clip": 2.5}, {"id": "2bit", "rel_threshold": 1.5},
@@ -270,9 +285,9 @@ def test_public_api_matches_reference(config, data):
     check = data.draw(st.booleans())
     e_lib = None if e is None else e.copy()
     p_ref, r_ref = ref.encode(c.get_config(), x, e, **kw)
-    if check and config["id"] == "fp16" and np.any(
-            (np.frombuffer(p_ref, np.uint16) & 0x7C00) == 0x7C00):
-        with pytest.raises(mpigc.NonFiniteError):  # beyond the half range
+    m = WIRE_EXP.get(config["id"])
+    if check and m and np.any((np.frombuffer(p_ref, np.uint16) & m) == m):
+        with pytest.raises(mpigc.NonFiniteError):  # beyond the wire's range
             c.compress(x, e_lib, check_finite=check, **kw)
         assert e is None or e_lib.tobytes() == e.tobytes()
         return
@@ -320,7 +335,8 @@ def test_conservation_many_steps(fmt, dtype):
     """Summed over steps, delivered + final residual == total input."""
     rng = np.random.default_rng(11)
     c = mpigc.get_compressor(fmt.replace("_rel", ""),
-                             **({"error_feedback": True} if fmt in ("fp16", "terngrad")
+                             **({"error_feedback": True} if fmt in ("fp16", "bf16",
+                                                                    "terngrad")
                                 else {"rel_threshold": 1.5, "block_size": 16}
                                 if fmt == "2bit_rel" else {}))
     n, steps = 257, 40
@@ -705,6 +721,114 @@ def test_fp16_residual_and_divisor():
 
 
 # ----------------------------------------------------------------------------
+# bf16 conversion: round to nearest even, NaN as 0x7FC0 with its sign
+# ----------------------------------------------------------------------------
+def _bf16_probe_bits():
+    """Every one of the 65536 upper halves (every sign, exponent and kept
+    significand, NaN and inf included) with low halves 0, 1, the tie 0x8000
+    and its neighbours, 0xFFFF and a few random ones: 720896 float32 bit
+    patterns, every rounding case of every bfloat16."""
+    hi = np.arange(65536, dtype=np.uint32) << np.uint32(16)
+    low = np.array([0, 1, 0x7FFF, 0x8000, 0x8001, 0xFFFF, 0x4000, 0xC000, 0x0100,
+                    0x1234, 0xEDCB], np.uint32)
+    return (hi[:, None] | low[None, :]).ravel()
+
+
+def test_bf16_encode_equals_reference_on_bit_patterns():
+    u = _bf16_probe_bits()
+    v = u.view(np.float32)
+    expect = ref.f32_to_bf16_bits(v)
+    out = np.empty(v.size, np.uint16)
+    nbad = cpu.pack_bf16(v, None, None, out, 1.0)
+    bad = np.flatnonzero(out != expect)
+    assert bad.size == 0, [(hex(u[i]), hex(out[i]), hex(expect[i])) for i in bad[:5]]
+    # what is not finite on the wire: NaN, +-inf, and values rounding beyond the range
+    assert nbad == int(np.count_nonzero((expect & 0x7F80) == 0x7F80))
+    check = {0x3F808000: 0x3F80,  # 1 + 2**-8: tie, to even (down)
+             0x3F818000: 0x3F82,  # 1 + 3 * 2**-8: tie, to even (up)
+             0x3F808001: 0x3F81, 0x3F807FFF: 0x3F80,
+             0x7F7F7FFF: 0x7F7F,  # just below the tie under the largest finite
+             0x7F7F8000: 0x7F80,  # the tie above the largest bfloat16: inf
+             0x7F7FFFFF: 0x7F80,  # float32's largest: inf
+             0x7F800000: 0x7F80, 0xFF800000: 0xFF80,
+             0x00008000: 0x0000, 0x00018000: 0x0002,  # subnormal ties
+             0x807FFFFF: 0x8080,  # the largest subnormal rounds to the smallest normal
+             0x80000000: 0x8000,
+             # NaN: quiet NaN 0x7FC0 with the sign, payload dropped, never inf
+             0x7F800001: 0x7FC0, 0xFF800001: 0xFFC0, 0x7FBF0000: 0x7FC0,
+             0x7FFFFFFF: 0x7FC0, 0xFFFFFFFF: 0xFFC0, 0x7FC00000: 0x7FC0}
+    xs = np.array(list(check), np.uint32).view(np.float32)
+    out = np.empty(xs.size, np.uint16)
+    cpu.pack_bf16(xs, None, None, out, 1.0)
+    assert [hex(b) for b in out] == [hex(b) for b in check.values()]
+
+
+def test_bf16_encode_equals_torch():
+    """Finite values round as torch's float32 -> bfloat16 cast (torch sends a
+    NaN as 0x7FC0 whatever its sign; mpigc keeps the sign, as fp16 does)."""
+    torch = pytest.importorskip("torch")
+    v = _bf16_probe_bits().view(np.float32)
+    out = np.empty(v.size, np.uint16)
+    cpu.pack_bf16(v, None, None, out, 1.0)
+    t = torch.from_numpy(v.copy()).to(torch.bfloat16).view(torch.int16).numpy()
+    fin = ~np.isnan(v)
+    np.testing.assert_array_equal(out[fin], t.view(np.uint16)[fin])
+
+
+def test_bf16_decode_all_bit_patterns():
+    bits = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    expect = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    for dt in DTYPES:
+        out = np.empty(bits.size, dt)
+        cpu.unpack_bf16(bits, out, False)
+        nan = np.isnan(expect)
+        assert np.array_equal(np.isnan(out), nan)
+        assert_same(out[~nan], expect[~nan].astype(dt))
+    out = np.empty(bits.size, np.float32)
+    cpu.unpack_bf16(bits, out, False)
+    assert_same(out, expect)  # exact, NaN payloads included
+
+
+def test_bf16_overflow_is_inf_on_the_wire():
+    """float32 values that round beyond the largest bfloat16 (3.3895e38) and
+    float64 values beyond float32 arrive as inf: compress refuses them like NaN
+    (residual unchanged) unless check_finite=False."""
+    x = np.array([3.4e38, -3.4e38, 3.3895e38], np.float32)
+    e = np.zeros(3, np.float32)
+    with pytest.raises(mpigc.NonFiniteError, match="beyond the bf16 range"):
+        mpigc.BF16(error_feedback=True).compress(x, e)
+    assert not e.any()
+    p = mpigc.BF16().compress(x, check_finite=False)
+    assert p.view(np.uint16).tolist() == [0x7F80, 0xFF80, 0x7F7F]
+    x64 = np.array([1e39, -1e300, 1.0], np.float64)
+    assert cpu.pack_bf16(x64, None, None, np.empty(3, np.uint16), 1.0) == 2
+    with pytest.raises(mpigc.NonFiniteError, match="beyond the bf16 range"):
+        mpigc.BF16().compress(x64)
+    # 1e39 / 4 fits: the count is of what is on the wire, after the division
+    assert cpu.pack_bf16(x64[:1], None, None, np.empty(1, np.uint16), 4.0) == 0
+
+
+def test_bf16_float64_goes_through_float32():
+    """bf16(float32(v)): a float64 just above a bfloat16 tie rounds to the tie
+    in float32, then to even (a direct float64 -> bfloat16 rounding would go up)."""
+    v = np.array([1 + 2.0 ** -8 + 2.0 ** -40], np.float64)
+    p = mpigc.BF16().compress(v)
+    assert p.view(np.uint16)[0] == 0x3F80
+
+
+def test_bf16_residual_and_divisor():
+    x = np.array([1 + 2.0 ** -9, 3.0, 257.0 * 4, 3e38], np.float32)
+    e = np.zeros(4, np.float32)
+    out = np.empty(4, np.uint16)
+    assert cpu.pack_bf16(x, e, e, out, 4.0) == 0
+    dec = (out.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    # 257 is a tie between 256 and 258 (step 2 there): to even, 256
+    np.testing.assert_array_equal(dec[:3], [0.25, 0.75, 256.0])
+    np.testing.assert_array_equal(e[:3], [2.0 ** -9, 0.0, 4.0])
+    assert np.isfinite(e[3]) and e[3] == np.float32(3e38) - dec[3] * np.float32(4)
+
+
+# ----------------------------------------------------------------------------
 # non-finite counts and the statistics kernel
 # ----------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -717,7 +841,7 @@ def test_nonfinite_counts(dtype):
     e = np.zeros_like(x)
     params = {"2bit": {"threshold": 0.5}, "1bit": {"block_size": 64},
               "2bit_rel": {"rel_threshold": 1.5, "block_size": 64},
-              "fp16": {"divisor": 1.0},
+              "fp16": {"divisor": 1.0}, "bf16": {"divisor": 1.0},
               "terngrad": {"scale": 1.0, "clip_bound": math.inf, "stream": 1, "offset": 0}}
     for fmt, prm in params.items():
         assert kernel_encode(fmt, prm, x, None, None)[1] == 37, fmt
@@ -757,7 +881,7 @@ def _everything(n, dtype, seed):
     # the float64 sums may be added in another order by the parallel kernel
     res = {"stats": (round(s, 6), float(np.float32(ss)), amax, nbad),
            "count": cpu.count_nonfinite(x)}
-    configs = [("none", {}), ("fp16", {}), ("2bit", {"threshold": 0.5}),
+    configs = [("none", {}), ("fp16", {}), ("bf16", {}), ("2bit", {"threshold": 0.5}),
                ("1bit", {"block_size": 16}), ("1bit", {"block_size": 1024}),
                ("terngrad", {}), ("terngrad", {"clip": 2.5}),
                ("2bit", {"rel_threshold": 1.5}), ("2bit", {"rel_threshold": 1.0,

@@ -3,7 +3,7 @@
 Run by ``tests/gpu/run.sh`` as ``mpirun -n K python tests/gpu/e2e_mpi.py
 JSON_FILE`` (K = 2 and 4 ranks sharing one GPU), once staged
 (``MPIGC_CUDA_AWARE=0``) and once as the MPI library is probed. For every
-compressor (``none``, ``fp16``, ``2bit`` in both modes, ``1bit``,
+compressor (``none``, ``fp16``, ``bf16``, ``2bit`` in both modes, ``1bit``,
 ``terngrad`` without clip), float32 / float64 / float16, both gathers, with
 averaging: three steps of ``allreduce`` and of ``reduce_scatter`` on device
 arrays give the results and residuals of the same calls on host arrays (the

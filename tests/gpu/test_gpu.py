@@ -188,6 +188,37 @@ def test_fp16_conversion_exhaustive(gpu):
         _same("encode", out.copy_to_host(), v.astype(np.float16).view(np.uint16))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("n", SIZES)
+def test_bf16(gpu, n, dtype):
+    x, e = _data(n, dtype, 7 * n, scale=3000.0)
+    for divisor in (1.0, 3.0, 7.0):
+        _both(gpu, "pack_bf16", x, e, [np.zeros(n, np.uint16)], (divisor,), False)
+    payload = np.random.default_rng(4).integers(0, 1 << 16, n, dtype=np.uint64)
+    payload = payload.astype(np.uint16) & np.uint16(0xBFFF)  # finite sums
+    _decode(gpu, "unpack_bf16", [payload], n, dtype, ())
+
+
+def test_bf16_conversion_exhaustive(gpu):
+    """Every bfloat16 decodes exactly; float32 bit patterns (NaNs included)
+    encode as the CPU kernel does (round to nearest even, NaN 0x7FC0 + sign)."""
+    cuda, cpu, kc = gpu
+    allb = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    d = cuda.to_device(np.zeros(1 << 16, np.float32))
+    kc.unpack_bf16(cuda.to_device(allb), d, False)
+    _same("decode", d.copy_to_host(), (allb.astype(np.uint32) << np.uint32(16)).view(
+        np.float32))
+    step = 1_000_003 if SIM else 251  # 17M patterns on a GPU, 4295 in the simulator
+    u = np.arange(0, 1 << 32, step, dtype=np.uint64).astype(np.uint32)
+    ties = (np.arange(1 << 16, dtype=np.uint32) << np.uint32(16)) | np.uint32(0x8000)
+    v = np.concatenate([u, ties[::1 if not SIM else 61]]).view(np.float32)
+    out = cuda.to_device(np.zeros(v.size, np.uint16))
+    n = kc.pack_bf16(cuda.to_device(v), None, None, out, 1.0)
+    want = np.zeros(v.size, np.uint16)
+    assert n == cpu.pack_bf16(v, None, None, want, 1.0)
+    _same("encode", out.copy_to_host(), want)
+
+
 @pytest.mark.parametrize("n", SIZES)
 def test_stats_and_counts(gpu, n):
     cuda, cpu, kc = gpu
@@ -248,6 +279,7 @@ def test_streams_and_foreign_arrays(gpu):
 E2E_OPS = [{"type": "2bit", "threshold": 0.5}, {"type": "1bit"},
            {"type": "2bit", "rel_threshold": 1.5},
            {"type": "fp16", "error_feedback": True},
+           {"type": "bf16", "error_feedback": True},
            {"type": "terngrad", "error_feedback": True}, "none"]
 
 

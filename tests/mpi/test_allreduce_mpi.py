@@ -17,12 +17,12 @@ from mpigc.kernels.cpu import ternary_stream
 
 from conftest import assert_all, grads
 
-OPS = ["none", "fp16", "2bit", "1bit", "terngrad",
+OPS = ["none", "fp16", "bf16", "2bit", "1bit", "terngrad",
        {"type": "2bit", "threshold": 0.25}, {"type": "1bit", "block_size": 16},
        {"type": "2bit", "rel_threshold": 1.5},
        {"type": "2bit", "rel_threshold": 1.0, "block_size": 12},
        {"type": "terngrad", "error_feedback": True, "seed": 7},
-       {"type": "fp16", "error_feedback": True}]
+       {"type": "fp16", "error_feedback": True}, {"type": "bf16", "error_feedback": True}]
 
 
 def _id(op):
@@ -145,7 +145,7 @@ def test_allreduce_average_matches_simulation(comm, fb, op):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 13])
-@pytest.mark.parametrize("op", ["2bit", "1bit", "terngrad", "fp16"])
+@pytest.mark.parametrize("op", ["2bit", "1bit", "terngrad", "fp16", "bf16"])
 def test_tiny_and_uneven_sizes(comm, fb, op, n):
     """n smaller than the world size leaves some shards empty."""
     _run(comm, fb, op, n, np.float32, False, "compressed")
@@ -154,7 +154,7 @@ def test_tiny_and_uneven_sizes(comm, fb, op, n):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("dtype", [np.float16, np.float64])
-@pytest.mark.parametrize("op", ["none", "fp16", "2bit", "1bit", "terngrad"])
+@pytest.mark.parametrize("op", ["none", "fp16", "bf16", "2bit", "1bit", "terngrad"])
 def test_other_dtypes(comm, fb, op, dtype):
     _run(comm, fb, op, 501, dtype, True, "compressed")
 
@@ -166,7 +166,7 @@ def test_large_uneven_2bit(comm, fb):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("op", ["none", "fp16", "2bit", "1bit", "terngrad"])
+@pytest.mark.parametrize("op", ["none", "fp16", "bf16", "2bit", "1bit", "terngrad"])
 def test_reduce_scatter_matches_simulation(comm, fb, op):
     _run(comm, fb, op, 1027, np.float32, False, "exact", kind="reduce_scatter")
     _run(comm, mpigc.ErrorFeedback(), op, 1027, np.float64, True, "exact",

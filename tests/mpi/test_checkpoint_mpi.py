@@ -34,6 +34,7 @@ KEYS = [
      "compressed"),
     ("w/tern", {"type": "terngrad", "seed": 5}, 65, np.float64, "exact"),
     ("w/fp16", {"type": "fp16", "error_feedback": True}, 300, np.float16, "compressed"),
+    ("w/bf16", {"type": "bf16", "error_feedback": True}, 300, np.float32, "compressed"),
     ("w/exact64", {"type": "2bit", "threshold": 0.25}, 130, np.float64, "exact"),
     ("w/tiny", {"type": "2bit", "threshold": 0.5}, 3, np.float32, "compressed"),
 ]

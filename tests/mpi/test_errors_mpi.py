@@ -115,7 +115,7 @@ def test_mismatch_between_ranks(comm, fb, what):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("op", ["none", "fp16", "2bit", "1bit", "terngrad"])
+@pytest.mark.parametrize("op", ["none", "fp16", "bf16", "2bit", "1bit", "terngrad"])
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_nonfinite_raises_everywhere_and_changes_nothing(comm, fb, op, bad):
     before = _warm(comm, fb, op=op)

@@ -104,10 +104,12 @@ def test_rejected_buffer_while_others_disagree(comm, fb, rejected, disagree):
 OPS = {"none": {"type": "none"}, "2bit": {"type": "2bit"},
        "2bit_rel": {"type": "2bit", "rel_threshold": 1.5},
        "1bit": {"type": "1bit"}, "terngrad": {"type": "terngrad", "error_feedback": True},
-       "fp16": {"type": "fp16", "error_feedback": True}}
+       "fp16": {"type": "fp16", "error_feedback": True},
+       "bf16": {"type": "bf16", "error_feedback": True}}
 # (op, dtype) whose largest finite values do not fit the wire (see
 # docs/wire-format.md, "Values a wire format cannot carry")
-BEYOND = {("fp16", np.float32), ("fp16", np.float64), ("1bit", np.float64),
+BEYOND = {("fp16", np.float32), ("fp16", np.float64), ("bf16", np.float32),
+          ("bf16", np.float64), ("1bit", np.float64),
           ("terngrad", np.float64), ("2bit_rel", np.float32), ("2bit_rel", np.float64)}
 
 
@@ -152,7 +154,7 @@ def test_values_beyond_the_wire_range(comm, fb, name, dtype, policy):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("name", ["1bit", "terngrad", "2bit_rel", "fp16"])
+@pytest.mark.parametrize("name", ["1bit", "terngrad", "2bit_rel", "fp16", "bf16"])
 def test_owner_stage_sum_beyond_the_wire_range(comm, fb, name):
     """Every rank's values fit, their sum does not (float64 beyond float32;
     float32 beyond half for fp16): the owners' recompression cannot carry

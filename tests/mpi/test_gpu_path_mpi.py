@@ -111,6 +111,7 @@ def test_host_calls_touch_no_cuda(comm, fb):
 OPS = [{"type": "2bit", "threshold": 0.5},
        {"type": "1bit", "block_size": 8},
        {"type": "fp16", "error_feedback": True},
+       {"type": "bf16", "error_feedback": True},
        {"type": "terngrad", "error_feedback": True, "seed": 3},
        "none",
        {"type": "2bit", "rel_threshold": 1.5, "block_size": 8}]

@@ -19,8 +19,9 @@ def _owner_total(fb, key, comm, n):
 @pytest.mark.mpi
 @pytest.mark.parametrize("op", ["2bit", "1bit", {"type": "terngrad", "error_feedback": True},
                                 {"type": "fp16", "error_feedback": True},
+                                {"type": "bf16", "error_feedback": True},
                                 {"type": "2bit", "rel_threshold": 1.5, "block_size": 64}],
-                         ids=["2bit", "1bit", "terngrad-ef", "fp16-ef", "2bit-rel"])
+                         ids=["2bit", "1bit", "terngrad-ef", "fp16-ef", "bf16-ef", "2bit-rel"])
 @pytest.mark.parametrize("average", [False, True])
 def test_conservation(comm, fb, op, average):
     """sum of inputs == sum of delivered results + worker + owner residuals."""

@@ -8,7 +8,7 @@ from conftest import assert_all, grads
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("op", ["none", "2bit", "1bit", "terngrad", "fp16"])
+@pytest.mark.parametrize("op", ["none", "2bit", "1bit", "terngrad", "fp16", "bf16"])
 def test_many_requests_equal_blocking(comm, op):
     sizes = [1, 100, 4097, 30000]
     fb_nb, fb_b = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()

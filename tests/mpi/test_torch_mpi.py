@@ -56,7 +56,7 @@ def reference_sync(sync, model, op, fb, **kw):
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("op", ["2bit", "1bit", "fp16", "terngrad"])
+@pytest.mark.parametrize("op", ["2bit", "1bit", "fp16", "bf16", "terngrad"])
 def test_gradients_equal_compressed_allreduce_reference(comm, op):
     model, ref = make_model(), make_model()
     sync = mt.GradientSync(model, op=op, bucket_mb=0.002)  # several buckets

@@ -47,7 +47,7 @@ import zlib
 import numba
 import numpy as np
 
-from . import _comm
+from . import _comm, _jitcache
 from ._errors import ConfigError, MismatchError, MpigcError, StateError
 from ._version import __version__
 from .compressors import get_compressor
@@ -81,7 +81,7 @@ def _h5py():
 
 
 # -- checksums -------------------------------------------------------------------
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=_jitcache.enabled())
 def _fletcher64_kernel(words, block_words, out):  # pragma: no cover - compiled
     # s2 = sum of the running sums = sum (L - i) w_i: written as L*s1 - sum i*w_i,
     # two independent reductions that vectorise (integer arithmetic mod 2**64 is

@@ -122,3 +122,73 @@ def _install_locator():
     if not any(getattr(c, "__name__", "") == "_MpigcCacheLocator"
                for c in impl._locator_classes):
         impl._locator_classes = [_MpigcCacheLocator] + list(impl._locator_classes)
+        _serialise_compiles(caching.Cache, _MpigcCacheLocator)
+
+
+def _serialise_compiles(cache_cls, locator_cls):
+    """One process compiles, the others load its result (mpigc's functions only).
+
+    The ranks of a job start together and, on a cold cache, would all compile
+    the same kernels at once (N times the work on the same cores). A miss in
+    the disk cache takes a lock file per function and signature next to the
+    cache entry (``fcntl.flock``: released by the kernel if the process dies);
+    whoever gets it second finds the entry saved by the first and loads it.
+    Locks follow the call graph (a kernel, then the kernels it calls), which
+    has no cycles, so they cannot deadlock; a wait longer than
+    ``MPIGC_COMPILE_LOCK_TIMEOUT`` seconds (default 600) compiles anyway.
+    """
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover - not POSIX: every process compiles
+        return
+    import hashlib
+    import time
+
+    load, save = cache_cls.load_overload, cache_cls.save_overload
+
+    def ours(cache):
+        return isinstance(getattr(getattr(cache, "_impl", None), "locator", None), locator_cls)
+
+    def lock_path(cache, sig):
+        tag = hashlib.sha1(str(sig).encode()).hexdigest()[:16]
+        return os.path.join(cache._cache_path,
+                            f"{cache._impl.filename_base}-{tag}.lock")
+
+    def load_overload(self, sig, target_context):
+        data = load(self, sig, target_context)
+        if data is not None or not ours(self):
+            return data
+        if str(sig) in self.__dict__.get("_mpigc_locks", {}):
+            return None  # held since a compile that raised: compile again, still ours
+        try:
+            fd = os.open(lock_path(self, sig), os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError:
+            return None
+        deadline = time.monotonic() + float(os.environ.get("MPIGC_COMPILE_LOCK_TIMEOUT",
+                                                           "600"))
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    os.close(fd)
+                    return None
+                time.sleep(0.05)
+        data = load(self, sig, target_context)  # saved meanwhile by the lock's last holder?
+        if data is not None:
+            os.close(fd)  # releases the lock
+            return data
+        self.__dict__.setdefault("_mpigc_locks", {})[str(sig)] = fd
+        return None  # this process compiles; save_overload releases the lock
+
+    def save_overload(self, sig, data):
+        try:
+            save(self, sig, data)
+        finally:
+            fd = self.__dict__.get("_mpigc_locks", {}).pop(str(sig), None)
+            if fd is not None:
+                os.close(fd)
+
+    cache_cls.load_overload = load_overload
+    cache_cls.save_overload = save_overload

@@ -92,3 +92,30 @@ def test_running_writes_nothing_into_the_installed_package(tmp_path, setting):
         assert any(n.startswith("kernels_") and n.endswith(".nbi") for n in names), names
         assert any(n.startswith("mpigc_") and n.endswith(".nbi") for n in names), names
         assert str(cache) in p.stdout
+
+
+# Several processes that need the same kernel at once (the ranks of a job on a
+# cold cache): one compiles, the others wait and load what it saved.
+RACER = """
+import sys, time, numpy as np
+while time.time() < float(sys.argv[1]):
+    time.sleep(0.01)
+import mpigc
+from mpigc.kernels import cpu
+cpu.count_nonfinite(np.ones(10, np.float32))
+d = cpu._count_nonfinite_range
+print("misses", sum(d._cache_misses.values()), "hits", sum(d._cache_hits.values()))
+"""
+
+
+def test_one_process_compiles_the_others_load(tmp_path):
+    import time
+    env = dict(os.environ, MPIGC_CACHE_DIR=str(tmp_path / "cache"))
+    start = str(time.time() + 8)  # after every interpreter has started
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, start], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    lines = sorted(o.strip().splitlines()[-1] for o in outs)
+    assert lines == ["misses 0 hits 1", "misses 0 hits 1", "misses 1 hits 0"], outs

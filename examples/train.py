@@ -27,9 +27,25 @@ not send later.
 
 Each epoch rank 0 prints the mean training loss, the test accuracy and the
 bytes this rank has sent so far (``mpigc.traffic()``).
+
+``--checkpoint DIR`` saves, after every epoch and per run (``DIR/OP-seedS/``),
+the model, the momentum, every rank's random state and the history
+(``state-EPOCH.npz``, written by rank 0) and the error-feedback residuals
+(``mpigc.save_checkpoint`` in ``residuals/``, step = epoch); ``--resume``
+continues each run from there, bit for bit as if it had not stopped, given the
+same number of ranks and the same learning-rate schedule (the cosine decay
+spans ``--epochs``: resume a killed job with its own command, or use
+``--schedule constant`` to extend a run)::
+
+    mpirun -n 4 python examples/train.py --op 2bit --epochs 30 --checkpoint /tmp/ck
+    mpirun -n 4 python examples/train.py --op 2bit --epochs 30 --checkpoint /tmp/ck --resume
+
+Needs scikit-learn: ``pip install ".[examples]"`` (or ``pip install scikit-learn``).
 """
 import argparse
+import glob
 import json
+import os
 import time
 
 import numpy as np
@@ -95,6 +111,50 @@ class MLP:
         return float((self.forward(X)[1].argmax(1) == y).mean())
 
 
+def _run_dir(args, op, seed):
+    return os.path.join(args.checkpoint, f"{op}-seed{seed}")
+
+
+def save_state(args, op, seed, comm, epoch, model, vel, rng, fb, params, history):
+    """State of one run after ``epoch``: rank 0 writes the model, the momentum,
+    every rank's random state and the history; then the residuals (collective).
+    The residual checkpoint's step names the state file that goes with it, so
+    a job killed in between resumes from the previous, complete pair."""
+    d = _run_dir(args, op, seed)
+    states = comm.gather(json.dumps(rng.bit_generator.state))
+    if comm.rank == 0:
+        os.makedirs(d, exist_ok=True)
+        tmp = os.path.join(d, f"state-{epoch}.tmp.npz")
+        np.savez(tmp, theta=model.theta, vel=vel, epoch=epoch, world_size=comm.size,
+                 rng_states=json.dumps(states), params=json.dumps(params),
+                 history=json.dumps(history))
+        os.replace(tmp, os.path.join(d, f"state-{epoch}.npz"))
+    comm.Barrier()
+    mpigc.save_checkpoint(os.path.join(d, "residuals"), feedback=fb, step=epoch)
+    if comm.rank == 0:
+        for f in glob.glob(os.path.join(d, "state-*.npz")):
+            if os.path.basename(f) != f"state-{epoch}.npz":
+                os.remove(f)
+    comm.Barrier()
+
+
+def load_state(args, op, seed, comm, model, vel, rng, fb):
+    """Restore a run saved by :func:`save_state`; returns (epoch, params,
+    history), or None when this run has no checkpoint yet."""
+    d = _run_dir(args, op, seed)
+    if not comm.bcast(os.path.isdir(os.path.join(d, "residuals")) if comm.rank == 0 else None):
+        return None
+    epoch = mpigc.load_checkpoint(os.path.join(d, "residuals"), feedback=fb)["step"]
+    with np.load(os.path.join(d, f"state-{epoch}.npz")) as z:
+        if int(z["world_size"]) != comm.size:
+            raise SystemExit(f"{d}: saved with {int(z['world_size'])} ranks, resumed with "
+                             f"{comm.size}: this example resumes on the same number")
+        model.theta[...] = z["theta"]
+        vel[...] = z["vel"]
+        rng.bit_generator.state = json.loads(json.loads(str(z["rng_states"]))[comm.rank])
+        return epoch, json.loads(str(z["params"])), json.loads(str(z["history"]))
+
+
 def train(op, seed, args, data, comm):
     Xtr, Xte, ytr, yte = data
     N, rank = comm.size, comm.rank
@@ -107,7 +167,16 @@ def train(op, seed, args, data, comm):
     params = {}
     # steps per epoch: the same on every rank (the smallest shard decides)
     steps = comm.allreduce(len(ys), op=MPI.MIN) // args.batch
-    if op == "2bit":
+    start, history, sent0 = 1, [], 0
+    restored = (load_state(args, op, seed, comm, model, vel, rng, fb)
+                if args.checkpoint and args.resume else None)
+    if restored is not None:
+        done, params, history = restored
+        start = done + 1
+        sent0 = history[-1]["bytes_sent"] if history else 0
+        if rank == 0 and not args.quiet:
+            print(f"op={op:8s} seed={seed} resumed after epoch {done}", flush=True)
+    elif op == "2bit":
         if args.threshold is not None:
             params["threshold"] = args.threshold
         elif args.rel_threshold is not None:
@@ -122,9 +191,11 @@ def train(op, seed, args, data, comm):
                 args.threshold_from_first_batch
             params["threshold"] = c * rms
     mpigc.reset_traffic()
-    history = []
     t0 = time.perf_counter()
-    for epoch in range(1, args.epochs + 1):
+    loss = history[-1]["loss"] if history else float("nan")
+    acc = history[-1]["test_acc"] if history else model.accuracy(Xte, yte)
+    sent = sent0
+    for epoch in range(start, args.epochs + 1):
         perm = rng.permutation(len(ys))
         losses = []
         for s in range(steps):
@@ -140,21 +211,39 @@ def train(op, seed, args, data, comm):
             model.theta -= lr * vel
         loss = comm.allreduce(float(np.mean(losses)), op=MPI.SUM) / N
         acc = model.accuracy(Xte, yte)
-        sent = mpigc.traffic()["bytes_sent"]
+        sent = sent0 + mpigc.traffic()["bytes_sent"]
         history.append({"epoch": epoch, "loss": loss, "test_acc": acc, "bytes_sent": sent})
         if rank == 0 and not args.quiet:
             print(f"op={op:8s} seed={seed} epoch {epoch:3d}  loss {loss:.4f}  "
                   f"test acc {acc * 100:6.2f}%  sent {sent / 1e6:8.3f} MB", flush=True)
+        if args.checkpoint:
+            save_state(args, op, seed, comm, epoch, model, vel, rng, fb, params, history)
     # the replicas must be identical (every rank applied the same reduced gradient)
     same = comm.allreduce(float(np.abs(model.theta - comm.bcast(model.theta)).max()),
                           op=MPI.MAX)
     return {"op": op, "seed": seed, "params": params, "final_test_acc": acc,
-            "final_loss": loss, "bytes_sent": sent, "steps_per_epoch": steps,
+            "theta": model.theta, "final_loss": loss, "bytes_sent": sent, "steps_per_epoch": steps,
             "seconds": time.perf_counter() - t0, "replica_max_diff": same,
             "n_params": int(model.theta.size), "history": history}
 
 
-def main(argv=None):
+def summary_rows(runs):
+    """One line per op: accuracy over seeds, MB sent per rank and "vs none"
+    (none's bytes / the op's bytes, whatever the order of --op)."""
+    nones = [r["bytes_sent"] for r in runs if r["op"] == "none"]
+    base = np.mean(nones) / 1e6 if nones else None
+    lines = []
+    for op in dict.fromkeys(r["op"] for r in runs):
+        rs = [r for r in runs if r["op"] == op]
+        a = np.array([r["final_test_acc"] for r in rs]) * 100
+        mb = np.mean([r["bytes_sent"] for r in rs]) / 1e6
+        rel = f"{base / mb:7.1f}x" if base and mb else f"{'':>8}"
+        lines.append(f"  {op:>8} {a.mean():29.2f} +- {a.std():4.2f} {a.min():6.2f} "
+                     f"{a.max():6.2f} {mb:12.3f} {rel}")
+    return lines
+
+
+def build_parser():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--op", default="2bit",
                    help="none, fp16, 2bit, 1bit, terngrad, or a comma-separated list")
@@ -176,7 +265,19 @@ def main(argv=None):
                    help="2bit relative mode: elements per block")
     p.add_argument("--json", metavar="PATH", help="write every run's history here")
     p.add_argument("--quiet", action="store_true", help="only the summary")
+    p.add_argument("--checkpoint", metavar="DIR",
+                   help="save every run (model, momentum, random state, residuals) after "
+                        "every epoch, in DIR/OP-seedS/")
+    p.add_argument("--resume", action="store_true",
+                   help="continue every run from its --checkpoint (runs without one start)")
+    return p
+
+
+def main(argv=None):
+    p = build_parser()
     args = p.parse_args(argv)
+    if args.resume and not args.checkpoint:
+        p.error("--resume needs --checkpoint DIR")
     given = [o for o, v in (("--threshold", args.threshold),
                             ("--rel-threshold", args.rel_threshold),
                             ("--threshold-from-first-batch",
@@ -196,19 +297,13 @@ def main(argv=None):
               f"{runs[0]['steps_per_epoch']} steps/epoch, {runs[0]['n_params']} parameters")
         print(f"# {'op':>8} {'test acc % (mean +- std over seeds)':>36} {'min':>6} {'max':>6} "
               f"{'MB sent/rank':>12} {'vs none':>8}")
-        base = None
-        for op in dict.fromkeys(r["op"] for r in runs):
-            rs = [r for r in runs if r["op"] == op]
-            a = np.array([r["final_test_acc"] for r in rs]) * 100
-            mb = np.mean([r["bytes_sent"] for r in rs]) / 1e6
-            base = mb if op == "none" else base
-            rel = f"{base / mb:7.1f}x" if base else f"{'':>8}"
-            print(f"  {op:>8} {a.mean():29.2f} +- {a.std():4.2f} {a.min():6.2f} "
-                  f"{a.max():6.2f} {mb:12.3f} {rel}")
+        for line in summary_rows(runs):
+            print(line)
         if args.json:
             with open(args.json, "w") as f:
-                json.dump({"args": vars(args), "ranks": comm.size, "runs": runs}, f,
-                          indent=1)
+                json.dump({"args": vars(args), "ranks": comm.size,
+                           "runs": [{k: v for k, v in r.items() if k != "theta"}
+                                    for r in runs]}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -38,7 +38,9 @@ __all__ = [
     "PARALLEL_MIN_ELEMENTS",
 ]
 
-_JIT = dict(cache=True, nogil=True, boundscheck=False)
+from .. import _jitcache  # noqa: E402  (the on-disk cache lives per user, not in site-packages)
+
+_JIT = dict(cache=_jitcache.enabled(), nogil=True, boundscheck=False)
 
 #: Below this many elements the single-thread kernels are used even when Numba
 #: has several threads: a parallel launch costs more than it saves.

@@ -65,6 +65,35 @@ def parse_size(text):
     return int(m.group(1)) * _UNITS[m.group(2).upper()]
 
 
+def _size_list(text):
+    """``--sizes``: ``"4K,1M,32M"`` -> [4096, 1048576, 33554432] (sorted, unique)."""
+    sizes = sorted({parse_size(s) for s in str(text).split(",") if s.strip()})
+    if not sizes or sizes[0] == 0:
+        raise argparse.ArgumentTypeError(f"expected sizes above 0 such as 4K,1M,32M, "
+                                         f"got {text!r}")
+    return sizes
+
+
+def _op_list(text):
+    """``--ops``: a comma-separated list of ``mpi`` and mpigc's compressor ids."""
+    known = ["mpi"] + mpigc.available_compressors()
+    ops = [o.strip().lower() for o in str(text).split(",") if o.strip()]
+    bad = [o for o in ops if o not in known]
+    if not ops or bad:
+        raise argparse.ArgumentTypeError(f"expected some of {', '.join(known)}, got "
+                                         f"{', '.join(bad) if bad else repr(text)}")
+    return list(dict.fromkeys(ops))
+
+
+def _collective_list(text):
+    colls = [c.strip() for c in str(text).split(",") if c.strip()]
+    bad = [c for c in colls if c not in COLLECTIVES]
+    if not colls or bad:
+        raise argparse.ArgumentTypeError(f"expected some of {', '.join(COLLECTIVES)}, got "
+                                         f"{', '.join(bad) if bad else repr(text)}")
+    return list(dict.fromkeys(colls))
+
+
 def format_size(nbytes):
     for unit, k in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
         if nbytes >= k and nbytes % k == 0:
@@ -74,7 +103,7 @@ def format_size(nbytes):
 
 def _sizes(args):
     if args.sizes:
-        return sorted({parse_size(s) for s in args.sizes.split(",") if s.strip()})
+        return _size_list(args.sizes) if isinstance(args.sizes, str) else list(args.sizes)
     out, s = [], args.min_size
     while s <= args.max_size:
         out.append(s)
@@ -130,6 +159,8 @@ def _call(collective, op, src, work, comm, fb, params):
 
 
 def _params(op, args):
+    if op == "2bit" and getattr(args, "rel_threshold", None) is not None:
+        return {"rel_threshold": args.rel_threshold}
     if op == "2bit" and args.threshold is not None:
         return {"threshold": args.threshold}
     if op == "1bit" and args.block_size is not None:
@@ -185,20 +216,17 @@ def run(args, comm=None):
     return the rows (every rank gets the same list)."""
     comm = MPI.COMM_WORLD if comm is None else comm
     N, rank = comm.size, comm.rank
-    ops = [o.strip() for o in args.ops.split(",") if o.strip()]
-    for o in ops:
-        if o != "mpi":
-            mpigc.get_compressor(o)  # an unknown id fails here, on every rank
+    ops = _op_list(args.ops) if isinstance(args.ops, str) else list(args.ops)
     if "none" not in ops:
         ops.insert(0, "none")  # the reference of the speedup column
-    colls = [c.strip() for c in args.collectives.split(",") if c.strip()]
-    for c in colls:
-        if c not in COLLECTIVES:
-            raise SystemExit(f"mpigc-bench: --collectives: expected some of "
-                             f"{', '.join(COLLECTIVES)}, got {c!r}")
+    colls = (_collective_list(args.collectives) if isinstance(args.collectives, str)
+             else list(args.collectives))
     sizes = _sizes(args)
     dtype = np.dtype(args.dtype)
-    prog = _Progress(len(sizes) * len(ops) * len(colls), rank == 0 and args.progress)
+    progress = args.progress
+    if progress is None:  # default: only where someone watches (not in a Slurm log)
+        progress = sys.stderr.isatty()
+    prog = _Progress(len(sizes) * len(ops) * len(colls), rank == 0 and progress)
     rows = []
     for nbytes in sizes:
         n = max(1, nbytes // dtype.itemsize)
@@ -334,16 +362,17 @@ def build_parser():
                     "mpirun).",
         epilog="Sizes take K/M/G suffixes (binary). Example: mpirun -n 4 mpigc-bench "
                "--sizes 4K,1M,32M --ops none,2bit,1bit --json out.json --plot out.png")
-    p.add_argument("--ops", default=",".join(DEFAULT_OPS),
+    p.add_argument("--ops", type=_op_list, default=list(DEFAULT_OPS),
                    help="comma-separated: mpi (bare MPI), none, fp16, bf16, 2bit, 1bit, "
                         "terngrad, any registered id (default: all but bf16; none is "
                         "always added as the reference)")
-    p.add_argument("--collectives", default="allreduce,reduce_scatter",
+    p.add_argument("--collectives", type=_collective_list, default=list(COLLECTIVES),
                    help="allreduce and/or reduce_scatter (default: both)")
     p.add_argument("--min-size", type=parse_size, default=4 << 10, help="default 4K")
     p.add_argument("--max-size", type=parse_size, default=256 << 20, help="default 256M")
     p.add_argument("--factor", type=int, default=4, help="size step (default x4)")
-    p.add_argument("--sizes", help="explicit list, e.g. 4K,1M,32M (overrides min/max)")
+    p.add_argument("--sizes", type=_size_list,
+                   help="explicit list, e.g. 4K,1M,32M (overrides min/max)")
     p.add_argument("--iters", type=int, default=20, help="timed iterations at most")
     p.add_argument("--min-iters", type=int, default=5, help="timed iterations at least")
     p.add_argument("--warmup", type=int, default=2,
@@ -354,13 +383,20 @@ def build_parser():
     p.add_argument("--dtype", default="float32", choices=("float32", "float64", "float16"))
     p.add_argument("--scale", type=float, default=1.0,
                    help="standard deviation of the synthetic per-rank input (default 1)")
-    p.add_argument("--threshold", type=float, help="2bit threshold (default mpigc's, 0.5)")
+    thr = p.add_mutually_exclusive_group()
+    thr.add_argument("--threshold", type=float, help="2bit threshold (default mpigc's, 0.5)")
+    thr.add_argument("--rel-threshold", type=float, metavar="C",
+                     help="2bit in its relative mode: values with |v| >= C x the RMS of "
+                          "their block send +- the block's mean |v| (e.g. 1.5)")
     p.add_argument("--block-size", type=int, help="1bit block size (default mpigc's)")
     p.add_argument("--json", metavar="PATH", help="write every row (and the machine) here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")
     p.add_argument("--title", default="", help="title of the plot")
+    p.add_argument("--progress", dest="progress", action="store_true", default=None,
+                   help="a progress bar on rank 0's stderr (default: only when stderr is "
+                        "a terminal, so not in a Slurm log)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
-                   help="no progress bar on rank 0's stderr")
+                   help="no progress bar")
     p.add_argument("--from-json", metavar="PATH",
                    help="print the tables (and --plot) of an earlier --json file; "
                         "measures nothing")

@@ -47,7 +47,7 @@ import zlib
 import numba
 import numpy as np
 
-from . import _comm
+from . import _comm, _jitcache
 from ._errors import ConfigError, MismatchError, MpigcError, StateError
 from ._version import __version__
 from .compressors import get_compressor
@@ -81,7 +81,7 @@ def _h5py():
 
 
 # -- checksums -------------------------------------------------------------------
-@numba.njit(nogil=True, cache=True)
+@numba.njit(nogil=True, cache=_jitcache.enabled())
 def _fletcher64_kernel(words, block_words, out):  # pragma: no cover - compiled
     # s2 = sum of the running sums = sum (L - i) w_i: written as L*s1 - sum i*w_i,
     # two independent reductions that vectorise (integer arithmetic mod 2**64 is
@@ -792,32 +792,59 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
 
 
 # -- command line ----------------------------------------------------------------------
-def info(path, verify=True, file=None):
-    """Print what checkpoint ``path`` holds and verify its checksums.
-    Returns 0 when it is valid, 1 otherwise (no MPI communication)."""
-    out = file or sys.stdout
+def _checkpoints_below(path, depth=2):
+    """Checkpoints (folders holding a manifest) under folder ``path``, at most
+    ``depth`` levels down, relative to it; sorted."""
+    found = []
+    top = os.fspath(path)
+    for d, dirs, files in os.walk(top):
+        rel = os.path.relpath(d, top)
+        level = 0 if rel == "." else rel.count(os.sep) + 1
+        if level and MANIFEST in files:
+            found.append(rel)
+            dirs[:] = []  # a checkpoint's data folders are not checkpoints
+        elif level >= depth:
+            dirs[:] = []
+        dirs.sort()
+    return sorted(found)
+
+
+def describe(path, verify=True):
+    """What checkpoint ``path`` holds, as a JSON-ready dict (no MPI
+    communication): ``valid``, ``errors``, the manifest's ``format``,
+    ``format_version``, ``mpigc_version``, ``created``, ``world_size``,
+    ``step``, ``data_dir``, ``data_bytes``, ``keys`` (one dict per key:
+    ``key``, ``n``, ``dtype``, ``calls``, ``config``, ``residuals``) and
+    ``checksums`` (``"OK"``, ``"FAILED"``, or None without ``verify``). When
+    ``path`` is a folder without a manifest, ``checkpoints_inside`` names the
+    checkpoints found up to two levels below it."""
+    abspath = os.path.abspath(os.fspath(path))
+    doc = {"path": abspath, "valid": False, "errors": []}
     try:
         meta = _read_manifest(path)
     except CheckpointError as exc:
-        print(f"error: {exc}", file=out)
-        return 1
+        doc["errors"].append(str(exc))
+        if os.path.isdir(abspath):
+            doc["checkpoints_inside"] = _checkpoints_below(abspath)
+        return doc
     a = meta["attrs"]
-    print(f"checkpoint   {os.path.abspath(os.fspath(path))}", file=out)
-    print(f"format       {a['format']} version {a['format_version']} "
-          f"(mpigc {a['mpigc_version']}), created {a.get('created')}", file=out)
-    print(f"world size   {a['world_size']}", file=out)
-    print(f"step         {a.get('step', 'none')}", file=out)
-    print(f"data         {a['data_dir']}/ ({a['world_size']} file(s), "
-          f"{sum(meta['file_nbytes'])} bytes)", file=out)
-    print(f"keys         {len(meta['rows'])}", file=out)
+    doc.update(format=a["format"], format_version=a["format_version"],
+               mpigc_version=a["mpigc_version"], created=a.get("created"),
+               world_size=a["world_size"], step=a.get("step"), data_dir=a["data_dir"],
+               data_bytes=sum(meta["file_nbytes"]), keys=[], checksums=None)
     for i, (key, n, dname, cfg, calls) in enumerate(meta["rows"]):
         parts = [p for p, h in (("worker", meta["has_worker"][i]),
                                 ("owner", meta["has_owner"][i])) if h]
-        print(f"  {key!r}: shape ({n},) {dname}, calls {calls}, config {cfg}, "
-              f"residuals: {', '.join(parts) or 'none'}", file=out)
+        try:
+            cfg = json.loads(cfg)
+        except (TypeError, ValueError):
+            pass  # shown as stored
+        doc["keys"].append({"key": key, "n": n, "dtype": dname, "calls": calls,
+                            "config": cfg, "residuals": parts})
     if not verify:
-        return 0
-    nbytes, errors = 0, []
+        doc["valid"] = True
+        return doc
+    nbytes, errors = 0, doc["errors"]
     size = a["world_size"]
     for r in range(size):
         try:
@@ -843,12 +870,54 @@ def info(path, verify=True, file=None):
             errors.append(str(exc))
         finally:
             f.close()
-    if errors:
-        for e in errors:
+    doc["checksums"] = "FAILED" if errors else "OK"
+    doc["verified_bytes"] = nbytes
+    doc["valid"] = not errors
+    return doc
+
+
+def _config_text(cfg):
+    return cfg if isinstance(cfg, str) else json.dumps(cfg, sort_keys=True)
+
+
+def info(path, verify=True, file=None, as_json=False):
+    """Print what checkpoint ``path`` holds and verify its checksums (as text,
+    or as the JSON document of :func:`describe` with ``as_json``).
+    Returns 0 when it is valid, 1 otherwise (no MPI communication)."""
+    out = file or sys.stdout
+    doc = describe(path, verify)
+    if as_json:
+        print(json.dumps(doc, indent=1), file=out)
+        return 0 if doc["valid"] else 1
+    if "format" not in doc:  # no readable manifest
+        for e in doc["errors"]:
             print(f"error: {e}", file=out)
-        print(f"checksums    FAILED ({len(errors)} error(s))", file=out)
+        inside = doc.get("checkpoints_inside")
+        if inside:
+            print(f"checkpoints inside it: {', '.join(inside)} (run info on one of them)",
+                  file=out)
         return 1
-    print(f"checksums    OK ({CHECKSUM}, {nbytes} bytes of residuals verified)", file=out)
+    print(f"checkpoint   {doc['path']}", file=out)
+    print(f"format       {doc['format']} version {doc['format_version']} "
+          f"(mpigc {doc['mpigc_version']}), created {doc['created']}", file=out)
+    print(f"world size   {doc['world_size']}", file=out)
+    print(f"step         {'none' if doc['step'] is None else doc['step']}", file=out)
+    print(f"data         {doc['data_dir']}/ ({doc['world_size']} file(s), "
+          f"{doc['data_bytes']} bytes)", file=out)
+    print(f"keys         {len(doc['keys'])}", file=out)
+    for k in doc["keys"]:
+        print(f"  {k['key']!r}: shape ({k['n']},) {k['dtype']}, calls {k['calls']}, "
+              f"config {_config_text(k['config'])}, residuals: {', '.join(k['residuals']) or 'none'}",
+              file=out)
+    if not verify:
+        return 0
+    if doc["errors"]:
+        for e in doc["errors"]:
+            print(f"error: {e}", file=out)
+        print(f"checksums    FAILED ({len(doc['errors'])} error(s))", file=out)
+        return 1
+    print(f"checksums    OK ({CHECKSUM}, {doc['verified_bytes']} bytes of residuals "
+          f"verified)", file=out)
     return 0
 
 
@@ -860,8 +929,10 @@ def main(argv=None):
                                     "verify checksums")
     p.add_argument("path")
     p.add_argument("--no-verify", action="store_true", help="skip reading the residuals")
+    p.add_argument("--json", action="store_true",
+                   help="print a JSON document instead of text (same exit status)")
     args = parser.parse_args(argv)
-    return info(args.path, verify=not args.no_verify)
+    return info(args.path, verify=not args.no_verify, as_json=args.json)
 
 
 if __name__ == "__main__":

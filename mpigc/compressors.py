@@ -225,8 +225,12 @@ class Compressor:
             Where to write the payload (``payload_nbytes(x.size)`` bytes).
         check_finite : bool
             If true (default), a non-finite value raises
-            :class:`NonFiniteError` and leaves ``residual`` unchanged
-            (the residual is computed in a scratch buffer first).
+            :class:`NonFiniteError` and leaves ``residual`` unchanged. With a
+            residual this costs a second pass: the first one only counts and
+            packs, the second updates ``residual`` in place (no scratch
+            buffer). ``check_finite=False`` is one pass, in place, as the
+            collectives' fused kernels are; a non-finite value then reaches
+            the payload and the residual.
         **kw
             ``scale``, ``stream``, ``offset`` for ``terngrad``.
         """
@@ -251,14 +255,17 @@ class Compressor:
                   and out.size == nbytes and out.flags.c_contiguous):
             raise InvalidBufferError(f"out: expected a contiguous uint8 array of "
                                      f"{nbytes} bytes")
-        e_out = e if (e is None or not check_finite) else np.empty_like(e)
-        nbad = self._encode(xf, e, e_out, out, **kw)
-        if nbad and check_finite:
-            raise NonFiniteError(f"x holds {nbad} value(s) that are NaN or Inf, or would be "
-                                 f"on the wire (beyond the {self.codec_id} range); residual "
-                                 "unchanged")
-        if e_out is not e:
-            e[...] = e_out
+        if check_finite:
+            # pass 1 writes no residual (e_out None): a non-finite value raises
+            # with ``residual`` untouched, and no scratch residual is allocated
+            nbad = self._encode(xf, e, None, out, **kw)
+            if nbad:
+                raise NonFiniteError(f"x holds {nbad} value(s) that are NaN or Inf, or would "
+                                     f"be on the wire (beyond the {self.codec_id} range); "
+                                     "residual unchanged")
+            if e is None:
+                return out
+        self._encode(xf, e, e, out, **kw)  # in place (deterministic: the same payload)
         return out
 
     def decompress(self, payload, n, out=None, *, accumulate=False, dtype=np.float32):

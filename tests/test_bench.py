@@ -57,6 +57,40 @@ def test_bench_in_process(tmp_path, capsys):
         assert png.stat().st_size > 1000
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--ops", "3bit"], "argument --ops: expected some of mpi, 1bit"),
+    (["--ops", "none,2bit,3bit"], "got 3bit"),
+    (["--sizes", "4X"], "argument --sizes: expected a size such as 4K"),
+    (["--sizes", "0"], "argument --sizes: expected sizes above 0"),
+    (["--collectives", "allgather"], "argument --collectives: expected some of allreduce"),
+    (["--threshold", "1", "--rel-threshold", "1.5"], "not allowed with argument"),
+])
+def test_bad_arguments_are_usage_errors(capsys, argv, message):
+    """A wrong option ends in argparse's usage error (exit 2), not a traceback."""
+    with pytest.raises(SystemExit) as e:
+        bench.main(argv + ["--iters", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: mpigc-bench") and message in err, err
+
+
+def test_rel_threshold_and_no_progress_bar_off_a_terminal(capsys):
+    """--rel-threshold runs 2bit's relative mode (its own wire size: 1/4 byte
+    per value plus a float32 per block); the progress bar stays off when
+    stderr is not a terminal (here: captured), unless asked for."""
+    args = ["--sizes", "64K", "--ops", "2bit", "--collectives", "reduce_scatter",
+            "--iters", "1", "--min-iters", "1", "--warmup", "1"]
+    rows = bench.run(bench.build_parser().parse_args(args + ["--rel-threshold", "1.5"]))
+    plain = bench.run(bench.build_parser().parse_args(args))
+    err = capsys.readouterr().err
+    assert "[#" not in err and "[-" not in err  # no bar: stderr is not a terminal
+    rel = {r["op"]: r for r in rows}["2bit"]
+    ref = {r["op"]: r for r in plain}["2bit"]
+    assert rel["max_rel_err"] != ref["max_rel_err"]  # another quantizer ran
+    bench.run(bench.build_parser().parse_args(args + ["--progress"]))
+    assert "[#" in capsys.readouterr().err
+
+
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun on PATH")
 def test_bench_under_mpirun(tmp_path):
     out = tmp_path / "rows.json"

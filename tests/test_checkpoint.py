@@ -1,7 +1,9 @@
 """Residual checkpoints on one rank (no mpirun needed): format, checksums,
 errors, the inspector. Multi-rank behaviour is in tests/mpi/test_checkpoint_mpi.py."""
 import io
+import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -378,3 +380,39 @@ def test_partial_reads_across_blocks(tmp_path, monkeypatch):
             f.read(0, "worker", np.dtype(np.float64), 1000, 495, 505, out, add=False)
     finally:
         f.close()
+
+
+def test_info_names_the_checkpoints_inside_a_parent_folder(saved, tmp_path):
+    """``info`` on the folder above a checkpoint says which checkpoint is in it."""
+    path, _ = saved
+    parent = tmp_path / "runs"
+    (parent / "job7").mkdir(parents=True)
+    shutil.copytree(path, parent / "job7" / "ck")
+    (parent / "empty").mkdir()
+    buf = io.StringIO()
+    assert ckpt.info(parent, file=buf) == 1
+    text = buf.getvalue()
+    assert "not an mpigc checkpoint" in text
+    assert f"checkpoints inside it: {os.path.join('job7', 'ck')}" in text, text
+    buf = io.StringIO()
+    assert ckpt.info(parent / "empty", file=buf) == 1
+    assert "checkpoints inside" not in buf.getvalue()
+
+
+def test_cli_info_json(saved, tmp_path):
+    path, _ = saved
+    p = subprocess.run([sys.executable, "-m", "mpigc.checkpoint", "info", "--json", str(path)],
+                       capture_output=True, text=True, env=clean_env(), timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads(p.stdout)
+    assert doc["valid"] and doc["checksums"] == "OK" and doc["errors"] == []
+    assert doc["world_size"] == 1 and doc["step"] == 5
+    big = {k["key"]: k for k in doc["keys"]}["big"]
+    assert big["n"] == 70000 and big["dtype"] == "float64" and big["calls"] == 3
+    assert big["config"]["block_size"] == 256 and "worker" in big["residuals"]
+    p = subprocess.run([sys.executable, "-m", "mpigc.checkpoint", "info", "--json",
+                        str(tmp_path)], capture_output=True, text=True, env=clean_env(),
+                       timeout=120)
+    doc = json.loads(p.stdout)
+    assert p.returncode == 1 and not doc["valid"] and "not an mpigc checkpoint" in doc["errors"][0]
+    assert doc["checkpoints_inside"] == [os.path.relpath(path, tmp_path)]

@@ -1,9 +1,23 @@
 """Helpers for the MPI tests (run under mpirun with ``--with-mpi``).
 
 Tests agree on pass/fail across ranks before asserting, so that one failing
-rank cannot leave the others blocked in a collective.
+rank cannot leave the others blocked in a collective. Rank-local work (``if
+RANK == 0: ...``) goes through :func:`on_root`, which hands its result or its
+error to every rank.
+
+A watchdog backs this up for the tests that miss a case: after every phase of
+every test (setup, call, teardown) the ranks agree, on a private communicator,
+that they all finished it. A rank whose phase failed (or was skipped) waits
+``MPIGC_TEST_AGREE_TIMEOUT`` seconds (default 10) for the others; if they do not
+arrive, they are stuck in a collective of that test that this rank will never
+join, and the rank prints its failure and aborts the whole job
+(``MPI.COMM_WORLD.Abort``) instead of leaving the job to hang until the outer
+``timeout``. A rank that passed waits as long as it takes.
 """
 import os
+import re
+import sys
+import time
 
 import numpy as np
 import pytest
@@ -39,15 +53,18 @@ def assert_all(cond, msg="", comm=MPI.COMM_WORLD):
                                          if m is not None)
 
 
-def raises_everywhere(exc_type, fn, comm=MPI.COMM_WORLD):
-    """Call ``fn`` on every rank; assert it raised ``exc_type`` on every rank."""
+def raises_everywhere(exc_type, fn, comm=MPI.COMM_WORLD, match=None):
+    """Call ``fn`` on every rank; assert it raised ``exc_type`` (whose message
+    matches the regular expression ``match``, when given) on every rank."""
     try:
         fn()
         got = None
     except Exception as e:  # noqa: BLE001
         got = e
-    assert_all(isinstance(got, exc_type),
-               f"expected {exc_type.__name__}, got {type(got).__name__}: {got}", comm)
+    ok = isinstance(got, exc_type) and (match is None or re.search(match, str(got)))
+    assert_all(ok, f"expected {exc_type.__name__}"
+               + (f" matching {match!r}" if match else "")
+               + f", got {type(got).__name__}: {got}", comm)
     return got
 
 
@@ -55,3 +72,67 @@ def grads(rank, n, dtype=np.float32, seed=0, scale=1.0):
     """Deterministic gradient of ``rank`` (every rank can rebuild any rank's)."""
     rng = np.random.default_rng([seed, rank])
     return (rng.standard_normal(n) * scale).astype(dtype)
+
+
+def on_root(fn, comm=MPI.COMM_WORLD):
+    """``fn()`` on rank 0 only, its result broadcast to every rank; if it raises
+    on rank 0, the same exception is raised on every rank (before any other
+    collective), so rank-local work cannot leave the others waiting. The other
+    ranks sleep while they wait (a blocking MPI call spins: a child job that
+    rank 0 runs would get no core)."""
+    result = error = None
+    if comm.rank == 0:
+        try:
+            result = fn()
+        except Exception as e:  # noqa: BLE001
+            error = e
+    req = comm.Ibarrier()
+    while not req.Test():
+        time.sleep(0.01)
+    result, what = comm.bcast((result, None if error is None else
+                               f"{type(error).__name__}: {error}") if comm.rank == 0 else None)
+    if error is not None:
+        raise error
+    if what is not None:
+        raise RuntimeError(f"rank 0 failed: {what}")
+    return result
+
+
+# -- watchdog: a rank never leaves a test alone -----------------------------------
+_AGREE = {}
+
+
+def pytest_sessionstart(session):
+    # the watchdog's private communicator, made while every rank is here
+    # (Dup is collective: made later, it could wait on a rank stuck in a test)
+    if "comm" not in _AGREE:
+        _AGREE["comm"] = MPI.COMM_WORLD.Dup()
+
+
+def _agree_timeout():
+    return float(os.environ.get("MPIGC_TEST_AGREE_TIMEOUT", "10"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if MPI.COMM_WORLD.Get_size() == 1 or not item.config.getoption("with_mpi", False):
+        return
+    comm = _AGREE["comm"]
+    left_early = not report.passed  # failed, or skipped/xfailed on this rank
+    req = comm.Ibarrier()
+    deadline = time.monotonic() + _agree_timeout()
+    while not req.Test():
+        if left_early and time.monotonic() > deadline:
+            rank = MPI.COMM_WORLD.Get_rank()
+            sys.stderr.write(
+                f"\n{report.longreprtext}\n\nmpigc tests: rank {rank}: {item.nodeid} "
+                f"{report.outcome} in its {report.when} phase (report above), and the other "
+                f"ranks did not finish that phase within {_agree_timeout():g} s "
+                f"(MPIGC_TEST_AGREE_TIMEOUT): they wait in a collective this rank will not "
+                f"join. Aborting every rank.\n")
+            sys.stderr.flush()
+            sys.stdout.flush()
+            MPI.COMM_WORLD.Abort(3)
+        time.sleep(0.01)

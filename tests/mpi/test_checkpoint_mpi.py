@@ -11,7 +11,6 @@ import subprocess
 import sys
 import tempfile
 import textwrap
-import time
 
 import numpy as np
 import pytest
@@ -20,6 +19,8 @@ from mpi4py import MPI
 import mpigc
 from mpigc import checkpoint as ckpt
 from mpigc.checkpoint import CheckpointError
+
+from conftest import on_root, raises_everywhere
 
 pytestmark = pytest.mark.mpi
 
@@ -88,7 +89,7 @@ def same_state(a, b):
 
 @pytest.fixture
 def shared_dir():
-    d = WORLD.bcast(tempfile.mkdtemp(prefix="mpigc-ckpt-") if RANK == 0 else None)
+    d = on_root(lambda: tempfile.mkdtemp(prefix="mpigc-ckpt-"), WORLD)
     yield d
     WORLD.Barrier()
     if RANK == 0:
@@ -119,14 +120,14 @@ def test_inspector_reads_every_rank_file(shared_dir):
     fb = mpigc.ErrorFeedback()
     run_steps(fb, WORLD, range(2))
     mpigc.save_checkpoint(path, feedback=fb, step=7)
-    ok = True
-    if RANK == 0:
+
+    def inspect():
         buf = io.StringIO()
         rc = ckpt.info(path, file=buf)
         text = buf.getvalue()
-        ok = (rc == 0 and f"world size   {SIZE}" in text and "step         7" in text
-              and "'w/1bit': shape (777,) float32" in text and "checksums    OK" in text)
-    agree(ok, "inspector")
+        return (rc == 0 and f"world size   {SIZE}" in text and "step         7" in text
+                and "'w/1bit': shape (777,) float32" in text and "checksums    OK" in text)
+    agree(on_root(inspect, WORLD), "inspector")
 
 
 # -- different world size ------------------------------------------------------------
@@ -241,8 +242,8 @@ def test_config_mismatch_strict_and_not(shared_dir):
     run_steps(live, WORLD, range(1), keys=other)
     snapshot = mpigc.ErrorFeedback()
     snapshot.load_state_dict(live.state_dict())
-    with pytest.raises(mpigc.MismatchError, match="w/2bit"):
-        mpigc.load_checkpoint(path, feedback=live)
+    raises_everywhere(mpigc.MismatchError, lambda: mpigc.load_checkpoint(path, feedback=live),
+                      WORLD, match="w/2bit")
     agree(same_state(live, snapshot), "strict failure leaves the store unchanged")
 
     with pytest.warns(UserWarning, match="re-initialising 1 key"):
@@ -252,9 +253,9 @@ def test_config_mismatch_strict_and_not(shared_dir):
     want = fb.state_dict()["w/1bit"]["worker"].tobytes()
     agree(live.state_dict()["w/1bit"]["worker"].tobytes() == want, "other keys loaded")
 
-    with pytest.raises(mpigc.MismatchError, match="configs="):
-        mpigc.load_checkpoint(path, feedback=mpigc.ErrorFeedback(),
-                              configs={"w/1bit": {"type": "1bit", "block_size": 128}})
+    raises_everywhere(mpigc.MismatchError, lambda: mpigc.load_checkpoint(
+        path, feedback=mpigc.ErrorFeedback(),
+        configs={"w/1bit": {"type": "1bit", "block_size": 128}}), WORLD, match="configs=")
     fresh = mpigc.ErrorFeedback()
     mpigc.load_checkpoint(path, feedback=fresh,
                           configs={"w/1bit": mpigc.OneBit(block_size=64)})
@@ -276,38 +277,41 @@ def test_corruption_raises_on_every_rank(shared_dir):
     run_steps(fb, WORLD, range(2), keys=KEYS[:2])
     mpigc.save_checkpoint(path, feedback=fb)
     target = SIZE - 1
-    if RANK == 0:
+
+    def flip():
         meta = ckpt._read_manifest(path)
         fname = os.path.join(meta["datadir"], f"rank-{target:05d}.h5")
         with h5py.File(fname, "r") as f:
             off = f["k000001/worker"].id.get_offset()
         _flip_byte(fname, off + 4 * 500 + 1)
-    WORLD.Barrier()
+    on_root(flip, WORLD)
     live = mpigc.ErrorFeedback()
     run_steps(live, WORLD, range(1), keys=KEYS[:1])
     snapshot = mpigc.ErrorFeedback()
     snapshot.load_state_dict(live.state_dict())
-    with pytest.raises(CheckpointError, match=rf"rank {target}.*checksum mismatch"):
-        mpigc.load_checkpoint(path, feedback=live)
+    raises_everywhere(CheckpointError, lambda: mpigc.load_checkpoint(path, feedback=live),
+                      WORLD, match=rf"rank {target}.*checksum mismatch")
     agree(same_state(live, snapshot), "a failed load leaves the store unchanged")
 
     # truncated file, seen by every rank
-    if RANK == 0:
+
+    def truncate():
         fname = os.path.join(ckpt._read_manifest(path)["datadir"], f"rank-{target:05d}.h5")
         with open(fname, "r+b") as f:
             f.truncate(os.path.getsize(fname) // 2)
-    WORLD.Barrier()
-    with pytest.raises(CheckpointError, match="truncated"):
-        mpigc.load_checkpoint(path, feedback=live)
+    on_root(truncate, WORLD)
+    raises_everywhere(CheckpointError, lambda: mpigc.load_checkpoint(path, feedback=live),
+                      WORLD, match="truncated")
 
     # foreign: a plain file where a checkpoint should be
     foreign = os.path.join(shared_dir, "foreign")
-    if RANK == 0:
+
+    def write_foreign():
         with open(foreign, "w") as f:
             f.write("not a checkpoint\n")
-    WORLD.Barrier()
-    with pytest.raises(CheckpointError, match="not an mpigc checkpoint"):
-        mpigc.load_checkpoint(foreign, feedback=live)
+    on_root(write_foreign, WORLD)
+    raises_everywhere(CheckpointError, lambda: mpigc.load_checkpoint(foreign, feedback=live),
+                      WORLD, match="not an mpigc checkpoint")
 
 
 # -- a save killed part-way ----------------------------------------------------------------
@@ -331,6 +335,7 @@ CHILD = textwrap.dedent("""
     np.savez(os.path.join(os.path.dirname(path), f"state-{r}.npz"),
              **{f"{k}|{f}": st[k][f] for k in st for f in ("worker", "owner")
                 if st[k][f] is not None})
+    print("first save done", flush=True)
     steps(range(2, 3))
     os.environ["MPIGC_CHECKPOINT_TEST_KILL"] = kill
     mpigc.save_checkpoint(path, feedback=fb, step=2)
@@ -344,19 +349,12 @@ def _clean_env():
             if k in keep or not k.split("_")[0] in ("OMPI", "PMIX", "PRTE", "OPAL")}
 
 
-def _wait_polling(comm):
-    """A barrier that sleeps instead of spinning (the child job needs the cores)."""
-    req = comm.Ibarrier()
-    while not req.Test():
-        time.sleep(0.05)
-
-
 @pytest.mark.parametrize("point", ["data", "manifest", "cleanup"])
 def test_killed_save_keeps_previous_checkpoint(shared_dir, point):
     path = os.path.join(shared_dir, "ck")
     victim = SIZE - 1 if point == "data" else 0
-    status = None
-    if RANK == 0:
+
+    def run_child():
         script = os.path.join(shared_dir, "child.py")
         with open(script, "w") as f:
             f.write(CHILD)
@@ -366,13 +364,15 @@ def test_killed_save_keeps_previous_checkpoint(shared_dir, point):
             ["timeout", "240", mpirun, "--oversubscribe", "-n", str(SIZE), sys.executable,
              script, path, f"{point}:{victim}"],
             env=_clean_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        status = (p.returncode, p.stdout[-3000:])
-    _wait_polling(WORLD)
-    rc, log = WORLD.bcast(status)
-    agree(rc != 0 and "save survived" not in log and rc != 124, f"child was killed: {log}")
+        return p.returncode, p.stdout[-3000:]
+    rc, log = on_root(run_child, WORLD)  # the others sleep meanwhile: the child needs the cores
+    # killed where it was told to be: after the first save (its marker printed),
+    # not by anything else (an import error, a timeout)
+    agree(rc != 0 and rc != 124 and "first save done" in log and "save survived" not in log,
+          f"child was killed at {point}: exit {rc}: {log}")
 
-    datadirs = WORLD.bcast(sorted(n for n in os.listdir(path) if n.startswith("data-"))
-                           if RANK == 0 else None)
+    datadirs = on_root(lambda: sorted(n for n in os.listdir(path) if n.startswith("data-")),
+                       WORLD)
     fb = mpigc.ErrorFeedback()
     info = mpigc.load_checkpoint(path, feedback=fb)
     if point == "cleanup":
@@ -389,6 +389,6 @@ def test_killed_save_keeps_previous_checkpoint(shared_dir, point):
         agree(ok, "the previous checkpoint loads bit for bit")
     # the next save succeeds and removes what the killed one left
     mpigc.save_checkpoint(path, feedback=fb, step=9)
-    left = WORLD.bcast(sorted(os.listdir(path)) if RANK == 0 else None)
+    left = on_root(lambda: sorted(os.listdir(path)), WORLD)
     agree(len(left) == 2 and "manifest.h5" in left, f"stale files removed: {left}")
     agree(mpigc.load_checkpoint(path, feedback=mpigc.ErrorFeedback())["step"] == 9, "reload")

@@ -51,37 +51,41 @@ def _fresh(comm):
 
 
 def test_cuda_aware_env_wins(comm, monkeypatch):
+    from conftest import assert_all  # not at the top: this file also runs as a script
     for value, aware in (("1", True), ("0", False)):
         monkeypatch.setenv("MPIGC_CUDA_AWARE", value)
         c = _fresh(comm)
         got = mpigc.cuda_aware_mpi(c)
         c.Free()
-        assert isinstance(got, mpigc.CudaAwareness)
-        assert got == (aware, f"MPIGC_CUDA_AWARE={value}")
+        assert_all(isinstance(got, mpigc.CudaAwareness)
+                   and got == (aware, f"MPIGC_CUDA_AWARE={value}"), f"got {got!r}", comm)
 
 
 def test_cuda_aware_probe_reports_source(comm, monkeypatch):
+    from conftest import assert_all  # not at the top: this file also runs as a script
     monkeypatch.delenv("MPIGC_CUDA_AWARE", raising=False)
     c = _fresh(comm)
     got = mpigc.cuda_aware_mpi(c)
-    assert mpigc.cuda_aware_mpi(c) is got, "decided once per communicator"
+    once = mpigc.cuda_aware_mpi(c) is got
     c.Free()
-    assert isinstance(got.aware, bool) and got.source
-    assert any(s in got.source for s in ("mpi_memory_alloc_kinds", "MPIX_Query_cuda_support",
-                                         "not detected")), got.source
+    ok = (once and isinstance(got.aware, bool) and bool(got.source)
+          and any(s in got.source for s in ("mpi_memory_alloc_kinds", "MPIX_Query_cuda_support",
+                                            "not detected")))
     if "Open MPI" in MPI.Get_library_version() and MPI.Get_version() < (4, 1):
         # Open MPI exports MPIX_Query_cuda_support: the probe must find it
-        assert "MPIX_Query_cuda_support" in got.source or "alloc_kinds" in got.source
+        ok = ok and ("MPIX_Query_cuda_support" in got.source or "alloc_kinds" in got.source)
+    assert_all(ok, f"decided once: {once}, got {got!r}", comm)
     srcs = comm.allgather(got)
     assert all(s == srcs[0] for s in srcs), srcs
 
 
 def test_cuda_aware_bad_env(comm, monkeypatch):
+    from conftest import raises_everywhere  # not at the top: this file also runs as a script
     monkeypatch.setenv("MPIGC_CUDA_AWARE", "maybe")
     c = _fresh(comm)
     try:
-        with pytest.raises(mpigc.ConfigError, match="MPIGC_CUDA_AWARE"):
-            mpigc.cuda_aware_mpi(c)
+        raises_everywhere(mpigc.ConfigError, lambda: mpigc.cuda_aware_mpi(c), comm,
+                          match="MPIGC_CUDA_AWARE")
     finally:
         c.Free()
 

@@ -1,0 +1,121 @@
+"""An installed mpigc must never gain files at run time (issue 17).
+
+pip removes only the files it installed. Numba's default ``cache=True`` writes
+``__pycache__/*.nbi`` / ``*.nbc`` next to the source, that is into
+``site-packages/mpigc/``; after ``pip uninstall`` (or the uninstall step of
+``pip install -e``) those files keep an empty ``site-packages/mpigc/`` alive,
+which then shadows another install as a namespace package. mpigc caches its
+kernels in a per-user folder instead (``mpigc._jitcache``).
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from mpigc import _jitcache
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize("env, expected", [
+    ({"MPIGC_CACHE_DIR": "/x/mine", "NUMBA_CACHE_DIR": "/x/numba"}, "/x/mine"),
+    ({"MPIGC_CACHE_DIR": "off", "NUMBA_CACHE_DIR": "/x/numba"}, None),
+    ({"MPIGC_CACHE_DIR": "0"}, None),
+    ({"NUMBA_CACHE_DIR": "/x/numba", "XDG_CACHE_HOME": "/x/xdg"}, "/x/numba"),
+    ({"XDG_CACHE_HOME": "/x/xdg"}, "/x/xdg/mpigc"),
+    ({"XDG_CACHE_HOME": "relative/ignored", "HOME": "/x/home"}, "/x/home/.cache/mpigc"),
+    ({"HOME": "/x/home"}, "/x/home/.cache/mpigc"),
+])
+def test_cache_dir_order(monkeypatch, env, expected):
+    for k in ("MPIGC_CACHE_DIR", "NUMBA_CACHE_DIR", "XDG_CACHE_HOME"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert _jitcache.cache_dir() == expected
+
+
+# Compiles one kernel of each module that caches (kernels/cpu.py, checkpoint.py)
+# in a fresh process; prints the locations Numba chose.
+CHILD = """
+import numpy as np
+import mpigc, mpigc.kernels.cpu as k
+from mpigc import checkpoint
+assert k.count_nonfinite(np.array([1.0, np.nan, np.inf], np.float32)) == 2
+checkpoint.fletcher64_blocks(np.arange(64, dtype=np.uint8))
+print("cached in", k._count_nonfinite_range._cache._cache_path)
+"""
+
+
+def _files(top):
+    return sorted(os.path.relpath(os.path.join(d, f), top)
+                  for d, _, fs in os.walk(top) for f in fs)
+
+
+def _install_copy(site):
+    """What ``pip install .`` puts in site-packages, without pip: the two
+    packages' sources (setup.cfg maps kernels/ to mpigc.kernels)."""
+    for src, dst in (("mpigc", "mpigc"), ("kernels", os.path.join("mpigc", "kernels"))):
+        os.makedirs(os.path.join(site, dst))
+        for f in os.listdir(os.path.join(ROOT, src)):
+            if f.endswith((".py", ".typed")):
+                shutil.copy(os.path.join(ROOT, src, f), os.path.join(site, dst, f))
+
+
+@pytest.mark.parametrize("setting", ["default", "numba_cache_dir", "off"])
+def test_running_writes_nothing_into_the_installed_package(tmp_path, setting):
+    site, home = str(tmp_path / "site"), tmp_path / "home"
+    _install_copy(site)
+    before = _files(site)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MPIGC_CACHE_DIR", "NUMBA_CACHE_DIR", "XDG_CACHE_HOME")}
+    env.update(PYTHONPATH=site, HOME=str(home), PYTHONDONTWRITEBYTECODE="1")
+    if setting == "numba_cache_dir":
+        env["NUMBA_CACHE_DIR"] = str(tmp_path / "numba")
+    if setting == "off":
+        env["MPIGC_CACHE_DIR"] = "off"
+    code = CHILD if setting != "off" else CHILD.replace("print(", "0 and print(")
+    p = subprocess.run([sys.executable, "-c", code], env=env, cwd=str(tmp_path),
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                       timeout=600)
+    assert p.returncode == 0, p.stdout
+    # nothing new in the installed package: removing what was installed
+    # (pip uninstall) leaves no folder behind
+    assert _files(site) == before
+    cache = {"default": home / ".cache" / "mpigc", "numba_cache_dir": tmp_path / "numba",
+             "off": None}[setting]
+    if cache is None:
+        assert not (home / ".cache").exists()
+    else:
+        names = _files(str(cache))
+        assert any(n.startswith("kernels_") and n.endswith(".nbi") for n in names), names
+        assert any(n.startswith("mpigc_") and n.endswith(".nbi") for n in names), names
+        assert str(cache) in p.stdout
+
+
+# Several processes that need the same kernel at once (the ranks of a job on a
+# cold cache): one compiles, the others wait and load what it saved.
+RACER = """
+import sys, time, numpy as np
+while time.time() < float(sys.argv[1]):
+    time.sleep(0.01)
+import mpigc
+from mpigc.kernels import cpu
+cpu.count_nonfinite(np.ones(10, np.float32))
+d = cpu._count_nonfinite_range
+print("misses", sum(d._cache_misses.values()), "hits", sum(d._cache_hits.values()))
+"""
+
+
+def test_one_process_compiles_the_others_load(tmp_path):
+    import time
+    env = dict(os.environ, MPIGC_CACHE_DIR=str(tmp_path / "cache"))
+    start = str(time.time() + 8)  # after every interpreter has started
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, start], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    lines = sorted(o.strip().splitlines()[-1] for o in outs)
+    assert lines == ["misses 0 hits 1", "misses 0 hits 1", "misses 1 hits 0"], outs

@@ -28,13 +28,17 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "exampl
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="none,fp16,2bit,1bit,terngrad",
-                   help="comma-separated ops (default: all five)")
+                   help="comma-separated ops (default: all five); OP:compressed-adamw "
+                        "runs OP with --optimizer compressed-adamw")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--mpirun", default=shutil.which("mpirun") or "mpirun")
     p.add_argument("--json", metavar="FILE", help="write every run's summary here")
     p.add_argument("--plot", metavar="PNG", help="plot the mean validation curves")
+    p.add_argument("--keep", action="store_true",
+                   help="with --json: keep the runs already in FILE (same op and seed) "
+                        "and run only the missing ones")
     p.add_argument("extra", nargs=argparse.REMAINDER,
                    help="after --: arguments for every train_lm.py run")
     args = p.parse_args(argv)
@@ -44,24 +48,33 @@ def parse_args(argv=None):
     return args
 
 
-def run_one(args, op, seed):
+def variant(r):
+    return r.get("variant", r["op"])
+
+
+def run_one(args, entry, seed):
+    op, _, optimizer = entry.partition(":")
     cmd = [args.mpirun, "--oversubscribe", "-n", str(args.ranks), sys.executable, EXAMPLE,
            "--op", op, "--seed", str(seed), "--steps", str(args.steps), *args.extra]
+    if optimizer:
+        cmd += ["--optimizer", optimizer]
     print("$", " ".join(cmd), flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"run failed (exit {p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
     row = json.loads(p.stdout.strip().splitlines()[-1])
+    row["variant"] = entry
     print(f"  val loss {row['val_loss']:.4f}  {row['seconds']:.0f} s", flush=True)
     return row
 
 
 def summarise(rows, ops):
-    by = {op: [r for r in rows if r["op"] == op] for op in ops}
+    by = {op: [r for r in rows if variant(r) == op] for op in ops}
     ref = by.get("none")
     ref_loss = statistics.mean(r["val_loss"] for r in ref) if ref else None
     ref_bytes = statistics.mean(r["bytes_sent_per_rank"] for r in ref) if ref else None
-    lines = [f"{'op':10s} {'val loss':>9s} {'spread':>7s} {'vs none':>8s} {'bits/byte':>9s} "
+    w = max(10, *(len(op) for op in ops))
+    lines = [f"{'op':{w}s} {'val loss':>9s} {'spread':>7s} {'vs none':>8s} {'bits/byte':>9s} "
              f"{'MiB/rank':>9s} {'fewer bytes':>11s}  per seed"]
     for op, rs in by.items():
         losses = [r["val_loss"] for r in rs]
@@ -69,7 +82,7 @@ def summarise(rows, ops):
         sent = statistics.mean(r["bytes_sent_per_rank"] for r in rs)
         vs = f"{mean / ref_loss:8.4f}" if ref_loss else f"{'':8s}"
         fewer = f"{ref_bytes / sent:10.1f}x" if ref_bytes and sent else f"{'':11s}"
-        lines.append(f"{op:10s} {mean:9.4f} {max(losses) - min(losses):7.4f} {vs} "
+        lines.append(f"{op:{w}s} {mean:9.4f} {max(losses) - min(losses):7.4f} {vs} "
                      f"{mean / 0.6931471805599453:9.4f} {sent / 2**20:9.2f} {fewer}  "
                      + " ".join(f"{v:.4f}" for v in losses))
     return "\n".join(lines)
@@ -81,7 +94,7 @@ def plot(rows, ops, path):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for op in ops:
-        curves = [r["val_curve"] for r in rows if r["op"] == op]
+        curves = [r["val_curve"] for r in rows if variant(r) == op]
         steps = [s for s, _ in curves[0]]
         mean = [statistics.mean(c[i][1] for c in curves) for i in range(len(steps))]
         ax.plot(steps, mean, label=f"{op} ({len(curves)} seeds)")
@@ -94,14 +107,32 @@ def plot(rows, ops, path):
     fig.savefig(path, dpi=110)
 
 
+def write(args, rows, table=None):
+    if args.json:
+        tmp = args.json + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump({"command": sys.argv, "rows": rows, "table": table}, f, indent=1)
+        os.replace(tmp, args.json)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    rows = [run_one(args, op, seed) for op in args.ops for seed in args.seeds]
+    rows = []
+    if args.keep and args.json and os.path.exists(args.json):
+        with open(args.json) as f:
+            rows = [r for r in json.load(f)["rows"]
+                    if variant(r) in args.ops and r["seed"] in args.seeds]
+    done = {(variant(r), r["seed"]) for r in rows}
+    # seed by seed, so that a cut-short comparison still has every op for the first seeds
+    for seed in args.seeds:
+        for op in args.ops:
+            if (op, seed) not in done:
+                rows.append(run_one(args, op, seed))
+                write(args, rows)
+    rows.sort(key=lambda r: (args.ops.index(variant(r)), r["seed"]))
     table = summarise(rows, args.ops)
     print(table)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": sys.argv, "rows": rows, "table": table}, f, indent=1)
+    write(args, rows, table)
     if args.plot:
         plot(rows, args.ops, args.plot)
 

@@ -81,6 +81,12 @@ def parse_args(argv=None):
     p.add_argument("--val-fraction", type=float, default=0.05)
     p.add_argument("--eval-every", type=int, default=100)
     p.add_argument("--eval-batches", type=int, default=8)
+    p.add_argument("--optimizer", choices=("adamw", "compressed-adamw"), default="adamw",
+                   help="adamw: torch's AdamW behind mpigc.torch.GradientSync (gradients "
+                        "compressed); compressed-adamw: mpigc.torch.CompressedAdamW "
+                        "(exact warm-up, then the momentum compressed, variance frozen)")
+    p.add_argument("--freeze-steps", type=int, default=None,
+                   help="compressed-adamw: exact warm-up steps (default: 20%% of --steps)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
@@ -196,6 +202,7 @@ def lr_factor(step, args):
 
 # -- checkpoints ----------------------------------------------------------------------
 def save(args, comm, step, model, opt, sched, sync):
+    sync = sync or opt  # CompressedAdamW keeps its own residuals
     os.makedirs(args.checkpoint, exist_ok=True)
     comm.Barrier()
     if comm.rank == 0:
@@ -209,6 +216,7 @@ def save(args, comm, step, model, opt, sched, sync):
 
 
 def resume(args, model, opt, sched, sync):
+    sync = sync or opt
     ck = torch.load(os.path.join(args.checkpoint, "train.pt"), weights_only=True,
                     map_location="cpu")
     model.load_state_dict(ck["model"])
@@ -248,17 +256,24 @@ def main(argv=None):
     model = ByteGPT(args.n_layer, args.n_embd, args.n_head, args.context).to(device)
     mpigc.torch.broadcast_parameters(model, root=0)
     params = compressor_params(args)
-    sync = mpigc.torch.GradientSync(model, op=args.op, bucket_mb=args.bucket_mb,
-                                    gather=args.gather, **params)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}],
-                            lr=args.lr, betas=(0.9, 0.95))
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    if args.optimizer == "adamw":
+        sync = mpigc.torch.GradientSync(model, op=args.op, bucket_mb=args.bucket_mb,
+                                        gather=args.gather, **params)
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+    else:
+        sync = None  # the optimizer exchanges the momentum itself
+        freeze = args.freeze_steps if args.freeze_steps is not None else args.steps // 5
+        params = dict(params, freeze_steps=freeze)
+        opt = mpigc.torch.CompressedAdamW(groups, lr=args.lr, betas=(0.9, 0.95),
+                                          op=args.op, gather=args.gather, **params)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
     start = resume(args, model, opt, sched, sync) if args.resume else 0
     if comm.rank == 0:
-        print(f"{comm.size} rank(s), op={args.op} {params}, "
+        print(f"{comm.size} rank(s), {args.optimizer}, op={args.op} {params}, "
               f"{sum(p.numel() for p in model.parameters())} parameters, corpus "
               f"{len(data)} bytes (crc32 {zlib.crc32(data.tobytes()):08x}), "
               f"start at step {start}", flush=True)
@@ -272,7 +287,8 @@ def main(argv=None):
         opt.zero_grad()
         loss = loss_of(model, x.to(device), y.to(device))
         loss.backward()       # buckets start their compressed allreduce as they fill
-        sync.wait()           # averaged gradients in param.grad
+        if sync is not None:
+            sync.wait()       # averaged gradients in param.grad
         if args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         opt.step()
@@ -291,7 +307,8 @@ def main(argv=None):
     sent = comm.allreduce(mpigc.traffic()["bytes_sent"]) / comm.size
     same = comm.allgather(float(sum(p.detach().double().sum() for p in model.parameters())))
     if comm.rank == 0:
-        print(json.dumps({"op": args.op, "params": params, "ranks": comm.size,
+        print(json.dumps({"op": args.op, "optimizer": args.optimizer, "params": params,
+                          "ranks": comm.size,
                           "seed": args.seed, "steps": args.steps,
                           "val_loss": val_loss,
                           "val_bits_per_byte": None if val_loss is None

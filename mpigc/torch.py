@@ -47,9 +47,10 @@ from .allreduce import iallreduce
 from .compressors import get_compressor
 from . import _dispatch
 from .feedback import ErrorFeedback, _host, shard_bounds
+from ._adam import CompressedAdamW
 
 __all__ = ["GradientSync", "DistributedOptimizer", "CommHookState", "comm_hook",
-           "broadcast_parameters", "broadcast_optimizer_state", "Bucket"]
+           "broadcast_parameters", "broadcast_optimizer_state", "Bucket", "CompressedAdamW"]
 
 
 def _hooked_by(p):

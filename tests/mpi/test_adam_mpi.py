@@ -1,0 +1,230 @@
+"""mpigc.torch.CompressedAdamW under mpirun: every step against a numpy
+reference of the documented algorithm (exact AdamW warm-up, then the local
+momentum through mpigc.allreduce with frozen variance), skipped non-finite
+steps, checkpoint and resume, and errors raised on every rank."""
+import os
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpigc
+
+from conftest import assert_all, grads, on_root, raises_everywhere
+
+torch = pytest.importorskip("torch")
+import mpigc.torch as mt  # noqa: E402
+
+SHAPES = [(7, 300), (300,), (5, 41)]   # 2441 values: several 1bit/2bit blocks
+LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
+
+
+def make_params(dtype):
+    g = torch.Generator().manual_seed(7)
+    return [torch.nn.Parameter(torch.randn(*s, generator=g, dtype=dtype)) for s in SHAPES]
+
+
+def groups_of(params):
+    # two groups with different weight decay and learning rate
+    return [{"params": [params[0], params[2]], "weight_decay": WD},
+            {"params": [params[1]], "weight_decay": 0.0, "lr": LR / 2}]
+
+
+def set_grads(params, rank, step, nan=False):
+    n = sum(p.numel() for p in params)
+    flat = grads(rank, n, np.float64, seed=step, scale=0.1)
+    if nan:
+        flat[n // 3] = np.nan
+    off = 0
+    for p in params:
+        k = p.numel()
+        p.grad = torch.from_numpy(flat[off:off + k].copy()).to(p.dtype).view_as(p)
+        off += k
+
+
+class Reference:
+    """The documented algorithm in numpy (flat, in the order of the groups)."""
+
+    def __init__(self, params, op, freeze, comm, **kw):
+        order = [params[0], params[2], params[1]]
+        self.x = np.concatenate([p.detach().numpy().reshape(-1) for p in order]).copy()
+        self.sizes = [p.numel() for p in order]
+        n0 = self.sizes[0] + self.sizes[1]
+        self.lr = np.array([LR] * n0 + [LR / 2] * self.sizes[2])
+        self.wd = np.array([WD] * n0 + [0.0] * self.sizes[2])
+        self.m = np.zeros_like(self.x)
+        self.v = np.zeros_like(self.x)
+        self.op, self.freeze, self.comm, self.kw = op, freeze, comm, kw
+        self.fb = mpigc.ErrorFeedback()
+        self.t = 0
+
+    def step(self, params):
+        order = [params[0], params[2], params[1]]
+        g = np.concatenate([p.grad.numpy().reshape(-1) for p in order]).copy()
+        b1, b2 = BETAS
+        t = self.t + 1
+        if t <= self.freeze:
+            mpigc.allreduce(g, "none", comm=self.comm, average=True)
+            self.m = self.m * b1 + g * (1 - b1)
+            self.v = self.v * b2 + g * g * (1 - b2)
+            c2 = 1 - b2 ** t
+        else:
+            mom = g * (1 - b1) + self.m * b1
+            mpigc.allreduce(mom, self.op, comm=self.comm, average=True, key="adamw",
+                            feedback=self.fb, **self.kw)
+            self.m = mom
+            c2 = 1 - b2 ** self.freeze
+        c1 = 1 - b1 ** t
+        # per-group scalars in double, as Python computes them, then in the dtype
+        step_size = (self.lr / c1).astype(g.dtype)
+        decay = (1 - self.lr * self.wd).astype(g.dtype)
+        # torch's float sqrt (SLEEF, within 0.5 ulp) is not always numpy's correctly
+        # rounded one: take torch's, the only operation the reference borrows
+        root = torch.from_numpy(self.v / c2).sqrt().numpy()
+        upd = self.m / (root + EPS) * step_size
+        self.x = np.where(self.wd != 0, self.x * decay, self.x)
+        self.x = self.x - upd
+        self.t = t
+
+    def params(self):
+        out, off = [], 0
+        for k in self.sizes:
+            out.append(self.x[off:off + k])
+            off += k
+        return [out[0], out[2], out[1]]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("op,kw", [("none", {}), ("1bit", {"block_size": 256}),
+                                   ("2bit", {"rel_threshold": 1.5, "block_size": 256}),
+                                   ("terngrad", {})])
+def test_every_step_equals_the_reference(comm, op, kw, dtype):
+    if dtype == torch.float32 and op == "none":
+        pytest.skip("float32 covered by the compressed ops")
+    params = make_params(dtype)
+    opt = mt.CompressedAdamW(groups_of(params), lr=LR, betas=BETAS, eps=EPS,
+                             weight_decay=WD, op=op, freeze_steps=3, **kw)
+    ref = Reference(params, op, 3, comm, **kw)
+    for step in range(8):
+        set_grads(params, comm.rank, step)
+        opt.step()
+        ref.step(params)
+        assert opt.frozen == (step + 1 >= 3)
+        same = all(np.array_equal(p.detach().numpy().reshape(-1), r)
+                   for p, r in zip(params, ref.params()))
+        assert_all(same, f"parameters differ from the reference after step {step + 1}")
+        assert_all(np.array_equal(opt._m.numpy(), ref.m.astype(opt._m.numpy().dtype)),
+                   f"momentum differs after step {step + 1}")
+    # the ranks hold the same parameters
+    mine = np.concatenate([p.detach().numpy().reshape(-1) for p in params])
+    assert_all(np.array_equal(mine, comm.bcast(mine)), "parameters differ between ranks")
+    if op != "none":
+        assert_all("adamw" in opt.feedback, "no residual kept")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("at_step", [1, 5])   # in the warm-up, after the freeze
+def test_nonfinite_step_is_skipped_everywhere(comm, at_step):
+    params = make_params(torch.float32)
+    opt = mt.CompressedAdamW(groups_of(params), lr=LR, betas=BETAS, op="2bit",
+                             freeze_steps=3, rel_threshold=1.5)
+    for step in range(8):
+        bad = step == at_step and comm.rank == comm.size - 1
+        set_grads(params, comm.rank, step, nan=bad)
+        before = ([p.detach().clone() for p in params], opt._m.clone(), opt._v.clone(),
+                  {k: {n: np.array(a, copy=True) for n, a in e.items()
+                       if isinstance(a, np.ndarray)}
+                   for k, e in opt.feedback.state_dict().items()})
+        opt.step()
+        if step == at_step:
+            unchanged = (all(torch.equal(a, p) for a, p in zip(before[0], params))
+                         and torch.equal(before[1], opt._m) and torch.equal(before[2], opt._v))
+            res = opt.feedback.state_dict()
+            unchanged = unchanged and all(
+                np.array_equal(a, res[k][n]) for k, e in before[3].items()
+                for n, a in e.items())
+            assert_all(unchanged, "a skipped step changed something")
+            assert_all(opt.skipped_steps == 1, f"skipped_steps {opt.skipped_steps}")
+    assert_all(all(torch.isfinite(p).all() for p in params), "non-finite parameters")
+    assert_all(opt.skipped_steps == 1 and opt._steps == 7, "wrong step count")
+
+
+@pytest.mark.mpi
+def test_nonfinite_raise_raises_everywhere(comm):
+    params = make_params(torch.float32)
+    opt = mt.CompressedAdamW(groups_of(params), op="1bit", freeze_steps=1,
+                             nonfinite="raise")
+    set_grads(params, comm.rank, 0)
+    opt.step()
+    set_grads(params, comm.rank, 1, nan=comm.rank == 0)
+    raises_everywhere(mpigc.NonFiniteError, opt.step)
+
+
+@pytest.mark.mpi
+def test_resume_is_bit_identical(comm):
+    path = on_root(lambda: __import__("tempfile").mkdtemp(prefix="mpigc-adam-"))
+    kw = dict(lr=LR, betas=BETAS, op="1bit", freeze_steps=2, block_size=128)
+
+    def run(params, opt, steps):
+        for step in steps:
+            set_grads(params, comm.rank, step)
+            opt.step()
+
+    params = make_params(torch.float32)
+    opt = mt.CompressedAdamW(groups_of(params), **kw)
+    run(params, opt, range(5))
+    state = opt.state_dict()
+    saved = [p.detach().clone() for p in params]
+    opt.save_checkpoint(os.path.join(path, "res"), step=5)
+    run(params, opt, range(5, 9))
+    straight = [p.detach().clone() for p in params]
+
+    params2 = make_params(torch.float32)
+    with torch.no_grad():
+        for p, s in zip(params2, saved):
+            p.copy_(s)
+    opt2 = mt.CompressedAdamW(groups_of(params2), **kw)
+    opt2.load_state_dict(state)
+    opt2.load_checkpoint(os.path.join(path, "res"))
+    assert_all(opt2.frozen and opt2._steps == 5, "step count not restored")
+    run(params2, opt2, range(5, 9))
+    assert_all(all(torch.equal(a, b) for a, b in zip(straight, params2)),
+               "the resumed run differs from the uninterrupted one")
+
+
+@pytest.mark.mpi
+def test_grad_scaler_refused_everywhere(comm):
+    params = make_params(torch.float32)
+    opt = mt.CompressedAdamW(params, op="2bit", freeze_steps=2)
+    scaler = torch.amp.GradScaler("cpu")
+    loss = sum((p ** 2).sum() for p in params) * (comm.rank + 1)
+    scaler.scale(loss).backward()
+    raises_everywhere(mpigc.ConfigError, lambda: scaler.step(opt), match="GradScaler")
+
+
+@pytest.mark.mpi
+def test_different_parameters_refused_everywhere(comm):
+    shape = (3, 4) if comm.rank == comm.size - 1 and comm.size > 1 else (4, 3)
+    p = torch.nn.Parameter(torch.zeros(shape))
+    raises_everywhere(mpigc.MismatchError, lambda: mt.CompressedAdamW([p]),
+                      match="disagree")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("bad", [dict(freeze_steps=0), dict(nonfinite="ignore"),
+                                 dict(lr=-1.0), dict(betas=(0.9, 1.0))])
+def test_bad_settings(comm, bad):
+    p = torch.nn.Parameter(torch.zeros(4))
+    raises_everywhere(mpigc.ConfigError, lambda: mt.CompressedAdamW([p], **bad))
+
+
+@pytest.mark.mpi
+def test_mixed_dtypes_refused(comm):
+    ps = [torch.nn.Parameter(torch.zeros(4)), torch.nn.Parameter(torch.zeros(4, dtype=torch.float64))]
+    raises_everywhere(mpigc.InvalidBufferError, lambda: mt.CompressedAdamW(ps),
+                      match="float32 or all float64")
+
+
+def test_world_is_used():
+    assert MPI.COMM_WORLD.size >= 1

@@ -1197,7 +1197,7 @@ def _make_half_kernels(to_bits, from_bits, inf_mask):
         for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
             a = out[i] if accumulate else zero
             for s in range(nsrc):
-                d = from_bits(payload[s * stride + i])
+                d = out.dtype.type(from_bits(payload[s * stride + i]))  # exact
                 a = d if (s == 0 and not accumulate) else a + d
             out[i] = a
 

@@ -113,6 +113,25 @@ def test_numpy_too_new_for_numba_cuda_is_a_clear_error():
     _dispatch.check_numpy_for_numba_cuda("0.31.0", "2.5.2")
 
 
+def test_gpu_bench_parses_and_says_when_it_cannot_measure(tmp_path):
+    """``benchmarks/gpu_bench.py`` imports and parses its arguments on a
+    machine without a GPU; there it says it cannot measure, exits 0 and
+    writes ``"measured": false`` (on a GPU machine: tests/gpu/run.sh)."""
+    import json
+    bench = os.path.join(os.path.dirname(HERE), "benchmarks", "gpu_bench.py")
+    r = subprocess.run([sys.executable, bench, "--fixed-kib", "4,x"], env=_env(False),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--fixed-kib" in r.stderr, r.stderr
+    out = str(tmp_path / "bench.json")
+    r = subprocess.run([sys.executable, bench, "--mb", "1", "--reps", "1", "--json", out],
+                       env=_env(False), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    if "cannot measure" not in r.stdout:
+        pytest.skip("a GPU is present: the benchmark measured (tests/gpu/run.sh checks it)")
+    with open(out) as f:
+        assert json.load(f)["measured"] is False
+
+
 # ----------------------------------------------------------------------------
 # the fixed cost of a device call: launches, synchronisations, small reads
 # ----------------------------------------------------------------------------

@@ -28,12 +28,12 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, overload
 
 __all__ = [
-    "pack_2bit", "unpack_2bit",
-    "pack_1bit", "unpack_1bit",
-    "pack_2bit_rel", "unpack_2bit_rel",
-    "stats", "pack_ternary",
-    "pack_fp16", "unpack_fp16",
-    "pack_bf16", "unpack_bf16",
+    "pack_2bit", "unpack_2bit", "pack_2bit_shards", "unpack_2bit_shards",
+    "pack_1bit", "unpack_1bit", "pack_1bit_shards", "unpack_1bit_shards",
+    "pack_2bit_rel", "unpack_2bit_rel", "pack_2bit_rel_shards", "unpack_2bit_rel_shards",
+    "stats", "pack_ternary", "pack_ternary_shards", "unpack_ternary_shards",
+    "pack_fp16", "unpack_fp16", "unpack_fp16_shards",
+    "pack_bf16", "unpack_bf16", "unpack_bf16_shards",
     "count_nonfinite", "ternary_stream",
     "PARALLEL_MIN_ELEMENTS",
 ]
@@ -1027,79 +1027,108 @@ def pack_ternary(x, e_in, e_out, out, scale, clip, stream, offset):
 
 
 # ----------------------------------------------------------------------------
-# fp16: IEEE half on the wire
+# fp16 (IEEE half) and bf16 (bfloat16: float32's range, 8 bits of
+# significand) on the wire: one body, the conversion as the parameter
+# (``bf16``: False for fp16, True for bf16; a loop-invariant branch)
 # ----------------------------------------------------------------------------
+@njit(inline="always", **_JIT)
+def _half_bits(f, bf16):
+    return _f32_to_bf16_bits(f) if bf16 else _f32_to_f16_bits(f)
+
+
+@njit(inline="always", **_JIT)
+def _half_value(h, bf16):
+    return _bf16_bits_to_f32(h) if bf16 else _f16_bits_to_f32(h)
+
+
 @njit(**_JIT)
-def _quantize_fp16(xs, ei, eo, ep, hs, dv):
+def _quantize_half(xs, ei, eo, ep, hs, dv, bf16):
     for i in range(xs.size):
         v = xs[i]
         if ei is not None:
             v = v + ei[i]
         if ep is not None:
             v = v + ep[i]
-        h = _f32_to_f16_bits(np.float32(v / dv))
+        h = _half_bits(np.float32(v / dv), bf16)
         hs[i] = h
         if eo is not None:
-            eo[i] = v - xs.dtype.type(_f16_bits_to_f32(h)) * dv
+            eo[i] = v - xs.dtype.type(_half_value(h, bf16)) * dv
         if ep is not None:
-            ep[i] = v - xs.dtype.type(_f16_bits_to_f32(h)) * dv
+            ep[i] = v - xs.dtype.type(_half_value(h, bf16)) * dv
 
 
 @njit(**_JIT)
-def _pack_fp16_range(x, e_in, e_out, out, divisor, i0, i1):
+def _count_half_nonfinite(hs, bf16):
+    """NaN/inf on the wire: all exponent bits set."""
+    mask = np.uint16(0x7F80) if bf16 else np.uint16(0x7C00)
+    nbad = 0
+    for i in range(hs.size):
+        nbad += (hs[i] & mask) == mask
+    return nbad
+
+
+@njit(**_JIT)
+def _pack_half_range(x, e_in, e_out, out, divisor, i0, i1, bf16):
     dv = x.dtype.type(divisor)
     inplace = _same(e_in, e_out)
     nbad = 0
     for c0 in range(i0, i1, _CH):
         c1 = min(i1, c0 + _CH)
         if inplace:
-            _quantize_fp16(x[c0:c1], None, None, _win(e_in, c0, c1), out[c0:c1], dv)
+            _quantize_half(x[c0:c1], None, None, _win(e_in, c0, c1), out[c0:c1], dv, bf16)
         else:
-            _quantize_fp16(x[c0:c1], _win(e_in, c0, c1), _win(e_out, c0, c1), None,
-                           out[c0:c1], dv)
-        # NaN/inf halves: from a non-finite value, or one beyond the half range
-        nbad += _count_half_nonfinite(out[c0:c1])
-    return nbad
-
-
-@njit(**_JIT)
-def _count_half_nonfinite(hs):
-    nbad = 0
-    for i in range(hs.size):
-        nbad += (hs[i] & np.uint16(0x7C00)) == np.uint16(0x7C00)
+            _quantize_half(x[c0:c1], _win(e_in, c0, c1), _win(e_out, c0, c1), None,
+                           out[c0:c1], dv, bf16)
+        # NaN/inf on the wire: from a non-finite value, or one beyond the range
+        nbad += _count_half_nonfinite(out[c0:c1], bf16)
     return nbad
 
 
 @njit(parallel=True, **_JIT)
-def _pack_fp16_par(x, e_in, e_out, out, divisor, nchunks):
+def _pack_half_par(x, e_in, e_out, out, divisor, nchunks, bf16):
     n = x.size
     per = (n + nchunks - 1) // nchunks
     nbad = 0
     for c in prange(nchunks):
         i0 = min(n, c * per)
-        nbad += _pack_fp16_range(x, e_in, e_out, out, divisor, i0, min(n, i0 + per))
+        nbad += _pack_half_range(x, e_in, e_out, out, divisor, i0, min(n, i0 + per), bf16)
     return nbad
 
 
 @njit(**_JIT)
-def _unpack_fp16_range(payload, out, accumulate, i0, i1):
+def _unpack_half_range(payload, out, accumulate, i0, i1, bf16):
     hs = payload[i0:i1]
     os = out[i0:i1]
     if accumulate:
         for i in range(os.size):
-            os[i] += _f16_bits_to_f32(hs[i])
+            os[i] += _half_value(hs[i], bf16)
     else:
         for i in range(os.size):
-            os[i] = _f16_bits_to_f32(hs[i])
+            os[i] = _half_value(hs[i], bf16)
 
 
 @njit(parallel=True, **_JIT)
-def _unpack_fp16_par(payload, out, accumulate, nchunks):
+def _unpack_half_par(payload, out, accumulate, nchunks, bf16):
     n = out.size
     per = (n + nchunks - 1) // nchunks
     for c in prange(nchunks):
         i0 = min(n, c * per)
-        _unpack_fp16_range(payload, out, accumulate, i0, min(n, i0 + per))
+        _unpack_half_range(payload, out, accumulate, i0, min(n, i0 + per), bf16)
+
+
+def _pack_half(x, e_in, e_out, out, divisor, bf16):
+    nch = _nchunks(x.size)
+    if nch == 1:
+        return int(_pack_half_range(x, e_in, e_out, out, float(divisor), 0, x.size, bf16))
+    return int(_pack_half_par(x, e_in, e_out, out, float(divisor), nch, bf16))
+
+
+def _unpack_half(payload, out, accumulate, bf16):
+    nch = _nchunks(out.size)
+    if nch == 1:
+        _unpack_half_range(payload, out, bool(accumulate), 0, out.size, bf16)
+    else:
+        _unpack_half_par(payload, out, bool(accumulate), nch, bf16)
 
 
 def pack_fp16(x, e_in, e_out, out, divisor):
@@ -1109,95 +1138,12 @@ def pack_fp16(x, e_in, e_out, out, divisor):
     are not finite on the wire: non-finite ones, and finite ones beyond the
     half range (which would arrive as inf).
     """
-    nch = _nchunks(x.size)
-    if nch == 1:
-        return int(_pack_fp16_range(x, e_in, e_out, out, float(divisor), 0, x.size))
-    return int(_pack_fp16_par(x, e_in, e_out, out, float(divisor), nch))
+    return _pack_half(x, e_in, e_out, out, divisor, False)
 
 
 def unpack_fp16(payload, out, accumulate):
     """Decode ``out.size`` binary16 values (uint16 bits) into ``out``."""
-    nch = _nchunks(out.size)
-    if nch == 1:
-        _unpack_fp16_range(payload, out, bool(accumulate), 0, out.size)
-    else:
-        _unpack_fp16_par(payload, out, bool(accumulate), nch)
-
-
-# ----------------------------------------------------------------------------
-# bf16: bfloat16 on the wire (float32's range, 8 bits of significand)
-# ----------------------------------------------------------------------------
-@njit(**_JIT)
-def _quantize_bf16(xs, ei, eo, ep, bs, dv):
-    for i in range(xs.size):
-        v = xs[i]
-        if ei is not None:
-            v = v + ei[i]
-        if ep is not None:
-            v = v + ep[i]
-        b = _f32_to_bf16_bits(np.float32(v / dv))
-        bs[i] = b
-        if eo is not None:
-            eo[i] = v - xs.dtype.type(_bf16_bits_to_f32(b)) * dv
-        if ep is not None:
-            ep[i] = v - xs.dtype.type(_bf16_bits_to_f32(b)) * dv
-
-
-@njit(**_JIT)
-def _pack_bf16_range(x, e_in, e_out, out, divisor, i0, i1):
-    dv = x.dtype.type(divisor)
-    inplace = _same(e_in, e_out)
-    nbad = 0
-    for c0 in range(i0, i1, _CH):
-        c1 = min(i1, c0 + _CH)
-        if inplace:
-            _quantize_bf16(x[c0:c1], None, None, _win(e_in, c0, c1), out[c0:c1], dv)
-        else:
-            _quantize_bf16(x[c0:c1], _win(e_in, c0, c1), _win(e_out, c0, c1), None,
-                           out[c0:c1], dv)
-        # NaN/inf on the wire: from a non-finite value, or one beyond the range
-        nbad += _count_bf16_nonfinite(out[c0:c1])
-    return nbad
-
-
-@njit(**_JIT)
-def _count_bf16_nonfinite(bs):
-    nbad = 0
-    for i in range(bs.size):
-        nbad += (bs[i] & np.uint16(0x7F80)) == np.uint16(0x7F80)
-    return nbad
-
-
-@njit(parallel=True, **_JIT)
-def _pack_bf16_par(x, e_in, e_out, out, divisor, nchunks):
-    n = x.size
-    per = (n + nchunks - 1) // nchunks
-    nbad = 0
-    for c in prange(nchunks):
-        i0 = min(n, c * per)
-        nbad += _pack_bf16_range(x, e_in, e_out, out, divisor, i0, min(n, i0 + per))
-    return nbad
-
-
-@njit(**_JIT)
-def _unpack_bf16_range(payload, out, accumulate, i0, i1):
-    bs = payload[i0:i1]
-    os = out[i0:i1]
-    if accumulate:
-        for i in range(os.size):
-            os[i] += _bf16_bits_to_f32(bs[i])
-    else:
-        for i in range(os.size):
-            os[i] = _bf16_bits_to_f32(bs[i])
-
-
-@njit(parallel=True, **_JIT)
-def _unpack_bf16_par(payload, out, accumulate, nchunks):
-    n = out.size
-    per = (n + nchunks - 1) // nchunks
-    for c in prange(nchunks):
-        i0 = min(n, c * per)
-        _unpack_bf16_range(payload, out, accumulate, i0, min(n, i0 + per))
+    _unpack_half(payload, out, accumulate, False)
 
 
 def pack_bf16(x, e_in, e_out, out, divisor):
@@ -1209,20 +1155,12 @@ def pack_bf16(x, e_in, e_out, out, divisor):
     bfloat16 range (float64 values beyond float32's, and float32 values that
     round up to inf), which would arrive as inf.
     """
-    nch = _nchunks(x.size)
-    if nch == 1:
-        return int(_pack_bf16_range(x, e_in, e_out, out, float(divisor), 0, x.size))
-    return int(_pack_bf16_par(x, e_in, e_out, out, float(divisor), nch))
+    return _pack_half(x, e_in, e_out, out, divisor, True)
 
 
 def unpack_bf16(payload, out, accumulate):
     """Decode ``out.size`` bfloat16 values (uint16 bits) into ``out``."""
-    nch = _nchunks(out.size)
-    if nch == 1:
-        _unpack_bf16_range(payload, out, bool(accumulate), 0, out.size)
-    else:
-        _unpack_bf16_par(payload, out, bool(accumulate), nch)
-
+    _unpack_half(payload, out, accumulate, True)
 
 # ----------------------------------------------------------------------------
 @njit(**_JIT)
@@ -1260,3 +1198,147 @@ def count_nonfinite(x):
     if nch == 1:
         return int(_count_nonfinite_range(x, 0, x.size))
     return int(_count_nonfinite_par(x, nch))
+
+
+# ----------------------------------------------------------------------------
+# the shards of one collective call: the device module packs (decodes) them
+# all in one launch; here each is a call of the kernels above, in order
+# ----------------------------------------------------------------------------
+def _shards(starts, offs):
+    """``(j, lo, hi, payload offset)`` of every non-empty shard."""
+    for j in range(len(starts) - 1):
+        lo, hi = int(starts[j]), int(starts[j + 1])
+        if hi > lo:
+            yield j, lo, hi, int(offs[j])
+
+
+def _part(a, lo, hi):
+    return None if a is None else a[lo:hi]
+
+
+def _put_f32s(payload, at, values):
+    """The float32 ``values`` as little-endian bytes at ``payload[at:]``."""
+    payload[at:at + 4 * values.size] = values.astype("<f4", copy=False).view(np.uint8)
+
+
+def _get_f32s(payload, at, count):
+    return np.frombuffer(payload[at:at + 4 * count].tobytes(), "<f4").astype(np.float32)
+
+
+def pack_2bit_shards(x, e_in, e_out, payload, starts, offs, threshold):
+    """:func:`pack_2bit` of every shard ``x[starts[j]:starts[j + 1]]`` into
+    ``payload[offs[j]:]`` (each shard from bit 0). Returns the non-finite
+    count of all shards."""
+    nbad = 0
+    for _, lo, hi, o in _shards(starts, offs):
+        nbad += pack_2bit(x[lo:hi], _part(e_in, lo, hi), _part(e_out, lo, hi),
+                          payload[o:o + (hi - lo + 3) // 4], threshold)
+    return nbad
+
+
+def unpack_2bit_shards(payload, stride, nsrc, starts, offs, out, threshold, accumulate):
+    """Decode shard j of ``nsrc`` payloads (sender s's at
+    ``payload[s * stride + offs[j]:]``) onto ``out[starts[j]:starts[j + 1]]``:
+    sender 0 written (added when ``accumulate``), the others added, in order."""
+    for _, lo, hi, o in _shards(starts, offs):
+        for s in range(nsrc):
+            b = s * stride + o
+            unpack_2bit(payload[b:b + (hi - lo + 3) // 4], out[lo:hi], threshold,
+                        accumulate or s > 0)
+
+
+def pack_1bit_shards(x, e_in, e_out, payload, starts, offs, block_size):
+    """:func:`pack_1bit` of every shard into ``payload[offs[j]:]``: its bits,
+    then its reconstruction pairs as little-endian float32 (the wire
+    format). Returns the bad count of all shards."""
+    nbad = 0
+    for _, lo, hi, o in _shards(starts, offs):
+        nb = (hi - lo + 7) // 8
+        means = np.empty(2 * ((hi - lo + block_size - 1) // block_size), np.float32)
+        nbad += pack_1bit(x[lo:hi], _part(e_in, lo, hi), _part(e_out, lo, hi),
+                          payload[o:o + nb], means, block_size)
+        _put_f32s(payload, o + nb, means)
+    return nbad
+
+
+def unpack_1bit_shards(payload, stride, nsrc, starts, offs, out, block_size, accumulate):
+    """Decode 1bit shards (bits, then pairs) of ``nsrc`` payloads onto ``out``
+    (as :func:`unpack_2bit_shards`)."""
+    for _, lo, hi, o in _shards(starts, offs):
+        nb = (hi - lo + 7) // 8
+        nm = 2 * ((hi - lo + block_size - 1) // block_size)
+        for s in range(nsrc):
+            b = s * stride + o
+            unpack_1bit(payload[b:b + nb], _get_f32s(payload, b + nb, nm), out[lo:hi],
+                        block_size, accumulate or s > 0)
+
+
+def pack_2bit_rel_shards(x, e_in, e_out, payload, starts, offs, rel_threshold, block_size):
+    """:func:`pack_2bit_rel` of every shard into ``payload[offs[j]:]``: its
+    codes, then its block magnitudes as little-endian float32. Returns the
+    bad count of all shards."""
+    nbad = 0
+    for _, lo, hi, o in _shards(starts, offs):
+        nb = (hi - lo + 3) // 4
+        scales = np.empty((hi - lo + block_size - 1) // block_size, np.float32)
+        nbad += pack_2bit_rel(x[lo:hi], _part(e_in, lo, hi), _part(e_out, lo, hi),
+                              payload[o:o + nb], scales, rel_threshold, block_size)
+        _put_f32s(payload, o + nb, scales)
+    return nbad
+
+
+def unpack_2bit_rel_shards(payload, stride, nsrc, starts, offs, out, block_size, accumulate):
+    """Decode relative 2bit shards (codes, then magnitudes) of ``nsrc``
+    payloads onto ``out`` (as :func:`unpack_2bit_shards`)."""
+    for _, lo, hi, o in _shards(starts, offs):
+        nb = (hi - lo + 3) // 4
+        nm = (hi - lo + block_size - 1) // block_size
+        for s in range(nsrc):
+            b = s * stride + o
+            unpack_2bit_rel(payload[b:b + nb], _get_f32s(payload, b + nb, nm), out[lo:hi],
+                            block_size, accumulate or s > 0)
+
+
+def pack_ternary_shards(x, e_in, e_out, payload, starts, offs, scale, clip, stream, offset):
+    """:func:`pack_ternary` of every shard into ``payload[offs[j]:]``: its
+    codes, then ``scale`` as a little-endian float32. Element i of ``x``
+    draws with counter ``offset + i``. Returns the non-finite count."""
+    nbad = 0
+    with np.errstate(over="ignore"):
+        s32 = np.array([scale], np.float32)
+    for _, lo, hi, o in _shards(starts, offs):
+        nb = (hi - lo + 3) // 4
+        nbad += pack_ternary(x[lo:hi], _part(e_in, lo, hi), _part(e_out, lo, hi),
+                             payload[o:o + nb], s32[0], clip, stream, int(offset) + lo)
+        _put_f32s(payload, o + nb, s32)
+    return nbad
+
+
+def unpack_ternary_shards(payload, stride, nsrc, starts, offs, out, accumulate):
+    """Decode terngrad shards (codes, then the scale) of ``nsrc`` payloads onto
+    ``out`` (as :func:`unpack_2bit_shards`)."""
+    for _, lo, hi, o in _shards(starts, offs):
+        nb = (hi - lo + 3) // 4
+        for s in range(nsrc):
+            b = s * stride + o
+            scale = float(_get_f32s(payload, b + nb, 1)[0])
+            unpack_2bit(payload[b:b + nb], out[lo:hi], scale, accumulate or s > 0)
+
+
+def _unpack_half_shards(payload, stride, nsrc, starts, offs, out, accumulate, bf16):
+    for _, lo, hi, o in _shards(starts, offs):
+        for s in range(nsrc):
+            b = s * stride + o
+            _unpack_half(payload[b:b + 2 * (hi - lo)].view(np.uint16), out[lo:hi],
+                         accumulate or s > 0, bf16)
+
+
+def unpack_fp16_shards(payload, stride, nsrc, starts, offs, out, accumulate):
+    """Decode the fp16 payloads (uint8) of ``nsrc`` senders onto ``out``
+    (as :func:`unpack_2bit_shards`)."""
+    _unpack_half_shards(payload, stride, nsrc, starts, offs, out, accumulate, False)
+
+
+def unpack_bf16_shards(payload, stride, nsrc, starts, offs, out, accumulate):
+    """Decode the bf16 payloads (uint8) of ``nsrc`` senders onto ``out``."""
+    _unpack_half_shards(payload, stride, nsrc, starts, offs, out, accumulate, True)

@@ -10,25 +10,54 @@ CUDA device arrays: anything with ``__cuda_array_interface__`` (CuPy, CUDA torch
 Numba device arrays); host ``numpy`` arrays are refused rather than silently
 copied.
 
+Shards: one launch per stage
+----------------------------
+The ``*_shards`` functions pack the shards of one collective call (``starts``:
+the shard bounds in elements, ``offs``: where each shard's payload starts in
+the payload buffer, both sequences of ints) and decode the payloads of
+``nsrc`` senders (``stride`` bytes apart) onto ``out``, each with ONE kernel
+launch: the shard is the grid's ``y`` index. The single-buffer functions
+(``pack_2bit`` ...) are the one-shard case of the same kernels. The bounds
+travel as small device arrays, cached per layout (uploaded once). Every pack
+returns its non-finite count: the one device-to-host read of the stage.
+
+Kernels (one thread per value, coalesced)
+-----------------------------------------
+- ``2bit`` and ``terngrad``: one thread per value; the four codes of a byte
+  are combined by two warp shuffles (``shfl_xor``) and one lane of four
+  writes the byte. Decoding: one thread per value, all senders summed in
+  registers in rank order, ``out`` read and written once.
+- ``1bit`` and relative ``2bit``: one warp per quantization block. Lane l
+  reads elements l, l + 32, ... (coalesced rows of 32) and sums them in
+  float64, in this order: the canonical order of ``kernels/cpu.py``; the
+  pairwise tree ``sum[l] += sum[l + s]``, s = 16, 8, 4, 2, 1, is done by warp
+  shuffles (``shfl_down``), bit for bit the CPU's tree. The second pass reads
+  the block again row by row: 1bit signs by one ``ballot`` per row of 32
+  (four bytes, MSB first after a bit reversal), 2bit codes by shuffles. The
+  reconstruction pairs and magnitudes are written as little-endian float32
+  bytes straight into the payload after the codes.
+- ``fp16`` / ``bf16``: one generic element-wise body, the conversion being
+  the parameter (:func:`_make_half_kernels`).
+- ``stats`` (terngrad's scale): a two-level reduction on the device (per
+  CUDA block partials, then one block folds them); the host reads 4 numbers.
+
 Bit-identity with the CPU kernels
 ---------------------------------
 - ``2bit`` (both modes), ``1bit``, ``fp16``, ``bf16``, ``terngrad`` (same ``stream``,
   ``scale`` and ``clip``): packed bytes, block means or thresholds and
-  residuals are bit-identical for finite inputs. The 1bit block sums follow the canonical order of
-  ``kernels/cpu.py`` (32 lanes strided by 32, sequential float64, then the
-  pairwise tree s = 16, 8, 4, 2, 1): one warp per block, the tree in shared
-  memory. The relative 2bit block sums of squares, and the sums of |v| over
-  the selected values, follow the same order (squares by ``mul.rn``, never
-  fused into the sum). float16 uses the same integer conversion as the CPU kernels (not
+  residuals are bit-identical for finite inputs (the float64 block sums follow
+  the canonical order above; squares by ``mul.rn``, never fused into the sum).
+  float16 uses the same integer conversion as the CPU kernels (not
   the hardware ``cvt``, whose NaN payload differs); bfloat16 likewise (integer
   round to nearest even, NaN as ``0x7FC0`` with its sign). A product followed by a
   sum or difference (the fp16 and bf16 residual ``v - wire * divisor``) uses
   ``mul.rn`` (libdevice ``__fmul_rn`` / ``__dmul_rn``) so that neither NVVM
   nor ptxas contracts it into an fma, which rounds once where the CPU
-  rounds twice.
+  rounds twice. Decoding sums the senders in rank order in the output's
+  dtype, as the CPU's ``accumulate`` calls do one after the other.
 - ``stats``: ``max |v|`` and the non-finite count are exact; the float64 sum
   and sum of squares are summed in a different order (per thread, then a
-  tree per CUDA block, then the blocks in order on the host), deterministic
+  tree per CUDA block, then the blocks by a tree), deterministic
   for a given device. TernGrad with ``clip`` derives its clip bound from them,
   so in rare last-bit cases the bound (and then a code) can differ from the
   CPU's. Without ``clip`` the scale is ``max |v|``: exact.
@@ -38,11 +67,22 @@ Execution
 Nothing happens at import: no CUDA context, no compilation. Kernels compile
 on first launch. Launch geometry: integer ceil-division of the work by the
 block size, capped at a multiple of the SM count; every kernel loops
-grid-stride. No ``fastmath``. Kernels run on ``cuda_stream`` (default: the
-default stream). Functions that return a value (counts, stats) synchronise on it;
-``unpack_*`` do not: synchronise the stream before MPI reads ``out``.
+grid-stride, warp-uniformly where it shuffles. No ``fastmath``. Kernels run on
+``cuda_stream`` (default: the default stream). Functions that return a value
+(counts, stats) read it back once (a synchronisation); the others are
+asynchronous: synchronise the stream before MPI reads ``out``.
+
+The simulator
+-------------
+Numba's CUDA simulator (numba-cuda 0.30) has no warp intrinsics. Under
+``NUMBA_ENABLE_CUDASIM=1`` the shuffles and the ballot are Python functions
+with the hardware's semantics for a full warp (all 32 lanes meet, exchange,
+and meet again; a lane missing from a full-mask warp operation raises instead
+of hanging), so the simulator tests run the same kernels.
 """
+import collections
 import math
+import threading
 
 import numpy as np
 from numba import cuda
@@ -55,12 +95,12 @@ except ImportError:  # pragma: no cover - numba's bundled CUDA target
     from numba.core import config as _config
 
 __all__ = [
-    "pack_2bit", "unpack_2bit",
-    "pack_1bit", "unpack_1bit",
-    "pack_2bit_rel", "unpack_2bit_rel",
-    "stats", "pack_ternary",
-    "pack_fp16", "unpack_fp16",
-    "pack_bf16", "unpack_bf16",
+    "pack_2bit", "unpack_2bit", "pack_2bit_shards", "unpack_2bit_shards",
+    "pack_1bit", "unpack_1bit", "pack_1bit_shards", "unpack_1bit_shards",
+    "pack_2bit_rel", "unpack_2bit_rel", "pack_2bit_rel_shards", "unpack_2bit_rel_shards",
+    "stats", "pack_ternary", "pack_ternary_shards", "unpack_ternary_shards",
+    "pack_fp16", "unpack_fp16", "unpack_fp16_shards",
+    "pack_bf16", "unpack_bf16", "unpack_bf16_shards",
     "count_nonfinite", "ternary_stream",
     "PARALLEL_MIN_ELEMENTS",
 ]
@@ -73,12 +113,13 @@ SIMULATOR = bool(getattr(_config, "ENABLE_CUDASIM", 0))
 PARALLEL_MIN_ELEMENTS = 0
 
 LANES = 32  # canonical summation order of the 1bit block sums (see kernels/cpu.py)
+FULL_MASK = 0xFFFFFFFF
 
 # Geometry. The simulator runs every thread as a Python thread: small blocks
 # and a tiny grid there, which also makes the grid-stride loops do several
 # rounds in the tests.
-THREADS = 64 if SIMULATOR else 256          # threads per CUDA block (power of 2)
-WARPS = THREADS // LANES                    # 1bit: one warp per quantization block
+THREADS = 64 if SIMULATOR else 256          # threads per CUDA block (a multiple of 32)
+WARPS = THREADS // LANES                    # 1bit / relative 2bit: one warp per block
 _BLOCKS_PER_SM = 32
 _SIM_MAX_BLOCKS = 3
 _max_blocks_cache = {}
@@ -100,6 +141,12 @@ def _grid(work, per_block=THREADS):
     return max(1, min((work + per_block - 1) // per_block, _max_blocks()))
 
 
+def _grid2(work, nshard, per_block=THREADS):
+    """``(blocks per shard, shards)``: ``work`` items in the largest shard."""
+    cap = max(1, _max_blocks() // max(1, nshard))
+    return (max(1, min((work + per_block - 1) // per_block, cap)), nshard)
+
+
 def _dev(a, what):
     """``a`` as a Numba device array (no copy); ``None`` stays ``None``."""
     if a is None:
@@ -111,36 +158,178 @@ def _dev(a, what):
     return cuda.as_cuda_array(a)
 
 
+_empty_cache = {}
+
+
 def _opt(a, like):
     """An optional kernel input as the launch takes it: ``(array, True)``, or,
     for ``None``, ``(empty array of like's dtype, False)``. A real launch
     rejects ``None`` (numba-cuda's dispatcher raises ``NotImplementedError``),
     so a kernel never sees it: the flag says whether the array is there."""
     if a is None:
-        return cuda.device_array(0, like.dtype), False
+        dt = np.dtype(like.dtype)
+        e = _empty_cache.get(dt)
+        if e is None:  # a 0-byte array allocates nothing
+            e = _empty_cache[dt] = cuda.device_array(0, dt)
+        return e, False
     return a, True
 
 
 def _launch(kernel, blocks, stream, *args):
-    """Launch ``kernel`` on ``blocks`` CUDA blocks of ``THREADS`` threads.
+    """Launch ``kernel`` on ``blocks`` CUDA blocks (an int, or ``(blocks per
+    shard, shards)``) of ``THREADS`` threads.
 
     Every launch of this module goes through here, with device arrays and
     numeric scalars only (no ``None``, no host arrays): what a real launch
-    accepts. The simulator tests wrap this function to check that contract and
-    to record the argument types that ``tests/test_cuda_sim.py`` compiles to
-    PTX."""
+    accepts. The simulator tests wrap this function to check that contract,
+    count the launches and record the argument types that
+    ``tests/test_cuda_sim.py`` compiles to PTX."""
     kernel[blocks, THREADS, stream](*args)
 
 
+# -- small device buffers: layouts (cached) and counters (pooled) -------------
+_lock = threading.Lock()
+_INDEX_KEEP = 256
+_index_cache = collections.OrderedDict()
+
+
+def _device_id():
+    return 0 if SIMULATOR else cuda.get_current_device().id
+
+
+def _index(values):
+    """The int64 device array of ``values`` (shard bounds, payload offsets),
+    uploaded once per layout and device: a call with the layout of an earlier
+    one transfers nothing."""
+    key = (_device_id(), tuple(int(v) for v in values))
+    with _lock:
+        a = _index_cache.get(key)
+        if a is not None:
+            _index_cache.move_to_end(key)
+            return a
+    a = cuda.to_device(np.asarray(key[1], np.int64))
+    with _lock:
+        _index_cache[key] = a
+        while len(_index_cache) > _INDEX_KEEP:
+            _index_cache.popitem(last=False)
+    return a
+
+
+_counters = {}  # device id -> free counters (device int64[1])
+_zero_host = {}
+
+
+def _host_zero():
+    z = _zero_host.get("z")
+    if z is None:
+        z = _zero_host["z"] = (np.zeros(1, np.int64) if SIMULATOR
+                               else cuda.pinned_array(1, np.int64))
+        z[0] = 0
+    return z
+
+
 def _counter(stream):
-    return cuda.to_device(np.zeros(1, np.int64), stream=stream)
+    """A zeroed device counter (int64[1]) from a pool: no allocation per call;
+    zeroed by an asynchronous copy in stream order."""
+    dev = _device_id()
+    with _lock:
+        free = _counters.setdefault(dev, [])
+        c = free.pop() if free else None
+    if c is None:
+        c = cuda.device_array(1, np.int64)
+    c.copy_to_device(_host_zero(), stream=stream or cuda.default_stream())
+    return c
 
 
 def _read_count(counter, stream):
+    """The counter's value: the one device-to-host read (and wait) of a pack."""
     host = counter.copy_to_host(stream=stream)
     if stream:
         stream.synchronize()
+    with _lock:
+        _counters.setdefault(_device_id(), []).append(counter)
     return int(host[0])
+
+
+def _payload_bytes(payload):
+    """The payload as uint8 (a uint16 view of fp16 bits, say)."""
+    return payload if np.dtype(payload.dtype) == np.uint8 else payload.view(np.uint8)
+
+
+# ----------------------------------------------------------------------------
+# warp intrinsics (full warp); Python emulations in the simulator
+# ----------------------------------------------------------------------------
+if SIMULATOR:
+    _warp_lock = threading.Lock()
+    _WARP_TIMEOUT = 120.0
+
+    def _warp_exchange(value):
+        """All 32 lanes of the calling thread's warp deposit ``value``; each
+        gets its lane and the 32 values. A lane that does not come (a
+        divergent full-mask warp operation) is an error, as on the GPU it is
+        undefined behaviour."""
+        t = threading.current_thread()
+        mgr = t._manager
+        w, lane = divmod(t.thread_id, LANES)
+        with _warp_lock:
+            warps = mgr.__dict__.setdefault("_mpigc_warps", {})
+            ent = warps.get(w)
+            if ent is None:
+                ent = warps[w] = (threading.Barrier(LANES, timeout=_WARP_TIMEOUT),
+                                  [None] * LANES)
+        bar, slots = ent
+        try:
+            slots[lane] = value
+            bar.wait()
+            vals = list(slots)
+            bar.wait()
+        except threading.BrokenBarrierError:
+            raise RuntimeError("a full-warp shuffle or ballot that not all 32 lanes "
+                               "reached") from None
+        return lane, vals
+
+    def _shfl_xor(v, m):
+        lane, vals = _warp_exchange(v)
+        return vals[lane ^ m]
+
+    def _shfl_down(v, d):
+        lane, vals = _warp_exchange(v)
+        return vals[lane + d] if lane + d < LANES else v
+
+    def _shfl_idx(v, src):
+        _, vals = _warp_exchange(v)
+        return vals[src]
+
+    def _ballot(p):
+        _, vals = _warp_exchange(bool(p))
+        m = 0
+        for lane in range(LANES):
+            if vals[lane]:
+                m |= 1 << lane
+        return np.uint32(m)
+
+    def _brev(m):
+        return np.uint32(int("{:032b}".format(int(m))[::-1], 2))
+else:
+    @cuda.jit(device=True)
+    def _shfl_xor(v, m):
+        return cuda.shfl_xor_sync(FULL_MASK, v, m)
+
+    @cuda.jit(device=True)
+    def _shfl_down(v, d):
+        return cuda.shfl_down_sync(FULL_MASK, v, d)
+
+    @cuda.jit(device=True)
+    def _shfl_idx(v, src):
+        return cuda.shfl_sync(FULL_MASK, v, src)
+
+    @cuda.jit(device=True)
+    def _ballot(p):
+        return cuda.ballot_sync(FULL_MASK, p)
+
+    @cuda.jit(device=True)
+    def _brev(m):
+        return cuda.brev(np.uint32(m))
 
 
 # ----------------------------------------------------------------------------
@@ -163,6 +352,25 @@ else:
     @cuda.jit(device=True)
     def _dmul_rn(a, b):
         return _libdevice.dmul_rn(a, b)
+
+
+# float32 <-> little-endian bytes of a uint8 array (the payload's tail numbers)
+@cuda.jit(device=True)
+def _put_f32(a, k, f):
+    u = np.float32(f).view(np.uint32)
+    a[k] = np.uint8(u & np.uint32(0xFF))
+    a[k + 1] = np.uint8((u >> np.uint32(8)) & np.uint32(0xFF))
+    a[k + 2] = np.uint8((u >> np.uint32(16)) & np.uint32(0xFF))
+    a[k + 3] = np.uint8(u >> np.uint32(24))
+
+
+@cuda.jit(device=True)
+def _get_f32(a, k):
+    u = np.uint32(a[k])
+    u = np.uint32(u | np.uint32(np.uint32(a[k + 1]) << np.uint32(8)))
+    u = np.uint32(u | np.uint32(np.uint32(a[k + 2]) << np.uint32(16)))
+    u = np.uint32(u | np.uint32(np.uint32(a[k + 3]) << np.uint32(24)))
+    return u.view(np.float32)
 
 
 # ----------------------------------------------------------------------------
@@ -208,45 +416,151 @@ def _f16_bits_to_f32(h):
     return np.uint32(f.view(np.uint32) | sign).view(np.float32)
 
 
+@cuda.jit(device=True)
+def _f32_to_bf16_bits(f):
+    """float32 -> bfloat16 bits, round to nearest even; NaN -> ``0x7FC0`` with
+    its sign (the CPU kernels' conversion, bit for bit)."""
+    u = f.view(np.uint32)
+    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN
+        o = np.uint32(((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
+    else:  # u <= 0xFF800000: the sum does not wrap
+        odd = np.uint32((u >> np.uint32(16)) & np.uint32(1))
+        u = np.uint32(u + np.uint32(0x7FFF))
+        u = np.uint32(u + odd)
+        o = np.uint32(u >> np.uint32(16))
+    return np.uint16(o)
+
+
+@cuda.jit(device=True)
+def _bf16_bits_to_f32(b):
+    """bfloat16 bits -> float32 (exact)."""
+    return np.uint32(np.uint32(b) << np.uint32(16)).view(np.float32)
+
+
 # ----------------------------------------------------------------------------
-# 2bit (MXNet layout): one thread per output byte, 4 consecutive values
+# shard geometry inside a kernel: shard j = blockIdx.y
+# ----------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _warp_start():
+    """Index of lane 0 of this thread's warp in the grid's x dimension."""
+    return cuda.blockIdx.x * cuda.blockDim.x + (cuda.threadIdx.x // LANES) * LANES
+
+
+@cuda.jit(device=True)
+def _warp_sum_i(c):
+    """The canonical tree over the warp (lane 0 gets the total)."""
+    s = LANES // 2
+    while s > 0:
+        c += _shfl_down(c, s)
+        s //= 2
+    return c
+
+
+# ----------------------------------------------------------------------------
+# 2bit (MXNet layout): one thread per value, bytes assembled by shuffles
 # ----------------------------------------------------------------------------
 @cuda.jit
-def _pack_2bit_kernel(x, e_in, has_e_in, e_out, has_e_out, out, t, nbad_out):
-    n = x.size
+def _pack_2bit_kernel(x, e_in, has_e_in, e_out, has_e_out, out, starts, offs, t, nbad_out):
+    j = cuda.blockIdx.y
+    lo = starts[j]
+    n = starts[j + 1] - lo
+    ob = offs[j]
+    nv = (n + 3) // 4 * 4
     neg_t = -t
     zero = t - t
+    lane = cuda.threadIdx.x % LANES
+    sh = 6 - 2 * (lane & 3)
     nbad = 0
-    for k in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        byte = 0
-        for j in range(min(4, n - 4 * k)):
-            i = 4 * k + j
-            v = x[i]
+    # warp-uniform trip count: every lane reaches every shuffle
+    for v0 in range(_warp_start(), nv, cuda.gridDim.x * cuda.blockDim.x):
+        v = v0 + lane
+        code = 0
+        if v < n:
+            i = lo + v
+            val = x[i]
             if has_e_in:
-                v = v + e_in[i]
-            pos = v >= t
-            neg = v <= neg_t
+                val = val + e_in[i]
+            pos = val >= t
+            neg = val <= neg_t
             d = t if pos else (neg_t if neg else zero)
             if has_e_out:
-                e_out[i] = v - d
-            nbad += (v - v) != zero
-            byte |= ((3 if pos else (2 if neg else 0)) << (6 - 2 * j))
-        out[k] = byte
+                e_out[i] = val - d
+            nbad += (val - val) != zero
+            code = 3 if pos else (2 if neg else 0)
+        c = np.int32(code << sh)
+        c |= _shfl_xor(c, 1)
+        c |= _shfl_xor(c, 2)
+        if sh == 6 and v < nv:
+            out[ob + (v >> 2)] = c
     if nbad:
         cuda.atomic.add(nbad_out, 0, nbad)
 
 
 @cuda.jit
-def _unpack_2bit_kernel(payload, out, t, accumulate):
+def _unpack_2bit_kernel(payload, stride, nsrc, starts, offs, out, t, accumulate):
+    j = cuda.blockIdx.y
+    lo = starts[j]
+    n = starts[j + 1] - lo
+    ob = offs[j]
     neg_t = -t
     zero = t - t
-    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        c = (payload[i >> 2] >> (6 - 2 * (i & 3))) & 3
-        d = t if c == 3 else (neg_t if c == 2 else zero)
-        if accumulate:
-            out[i] += d
-        else:
-            out[i] = d
+    for v in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, n,
+                   cuda.gridDim.x * cuda.blockDim.x):
+        i = lo + v
+        a = out[i] if accumulate else zero
+        sh = 6 - 2 * (v & 3)
+        for s in range(nsrc):
+            c = (payload[s * stride + ob + (v >> 2)] >> sh) & 3
+            d = t if c == 3 else (neg_t if c == 2 else zero)
+            a = d if (s == 0 and not accumulate) else a + d
+        out[i] = a
+
+
+def _layout(starts, offs):
+    starts = tuple(int(v) for v in starts)
+    offs = tuple(int(v) for v in offs)
+    if len(offs) < len(starts) - 1:
+        raise ValueError(f"offs: expected {len(starts) - 1} payload offsets, got {len(offs)}")
+    return starts, offs
+
+
+def _max_shard(starts):
+    return max([b - a for a, b in zip(starts[:-1], starts[1:])] + [0])
+
+
+def pack_2bit_shards(x, e_in, e_out, payload, starts, offs, threshold, *, cuda_stream=0):
+    """:func:`pack_2bit` of every shard ``x[starts[j]:starts[j + 1]]`` into
+    ``payload[offs[j]:]`` (each shard from bit 0), in one launch. Returns
+    the non-finite count of all shards."""
+    x, e_in, e_out = _dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out")
+    payload = _dev(payload, "payload")
+    starts, offs = _layout(starts, offs)
+    t = x.dtype.type(threshold)
+    big = _max_shard(starts)
+    if not big:
+        return 0
+    cnt = _counter(cuda_stream)
+    if big:
+        _launch(_pack_2bit_kernel, _grid2(big, len(starts) - 1), cuda_stream,
+                x, *_opt(e_in, x), *_opt(e_out, x), payload, _index(starts), _index(offs),
+                t, cnt)
+    return _read_count(cnt, cuda_stream)
+
+
+def unpack_2bit_shards(payload, stride, nsrc, starts, offs, out, threshold, accumulate, *,
+                       cuda_stream=0):
+    """Decode shard j of ``nsrc`` payloads (sender s's at
+    ``payload[s * stride + offs[j]:]``) onto ``out[starts[j]:starts[j + 1]]``:
+    written (``accumulate`` false: sender 0 written, the others added) or
+    added, senders in order, one launch. Asynchronous."""
+    payload, out = _dev(payload, "payload"), _dev(out, "out")
+    starts, offs = _layout(starts, offs)
+    t = out.dtype.type(threshold)
+    big = _max_shard(starts)
+    if big and nsrc:
+        _launch(_unpack_2bit_kernel, _grid2(big, len(starts) - 1), cuda_stream,
+                payload, int(stride), int(nsrc), _index(starts), _index(offs), out, t,
+                bool(accumulate))
 
 
 def pack_2bit(x, e_in, e_out, out, threshold, *, cuda_stream=0):
@@ -254,14 +568,9 @@ def pack_2bit(x, e_in, e_out, out, threshold, *, cuda_stream=0):
 
     ``out`` is uint8 of ``ceil(n / 4)`` bytes. Returns the non-finite count.
     """
-    x, e_in, e_out, out = (_dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out"),
-                           _dev(out, "out"))
-    t = x.dtype.type(threshold)
-    cnt = _counter(cuda_stream)
-    if out.size:
-        _launch(_pack_2bit_kernel, _grid(out.size), cuda_stream,
-                x, *_opt(e_in, x), *_opt(e_out, x), out, t, cnt)
-    return _read_count(cnt, cuda_stream)
+    x = _dev(x, "x")
+    return pack_2bit_shards(x, e_in, e_out, out, (0, x.size), (0,), threshold,
+                            cuda_stream=cuda_stream)
 
 
 def unpack_2bit(payload, out, threshold, accumulate, *, cuda_stream=0):
@@ -270,112 +579,150 @@ def unpack_2bit(payload, out, threshold, accumulate, *, cuda_stream=0):
     Writes into ``out``, or adds to it when ``accumulate`` is true.
     Asynchronous on ``cuda_stream``.
     """
-    payload, out = _dev(payload, "payload"), _dev(out, "out")
-    t = out.dtype.type(threshold)
-    if out.size:
-        _launch(_unpack_2bit_kernel, _grid(out.size), cuda_stream,
-                payload, out, t, bool(accumulate))
+    out = _dev(out, "out")
+    unpack_2bit_shards(payload, 0, 1, (0, out.size), (0,), out, threshold, accumulate,
+                       cuda_stream=cuda_stream)
 
 
 # ----------------------------------------------------------------------------
 # 1bit (Seide et al.): one warp per quantization block
 # ----------------------------------------------------------------------------
 @cuda.jit
-def _pack_1bit_kernel(x, e_in, has_e_in, e_out, has_e_out, bits, means, block, nbad_out):
-    sp = cuda.shared.array((WARPS, LANES), np.float64)
-    sn = cuda.shared.array((WARPS, LANES), np.float64)
-    cp = cuda.shared.array((WARPS, LANES), np.int64)
-    sbad = cuda.shared.array((WARPS, LANES), np.int64)
-    n = x.size
-    nblk = means.size // 2
+def _pack_1bit_kernel(x, e_in, has_e_in, e_out, has_e_out, bits, tail, inline, starts, offs,
+                      block, nbad_out):
+    j = cuda.blockIdx.y
+    lo = starts[j]
+    n = starts[j + 1] - lo
+    ob = offs[j]
+    to = ob + (n + 7) // 8 if inline else ob  # the pairs: after the bits, or apart
+    nblk = (n + block - 1) // block
     zero = x.dtype.type(0)
-    w = cuda.threadIdx.x // LANES
     lane = cuda.threadIdx.x % LANES
     nbad = 0
-    # the trip count is the same for every warp of a CUDA block (syncthreads)
-    for kk in range(cuda.blockIdx.x * WARPS, nblk, cuda.gridDim.x * WARPS):
-        k = kk + w
-        active = k < nblk
-        lo = k * block
-        hi = min(n, lo + block)
-        if active:
-            # pass 1: lane l sums elements lo+l, lo+l+32, ... sequentially
-            a = 0.0
-            b = 0.0
-            c = 0
-            for i in range(lo + lane, hi, LANES):
-                v = x[i]
-                if has_e_in:
-                    v = v + e_in[i]
-                p = v >= zero
-                f = np.float64(v)
-                a += f if p else 0.0
-                b += 0.0 if p else f
-                c += p
-            sp[w, lane] = a
-            sn[w, lane] = b
-            cp[w, lane] = c
-        cuda.syncthreads()
+    for k in range(_warp_start() // LANES, nblk, cuda.gridDim.x * cuda.blockDim.x // LANES):
+        b0 = k * block
+        b1 = min(n, b0 + block)
+        # pass 1: lane l sums elements b0+l, b0+l+32, ... sequentially
+        a = 0.0
+        b = 0.0
+        c = 0
+        for v in range(b0 + lane, b1, LANES):
+            i = lo + v
+            val = x[i]
+            if has_e_in:
+                val = val + e_in[i]
+            p = val >= zero
+            f = np.float64(val)
+            a += f if p else 0.0
+            b += 0.0 if p else f
+            c += 1 if p else 0
         s = LANES // 2
         while s > 0:  # the canonical pairwise tree: sum[l] += sum[l + s]
-            if active and lane < s:
-                sp[w, lane] += sp[w, lane + s]
-                sn[w, lane] += sn[w, lane + s]
-                cp[w, lane] += cp[w, lane + s]
-            cuda.syncthreads()
+            a += _shfl_down(a, s)
+            b += _shfl_down(b, s)
+            c += _shfl_down(c, s)
             s //= 2
-        m0 = np.float32(0.0)
-        m1 = np.float32(0.0)
-        if active:
-            npos = cp[w, 0]
-            nneg = (hi - lo) - npos
-            m1 = np.float32(sp[w, 0] / npos) if npos > 0 else np.float32(0.0)
-            m0 = np.float32(sn[w, 0] / nneg) if nneg > 0 else np.float32(0.0)
-            if lane == 0:
-                means[2 * k] = m0
-                means[2 * k + 1] = m1
-            d1 = x.dtype.type(m1)
-            d0 = x.dtype.type(m0)
-            kbad = 0
-            # pass 2: one lane per byte (the block was just read: in cache)
-            for bb in range(lo // 8 + lane, (hi + 7) // 8, LANES):
-                byte = 0
-                for j in range(min(8, hi - 8 * bb)):
-                    i = 8 * bb + j
-                    v = x[i]
-                    if has_e_in:
-                        v = v + e_in[i]
-                    p = v >= zero
-                    if has_e_out:
-                        e_out[i] = v - (d1 if p else d0)
-                    kbad += (v - v) != zero
-                    byte |= (1 if p else 0) << (7 - j)
-                bits[bb] = byte
-            sbad[w, lane] = kbad
-        cuda.syncthreads()
-        if active and lane == 0:
-            tot = 0
-            for l in range(LANES):
-                tot += sbad[w, l]
+        a = _shfl_idx(a, 0)
+        b = _shfl_idx(b, 0)
+        npos = _shfl_idx(c, 0)
+        nneg = (b1 - b0) - npos
+        m1 = np.float32(a / npos) if npos > 0 else np.float32(0.0)
+        m0 = np.float32(b / nneg) if nneg > 0 else np.float32(0.0)
+        if lane == 0:
+            _put_f32(tail, to + 8 * k, m0)
+        elif lane == 1:
+            _put_f32(tail, to + 8 * k + 4, m1)
+        d1 = x.dtype.type(m1)
+        d0 = x.dtype.type(m0)
+        # pass 2, row by row (the block was just read: in cache): signs by ballot
+        kbad = 0
+        for r0 in range(b0, b1, LANES):
+            v = r0 + lane
+            p = False
+            if v < b1:
+                i = lo + v
+                val = x[i]
+                if has_e_in:
+                    val = val + e_in[i]
+                p = val >= zero
+                if has_e_out:
+                    e_out[i] = val - (d1 if p else d0)
+                kbad += (val - val) != zero
+            # element r0 + q is ballot bit q; reversed, element r0 + 8 m + q
+            # sits in bit 31 - 8 m - q: byte m, MSB first
+            m = np.uint32(_brev(_ballot(p)))
+            if lane < 4 and r0 + 8 * lane < b1:
+                bits[ob + (r0 >> 3) + lane] = np.uint8(
+                    (m >> np.uint32(24 - 8 * lane)) & np.uint32(0xFF))
+        kbad = _warp_sum_i(kbad)
+        if lane == 0:
             # finite values whose mean is beyond float32: each such mean is
             # one bad value
-            if tot == 0:
-                tot = (0 if math.isfinite(m0) else 1) + (0 if math.isfinite(m1) else 1)
-            nbad += tot
-        cuda.syncthreads()  # the next round overwrites sp, sn, cp, sbad
+            if kbad == 0:
+                kbad = (0 if math.isfinite(m0) else 1) + (0 if math.isfinite(m1) else 1)
+            nbad += kbad
     if nbad:
         cuda.atomic.add(nbad_out, 0, nbad)
 
 
 @cuda.jit
-def _unpack_1bit_kernel(bits, means, out, block, accumulate):
-    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        bit = np.int64((bits[i >> 3] >> (7 - (i & 7))) & 1)
-        d = out.dtype.type(means[2 * (i // block) + bit])
-        if accumulate:
-            out[i] += d
-        else:
-            out[i] = d
+def _unpack_1bit_kernel(bits, tail, inline, stride, nsrc, starts, offs, out, block,
+                        accumulate):
+    j = cuda.blockIdx.y
+    lo = starts[j]
+    n = starts[j + 1] - lo
+    ob = offs[j]
+    to = ob + (n + 7) // 8 if inline else ob
+    zero = out.dtype.type(0)
+    for v in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, n,
+                   cuda.gridDim.x * cuda.blockDim.x):
+        i = lo + v
+        a = out[i] if accumulate else zero
+        sh = 7 - (v & 7)
+        mk = to + 8 * (v // block)
+        for s in range(nsrc):
+            base = s * stride
+            bit = (bits[base + ob + (v >> 3)] >> sh) & 1
+            d = out.dtype.type(_get_f32(tail, base + mk + 4 * bit))
+            a = d if (s == 0 and not accumulate) else a + d
+        out[i] = a
+
+
+def pack_1bit_shards(x, e_in, e_out, payload, starts, offs, block_size, *, cuda_stream=0):
+    """:func:`pack_1bit` of every shard into ``payload[offs[j]:]``: its bits,
+    then its reconstruction pairs as little-endian float32 (the wire
+    format), in one launch. Returns the bad count of all shards."""
+    x, e_in, e_out = _dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out")
+    payload = _dev(payload, "payload")
+    starts, offs = _layout(starts, offs)
+    return _pack_1bit(x, e_in, e_out, payload, payload, True, starts, offs, block_size,
+                      cuda_stream)
+
+
+def _pack_1bit(x, e_in, e_out, bits, tail, inline, starts, offs, block, stream):
+    big = _max_shard(starts)
+    if not big:
+        return 0
+    cnt = _counter(stream)
+    if big:
+        nblk = (big + block - 1) // block
+        _launch(_pack_1bit_kernel, _grid2(nblk, len(starts) - 1, WARPS), stream,
+                x, *_opt(e_in, x), *_opt(e_out, x), bits, tail, bool(inline),
+                _index(starts), _index(offs), int(block), cnt)
+    return _read_count(cnt, stream)
+
+
+def unpack_1bit_shards(payload, stride, nsrc, starts, offs, out, block_size, accumulate, *,
+                       cuda_stream=0):
+    """Decode 1bit shards (bits, then pairs) of ``nsrc`` payloads onto ``out``
+    (as :func:`unpack_2bit_shards`), one launch. Asynchronous."""
+    payload, out = _dev(payload, "payload"), _dev(out, "out")
+    starts, offs = _layout(starts, offs)
+    big = _max_shard(starts)
+    if big and nsrc:
+        _launch(_unpack_1bit_kernel, _grid2(big, len(starts) - 1), cuda_stream,
+                payload, payload, True, int(stride), int(nsrc), _index(starts),
+                _index(offs), out, int(block_size), bool(accumulate))
 
 
 def pack_1bit(x, e_in, e_out, bits, means, block_size, *, cuda_stream=0):
@@ -386,143 +733,176 @@ def pack_1bit(x, e_in, e_out, bits, means, block_size, *, cuda_stream=0):
     """
     x, e_in, e_out = _dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out")
     bits, means = _dev(bits, "bits"), _dev(means, "means")
-    nblk = means.size // 2
-    cnt = _counter(cuda_stream)
-    if nblk:
-        _launch(_pack_1bit_kernel, _grid(nblk, WARPS), cuda_stream,
-                x, *_opt(e_in, x), *_opt(e_out, x), bits, means, int(block_size), cnt)
-    return _read_count(cnt, cuda_stream)
+    return _pack_1bit(x, e_in, e_out, bits, _payload_bytes(means), False, (0, x.size), (0,),
+                      int(block_size), cuda_stream)
 
 
 def unpack_1bit(bits, means, out, block_size, accumulate, *, cuda_stream=0):
     """Decode ``out.size`` 1-bit values with their block pairs (asynchronous)."""
     bits, means, out = _dev(bits, "bits"), _dev(means, "means"), _dev(out, "out")
     if out.size:
-        _launch(_unpack_1bit_kernel, _grid(out.size), cuda_stream,
-                bits, means, out, int(block_size), bool(accumulate))
+        _launch(_unpack_1bit_kernel, _grid2(out.size, 1), cuda_stream,
+                bits, _payload_bytes(means), False, 0, 1, _index((0, out.size)), _index((0,)),
+                out, int(block_size), bool(accumulate))
 
 
 # ----------------------------------------------------------------------------
 # 2bit, relative mode: one warp per quantization block (as 1bit)
 # ----------------------------------------------------------------------------
 @cuda.jit
-def _pack_2bit_rel_kernel(x, e_in, has_e_in, e_out, has_e_out, out, scales, rel, block,
-                          nbad_out):
-    sq = cuda.shared.array((WARPS, LANES), np.float64)
-    sa = cuda.shared.array((WARPS, LANES), np.float64)
-    scnt = cuda.shared.array((WARPS, LANES), np.int64)
-    sbad = cuda.shared.array((WARPS, LANES), np.int64)
-    n = x.size
-    nblk = scales.size
+def _pack_2bit_rel_kernel(x, e_in, has_e_in, e_out, has_e_out, out, tail, inline, starts,
+                          offs, rel, block, nbad_out):
+    j = cuda.blockIdx.y
+    lo = starts[j]
+    n = starts[j + 1] - lo
+    ob = offs[j]
+    to = ob + (n + 3) // 4 if inline else ob  # the magnitudes: after the codes
+    nblk = (n + block - 1) // block
     zero = x.dtype.type(0)
     nan = x.dtype.type(np.nan)
-    w = cuda.threadIdx.x // LANES
     lane = cuda.threadIdx.x % LANES
+    sh = 6 - 2 * (lane & 3)
     nbad = 0
-    # the trip count is the same for every warp of a CUDA block (syncthreads)
-    for kk in range(cuda.blockIdx.x * WARPS, nblk, cuda.gridDim.x * WARPS):
-        k = kk + w
-        active = k < nblk
-        lo = k * block
-        hi = min(n, lo + block)
-        if active:
-            # pass 1: lane l sums the squares of lo+l, lo+l+32, ... in order
-            a = 0.0
-            for i in range(lo + lane, hi, LANES):
-                v = x[i]
-                if has_e_in:
-                    v = v + e_in[i]
-                f = np.float64(v)
-                a += _dmul_rn(f, f)
-            sq[w, lane] = a
-        cuda.syncthreads()
+    for k in range(_warp_start() // LANES, nblk, cuda.gridDim.x * cuda.blockDim.x // LANES):
+        b0 = k * block
+        b1 = min(n, b0 + block)
+        # pass 1: lane l sums the squares of b0+l, b0+l+32, ... in order
+        a = 0.0
+        for v in range(b0 + lane, b1, LANES):
+            i = lo + v
+            val = x[i]
+            if has_e_in:
+                val = val + e_in[i]
+            f = np.float64(val)
+            a += _dmul_rn(f, f)
         s = LANES // 2
-        while s > 0:  # the canonical pairwise tree: sum[l] += sum[l + s]
-            if active and lane < s:
-                sq[w, lane] += sq[w, lane + s]
-            cuda.syncthreads()
+        while s > 0:  # the canonical pairwise tree
+            a += _shfl_down(a, s)
             s //= 2
-        kbad = 0
-        t32 = np.float32(0.0)
+        a = _shfl_idx(a, 0)
+        t32 = np.float32(_dmul_rn(rel, math.sqrt(a / (b1 - b0))))
         tc = nan
-        if active:
-            t32 = np.float32(_dmul_rn(rel, math.sqrt(sq[w, 0] / (hi - lo))))
-            if t32 > np.float32(0.0):
-                tc = x.dtype.type(t32)  # else (t_b = 0 or NaN) nothing selected
-            neg_tc = -tc
-            # pass 2: lane l sums |v| of the selected lo+l, lo+l+32, ... in order
-            a = 0.0
-            c = 0
-            for i in range(lo + lane, hi, LANES):
-                v = x[i]
-                if has_e_in:
-                    v = v + e_in[i]
-                sel = (v >= tc) or (v <= neg_tc)
-                a += abs(np.float64(v)) if sel else 0.0
-                c += 1 if sel else 0
-            sa[w, lane] = a
-            scnt[w, lane] = c
-        cuda.syncthreads()
+        if t32 > np.float32(0.0):
+            tc = x.dtype.type(t32)  # else (t_b = 0 or NaN) nothing selected
+        neg_tc = -tc
+        # pass 2: lane l sums |v| of the selected b0+l, b0+l+32, ... in order
+        a = 0.0
+        c = 0
+        for v in range(b0 + lane, b1, LANES):
+            i = lo + v
+            val = x[i]
+            if has_e_in:
+                val = val + e_in[i]
+            sel = (val >= tc) or (val <= neg_tc)
+            a += abs(np.float64(val)) if sel else 0.0
+            c += 1 if sel else 0
         s = LANES // 2
         while s > 0:  # the same tree
-            if active and lane < s:
-                sa[w, lane] += sa[w, lane + s]
-                scnt[w, lane] += scnt[w, lane + s]
-            cuda.syncthreads()
+            a += _shfl_down(a, s)
+            c += _shfl_down(c, s)
             s //= 2
+        a = _shfl_idx(a, 0)
+        cnt = _shfl_idx(c, 0)
         r32 = np.float32(0.0)
-        if active:
-            cnt = scnt[w, 0]
-            if cnt > 0:
-                r32 = np.float32(sa[w, 0] / cnt)  # the mean magnitude r_b
-            if lane == 0:
-                scales[k] = r32
-            td = x.dtype.type(r32)
-            neg_td = -td
-            neg_tc = -tc
-            # pass 3: one lane per byte (the block was just read: in cache)
-            for bb in range(lo // 4 + lane, (hi + 3) // 4, LANES):
-                byte = 0
-                for j in range(min(4, hi - 4 * bb)):
-                    i = 4 * bb + j
-                    v = x[i]
-                    if has_e_in:
-                        v = v + e_in[i]
-                    pos = v >= tc
-                    neg = v <= neg_tc
-                    d = td if pos else (neg_td if neg else zero)
-                    if has_e_out:
-                        e_out[i] = v - d
-                    kbad += (v - v) != zero
-                    byte |= ((3 if pos else (2 if neg else 0)) << (6 - 2 * j))
-                out[bb] = byte
-            sbad[w, lane] = kbad
-        cuda.syncthreads()
-        if active and lane == 0:
-            tot = 0
-            for l in range(LANES):
-                tot += sbad[w, l]
-            # finite values whose threshold or mean magnitude is not
-            # finite: one bad value
-            if tot == 0 and not (math.isfinite(t32) and math.isfinite(r32)):
-                tot = 1
-            nbad += tot
-        cuda.syncthreads()  # the next round overwrites sq, sa, scnt, sbad
+        if cnt > 0:
+            r32 = np.float32(a / cnt)  # the mean magnitude r_b
+        if lane == 0:
+            _put_f32(tail, to + 4 * k, r32)
+        td = x.dtype.type(r32)
+        neg_td = -td
+        # pass 3, row by row: codes, bytes by shuffles
+        kbad = 0
+        for r0 in range(b0, b1, LANES):
+            v = r0 + lane
+            code = 0
+            if v < b1:
+                i = lo + v
+                val = x[i]
+                if has_e_in:
+                    val = val + e_in[i]
+                pos = val >= tc
+                neg = val <= neg_tc
+                d = td if pos else (neg_td if neg else zero)
+                if has_e_out:
+                    e_out[i] = val - d
+                kbad += (val - val) != zero
+                code = 3 if pos else (2 if neg else 0)
+            cc = np.int32(code << sh)
+            cc |= _shfl_xor(cc, 1)
+            cc |= _shfl_xor(cc, 2)
+            if sh == 6 and v < b1:
+                out[ob + (v >> 2)] = cc
+        kbad = _warp_sum_i(kbad)
+        if lane == 0:
+            # finite values whose threshold or mean magnitude is not finite:
+            # one bad value
+            if kbad == 0 and not (math.isfinite(t32) and math.isfinite(r32)):
+                kbad = 1
+            nbad += kbad
     if nbad:
         cuda.atomic.add(nbad_out, 0, nbad)
 
 
 @cuda.jit
-def _unpack_2bit_rel_kernel(payload, scales, out, block, accumulate):
+def _unpack_2bit_rel_kernel(payload, tail, inline, stride, nsrc, starts, offs, out, block,
+                            accumulate):
+    j = cuda.blockIdx.y
+    lo = starts[j]
+    n = starts[j + 1] - lo
+    ob = offs[j]
+    to = ob + (n + 3) // 4 if inline else ob
     zero = out.dtype.type(0)
-    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        c = (payload[i >> 2] >> (6 - 2 * (i & 3))) & 3
-        t = out.dtype.type(scales[i // block])
-        d = t if c == 3 else (-t if c == 2 else zero)
-        if accumulate:
-            out[i] += d
-        else:
-            out[i] = d
+    for v in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, n,
+                   cuda.gridDim.x * cuda.blockDim.x):
+        i = lo + v
+        a = out[i] if accumulate else zero
+        sh = 6 - 2 * (v & 3)
+        mk = to + 4 * (v // block)
+        for s in range(nsrc):
+            base = s * stride
+            c = (payload[base + ob + (v >> 2)] >> sh) & 3
+            t = out.dtype.type(_get_f32(tail, base + mk))
+            d = t if c == 3 else (-t if c == 2 else zero)
+            a = d if (s == 0 and not accumulate) else a + d
+        out[i] = a
+
+
+def _pack_2bit_rel(x, e_in, e_out, out, tail, inline, starts, offs, rel, block, stream):
+    big = _max_shard(starts)
+    if not big:
+        return 0
+    cnt = _counter(stream)
+    if big:
+        nblk = (big + block - 1) // block
+        _launch(_pack_2bit_rel_kernel, _grid2(nblk, len(starts) - 1, WARPS), stream,
+                x, *_opt(e_in, x), *_opt(e_out, x), out, tail, bool(inline),
+                _index(starts), _index(offs), float(rel), int(block), cnt)
+    return _read_count(cnt, stream)
+
+
+def pack_2bit_rel_shards(x, e_in, e_out, payload, starts, offs, rel_threshold, block_size,
+                         *, cuda_stream=0):
+    """:func:`pack_2bit_rel` of every shard into ``payload[offs[j]:]``: its
+    codes, then its block magnitudes as little-endian float32, one launch.
+    Returns the bad count of all shards."""
+    x, e_in, e_out = _dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out")
+    payload = _dev(payload, "payload")
+    starts, offs = _layout(starts, offs)
+    return _pack_2bit_rel(x, e_in, e_out, payload, payload, True, starts, offs,
+                          rel_threshold, int(block_size), cuda_stream)
+
+
+def unpack_2bit_rel_shards(payload, stride, nsrc, starts, offs, out, block_size, accumulate,
+                           *, cuda_stream=0):
+    """Decode relative 2bit shards (codes, then magnitudes) of ``nsrc``
+    payloads onto ``out`` (as :func:`unpack_2bit_shards`). Asynchronous."""
+    payload, out = _dev(payload, "payload"), _dev(out, "out")
+    starts, offs = _layout(starts, offs)
+    big = _max_shard(starts)
+    if big and nsrc:
+        _launch(_unpack_2bit_rel_kernel, _grid2(big, len(starts) - 1), cuda_stream,
+                payload, payload, True, int(stride), int(nsrc), _index(starts),
+                _index(offs), out, int(block_size), bool(accumulate))
 
 
 def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size, *,
@@ -536,13 +916,8 @@ def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size, *,
     """
     x, e_in, e_out = _dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out")
     out, scales = _dev(out, "out"), _dev(scales, "scales")
-    nblk = scales.size
-    cnt = _counter(cuda_stream)
-    if nblk:
-        _launch(_pack_2bit_rel_kernel, _grid(nblk, WARPS), cuda_stream,
-                x, *_opt(e_in, x), *_opt(e_out, x), out, scales, float(rel_threshold),
-                int(block_size), cnt)
-    return _read_count(cnt, cuda_stream)
+    return _pack_2bit_rel(x, e_in, e_out, out, _payload_bytes(scales), False, (0, x.size),
+                          (0,), rel_threshold, int(block_size), cuda_stream)
 
 
 def unpack_2bit_rel(payload, scales, out, block_size, accumulate, *, cuda_stream=0):
@@ -550,12 +925,13 @@ def unpack_2bit_rel(payload, scales, out, block_size, accumulate, *, cuda_stream
     (asynchronous)."""
     payload, scales, out = _dev(payload, "payload"), _dev(scales, "scales"), _dev(out, "out")
     if out.size:
-        _launch(_unpack_2bit_rel_kernel, _grid(out.size), cuda_stream,
-                payload, scales, out, int(block_size), bool(accumulate))
+        _launch(_unpack_2bit_rel_kernel, _grid2(out.size, 1), cuda_stream,
+                payload, _payload_bytes(scales), False, 0, 1, _index((0, out.size)),
+                _index((0,)), out, int(block_size), bool(accumulate))
 
 
 # ----------------------------------------------------------------------------
-# terngrad: statistics (two-level reduction), then stochastic ternary codes
+# terngrad: statistics (a two-level reduction), then stochastic ternary codes
 # ----------------------------------------------------------------------------
 @cuda.jit
 def _stats_kernel(x, e_in, has_e_in, partial):
@@ -601,28 +977,63 @@ def _stats_kernel(x, e_in, has_e_in, partial):
         partial[b, 3] = np.float64(sbad[0])
 
 
+@cuda.jit
+def _stats_combine_kernel(partial, result):
+    """The second level: one CUDA block folds the per-block partials (thread
+    t the rows t, t + THREADS, ... in order, then a tree)."""
+    ssum = cuda.shared.array(THREADS, np.float64)
+    ssq = cuda.shared.array(THREADS, np.float64)
+    smax = cuda.shared.array(THREADS, np.float64)
+    sbad = cuda.shared.array(THREADS, np.float64)
+    t = cuda.threadIdx.x
+    s = 0.0
+    ss = 0.0
+    amax = 0.0
+    nbad = 0.0
+    for b in range(t, partial.shape[0], THREADS):
+        s += partial[b, 0]
+        ss += partial[b, 1]
+        m = partial[b, 2]
+        amax = m if m > amax else amax
+        nbad += partial[b, 3]
+    ssum[t] = s
+    ssq[t] = ss
+    smax[t] = amax
+    sbad[t] = nbad
+    cuda.syncthreads()
+    h = THREADS // 2
+    while h > 0:
+        if t < h:
+            ssum[t] += ssum[t + h]
+            ssq[t] += ssq[t + h]
+            m = smax[t + h]
+            smax[t] = m if m > smax[t] else smax[t]
+            sbad[t] += sbad[t + h]
+        cuda.syncthreads()
+        h //= 2
+    if t == 0:
+        result[0] = ssum[0]
+        result[1] = ssq[0]
+        result[2] = smax[0]
+        result[3] = sbad[0]
+
+
 def stats(x, e_in, *, cuda_stream=0):
     """Return ``(sum, sum of squares, max |v|, non-finite count)`` of
     ``v = x + e_in``, accumulated in float64 (summation order: see the module
-    docstring)."""
+    docstring). Two launches, one read of four numbers."""
     x, e_in = _dev(x, "x"), _dev(e_in, "e_in")
     if x.size == 0:
         return 0.0, 0.0, 0.0, 0
     nb = _grid(x.size)
     partial = cuda.device_array((nb, 4), np.float64, stream=cuda_stream)
+    result = cuda.device_array(4, np.float64, stream=cuda_stream)
     _launch(_stats_kernel, nb, cuda_stream, x, *_opt(e_in, x), partial)
-    p = partial.copy_to_host(stream=cuda_stream)
+    _launch(_stats_combine_kernel, 1, cuda_stream, partial, result)
+    p = result.copy_to_host(stream=cuda_stream)
     if cuda_stream:
         cuda_stream.synchronize()
-    s = 0.0
-    ss = 0.0
-    for b in range(nb):  # fixed order: deterministic for a given grid
-        s += float(p[b, 0])
-        ss += float(p[b, 1])
-    return s, ss, float(p[:, 2].max()), int(p[:, 3].sum())
-
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+    return float(p[0]), float(p[1]), float(p[2]), int(p[3])
 
 
 @cuda.jit(device=True)
@@ -634,20 +1045,29 @@ def _splitmix64(z):
 
 
 @cuda.jit
-def _pack_ternary_kernel(x, e_in, has_e_in, e_out, has_e_out, out, s, scale, clip, stream_id,
-                         offset, nbad_out):
-    n = x.size
+def _pack_ternary_kernel(x, e_in, has_e_in, e_out, has_e_out, out, inline, starts, offs, s,
+                         scale, clip, stream_id, offset, nbad_out):
+    j = cuda.blockIdx.y
+    lo = starts[j]
+    n = starts[j + 1] - lo
+    ob = offs[j]
+    nv = (n + 3) // 4 * 4
     neg_s = -s
     zero = s - s
+    lane = cuda.threadIdx.x % LANES
+    sh = 6 - 2 * (lane & 3)
+    if inline and n > 0 and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
+        _put_f32(out, ob + nv // 4, scale)  # the scale after the codes
     nbad = 0
-    for k in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        byte = 0
-        for j in range(min(4, n - 4 * k)):
-            i = 4 * k + j
-            v = x[i]
+    for v0 in range(_warp_start(), nv, cuda.gridDim.x * cuda.blockDim.x):
+        v = v0 + lane
+        code = 0
+        if v < n:
+            i = lo + v
+            val = x[i]
             if has_e_in:
-                v = v + e_in[i]
-            f = min(max(np.float64(v), -clip), clip)
+                val = val + e_in[i]
+            f = min(max(np.float64(val), -clip), clip)
             ctr = np.uint64(offset + np.uint64(i))
             h = _splitmix64(stream_id ^ np.uint64(ctr * np.uint64(0x9E3779B97F4A7C15)))
             u = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
@@ -656,12 +1076,79 @@ def _pack_ternary_kernel(x, e_in, has_e_in, e_out, has_e_out, out, s, scale, cli
             neg = keep and f < 0.0
             d = s if pos else (neg_s if neg else zero)
             if has_e_out:
-                e_out[i] = v - d
-            nbad += (v - v) != zero
-            byte |= ((3 if pos else (2 if neg else 0)) << (6 - 2 * j))
-        out[k] = byte
+                e_out[i] = val - d
+            nbad += (val - val) != zero
+            code = 3 if pos else (2 if neg else 0)
+        c = np.int32(code << sh)
+        c |= _shfl_xor(c, 1)
+        c |= _shfl_xor(c, 2)
+        if sh == 6 and v < nv:
+            out[ob + (v >> 2)] = c
     if nbad:
         cuda.atomic.add(nbad_out, 0, nbad)
+
+
+@cuda.jit
+def _unpack_ternary_kernel(payload, stride, nsrc, starts, offs, out, accumulate):
+    j = cuda.blockIdx.y
+    lo = starts[j]
+    n = starts[j + 1] - lo
+    ob = offs[j]
+    nb = (n + 3) // 4
+    for v in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, n,
+                   cuda.gridDim.x * cuda.blockDim.x):
+        i = lo + v
+        sh = 6 - 2 * (v & 3)
+        a = out[i] if accumulate else out.dtype.type(0)
+        for s in range(nsrc):
+            base = s * stride + ob
+            t = out.dtype.type(_get_f32(payload, base + nb))
+            zero = t - t  # as unpack_2bit: a NaN scale decodes to NaN everywhere
+            c = (payload[base + (v >> 2)] >> sh) & 3
+            d = t if c == 3 else (-t if c == 2 else zero)
+            a = d if (s == 0 and not accumulate) else a + d
+        out[i] = a
+
+
+def _pack_ternary(x, e_in, e_out, out, inline, starts, offs, scale, clip, stream, offset,
+                  cuda_stream):
+    scale = float(np.float32(scale))
+    s = x.dtype.type(scale)
+    big = _max_shard(starts)
+    if not big:
+        return 0
+    cnt = _counter(cuda_stream)
+    if big:
+        _launch(_pack_ternary_kernel, _grid2(big, len(starts) - 1), cuda_stream,
+                x, *_opt(e_in, x), *_opt(e_out, x), out, bool(inline), _index(starts),
+                _index(offs), s, scale, float(clip), np.uint64(stream), np.uint64(offset),
+                cnt)
+    return _read_count(cnt, cuda_stream)
+
+
+def pack_ternary_shards(x, e_in, e_out, payload, starts, offs, scale, clip, stream, offset,
+                        *, cuda_stream=0):
+    """:func:`pack_ternary` of every shard into ``payload[offs[j]:]``: its
+    codes, then ``scale`` as a little-endian float32, one launch. Element i
+    of ``x`` draws with counter ``offset + i``. Returns the non-finite count."""
+    x, e_in, e_out = _dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out")
+    payload = _dev(payload, "payload")
+    starts, offs = _layout(starts, offs)
+    return _pack_ternary(x, e_in, e_out, payload, True, starts, offs, scale, clip, stream,
+                         offset, cuda_stream)
+
+
+def unpack_ternary_shards(payload, stride, nsrc, starts, offs, out, accumulate, *,
+                          cuda_stream=0):
+    """Decode terngrad shards (codes, then the scale) of ``nsrc`` payloads
+    onto ``out`` (as :func:`unpack_2bit_shards`). Asynchronous."""
+    payload, out = _dev(payload, "payload"), _dev(out, "out")
+    starts, offs = _layout(starts, offs)
+    big = _max_shard(starts)
+    if big and nsrc:
+        _launch(_unpack_ternary_kernel, _grid2(big, len(starts) - 1), cuda_stream,
+                payload, int(stride), int(nsrc), _index(starts), _index(offs), out,
+                bool(accumulate))
 
 
 def pack_ternary(x, e_in, e_out, out, scale, clip, stream, offset, *, cuda_stream=0):
@@ -673,135 +1160,117 @@ def pack_ternary(x, e_in, e_out, out, scale, clip, stream, offset, *, cuda_strea
     """
     x, e_in, e_out, out = (_dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out"),
                            _dev(out, "out"))
-    scale = float(np.float32(scale))
-    s = x.dtype.type(scale)
+    return _pack_ternary(x, e_in, e_out, out, False, (0, x.size), (0,), scale, clip, stream,
+                         offset, cuda_stream)
+
+
+# ----------------------------------------------------------------------------
+# fp16 and bf16: one element-wise body, the conversion as the parameter
+# ----------------------------------------------------------------------------
+def _make_half_kernels(to_bits, from_bits, inf_mask):
+    """The pack kernels (float32 and float64 work dtypes: ``mul_rn`` of each)
+    and the decode kernel of a 16-bit wire format: ``to_bits`` (float32 ->
+    uint16 bits), ``from_bits`` (bits -> float32, exact), ``inf_mask`` (the
+    exponent bits: all set means inf or NaN on the wire)."""
+    def make_pack(mul_rn):
+        @cuda.jit
+        def pack(x, e_in, has_e_in, e_out, has_e_out, out, dv, nbad_out):
+            zero = dv - dv
+            nbad = 0
+            for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
+                v = x[i]
+                if has_e_in:
+                    v = v + e_in[i]
+                h = to_bits(np.float32(v / dv))
+                out[i] = h
+                if has_e_out:
+                    e_out[i] = v - mul_rn(x.dtype.type(from_bits(h)), dv)
+                # a value beyond the wire's range is as bad as a non-finite one
+                nbad += ((v - v) != zero) or ((h & inf_mask) == inf_mask)
+            if nbad:
+                cuda.atomic.add(nbad_out, 0, nbad)
+        return pack
+
+    @cuda.jit
+    def unpack(payload, stride, nsrc, out, accumulate):
+        zero = out.dtype.type(0)
+        for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
+            a = out[i] if accumulate else zero
+            for s in range(nsrc):
+                d = out.dtype.type(from_bits(payload[s * stride + i]))  # exact
+                a = d if (s == 0 and not accumulate) else a + d
+            out[i] = a
+
+    return make_pack(_fmul_rn), make_pack(_dmul_rn), unpack
+
+
+(_pack_fp16_kernel_f32, _pack_fp16_kernel_f64,
+ _unpack_fp16_kernel) = _make_half_kernels(_f32_to_f16_bits, _f16_bits_to_f32, 0x7C00)
+(_pack_bf16_kernel_f32, _pack_bf16_kernel_f64,
+ _unpack_bf16_kernel) = _make_half_kernels(_f32_to_bf16_bits, _bf16_bits_to_f32, 0x7F80)
+_HALF = {"fp16": (_pack_fp16_kernel_f32, _pack_fp16_kernel_f64, _unpack_fp16_kernel),
+         "bf16": (_pack_bf16_kernel_f32, _pack_bf16_kernel_f64, _unpack_bf16_kernel)}
+
+
+def _pack_half(fmt, x, e_in, e_out, out, divisor, cuda_stream):
+    x, e_in, e_out, out = (_dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out"),
+                           _dev(out, "out"))
+    dv = x.dtype.type(divisor)
+    if not x.size:
+        return 0
     cnt = _counter(cuda_stream)
-    if out.size:
-        _launch(_pack_ternary_kernel, _grid(out.size), cuda_stream,
-                x, *_opt(e_in, x), *_opt(e_out, x), out, s, scale, float(clip),
-                np.uint64(stream), np.uint64(offset), cnt)
+    if x.size:
+        k32, k64, _ = _HALF[fmt]
+        _launch(k64 if x.dtype == np.float64 else k32, _grid(x.size), cuda_stream,
+                x, *_opt(e_in, x), *_opt(e_out, x), out, dv, cnt)
     return _read_count(cnt, cuda_stream)
 
 
-# ----------------------------------------------------------------------------
-# fp16: IEEE half on the wire, one thread per element
-# ----------------------------------------------------------------------------
-def _make_pack_fp16_kernel(mul_rn):
-    """The fp16 pack kernel for one work dtype (``mul_rn`` of that dtype)."""
-    @cuda.jit
-    def kernel(x, e_in, has_e_in, e_out, has_e_out, out, dv, nbad_out):
-        zero = dv - dv
-        nbad = 0
-        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-            v = x[i]
-            if has_e_in:
-                v = v + e_in[i]
-            h = _f32_to_f16_bits(np.float32(v / dv))
-            out[i] = h
-            if has_e_out:
-                e_out[i] = v - mul_rn(x.dtype.type(_f16_bits_to_f32(h)), dv)
-            # a value beyond the half range is as bad as a non-finite one
-            nbad += ((v - v) != zero) or ((h & 0x7C00) == 0x7C00)
-        if nbad:
-            cuda.atomic.add(nbad_out, 0, nbad)
-    return kernel
+def _unpack_half(fmt, payload, stride, nsrc, out, accumulate, cuda_stream):
+    payload, out = _dev(payload, "payload"), _dev(out, "out")
+    if out.size and nsrc:
+        if np.dtype(payload.dtype) != np.uint16:
+            payload = payload.view(np.uint16)
+        _launch(_HALF[fmt][2], _grid(out.size), cuda_stream,
+                payload, int(stride), int(nsrc), out, bool(accumulate))
 
 
-_pack_fp16_kernel_f32 = _make_pack_fp16_kernel(_fmul_rn)
-_pack_fp16_kernel_f64 = _make_pack_fp16_kernel(_dmul_rn)
-
-
-@cuda.jit
-def _unpack_fp16_kernel(payload, out, accumulate):
-    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        if accumulate:
-            out[i] += _f16_bits_to_f32(payload[i])
-        else:
-            out[i] = _f16_bits_to_f32(payload[i])
+def _half_shards(starts, offs, stride):
+    """The 16-bit formats' payload is the values themselves: shard j's bytes
+    at ``2 * starts[j]``. Returns the stride in values."""
+    starts, offs = _layout(starts, offs)
+    for j in range(len(starts) - 1):
+        if starts[j + 1] > starts[j] and offs[j] != 2 * (starts[j] - starts[0]):
+            raise ValueError(f"offs: 16-bit payloads follow the values; shard {j} at byte "
+                             f"{offs[j]}, expected {2 * (starts[j] - starts[0])}")
+    if stride % 2:
+        raise ValueError(f"stride: expected an even number of bytes, got {stride}")
+    return starts, stride // 2
 
 
 def pack_fp16(x, e_in, e_out, out, divisor, *, cuda_stream=0):
     """``out`` (uint16 bits of binary16) = half(float32((x + e_in) / divisor)).
 
     The residual is ``v - half * divisor``. Returns the non-finite count.
+    (The payloads of a call's shards are contiguous: one call packs them all.)
     """
-    x, e_in, e_out, out = (_dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out"),
-                           _dev(out, "out"))
-    dv = x.dtype.type(divisor)
-    cnt = _counter(cuda_stream)
-    if x.size:
-        kernel = (_pack_fp16_kernel_f64 if x.dtype == np.float64
-                  else _pack_fp16_kernel_f32)
-        _launch(kernel, _grid(x.size), cuda_stream,
-                x, *_opt(e_in, x), *_opt(e_out, x), out, dv, cnt)
-    return _read_count(cnt, cuda_stream)
+    return _pack_half("fp16", x, e_in, e_out, out, divisor, cuda_stream)
 
 
 def unpack_fp16(payload, out, accumulate, *, cuda_stream=0):
     """Decode ``out.size`` binary16 values (uint16 bits) into ``out``
     (asynchronous)."""
-    payload, out = _dev(payload, "payload"), _dev(out, "out")
-    if out.size:
-        _launch(_unpack_fp16_kernel, _grid(out.size), cuda_stream,
-                payload, out, bool(accumulate))
+    _unpack_half("fp16", payload, 0, 1, out, accumulate, cuda_stream)
 
 
-# ----------------------------------------------------------------------------
-# bf16: bfloat16 on the wire, one thread per element
-# ----------------------------------------------------------------------------
-@cuda.jit(device=True)
-def _f32_to_bf16_bits(f):
-    """float32 -> bfloat16 bits, round to nearest even; NaN -> ``0x7FC0`` with
-    its sign (the CPU kernels' conversion, bit for bit)."""
-    u = f.view(np.uint32)
-    if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN
-        o = np.uint32(((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))
-    else:  # u <= 0xFF800000: the sum does not wrap
-        odd = np.uint32((u >> np.uint32(16)) & np.uint32(1))
-        u = np.uint32(u + np.uint32(0x7FFF))
-        u = np.uint32(u + odd)
-        o = np.uint32(u >> np.uint32(16))
-    return np.uint16(o)
-
-
-@cuda.jit(device=True)
-def _bf16_bits_to_f32(b):
-    """bfloat16 bits -> float32 (exact)."""
-    return np.uint32(np.uint32(b) << np.uint32(16)).view(np.float32)
-
-
-def _make_pack_bf16_kernel(mul_rn):
-    """The bf16 pack kernel for one work dtype (``mul_rn`` of that dtype)."""
-    @cuda.jit
-    def kernel(x, e_in, has_e_in, e_out, has_e_out, out, dv, nbad_out):
-        zero = dv - dv
-        nbad = 0
-        for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-            v = x[i]
-            if has_e_in:
-                v = v + e_in[i]
-            b = _f32_to_bf16_bits(np.float32(v / dv))
-            out[i] = b
-            if has_e_out:
-                e_out[i] = v - mul_rn(x.dtype.type(_bf16_bits_to_f32(b)), dv)
-            # a value beyond the bfloat16 range is as bad as a non-finite one
-            nbad += ((v - v) != zero) or ((b & 0x7F80) == 0x7F80)
-        if nbad:
-            cuda.atomic.add(nbad_out, 0, nbad)
-    return kernel
-
-
-_pack_bf16_kernel_f32 = _make_pack_bf16_kernel(_fmul_rn)
-_pack_bf16_kernel_f64 = _make_pack_bf16_kernel(_dmul_rn)
-
-
-@cuda.jit
-def _unpack_bf16_kernel(payload, out, accumulate):
-    for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-        if accumulate:
-            out[i] += _bf16_bits_to_f32(payload[i])
-        else:
-            out[i] = _bf16_bits_to_f32(payload[i])
+def unpack_fp16_shards(payload, stride, nsrc, starts, offs, out, accumulate, *,
+                       cuda_stream=0):
+    """Decode the fp16 payloads (uint8) of ``nsrc`` senders onto
+    ``out[starts[0]:starts[-1]]`` (as :func:`unpack_2bit_shards`), one launch."""
+    starts, st = _half_shards(starts, offs, stride)
+    out = _dev(out, "out")
+    _unpack_half("fp16", payload, st, nsrc, out[starts[0]:starts[-1]], accumulate,
+                 cuda_stream)
 
 
 def pack_bf16(x, e_in, e_out, out, divisor, *, cuda_stream=0):
@@ -809,25 +1278,23 @@ def pack_bf16(x, e_in, e_out, out, divisor, *, cuda_stream=0):
 
     The residual is ``v - bf16 * divisor``. Returns the non-finite count.
     """
-    x, e_in, e_out, out = (_dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out"),
-                           _dev(out, "out"))
-    dv = x.dtype.type(divisor)
-    cnt = _counter(cuda_stream)
-    if x.size:
-        kernel = (_pack_bf16_kernel_f64 if x.dtype == np.float64
-                  else _pack_bf16_kernel_f32)
-        _launch(kernel, _grid(x.size), cuda_stream,
-                x, *_opt(e_in, x), *_opt(e_out, x), out, dv, cnt)
-    return _read_count(cnt, cuda_stream)
+    return _pack_half("bf16", x, e_in, e_out, out, divisor, cuda_stream)
 
 
 def unpack_bf16(payload, out, accumulate, *, cuda_stream=0):
     """Decode ``out.size`` bfloat16 values (uint16 bits) into ``out``
     (asynchronous)."""
-    payload, out = _dev(payload, "payload"), _dev(out, "out")
-    if out.size:
-        _launch(_unpack_bf16_kernel, _grid(out.size), cuda_stream,
-                payload, out, bool(accumulate))
+    _unpack_half("bf16", payload, 0, 1, out, accumulate, cuda_stream)
+
+
+def unpack_bf16_shards(payload, stride, nsrc, starts, offs, out, accumulate, *,
+                       cuda_stream=0):
+    """Decode the bf16 payloads (uint8) of ``nsrc`` senders onto
+    ``out[starts[0]:starts[-1]]``, one launch."""
+    starts, st = _half_shards(starts, offs, stride)
+    out = _dev(out, "out")
+    _unpack_half("bf16", payload, st, nsrc, out[starts[0]:starts[-1]], accumulate,
+                 cuda_stream)
 
 
 # ----------------------------------------------------------------------------

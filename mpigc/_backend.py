@@ -26,6 +26,10 @@ class HostBackend:
     """numpy arrays; MPI takes them as they are."""
 
     device = False
+    #: decode the senders' payloads as they arrive, one call each (the CPU
+    #: overlaps decoding with the transfers); the device backend decodes them
+    #: all with one launch once they are all there
+    batch_decode = False
 
     def __init__(self, kernels):
         self.kernels = kernels
@@ -100,6 +104,7 @@ class DeviceBackend:
     ``__cuda_array_interface__``, read through the interface only)."""
 
     device = True
+    batch_decode = True  # one launch per stage for all shards / senders
 
     def __init__(self, kernels):
         self.kernels = kernels

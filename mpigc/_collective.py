@@ -353,16 +353,15 @@ class _Op:
                   "stream": self._stream(self.rank, 0)}
         elif self.comp.prescales_average and self.average:
             kw = {"divisor": float(self.size)}
-        nbad = 0
-        for j, (lo, hi) in enumerate(self.bounds):
-            if hi == lo:
-                continue
-            e_in = None if self.e_in is None else self.e_in[lo:hi]
-            e_out = None if self.e_out is None else self.e_out[lo:hi]
-            nbad += self.comp._encode(self.x[lo:hi], e_in, e_out,
-                                      self.sendbuf[offs[j]:offs[j + 1]], offset=lo, **kw)
+        # every shard in one call: one kernel launch on a GPU (the host loops)
+        nbad = self.comp._encode_shards(self.x, self.e_in, self.e_out, self.sendbuf,
+                                        self._starts(), tuple(offs[:-1]), **kw)
         if row is not None:
             self._count_bad(row, nbad)
+
+    def _starts(self):
+        """The shard bounds as one tuple: shard j is ``[starts[j], starts[j + 1])``."""
+        return tuple(lo for lo, _ in self.bounds) + (self.n,)
 
     def _count_bad(self, row, nbad):
         """Split the encoder's bad count ``nbad`` into the non-finite values of
@@ -570,7 +569,8 @@ class _Op:
         self.be.unstage(dst, src)
 
     def _progress_phase1(self, block):
-        """Decode-accumulate contributions in rank order, as they arrive."""
+        """Decode-accumulate contributions in rank order: each as it arrives
+        (host), or all with one launch once they are there (device)."""
         m = self.sizes[self.rank]
         while self.next_src < self.size:
             j = self.next_src
@@ -583,9 +583,16 @@ class _Op:
                 self.recvreqs[j] = None
                 self._unstage(self.recvbuf[j * m:(j + 1) * m],
                               self.recv_wire[j * m:(j + 1) * m])
-            if self.acc.size:
+            if self.acc.size and not self.be.batch_decode:
                 self.comp._decode(self._payload_from(j), self.acc, j > 0)
             self.next_src += 1
+        if self.acc.size and self.be.batch_decode:
+            # the own payload joins the received ones (m bytes apart), then
+            # one decode of all senders, summed in rank order
+            r = self.rank
+            self._assign(self.recvbuf[r * m:(r + 1) * m], self._payload_from(r))
+            self.comp._decode_shards(self.recvbuf, m, self.size, (0, self.acc.size), (0,),
+                                     self.acc, False)
         if self.average and not self.comp.prescales_average:
             self._divide(self.acc, self.size)
         return True
@@ -666,7 +673,7 @@ class _Op:
 
     def _decode_into_place(self, j):
         lo, hi = self.bounds[j]
-        if hi == lo:
+        if hi == lo or self.be.batch_decode:  # batched: _decode_all_in_place
             return
         payload = self.recvbuf2[self.offs2[j]:self.offs2[j + 1]]
         target = self.flat[lo:hi]
@@ -676,6 +683,16 @@ class _Op:
             self._assign(target, tmp)
         else:
             self.comp._decode(payload, target, False)
+
+    def _decode_all_in_place(self):
+        """Every shard of the gather into place with one decode (device)."""
+        starts, offs = self._starts(), tuple(self.offs2[:-1])
+        if self.flat.dtype == np.float16:
+            tmp = self._empty(self.n, np.float32)
+            self.comp._decode_shards(self.recvbuf2, 0, 1, starts, offs, tmp, False)
+            self._assign(self.flat, tmp)
+        else:
+            self.comp._decode_shards(self.recvbuf2, 0, 1, starts, offs, self.flat, False)
 
     def _arrived2(self, j):
         """Shard ``j`` of the gather has arrived (in the staging buffer when
@@ -703,6 +720,10 @@ class _Op:
                 self._arrived2(j)
             if pending and not block:
                 return False
+        if (self.gather == "compressed" and self.be.batch_decode
+                and not getattr(self, "_decoded2", False)):
+            self._decoded2 = True
+            self._decode_all_in_place()
         return True
 
     def _count(self, sent):

@@ -135,11 +135,17 @@ def to_host(d, out=None):
 
 def copy(dst, src):
     """``dst[:] = src`` for same-dtype arrays; either side may be host or
-    device (``dst`` device unless ``src`` is)."""
+    device (``dst`` device unless ``src`` is).
+
+    To the host: synchronous (MPI or the caller reads ``dst`` next). To the
+    device: in stream order on the default stream, without blocking the host
+    (the kernels that read ``dst`` follow on that stream; a pinned source
+    buffer stays the call's until its final synchronisation, a pageable one
+    is taken by the driver before this returns)."""
     if isinstance(dst, np.ndarray):
         src.copy_to_host(dst)
     else:
-        dst.copy_to_device(src)
+        dst.copy_to_device(src, stream=_numba_cuda().default_stream())
 
 
 def sync():

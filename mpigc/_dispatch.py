@@ -17,7 +17,7 @@ import numpy as np
 
 from ._errors import DTypeError
 
-__all__ = ["is_device_array", "kernels", "backend"]
+__all__ = ["is_device_array", "kernels", "backend", "put_bytes"]
 
 _cuda = None
 
@@ -93,3 +93,13 @@ def backend(a):
         return DeviceBackend(_cuda_kernels())
     from .kernels import cpu
     return HostBackend(cpu)
+
+
+def put_bytes(payload, host_bytes):
+    """``payload[:] = host_bytes`` (a host array of bytes), ``payload`` being
+    host or device memory (the compressors' marks of an out-of-range payload,
+    on the error path only)."""
+    if is_device_array(payload):
+        payload.copy_to_device(np.ascontiguousarray(host_bytes))
+    else:
+        payload[...] = host_bytes

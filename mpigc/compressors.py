@@ -97,21 +97,6 @@ def get_compressor(op, **params):
     return cls(**params)
 
 
-def _put_bytes(payload, host_bytes):
-    """``payload[:] = host_bytes`` where ``payload`` is host or device memory."""
-    if _dispatch.is_device_array(payload):
-        payload.copy_to_device(np.ascontiguousarray(host_bytes))
-    else:
-        payload[...] = host_bytes
-
-
-def _get_bytes(payload):
-    """The bytes of ``payload`` (host or device) as a host array."""
-    if _dispatch.is_device_array(payload):
-        return payload.copy_to_host()
-    return payload
-
-
 def _host_only(what, *arrays):
     for a in arrays:
         if a is not None and _dispatch.is_device_array(a):
@@ -202,6 +187,29 @@ class Compressor:
 
     def _decode(self, payload, out, accumulate):
         """Decode ``out.size`` values from ``payload`` into (or onto) ``out``."""
+        return self._decode_shards(payload, 0, 1, (0, out.size), (0,), out, accumulate)
+
+    def _encode_shards(self, x, e_in, e_out, payload, starts, offs, *, offset=0, **kw):
+        """:meth:`_encode` of every shard ``x[starts[j]:starts[j + 1]]`` into
+        ``payload[offs[j]:]`` (``starts``, ``offs``: tuples of ints); element
+        i of ``x`` has global index ``offset + i``. Returns the total bad
+        count. The built-in compressors hand all shards to one kernel call
+        (one launch on a GPU); this default loops over :meth:`_encode`."""
+        nbad = 0
+        for j in range(len(starts) - 1):
+            lo, hi = starts[j], starts[j + 1]
+            if hi > lo:
+                nbad += self._encode(x[lo:hi], None if e_in is None else e_in[lo:hi],
+                                     None if e_out is None else e_out[lo:hi],
+                                     payload[offs[j]:offs[j] + self.payload_nbytes(hi - lo,
+                                                                                    x.dtype)],
+                                     offset=offset + lo, **kw)
+        return nbad
+
+    def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
+        """Decode shard j of ``nsrc`` payloads (sender s's at ``payload[s *
+        stride + offs[j]:]``) onto ``out[starts[j]:starts[j + 1]]``: sender 0
+        written (added when ``accumulate``), the others added, in order."""
         raise NotImplementedError
 
     def _mark_out_of_range(self, payload, n):
@@ -324,6 +332,14 @@ class NoCompression(Compressor):
         else:
             out[...] = v
 
+    def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
+        isz = np.dtype(out.dtype).itemsize
+        for j in range(len(starts) - 1):
+            lo, hi = starts[j], starts[j + 1]
+            for s in range(nsrc if hi > lo else 0):
+                b = s * stride + offs[j]
+                self._decode(payload[b:b + isz * (hi - lo)], out[lo:hi], accumulate or s > 0)
+
 
 @register_compressor
 class FP16(Compressor):
@@ -346,8 +362,16 @@ class FP16(Compressor):
         return _dispatch.kernels(x).pack_fp16(x, e_in, e_out, payload.view(np.uint16),
                                               divisor)
 
-    def _decode(self, payload, out, accumulate):
-        _dispatch.kernels(out).unpack_fp16(payload.view(np.uint16), out, accumulate)
+    def _encode_shards(self, x, e_in, e_out, payload, starts, offs, *, divisor=1.0, **kw):
+        # the payloads of contiguous shards are the values, contiguous: one call
+        lo, hi = starts[0], starts[-1]
+        return self._encode(x[lo:hi], None if e_in is None else e_in[lo:hi],
+                            None if e_out is None else e_out[lo:hi],
+                            payload[offs[0]:offs[0] + 2 * (hi - lo)], divisor=divisor)
+
+    def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
+        _dispatch.kernels(out).unpack_fp16_shards(payload, stride, nsrc, starts, offs, out,
+                                                   accumulate)
 
 
 @register_compressor
@@ -376,8 +400,16 @@ class BF16(Compressor):
         return _dispatch.kernels(x).pack_bf16(x, e_in, e_out, payload.view(np.uint16),
                                               divisor)
 
-    def _decode(self, payload, out, accumulate):
-        _dispatch.kernels(out).unpack_bf16(payload.view(np.uint16), out, accumulate)
+    def _encode_shards(self, x, e_in, e_out, payload, starts, offs, *, divisor=1.0, **kw):
+        # the payloads of contiguous shards are the values, contiguous: one call
+        lo, hi = starts[0], starts[-1]
+        return self._encode(x[lo:hi], None if e_in is None else e_in[lo:hi],
+                            None if e_out is None else e_out[lo:hi],
+                            payload[offs[0]:offs[0] + 2 * (hi - lo)], divisor=divisor)
+
+    def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
+        _dispatch.kernels(out).unpack_bf16_shards(payload, stride, nsrc, starts, offs, out,
+                                                   accumulate)
 
 
 @register_compressor
@@ -486,24 +518,15 @@ class TwoBit(Compressor):
         return (int(n) + 3) // 4
 
     def _encode(self, x, e_in, e_out, payload, **kw):
+        return self._encode_shards(x, e_in, e_out, payload, (0, x.size), (0,), **kw)
+
+    def _encode_shards(self, x, e_in, e_out, payload, starts, offs, **kw):
+        k = _dispatch.kernels(x)
         if not self.relative:
-            return _dispatch.kernels(x).pack_2bit(x, e_in, e_out, payload, self.threshold)
-        nb = (x.size + 3) // 4
-        if _dispatch.is_device_array(x):
-            # the thresholds go to the unaligned tail of the payload by a
-            # device copy of their bytes (CUDA devices are little-endian)
-            from . import _cuda
-            scales = _cuda.empty(self._nblocks(x.size), np.float32)
-            nbad = _dispatch.kernels(x).pack_2bit_rel(x, e_in, e_out, payload[:nb], scales,
-                                                      self.rel_threshold, self.block_size)
-            if scales.size:
-                payload[nb:].copy_to_device(scales.view(np.uint8))
-            return nbad
-        scales = np.empty(self._nblocks(x.size), np.float32)
-        nbad = _dispatch.kernels(x).pack_2bit_rel(x, e_in, e_out, payload[:nb], scales,
-                                                  self.rel_threshold, self.block_size)
-        payload[nb:] = scales.astype("<f4", copy=False).view(np.uint8)
-        return nbad
+            return k.pack_2bit_shards(x, e_in, e_out, payload, starts, offs, self.threshold)
+        # codes, then the block magnitudes (little-endian float32) per shard
+        return k.pack_2bit_rel_shards(x, e_in, e_out, payload, starts, offs,
+                                      self.rel_threshold, self.block_size)
 
     def _mark_out_of_range(self, payload, n):
         """Relative mode: a block whose threshold overflows selects nothing
@@ -514,22 +537,16 @@ class TwoBit(Compressor):
             return
         nb = (n + 3) // 4
         nan = np.full(self._nblocks(n), np.nan, "<f4").view(np.uint8)
-        _put_bytes(payload, np.concatenate([np.full(nb, 0xFF, np.uint8), nan]))
+        _dispatch.put_bytes(payload, np.concatenate([np.full(nb, 0xFF, np.uint8), nan]))
 
-    def _decode(self, payload, out, accumulate):
+    def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
+        k = _dispatch.kernels(out)
         if not self.relative:
-            _dispatch.kernels(out).unpack_2bit(payload, out, self.threshold, accumulate)
-            return
-        nb = (out.size + 3) // 4
-        if _dispatch.is_device_array(out):
-            from . import _cuda
-            scales = _cuda.empty(self._nblocks(out.size), np.float32)
-            if scales.size:
-                scales.view(np.uint8).copy_to_device(payload[nb:])
+            k.unpack_2bit_shards(payload, stride, nsrc, starts, offs, out, self.threshold,
+                                 accumulate)
         else:
-            scales = np.frombuffer(payload[nb:].tobytes(), "<f4").astype(np.float32)
-        _dispatch.kernels(out).unpack_2bit_rel(payload[:nb], scales, out, self.block_size,
-                                               accumulate)
+            k.unpack_2bit_rel_shards(payload, stride, nsrc, starts, offs, out,
+                                     self.block_size, accumulate)
 
 
 @register_compressor
@@ -560,34 +577,16 @@ class OneBit(Compressor):
         return (int(n) + 7) // 8 + 8 * self._nblocks(n)
 
     def _encode(self, x, e_in, e_out, payload, **kw):
-        nb = (x.size + 7) // 8
-        if _dispatch.is_device_array(x):
-            # the pairs go to the unaligned tail of the payload by a device
-            # copy of their bytes (CUDA devices are little-endian)
-            from . import _cuda
-            means = _cuda.empty(2 * self._nblocks(x.size), np.float32)
-            nbad = _dispatch.kernels(x).pack_1bit(x, e_in, e_out, payload[:nb], means,
-                                                  self.block_size)
-            if means.size:
-                payload[nb:].copy_to_device(means.view(np.uint8))
-            return nbad
-        means = np.empty(2 * self._nblocks(x.size), np.float32)
-        nbad = _dispatch.kernels(x).pack_1bit(x, e_in, e_out, payload[:nb], means,
-                                              self.block_size)
-        payload[nb:] = means.astype("<f4", copy=False).view(np.uint8)
-        return nbad
+        return self._encode_shards(x, e_in, e_out, payload, (0, x.size), (0,), **kw)
 
-    def _decode(self, payload, out, accumulate):
-        nb = (out.size + 7) // 8
-        if _dispatch.is_device_array(out):
-            from . import _cuda
-            means = _cuda.empty(2 * self._nblocks(out.size), np.float32)
-            if means.size:
-                means.view(np.uint8).copy_to_device(payload[nb:])
-        else:
-            means = np.frombuffer(payload[nb:].tobytes(), "<f4").astype(np.float32)
-        _dispatch.kernels(out).unpack_1bit(payload[:nb], means, out, self.block_size,
-                                           accumulate)
+    def _encode_shards(self, x, e_in, e_out, payload, starts, offs, **kw):
+        # bits, then the pairs (little-endian float32) per shard
+        return _dispatch.kernels(x).pack_1bit_shards(x, e_in, e_out, payload, starts, offs,
+                                                     self.block_size)
+
+    def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
+        _dispatch.kernels(out).unpack_1bit_shards(payload, stride, nsrc, starts, offs, out,
+                                                  self.block_size, accumulate)
 
 
 @register_compressor
@@ -644,8 +643,11 @@ class TernGrad(Compressor):
                 nbad = int(not np.isfinite(np.float32(amax)))
         return amax, bound, nbad
 
-    def _encode(self, x, e_in, e_out, payload, *, scale=None, stream=0, offset=0,
-                clip_bound=None, **kw):
+    def _encode(self, x, e_in, e_out, payload, **kw):
+        return self._encode_shards(x, e_in, e_out, payload, (0, x.size), (0,), **kw)
+
+    def _encode_shards(self, x, e_in, e_out, payload, starts, offs, *, scale=None, stream=0,
+                       offset=0, clip_bound=None, **kw):
         if x.size == 0:
             return 0
         nbad = 0
@@ -653,12 +655,11 @@ class TernGrad(Compressor):
             amax, bound, nbad = self.local_scale(x, e_in)
             scale = amax if scale is None else scale
             clip_bound = bound if clip_bound is None else clip_bound
-        nb = (x.size + 3) // 4
         with np.errstate(over="ignore"):  # counted by local_scale
             s32 = np.float32(scale)
-        nbad_pack = _dispatch.kernels(x).pack_ternary(x, e_in, e_out, payload[:nb], s32,
-                                                      clip_bound, stream, offset)
-        _put_bytes(payload[nb:], np.array([s32], "<f4").view(np.uint8))
+        # codes, then the scale (little-endian float32) per shard
+        nbad_pack = _dispatch.kernels(x).pack_ternary_shards(
+            x, e_in, e_out, payload, starts, offs, s32, clip_bound, stream, offset)
         return max(nbad, nbad_pack)
 
     def _mark_out_of_range(self, payload, n):
@@ -667,12 +668,9 @@ class TernGrad(Compressor):
         if n == 0:
             return
         nb = (n + 3) // 4
-        _put_bytes(payload, np.concatenate([np.full(nb, 0xFF, np.uint8),
+        _dispatch.put_bytes(payload, np.concatenate([np.full(nb, 0xFF, np.uint8),
                                             np.array([np.nan], "<f4").view(np.uint8)]))
 
-    def _decode(self, payload, out, accumulate):
-        if out.size == 0:
-            return
-        nb = (out.size + 3) // 4
-        scale = float(np.frombuffer(_get_bytes(payload[nb:nb + 4]).tobytes(), "<f4")[0])
-        _dispatch.kernels(out).unpack_2bit(payload[:nb], out, scale, accumulate)
+    def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
+        _dispatch.kernels(out).unpack_ternary_shards(payload, stride, nsrc, starts, offs, out,
+                                                     accumulate)

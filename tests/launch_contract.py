@@ -12,7 +12,11 @@ launch of a simulator test:
   that is not device memory where the kernel expects it: ``None``, a host
   numpy array, a foreign object, a Python container;
 - records the Numba types the real dispatcher would give the arguments
-  (arrays: dtype, ndim, layout; scalars: ``typeof``), per kernel.
+  (arrays: dtype, ndim, layout; scalars: ``typeof``), per kernel;
+- counts what a device call costs besides its bytes (:func:`counts`): the
+  launches per kernel, the device synchronisations (``cuda.synchronize``,
+  ``stream.synchronize``) and the device-to-host copies of at most 64 bytes
+  (the reads of a count, which wait for the device).
 
 :func:`dump` writes the recorded signatures as JSON, and :func:`load` turns
 them back into Numba types in a process without the simulator, where
@@ -24,7 +28,8 @@ import threading
 
 import numpy as np
 
-__all__ = ["LaunchContractError", "install", "arg_spec", "recorded", "dump", "load"]
+__all__ = ["LaunchContractError", "install", "arg_spec", "recorded", "dump", "load",
+           "counts", "reset_counts"]
 
 
 class LaunchContractError(AssertionError):
@@ -33,6 +38,25 @@ class LaunchContractError(AssertionError):
 
 _lock = threading.Lock()
 _recorded = {}  # kernel name -> set of argument specs (tuples)
+_counts = {}  # "launch <kernel>", "sync", "small read" -> how many
+SMALL_READ = 64  # bytes
+
+
+def _count(what):
+    with _lock:
+        _counts[what] = _counts.get(what, 0) + 1
+
+
+def counts():
+    """``{"launch <kernel name>": n, "sync": n, "small read": n}`` since the
+    last :func:`reset_counts`."""
+    with _lock:
+        return dict(_counts)
+
+
+def reset_counts():
+    with _lock:
+        _counts.clear()
 
 
 def arg_spec(a):
@@ -86,11 +110,46 @@ def install(kc):
                 raise LaunchContractError(f"{name}: argument {i}: {exc}") from None
         with _lock:
             _recorded.setdefault(name, set()).add(tuple(specs))
+        _count(f"launch {name}")
         return original(kernel, blocks, stream, *args)
 
     _launch._contract = True
     kc._launch = _launch
+    _install_counters()
     return original
+
+
+def _install_counters():
+    """Count device synchronisations and small device-to-host reads (in the
+    simulator: its ``synchronize`` functions and ``FakeCUDAArray.copy_to_host``)."""
+    from numba import cuda
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    if getattr(FakeCUDAArray.copy_to_host, "_counted", False):
+        return
+    sync = cuda.synchronize
+
+    def synchronize():
+        _count("sync")
+        return sync()
+
+    cuda.synchronize = synchronize
+    stream_cls = type(cuda.default_stream())
+    ssync = stream_cls.synchronize
+
+    def stream_synchronize(self):
+        _count("sync")
+        return ssync(self)
+
+    stream_cls.synchronize = stream_synchronize
+    to_host = FakeCUDAArray.copy_to_host
+
+    def copy_to_host(self, ary=None, stream=0):
+        if self.nbytes <= SMALL_READ:
+            _count("small read")
+        return to_host(self, ary, stream)
+
+    copy_to_host._counted = True
+    FakeCUDAArray.copy_to_host = copy_to_host
 
 
 def recorded():

@@ -31,7 +31,7 @@ import pytest
 HERE = os.path.abspath(__file__)
 
 SIM_GROUPS = ["fp16_conversion", "bf16_conversion", "2bit", "2bit_rel", "1bit", "terngrad",
-              "fp16", "bf16", "stats", "count_nonfinite", "guards"]
+              "fp16", "bf16", "stats", "count_nonfinite", "guards", "shards", "warp"]
 
 _SKIP = 77  # exit code of a script that cannot run here (e.g. no NVVM)
 
@@ -516,6 +516,137 @@ def check_guards():
     kc.unpack_bf16(cuda.to_device(np.zeros(0, np.uint16)), z, True)
 
 
+# shards of odd sizes, an empty one, one longer than a CUDA block and than
+# the simulator's grid (grid-stride rounds, partial warps and blocks)
+SHARDS = [37, 0, 5, 150, 1]
+
+
+def _shard_case(np, codec, n_shards, dtype):
+    """(starts, offs, payload size) for shards of ``n_shards`` sizes."""
+    starts = np.concatenate([[0], np.cumsum(n_shards)]).astype(int).tolist()
+    sizes = [codec.payload_nbytes(m, np.dtype(dtype)) for m in n_shards]
+    offs = np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist()
+    return tuple(starts), tuple(offs[:-1]), offs[-1]
+
+
+def check_shards():
+    """The one-launch-per-stage functions (``*_shards``: every shard of a call
+    packed, or every sender's payload decoded, by one kernel) against the
+    CPU's loops, bit for bit: payload bytes (codes and the float32 tails),
+    residuals (absent, another buffer, in place), counts, and decoding of 3
+    senders written and accumulated; float32 and float64."""
+    np, cuda, cpu, kc = _ctx()
+    import mpigc
+    cases = [
+        ("2bit", mpigc.TwoBit(threshold=0.5), "pack_2bit_shards", (0.5,),
+         "unpack_2bit_shards", (0.5,)),
+        ("2bit_rel", mpigc.TwoBit(rel_threshold=1.2, block_size=16), "pack_2bit_rel_shards",
+         (1.2, 16), "unpack_2bit_rel_shards", (16,)),
+        ("1bit", mpigc.OneBit(block_size=16), "pack_1bit_shards", (16,),
+         "unpack_1bit_shards", (16,)),
+        ("terngrad", mpigc.TernGrad(), "pack_ternary_shards",
+         (np.float32(2.5), 2.0, cpu.ternary_stream(3, 1, 2, 0), 11), "unpack_ternary_shards",
+         ()),
+        ("fp16", mpigc.FP16(), None, (), "unpack_fp16_shards", ()),
+        ("bf16", mpigc.BF16(), None, (), "unpack_bf16_shards", ()),
+    ]
+    n = sum(SHARDS)
+    for dtype in DTYPES:
+        for tag, codec, pack, pargs, unpack, uargs in cases:
+            starts, offs, nbytes = _shard_case(np, codec, SHARDS, dtype)
+            what = f"shards {tag} {dtype}"
+            if pack is not None:
+                x, e = _data(np, n, dtype, 17)
+                x[40] = np.nan  # in shard 2: counted
+                cpu_fn = getattr(cpu, pack)
+                kc_fn = getattr(kc, pack)
+
+                def cpu_pack(x, e_in, e_out, payload, *a):
+                    return cpu_fn(x, e_in, e_out, payload, starts, offs, *a)
+
+                def kc_pack(x, e_in, e_out, payload, *a):
+                    return kc_fn(x, e_in, e_out, payload, starts, offs, *a)
+
+                _check_pack(np, cuda, what, cpu_pack, kc_pack, x, e,
+                            [np.zeros(nbytes, np.uint8)], pargs, MODES_1BIT)
+            # 3 senders, their payloads ``stride`` bytes apart (random bytes;
+            # finite tails)
+            rng = np.random.default_rng(5)
+            stride = nbytes + 6
+            payloads = rng.integers(0, 256, 3 * stride, dtype=np.uint8)
+            if tag in ("fp16", "bf16"):
+                stride = nbytes + 2
+                h = rng.integers(0, 2**16, 3 * stride // 2, dtype=np.uint64).astype(np.uint16)
+                payloads = (h & np.uint16(0xBBFF)).view(np.uint8)  # finite values
+            else:  # the float32 tails: finite magnitudes
+                for s_ in range(3):
+                    for j, m in enumerate(SHARDS):
+                        if not m:
+                            continue
+                        ncode = (m + 7) // 8 if tag == "1bit" else (m + 3) // 4
+                        tail = s_ * stride + offs[j] + ncode
+                        size = codec.payload_nbytes(m) - ncode
+                        vals = rng.uniform(-2, 2, size // 4).astype("<f4")
+                        payloads[tail:tail + size] = vals.view(np.uint8)
+            for nsrc in (1, 3):
+                def cpu_dec(p, out, *a):
+                    getattr(cpu, unpack)(p, stride, nsrc, starts, offs, out, *a)
+
+                def kc_dec(p, out, *a):
+                    getattr(kc, unpack)(p, stride, nsrc, starts, offs, out, *a)
+
+                _check_decode(np, cuda, f"{what} nsrc={nsrc}", cpu_dec, kc_dec, [payloads],
+                              n, dtype, uargs)
+
+
+def check_warp():
+    """The simulator's warp intrinsics (Python, see kernels/cuda.py) behave as
+    the hardware's for a full warp, and a lane that skips a full-warp
+    operation is an error, not a hang."""
+    np, cu, cpu, kc = _ctx()
+    # the simulator gives a kernel its fake ``cuda`` through the kernel's
+    # globals: the kernels below must find ``cuda`` there, not in a closure
+    globals()["cuda"] = cu
+
+    @cu.jit
+    def k(out):
+        lane = cuda.threadIdx.x % 32
+        v = np.int64(lane * 10)
+        out[cuda.threadIdx.x, 0] = kc._shfl_xor(v, 1)
+        out[cuda.threadIdx.x, 1] = kc._shfl_down(v, 4)
+        out[cuda.threadIdx.x, 2] = kc._shfl_idx(v, 3)
+        out[cuda.threadIdx.x, 3] = kc._ballot(lane % 3 == 0)
+        out[cuda.threadIdx.x, 4] = kc._brev(np.uint32(lane))
+
+    out = cu.to_device(np.zeros((64, 5), np.int64))
+    k[1, 64](out)
+    got = out.copy_to_host()
+    lane = np.arange(64) % 32
+    assert (got[:, 0] == (lane ^ 1) * 10).all(), got[:, 0]
+    assert (got[:, 1] == np.where(lane + 4 < 32, lane + 4, lane) * 10).all(), got[:, 1]
+    assert (got[:, 2] == 30).all(), got[:, 2]
+    assert (got[:, 3] == sum(1 << i for i in range(0, 32, 3))).all(), got[:, 3]
+    rev = [int(f"{v:032b}"[::-1], 2) for v in lane]
+    assert (got[:, 4] == rev).all(), got[:, 4]
+
+    @cu.jit
+    def divergent(out):
+        if cuda.threadIdx.x % 32 != 5:
+            out[cuda.threadIdx.x] = kc._shfl_xor(1, 1)
+
+    old = kc._WARP_TIMEOUT
+    try:
+        # a shorter wait: the barrier is built per warp on first use
+        kc._WARP_TIMEOUT = 2.0
+        divergent[1, 32](cu.to_device(np.zeros(32, np.int64)))
+    except Exception as exc:  # noqa: BLE001
+        assert "not all 32 lanes" in str(exc), exc
+    else:
+        raise AssertionError("a divergent full-warp shuffle passed")
+    finally:
+        kc._WARP_TIMEOUT = old
+
+
 def check_import():
     """Without the simulator: importing the module must not call cuInit (on a
     machine without a driver the import would then fail; on one with a GPU,
@@ -606,6 +737,22 @@ def _kernel_launches(np, cuda, kc):
             kc.unpack_bf16(cuda.to_device(np.zeros(n, np.uint16)), x, acc)
         kc.count_nonfinite(x)
         kc.divide(x, 3)
+        # the one-launch functions of a call's shards (two shards)
+        # (shards of 6 and 7 values, payloads 16 bytes apart, 2 senders 32 apart)
+        starts, offs, pay = (0, 6, n), (0, 16), cuda.to_device(np.zeros(64, np.uint8))
+        for e_in, e_out in ((None, None), (x, x)):
+            kc.pack_2bit_shards(x, e_in, e_out, pay, starts, offs, 0.5)
+            kc.pack_1bit_shards(x, e_in, e_out, pay, starts, offs, 8)
+            kc.pack_2bit_rel_shards(x, e_in, e_out, pay, starts, offs, 1.5, 8)
+            kc.pack_ternary_shards(x, e_in, e_out, pay, starts, offs, 1.0, 2.0, 7, 0)
+        for acc in (False, True):
+            kc.unpack_2bit_shards(pay, 32, 2, starts, offs, x, 0.5, acc)
+            kc.unpack_1bit_shards(pay, 32, 2, starts, offs, x, 8, acc)
+            kc.unpack_2bit_rel_shards(pay, 32, 2, starts, offs, x, 8, acc)
+            kc.unpack_ternary_shards(pay, 32, 2, starts, offs, x, acc)
+            h16 = cuda.to_device(np.zeros(2 * n + 4, np.uint8))
+            kc.unpack_fp16_shards(h16, 2, 1, (0, n), (0,), x, acc)
+            kc.unpack_bf16_shards(h16, 2, 1, (0, n), (0,), x, acc)
     for src in (np.float16, np.float32, np.float64):
         for dst in (np.float16, np.float32, np.float64):
             if (src == np.float16 and dst == np.float64) or (
@@ -659,7 +806,7 @@ def check_ptx(path):
     unknown = set(sigs) - _module_kernels(kc)
     assert not unknown, f"launched objects that are not kernels: {sorted(unknown)}"
     exact = {"_pack_fp16_kernel_f32", "_pack_fp16_kernel_f64", "_pack_bf16_kernel_f32",
-             "_pack_bf16_kernel_f64", "_stats_kernel",
+             "_pack_bf16_kernel_f64", "_stats_kernel", "_stats_combine_kernel",
              "_pack_2bit_rel_kernel"}
     count = 0
     for name in sorted(sigs):

@@ -111,3 +111,111 @@ def test_numpy_too_new_for_numba_cuda_is_a_clear_error():
         _dispatch.check_numpy_for_numba_cuda("0.29.0", "2.6.0rc1")
     _dispatch.check_numpy_for_numba_cuda("0.30.4", "2.4.6")
     _dispatch.check_numpy_for_numba_cuda("0.31.0", "2.5.2")
+
+
+def test_gpu_bench_parses_and_says_when_it_cannot_measure(tmp_path):
+    """``benchmarks/gpu_bench.py`` imports and parses its arguments on a
+    machine without a GPU; there it says it cannot measure, exits 0 and
+    writes ``"measured": false`` (on a GPU machine: tests/gpu/run.sh)."""
+    import json
+    bench = os.path.join(os.path.dirname(HERE), "benchmarks", "gpu_bench.py")
+    r = subprocess.run([sys.executable, bench, "--fixed-kib", "4,x"], env=_env(False),
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and "--fixed-kib" in r.stderr, r.stderr
+    out = str(tmp_path / "bench.json")
+    r = subprocess.run([sys.executable, bench, "--mb", "1", "--reps", "1", "--json", out],
+                       env=_env(False), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    if "cannot measure" not in r.stdout:
+        pytest.skip("a GPU is present: the benchmark measured (tests/gpu/run.sh checks it)")
+    with open(out) as f:
+        assert json.load(f)["measured"] is False
+
+
+# ----------------------------------------------------------------------------
+# the fixed cost of a device call: launches, synchronisations, small reads
+# ----------------------------------------------------------------------------
+COUNT_RANKS = [3]
+
+
+@pytest.mark.parametrize("ranks", COUNT_RANKS)
+def test_device_call_costs_do_not_grow_with_shards(ranks):
+    """A device call launches one kernel per stage for ALL shards and reads
+    back one count per compression: the same launches, synchronisations and
+    small device-to-host reads at 3 ranks (3 shards, 3 senders) as on one
+    rank, and for ``2bit`` exactly 2 pack and 2 decode launches and 2 small
+    reads (the worker's and the owner's non-finite counts). Counted by the
+    launch-contract recorder (``tests/launch_contract.py``) in the
+    simulator; run as ``mpirun -n 3 python tests/test_gpu_path_sim.py``."""
+    cmd = [_mpirun(), "--oversubscribe", "-n", str(ranks), sys.executable,
+           os.path.abspath(__file__), "counts"]
+    # CUDA-aware: MPI takes the device buffers, so no staging copy mixes
+    # with the reads of the counts
+    r = subprocess.run(cmd, env=_env(True, "1"), capture_output=True, text=True,
+                       timeout=TIMEOUT)
+    assert r.returncode == 0 and "ok counts" in r.stdout, \
+        f"{' '.join(cmd)}: exit {r.returncode}\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
+
+
+# what one allreduce of each op costs on the device, whatever the number of
+# shards: launches per kernel, and the small reads (counts)
+EXPECTED_2BIT = {"launch _pack_2bit_kernel": 2, "launch _unpack_2bit_kernel": 2,
+                 "small read": 2}
+
+
+def _counts_main():
+    """Under mpirun with the simulator: per op, the counters of one call on
+    the world communicator (N shards) and on COMM_SELF (one shard) must be
+    equal; 2bit's must be EXPECTED_2BIT (plus synchronisations)."""
+    import warnings
+
+    import numpy as np
+    from mpi4py import MPI
+    sys.path.insert(0, HERE)
+    from simulator_fix import fix_simulator_shared_arrays
+    fix_simulator_shared_arrays()
+    import launch_contract
+    from numba import cuda
+
+    import mpigc
+    from mpigc.kernels import cuda as kc
+    warnings.filterwarnings("ignore", category=RuntimeWarning)
+    os.environ["MPIGC_MIN_COMPRESS_BYTES"] = "0"
+    launch_contract.install(kc)
+    world = MPI.COMM_WORLD
+    ops = ["2bit", {"type": "2bit", "rel_threshold": 1.5, "block_size": 16},
+           {"type": "1bit", "block_size": 16}, {"type": "fp16", "error_feedback": True},
+           "bf16", {"type": "terngrad", "error_feedback": True}]
+    failures = []
+    for op in ops:
+        seen = {}
+        for name, comm in (("world", world), ("self", MPI.COMM_SELF)):
+            g = np.random.default_rng(world.rank).standard_normal(301).astype(np.float32)
+            d = cuda.to_device(g)
+            fb = mpigc.ErrorFeedback()
+            mpigc.allreduce(d, op=op, key="c", comm=comm, feedback=fb)  # warm: residuals
+            launch_contract.reset_counts()
+            mpigc.allreduce(d, op=op, key="c", comm=comm, feedback=fb)
+            seen[name] = launch_contract.counts()
+        if seen["world"] != seen["self"]:
+            failures.append(f"{op}: {world.size} shards cost {seen['world']}, one shard "
+                            f"costs {seen['self']}")
+        if op == "2bit":
+            got = {k: v for k, v in seen["world"].items() if k != "sync"}
+            if got != EXPECTED_2BIT:
+                failures.append(f"2bit: expected {EXPECTED_2BIT}, got {got}")
+        if world.rank == 0:
+            print(f"{op}: {seen['world']}")
+    allf = world.allgather(failures)
+    if world.rank == 0:
+        for r, fs in enumerate(allf):
+            for f in fs:
+                print(f"FAIL rank {r}: {f}")
+        if not any(allf):
+            print("ok counts")
+    sys.stdout.flush()
+    return 0 if not any(allf) else 1
+
+
+if __name__ == "__main__":
+    sys.exit({"counts": _counts_main}[sys.argv[1]]())

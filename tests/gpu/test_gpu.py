@@ -168,6 +168,58 @@ def test_fp16(gpu, n, dtype):
     _decode(gpu, "unpack_fp16", [payload], n, dtype, ())
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", ["2bit", "2bit_rel", "1bit", "terngrad", "fp16", "bf16"])
+def test_shards_one_launch(gpu, op, dtype):
+    """The one-launch functions of a call's shards (``*_shards``: 4 uneven
+    shards, one empty; 3 senders decoded onto one output) against the CPU's
+    loops, bit for bit: payloads, residuals, counts, decoded sums."""
+    import mpigc
+    cuda, cpu, kc = gpu
+    sizes = [BIG, 0, 37, BIG // 3 + 1]
+    codec, pack, pargs, unpack, uargs = {
+        "2bit": (mpigc.TwoBit(), "pack_2bit_shards", (0.5,), "unpack_2bit_shards", (0.5,)),
+        "2bit_rel": (mpigc.TwoBit(rel_threshold=1.5), "pack_2bit_rel_shards", (1.5, 1024),
+                     "unpack_2bit_rel_shards", (1024,)),
+        "1bit": (mpigc.OneBit(), "pack_1bit_shards", (1024,), "unpack_1bit_shards", (1024,)),
+        "terngrad": (mpigc.TernGrad(), "pack_ternary_shards",
+                     (np.float32(3.0), np.inf, cpu.ternary_stream(1, 2, 3, 0), 5),
+                     "unpack_ternary_shards", ()),
+        "fp16": (mpigc.FP16(), None, (), "unpack_fp16_shards", ()),
+        "bf16": (mpigc.BF16(), None, (), "unpack_bf16_shards", ()),
+    }[op]
+    starts = tuple(np.concatenate([[0], np.cumsum(sizes)]).astype(int).tolist())
+    nb = [codec.payload_nbytes(m, np.dtype(dtype)) for m in sizes]
+    offs = tuple(np.concatenate([[0], np.cumsum(nb)]).astype(int).tolist())
+    n, total = starts[-1], offs[-1]
+    x, e = _data(n, dtype, 3)
+    payload = np.zeros(total, np.uint8)
+    if pack is not None:
+        def host(x, e_in, e_out, p):
+            return getattr(cpu, pack)(x, e_in, e_out, p, starts, offs[:-1], *pargs)
+
+        he = e.copy()
+        hn = host(x, he, he, payload)
+        de = cuda.to_device(e)
+        dp = cuda.to_device(np.zeros(total, np.uint8))
+        dn = getattr(kc, pack)(cuda.to_device(x), de, de, dp, starts, offs[:-1], *pargs)
+        assert dn == hn, f"{op}: count {dn}, want {hn}"
+        _same(f"{op} payload", dp.copy_to_host(), payload)
+        _same(f"{op} residual", de.copy_to_host(), he)
+    else:
+        cpu.pack_fp16(x, None, None, payload.view(np.uint16), 1.0) if op == "fp16" else \
+            cpu.pack_bf16(x, None, None, payload.view(np.uint16), 1.0)
+    senders = np.concatenate([payload] * 3)
+    for accumulate in (False, True):
+        h = np.ones(n, dtype)
+        getattr(cpu, unpack)(senders, total, 3, starts, offs[:-1], h, *uargs, accumulate)
+        d = cuda.to_device(np.ones(n, dtype))
+        getattr(kc, unpack)(cuda.to_device(senders), total, 3, starts, offs[:-1], d, *uargs,
+                            accumulate)
+        cuda.synchronize()
+        _same(f"{op} decode of 3 senders accumulate={accumulate}", d.copy_to_host(), h)
+
+
 def test_fp16_conversion_exhaustive(gpu):
     """Every half decodes as numpy's; float32 bit patterns encode as numpy's."""
     cuda, _, kc = gpu

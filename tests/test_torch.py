@@ -160,9 +160,10 @@ def test_device_buckets_in_the_simulator(group, ranks):
     for bit. A subprocess, so this session never imports the simulator."""
     import shutil
     pytest.importorskip("torch")
-    exe = shutil.which("mpirun") or shutil.which("mpiexec")
+    exe = (shutil.which("mpirun") or shutil.which("mpiexec")
+           or shutil.which("mpirun", path=os.path.dirname(sys.executable)))
     if exe is None:
-        pytest.skip("no mpirun on PATH")
+        pytest.skip("no mpirun on PATH or next to this Python")
     env = {k: v for k, v in os.environ.items()
            if k not in ("NUMBA_ENABLE_CUDASIM", "MPIGC_CUDA_AWARE", "MPIGC_DEVICE")}
     env.update(NUMBA_ENABLE_CUDASIM="1", MPIGC_CUDA_AWARE="0", OMPI_ALLOW_RUN_AS_ROOT="1",

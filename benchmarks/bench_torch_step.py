@@ -23,6 +23,16 @@ slowest rank's. DDP and mpigc both keep the gradients in their buckets
                     compressed allreduce over MPI as its communication hook
                     (``mpigc.torch.comm_hook``), OP and its parameters as for
                     ``mpigc-OP``
+``mpigc-staged-OP`` with ``--device cuda``: ``GradientSync(..., device_buckets=False)``,
+                    the host-staged path (gradients copied to pinned host buckets,
+                    CPU kernels); ``mpigc-OP`` is then the device-bucket path
+
+``--device cuda`` puts the model and the batches on the GPU (rank modulo the visible
+GPUs: ranks share one GPU when there is one) and synchronises the GPU before and
+after each timed step. ``--device sim`` (Numba's CUDA simulator,
+``NUMBA_ENABLE_CUDASIM=1``, tiny ``--width``): CPU tensors, and ``mpigc-OP`` uses the
+simulator seam of device buckets; a smoke test of this script, its times mean
+nothing. ``--json PATH`` writes the rows (and the ratios ``vs_ddp``, ``vs_staged``).
 
 torch.distributed is initialised from the MPI rank and size with a TCP store at
 rank 0's address (``--master-addr``, default: rank 0's host name resolved by
@@ -63,18 +73,30 @@ def parse_args():
                    help="2bit: per-block relative threshold (default 1.5, as examples/train_torch.py)")
     p.add_argument("--master-addr", default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads per rank")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda", "sim"))
+    p.add_argument("--json", default=None, help="write the rows to this JSON file")
     p.add_argument("--copy-grads", action="store_true",
                    help="gradients copied into and out of the buckets (default: DDP's and "
                         "mpigc's gradient_as_bucket_view=True and zero_grad(set_to_none=False))")
     return p.parse_args()
 
 
-def make_model(args):
+def device_of(args, comm=None):
+    if args.device != "cuda":
+        return torch.device("cpu")
+    comm = comm or MPI.COMM_WORLD
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    dev = torch.device("cuda", local.rank % torch.cuda.device_count())
+    local.Free()
+    return dev
+
+
+def make_model(args, device=None):
     torch.manual_seed(0)
     w = args.width
     return torch.nn.Sequential(torch.nn.Linear(args.inputs, w), torch.nn.ReLU(),
                                torch.nn.Linear(w, w), torch.nn.ReLU(),
-                               torch.nn.Linear(w, args.inputs))
+                               torch.nn.Linear(w, args.inputs)).to(device or "cpu")
 
 
 def init_gloo(args, comm):
@@ -133,22 +155,32 @@ def wrap(mode, model, args, comm):
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return ddp, lambda: None
     op = mode.split("-", 1)[1]
-    sync = mpigc.torch.GradientSync(model, op=op, bucket_mb=args.bucket_mb,
-                                    gradient_as_bucket_view=not args.copy_grads,
-                                    **op_params(op, args))
+    staged = op.startswith("staged-")
+    op = op[len("staged-"):] if staged else op
+    mpigc.torch._sim_device_buckets = args.device == "sim" and not staged
+    try:
+        sync = mpigc.torch.GradientSync(model, op=op, bucket_mb=args.bucket_mb,
+                                        gradient_as_bucket_view=not args.copy_grads,
+                                        device_buckets=not staged, **op_params(op, args))
+    finally:
+        mpigc.torch._sim_device_buckets = False
     return model, sync.wait
 
 
 def run(mode, args, comm):
-    model = make_model(args)
+    dev = device_of(args, comm)
+    model = make_model(args, dev)
     net, after_backward = wrap(mode, model, args, comm)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(comm.rank)
-    x = torch.randn(args.batch, args.inputs, generator=g)
-    y = torch.randn(args.batch, args.inputs, generator=g)
+    x = torch.randn(args.batch, args.inputs, generator=g).to(dev)
+    y = torch.randn(args.batch, args.inputs, generator=g).to(dev)
+    gpu = dev.type == "cuda"
     times, losses = [], []
     mpigc.reset_traffic()
     for step in range(args.warmup + args.steps):
+        if gpu:
+            torch.cuda.synchronize(dev)
         comm.Barrier()
         t0 = time.perf_counter()
         opt.zero_grad(set_to_none=args.copy_grads)
@@ -156,6 +188,8 @@ def run(mode, args, comm):
         loss.backward()
         after_backward()
         opt.step()
+        if gpu:
+            torch.cuda.synchronize(dev)
         dt = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
         if step == args.warmup - 1:
             mpigc.reset_traffic()
@@ -176,13 +210,21 @@ def main():
     torch.set_num_threads(threads)
     modes = [m for m in args.modes.split(",") if m]
     nparams = sum(p.numel() for p in make_model(args).parameters())
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: torch sees no CUDA GPU")
+    where = "CPU"
+    if args.device == "cuda":
+        where = f"GPU {torch.cuda.get_device_name(device_of(args, comm))}"
+    elif args.device == "sim":
+        where = "CPU tensors, Numba's CUDA simulator for mpigc-OP (times mean nothing)"
     if comm.rank == 0:
         print(f"{comm.size} ranks ({local} on this host), {threads} torch thread(s) per rank, "
               f"{nparams / 1e6:.1f}M parameters, batch {args.batch}/rank, "
-              f"{args.steps} timed steps after {args.warmup}")
+              f"{args.steps} timed steps after {args.warmup}, on {where}")
         print(f"{'mode':<16} {'step ms':>9} {'median':>9} {'min':>9} {'vs ddp':>7} "
               f"{'MiB sent/step/rank':>19} {'final loss':>11}", flush=True)
     base = None
+    rows = []
     for mode in modes:
         if mode not in ALL_MODES and not mode.startswith(("mpigc-", "ddp-mpigc-")):
             raise SystemExit(f"unknown mode {mode!r}; expected one of {ALL_MODES}")
@@ -190,11 +232,28 @@ def main():
         mean = statistics.mean(times)
         if mode == "ddp":
             base = mean
+        rows.append({"mode": mode, "mean_ms": mean * 1e3,
+                     "median_ms": statistics.median(times) * 1e3, "min_ms": min(times) * 1e3,
+                     "mib_sent_per_step": None if sent is None else sent / 2**20,
+                     "final_loss": loss})
         if comm.rank == 0:
             ratio = f"{base / mean:6.2f}x" if base else "      -"
             mib = "-" if sent is None else f"{sent / 2**20:.2f}"
             print(f"{mode:<16} {mean * 1e3:9.1f} {statistics.median(times) * 1e3:9.1f} "
                   f"{min(times) * 1e3:9.1f} {ratio:>7} {mib:>19} {loss:11.5f}", flush=True)
+    if args.json and comm.rank == 0:
+        import json
+        by = {r["mode"]: r["mean_ms"] for r in rows}
+        for r in rows:  # > 1: faster than the other
+            r["vs_ddp"] = by["ddp"] / r["mean_ms"] if "ddp" in by else None
+            op = r["mode"][len("mpigc-"):] if r["mode"].startswith("mpigc-") else None
+            staged = by.get(f"mpigc-staged-{op}") if op and not op.startswith("staged-") \
+                else None
+            r["vs_staged"] = staged / r["mean_ms"] if staged else None
+        with open(args.json, "w") as f:
+            json.dump({"ranks": comm.size, "device": args.device, "where": where,
+                       "params": nparams, "batch": args.batch, "steps": args.steps,
+                       "warmup": args.warmup, "rows": rows}, f, indent=1)
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

@@ -149,9 +149,12 @@ def copy(dst, src):
 
 
 def sync():
-    """Wait for all work on the current device (kernels run on the default
-    stream; MPI and the caller may read their results afterwards)."""
-    _numba_cuda().synchronize()
+    """Wait for the engine's work: its kernels and copies run on the default
+    (legacy) stream, so that stream is synchronised, not the whole device
+    (work of other non-blocking streams, e.g. torch's side streams or the
+    rest of a backward pass queued there, goes on); MPI and the caller may
+    read the results afterwards."""
+    _numba_cuda().default_stream().synchronize()
 
 
 def mpi_buffer(d):

@@ -157,16 +157,41 @@ def _wait_request(req, timeout, progress, what):
             time.sleep(0.0002)
 
 
-def _snapshot(fb, key):
-    """A host copy of ``key``'s residuals (None if the key has none yet)."""
+def _copy_of(a, into=None):
+    """A copy of residual ``a`` on its own side (a device residual stays in
+    device memory), written into ``into`` when that fits; None for None."""
+    if a is None:
+        return None
+    if _dispatch.is_device_array(a):
+        from . import _cuda
+        if (into is None or not _dispatch.is_device_array(into) or into.size != a.size
+                or np.dtype(into.dtype) != np.dtype(a.dtype)):
+            into = _cuda.empty(a.size, a.dtype)
+        if a.size:
+            _cuda.copy(into, a)
+        return into
+    if (into is None or not isinstance(into, np.ndarray) or into.shape != a.shape
+            or into.dtype != a.dtype):
+        return np.array(a, copy=True)
+    into[...] = a
+    return into
+
+
+def _snapshot(fb, key, reuse=None):
+    """A copy of ``key``'s residuals (None if the key has none yet), on their
+    side: device residuals are copied on the device, never to the host. The
+    arrays of ``reuse`` (an older snapshot of the key, no longer needed) are
+    written over when they fit, so a step allocates nothing."""
     e = fb._entries.get(key)
     if e is None:
         return None
-    return _host(e.worker), _host(e.owner), e.calls
+    old_w, old_o = (reuse[0], reuse[1]) if reuse is not None else (None, None)
+    return _copy_of(e.worker, old_w), _copy_of(e.owner, old_o), e.calls
 
 
 def _restore(fb, key, snap):
-    """Put back what :func:`_snapshot` took."""
+    """Put back what :func:`_snapshot` took (copied: the snapshot's arrays
+    stay the snapshot's)."""
     if snap is None:
         fb.reset(key)
         return
@@ -174,11 +199,12 @@ def _restore(fb, key, snap):
     worker, owner, calls = snap
     for name, old in (("worker", worker), ("owner", owner)):
         cur = getattr(e, name)
-        if old is None or cur is None:
-            setattr(e, name, old)
-        elif _dispatch.is_device_array(cur):
+        if old is None or cur is None or cur.size != old.size:
+            setattr(e, name, _copy_of(old))
+        elif _dispatch.is_device_array(cur) or _dispatch.is_device_array(old):
             from . import _cuda
-            _cuda.copy(cur, old)
+            if cur.size:
+                _cuda.copy(cur, old)
         else:
             cur[...] = old
     e.calls = calls
@@ -355,6 +381,91 @@ def broadcast_optimizer_state(optimizer, root=0, *, comm=None):
         optimizer.load_state_dict(state)
 
 
+# -- device buckets ------------------------------------------------------------
+#: Test seam (private). Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)
+#: only: buckets of CPU parameters become device buckets whose engine array is a
+#: simulated device array over the bucket tensor's memory, so the device bucket
+#: code (allocation, gradient copy, the engine's device path, copy-back,
+#: snapshots and rollback, residual state) runs without a GPU. Read when a
+#: GradientSync or a hook call is made; see tests/mpi/test_torch_gpu_sim_mpi.py.
+_sim_device_buckets = False
+
+
+def _simulating():
+    if not _sim_device_buckets:
+        return False
+    from . import _cuda
+    if not _cuda.simulator():
+        raise ConfigError("mpigc.torch._sim_device_buckets is a test seam of Numba's CUDA "
+                          "simulator: set NUMBA_ENABLE_CUDASIM=1")
+    return True
+
+
+def _sim_device_array(t):
+    """The seam: a simulated device array over CPU tensor ``t``'s memory."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    return FakeCUDAArray(t.detach().numpy())
+
+
+def _engine_array(t, device):
+    """What the engine reduces for a contiguous 1-D bucket tensor ``t``: a CUDA
+    tensor itself (through ``__cuda_array_interface__``: the engine's device
+    path), under the test seam a simulated device array over it, else its
+    numpy view (the host path)."""
+    if t.is_cuda:
+        return t
+    if device:
+        return _sim_device_array(t)
+    return t.detach().numpy()
+
+
+def _as_tensor(a, like):
+    """A torch view (no copy) of residual array ``a`` (numpy, Numba device or
+    simulated device array) for arithmetic next to tensor ``like``."""
+    if isinstance(a, np.ndarray):
+        return torch.from_numpy(a)
+    if like.is_cuda:
+        return torch.as_tensor(a, device=like.device)  # __cuda_array_interface__
+    return torch.from_numpy(a._ary)  # the simulator's array wraps a numpy array
+
+
+def _engine_after_torch(device):
+    """Order the engine's kernels after what torch queued so far on its
+    current stream of ``device``. The engine launches on the default stream
+    (the legacy one, which is torch's default stream too): when torch's
+    current stream is another one, the default stream waits for an event
+    recorded on it (no host wait, no device-wide synchronisation)."""
+    cur = torch.cuda.current_stream(device)
+    engine = torch.cuda.default_stream(device)
+    if cur != engine:
+        engine.wait_stream(cur)
+
+
+def _torch_after_engine(device):
+    """Order what torch queues next on its current stream after the engine's
+    kernels (the engine waits for them on the host before a call completes;
+    this event keeps the order should it ever return earlier)."""
+    cur = torch.cuda.current_stream(device)
+    engine = torch.cuda.default_stream(device)
+    if cur != engine:
+        cur.wait_stream(engine)
+
+
+def _first_is_nan(tensors):
+    """``[isnan(t[0])]`` of 1-D tensors (False for empty ones) with one read
+    back per device, not one per tensor (a read waits for the stream)."""
+    out = [False] * len(tensors)
+    by_device = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        flags = torch.stack([torch.isnan(tensors[i][0]) for i in idx]).tolist()
+        for i, f in zip(idx, flags):
+            out[i] = bool(f)
+    return out
+
+
 # -- buckets -------------------------------------------------------------------
 class Bucket(_Layout):
     """One fused gradient buffer (read-only view for users and tests).
@@ -370,20 +481,33 @@ class Bucket(_Layout):
         The parameters, in bucket order.
     offsets, numels : list of int
         Where each parameter's gradient sits in the flat buffer.
-    flat : numpy.ndarray
-        The buffer (float32, or float64 for float64 parameters).
+    tensor : torch.Tensor
+        The buffer: float32 (float64 for float64 parameters), 1-D; a CUDA
+        tensor on the parameters' GPU for a device bucket, else in host
+        memory (pinned when its parameters are on a GPU).
+    on_device : bool
+        A device bucket: every parameter of the bucket is on one GPU (and
+        ``device_buckets`` was not turned off); the engine compresses and
+        decodes it on that GPU.
+    flat : numpy.ndarray or torch.Tensor
+        What the engine reduces: the numpy view of :attr:`tensor` (host
+        bucket), or :attr:`tensor` itself (device bucket).
     started_at : float or None
         ``time.perf_counter()`` when this step's allreduce started, or None.
     """
 
-    def __init__(self, index, entries, np_dtype, pin):
+    def __init__(self, index, entries, np_dtype, device, pin):
         super().__init__(index, [n for n, _, _ in entries],
                          [p.numel() for _, _, p in entries], np_dtype)
         self.param_index = [i for _, i, _ in entries]
-        # the host buffer; a device backend would allocate its buckets here
         tdtype = torch.float64 if self.dtype == np.float64 else torch.float32
-        self.tensor = torch.zeros(self.n, dtype=tdtype, pin_memory=pin)
-        self.flat = self.tensor.numpy()
+        sim = device is None and _simulating()
+        self.on_device = device is not None or sim
+        if device is not None:  # a device bucket in GPU memory
+            self.tensor = torch.zeros(self.n, dtype=tdtype, device=device)
+        else:
+            self.tensor = torch.zeros(self.n, dtype=tdtype, pin_memory=pin)
+        self.flat = _engine_array(self.tensor, self.on_device)
         self.pending = len(self.names)
         self.request = None
         self.error = None
@@ -391,7 +515,7 @@ class Bucket(_Layout):
 
     def __repr__(self):
         return (f"Bucket(index={self.index}, key={self.key!r}, params={len(self.names)}, "
-                f"n={self.n})")
+                f"n={self.n}, on_device={self.on_device})")
 
 
 def _accumulate_grad_hook(p, fn):
@@ -452,8 +576,10 @@ class GradientSync:
     feedback : ErrorFeedback, optional
         The residual store of the buckets; default a new one, :attr:`feedback`.
     gradient_as_bucket_view : bool
-        As in DDP: ``param.grad`` of float32 and float64 CPU parameters
-        becomes a view of its bucket after the first synchronisation, so
+        As in DDP: ``param.grad`` of float32 and float64 parameters on the
+        device of their bucket (CPU parameters in host buckets, CUDA ones in
+        device buckets) becomes a view of its bucket after the first
+        synchronisation, so
         backward accumulates straight into the bucket and :meth:`wait`
         copies nothing back (saves two copies of every gradient per step
         and the memory of one). Call ``optimizer.zero_grad(set_to_none=False)``
@@ -466,6 +592,15 @@ class GradientSync:
         what their residuals delivered goes back into the residuals. Without
         it (default) a parameter without a gradient counts as a zero gradient
         on that rank and gets the average like the others.
+    device_buckets : bool
+        Default True: a bucket whose parameters are all on one GPU lives in
+        that GPU's memory, and the engine compresses, decodes and keeps its
+        residuals there (only packed bytes cross to the host, or none with
+        CUDA-aware MPI), in order with torch's current stream; see
+        ``docs/torch.md``. False: every bucket is in (pinned) host memory and
+        the CPU compresses (two PCIe copies of every gradient per step).
+        Buckets of CPU parameters, or of parameters on several devices, are
+        host buckets either way.
     **params
         Compressor parameters, e.g. ``threshold=0.5``.
 
@@ -478,8 +613,9 @@ class GradientSync:
     def __init__(self, module, op="2bit", *, bucket_mb=25.0, comm=None, average=True,
                  gather="compressed", nonfinite=None, feedback=None,
                  find_unused_parameters=False, gradient_as_bucket_view=False,
-                 timeout=None, sync_on_backward=False, **params):
+                 timeout=None, sync_on_backward=False, device_buckets=True, **params):
         self.comm = _resolve_comm(comm)
+        self.device_buckets = bool(device_buckets)
         self.compressor = get_compressor(op, **params)
         self.average = bool(average)
         self.gather = gather
@@ -531,7 +667,7 @@ class GradientSync:
             for i, off, m in zip(b.param_index, b.offsets, b.numels):
                 self._where[i] = (b, off, m)
                 p = self._params[i]
-                if (self.gradient_as_bucket_view and p.device.type == "cpu"
+                if (self.gradient_as_bucket_view and p.device == b.tensor.device
                         and p.dtype == b.tensor.dtype):
                     self._views[i] = b.tensor[off:off + m].view(p.shape)
         self._ready = [False] * len(self._params)
@@ -543,6 +679,7 @@ class GradientSync:
         # back when another bucket of the step was skipped
         self._keep_snapshots = self.nonfinite == "skip" and len(self.buckets) > 1
         self._snapshots = {}
+        self._spare_snapshots = {}  # key -> an old snapshot whose arrays are reused
         self._agree_req = None
         self._agree_buf = None
         self._changed = []
@@ -557,7 +694,6 @@ class GradientSync:
     def _make_buckets(self, named, bucket_mb):
         # reverse registration order: roughly the order in which backward
         # produces the gradients (DDP does the same); one dtype per bucket
-        pin = torch.cuda.is_available() and any(p.is_cuda for _, p in named)
         cap = bucket_mb * (1 << 20)
         open_, nbytes, done = {}, {}, []
         for i in reversed(range(len(named))):
@@ -571,7 +707,18 @@ class GradientSync:
                 open_[dt], nbytes[dt] = [], 0
         done += [(cur[0][1], dt, cur) for dt, cur in open_.items() if cur]
         done.sort(key=lambda t: -t[0])  # by first parameter, in backward order
-        return [Bucket(k, entries, dt, pin) for k, (_, dt, entries) in enumerate(done)]
+        # where each bucket lives is this rank's choice (the layout above is
+        # the same on every rank whatever the devices): on the GPU that holds
+        # all its parameters, else in host memory
+        buckets = []
+        for k, (_, dt, entries) in enumerate(done):
+            devices = {p.device for _, _, p in entries}
+            dev = next(iter(devices)) if len(devices) == 1 else None
+            on_gpu = dev is not None and dev.type == "cuda" and self.device_buckets
+            pin = (not on_gpu and torch.cuda.is_available()
+                   and any(p.is_cuda for _, _, p in entries))
+            buckets.append(Bucket(k, entries, dt, dev if on_gpu else None, pin))
+        return buckets
 
     def _make_hook(self, i):
         def hook(p):
@@ -610,9 +757,12 @@ class GradientSync:
         view = self._views.get(i)
         if view is None or not self._is_view(p.grad, view):
             with torch.no_grad():
+                # on the GPU for a device bucket (on torch's current stream)
                 b.tensor[off:off + m].copy_(p.grad.detach().reshape(-1))
             if view is not None:
                 p.grad = view  # backward accumulates into the bucket from now on
+        if b.tensor.is_cuda:
+            _engine_after_torch(b.tensor.device)
         self._ready[i] = True
         self._dirty = True
         b.pending -= 1
@@ -636,8 +786,11 @@ class GradientSync:
             g = self._params[i].grad
             if self._ready[i] and g is not None:
                 self._versions[i] = (g, g._version)
+        if b.tensor.is_cuda:
+            _engine_after_torch(b.tensor.device)  # zeros and fold-backs of wait()
         if self._keep_snapshots:
-            self._snapshots[b.key] = _snapshot(self.feedback, b.key)
+            self._snapshots[b.key] = _snapshot(self.feedback, b.key,
+                                               self._spare_snapshots.pop(b.key, None))
         b.started_at = time.perf_counter()
         b.request = iallreduce(b.flat, op=self.compressor, comm=self.comm, key=b.key,
                                average=self.average, gather=self.gather,
@@ -698,7 +851,7 @@ class GradientSync:
             for b in self.buckets[self._next:]:  # buckets that some parameter did not fill
                 for i, off, m in zip(b.param_index, b.offsets, b.numels):
                     if not self._ready[i]:
-                        b.flat[off:off + m] = 0
+                        b.tensor[off:off + m].zero_()
                 b.pending = 0
             self._launch_ready()
             changed = [self.names[i] for i, (g, v) in self._versions.items()
@@ -751,7 +904,9 @@ class GradientSync:
                 f"on {int(buf[1])} rank(s) (here: {changed[:5]}); the averaged gradients "
                 "would overwrite that change. Call sync.wait() (opt.synchronize()) before "
                 "clipping, GradScaler.unscale_() or any other change of the gradients")
-        nan = [bool(b.n and torch.isnan(b.tensor[0])) for b in self.buckets]  # skipped: all NaN
+        for dev in {b.tensor.device for b in self.buckets if b.tensor.is_cuda}:
+            _torch_after_engine(dev)
+        nan = _first_is_nan([b.tensor for b in self.buckets])  # a skipped bucket: all NaN
         skipped = self.nonfinite == "skip" and any(nan)
         self.last_step_finite = not skipped
         if skipped:  # a step that a loss scaler will skip: no residual changes
@@ -759,6 +914,8 @@ class GradientSync:
             for b, bad in zip(self.buckets, nan):
                 if b.key in snapshots and not bad:
                     _restore(self.feedback, b.key, snapshots[b.key])
+        # the snapshots' arrays serve the next step's snapshots
+        self._spare_snapshots.update((k, v) for k, v in snapshots.items() if v is not None)
         with torch.no_grad():
             for i, p in enumerate(self._params):
                 b, off, m = self._where[i]
@@ -766,7 +923,7 @@ class GradientSync:
                     if not skipped:
                         self._fold_back(b, off, m)
                     if i in self._views:
-                        b.flat[off:off + m] = 0  # a .grad that is the view reads 0
+                        b.tensor[off:off + m].zero_()  # a .grad that is the view reads 0
                     continue
                 if not write:
                     continue
@@ -807,7 +964,7 @@ class GradientSync:
             if buf[0] == 0:
                 break
             for b in self.buckets:  # shadow: zeros, in bucket order
-                b.flat[...] = 0
+                b.tensor.zero_()
                 b.pending = 0
             self._dirty = True
             self._launch_ready()
@@ -834,8 +991,9 @@ class GradientSync:
         entry = self.feedback._entries.get(b.key)
         if entry is None or entry.worker is None:
             return
-        delivered = b.flat[off:off + m]
-        entry.worker[off:off + m] += delivered if self.average else delivered / self.size
+        delivered = b.tensor[off:off + m]
+        worker = _as_tensor(entry.worker, b.tensor)[off:off + m]  # a view, either side
+        worker += delivered if self.average else delivered / self.size
 
     # -- state -------------------------------------------------------------------
     def _idle(self, what):
@@ -1123,6 +1281,7 @@ class CommHookState:
         self._layouts = {}   # bucket index -> _Layout in use
         self._pending = {}   # per-parameter state waiting for its bucket
         self._inflight = []  # (layout, future, request, tensor, snapshot)
+        self._spare_snapshots = {}  # key -> an old snapshot whose arrays are reused
         #: steps whose gradients were non-finite on some rank (``nonfinite="skip"``)
         self.nonfinite_steps = 0
         self.size, self.rank = self._comm.size, self._comm.rank
@@ -1182,12 +1341,16 @@ class CommHookState:
         if known is None or known.key != layout.key:
             self._place(layout)
         several = not (bucket.is_last() and bucket.index() == 0)
-        snap = (_snapshot(self.feedback, layout.key)
+        snap = (_snapshot(self.feedback, layout.key,
+                          self._spare_snapshots.pop(layout.key, None))
                 if self.nonfinite == "skip" and several else None)
         # DDP's flat bucket is reduced in place: a CUDA tensor as it is (the
-        # engine reduces device arrays on the GPU), a CPU one as numpy
+        # engine reduces device arrays on the GPU, after what torch queued on
+        # its current stream), a CPU one as numpy
         flat = tensor.detach()
-        req = iallreduce(flat if flat.is_cuda else flat.numpy(), op=self.compressor,
+        if flat.is_cuda:
+            _engine_after_torch(flat.device)
+        req = iallreduce(_engine_array(flat, _simulating()), op=self.compressor,
                          comm=self.comm,
                          key=layout.key, average=self.average, gather=self.gather,
                          feedback=self.feedback, nonfinite=self.nonfinite)
@@ -1212,13 +1375,18 @@ class CommHookState:
                 req.wait()
             except Exception as e:  # noqa: BLE001
                 error = error or e
+        for dev in {t.device for _, _, _, t, _ in items if t.is_cuda}:
+            _torch_after_engine(dev)
         if error is None and self.nonfinite == "skip":
-            bad = [bool(t.numel() and torch.isnan(t[0])) for _, _, _, t, _ in items]
+            bad = _first_is_nan([t for _, _, _, t, _ in items])
             if any(bad):  # a step GradScaler skips: put the other residuals back
                 self.nonfinite_steps += 1
                 for (layout, _, _, _, snap), b in zip(items, bad):
                     if not b and len(items) > 1:
                         _restore(self.feedback, layout.key, snap)
+        for layout, _, _, _, snap in items:  # their arrays serve the next snapshots
+            if snap is not None:
+                self._spare_snapshots[layout.key] = snap
         for _, fut, _, tensor, _ in items:
             if error is None:
                 fut.set_result(tensor)

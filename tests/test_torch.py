@@ -144,3 +144,40 @@ def test_half_precision_parameters_use_float32_buckets(torch, mt):
     sync.wait()
     assert all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want))
     assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+
+
+# -- device buckets in Numba's CUDA simulator, across ranks -------------------------
+SIM_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi",
+                          "test_torch_gpu_sim_mpi.py")
+
+
+# about 8 minutes in all on the 2-core VM under load; MPIGC_TORCH_SIM_RANKS="3" halves it
+_SIM_RANKS = [int(k) for k in os.environ.get("MPIGC_TORCH_SIM_RANKS", "2 3").split()]
+
+
+@pytest.mark.parametrize("ranks", _SIM_RANKS)
+@pytest.mark.parametrize("group", ["ops", "skip", "state", "hook"])
+def test_device_buckets_in_the_simulator(group, ranks):
+    """``mpirun -n K python tests/mpi/test_torch_gpu_sim_mpi.py GROUP`` with
+    ``NUMBA_ENABLE_CUDASIM=1`` (that file says what each group checks): device
+    buckets give the gradients, parameters and residuals of host buckets, bit
+    for bit. A subprocess, so this session never imports the simulator."""
+    import shutil
+    pytest.importorskip("torch")
+    exe = (shutil.which("mpirun") or shutil.which("mpiexec")
+           or shutil.which("mpirun", path=os.path.dirname(sys.executable)))
+    if exe is None:
+        pytest.skip("no mpirun on PATH or next to this Python")
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("NUMBA_ENABLE_CUDASIM", "MPIGC_CUDA_AWARE", "MPIGC_DEVICE")}
+    env.update(NUMBA_ENABLE_CUDASIM="1", MPIGC_CUDA_AWARE="0", OMPI_ALLOW_RUN_AS_ROOT="1",
+               OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
+               PYTHONUNBUFFERED="1")
+    cmd = [exe, "--oversubscribe", "-n", str(ranks), sys.executable, SIM_SCRIPT, group]
+    timeout = int(os.environ.get("MPIGC_TEST_TIMEOUT", "900"))
+    try:
+        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s:\n{exc.stdout}")
+    assert r.returncode == 0 and f"ok {group}" in r.stdout, \
+        f"{' '.join(cmd)}: exit {r.returncode}\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"

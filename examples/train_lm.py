@@ -266,7 +266,7 @@ def main(argv=None):
         opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
     else:
         sync = None  # the optimizer exchanges the momentum itself
-        freeze = args.freeze_steps if args.freeze_steps is not None else args.steps // 5
+        freeze = args.freeze_steps if args.freeze_steps is not None else max(1, args.steps // 5)
         params = dict(params, freeze_steps=freeze)
         opt = mpigc.torch.CompressedAdamW(groups, lr=args.lr, betas=(0.9, 0.95),
                                           op=args.op, gather=args.gather, **params)

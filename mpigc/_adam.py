@@ -15,6 +15,7 @@ steps of plain AdamW; then ``v`` is frozen and what is compressed, with error
 feedback, is each rank's *momentum* ``beta1 * m + (1 - beta1) * g_local``.
 The averaged momentum is the same on every rank and replaces ``m``.
 """
+import warnings
 import zlib
 
 import torch
@@ -219,6 +220,13 @@ class CompressedAdamW(torch.optim.Optimizer):
                 f"CompressedAdamW.load_state_dict: the state holds {own['exp_avg'].numel()} "
                 f"values, the parameters {self._m.numel()}")
         super().load_state_dict(state_dict)
+        saved_freeze = int(own["freeze_steps"])
+        if int(own["steps"]) >= saved_freeze and saved_freeze != self.freeze_steps:
+            # the variance was frozen at that step: no other value is right now
+            warnings.warn(f"CompressedAdamW: the state was frozen after {saved_freeze} "
+                          f"steps; keeping that instead of freeze_steps={self.freeze_steps}",
+                          stacklevel=2)
+            self.freeze_steps = saved_freeze
         self._steps = int(own["steps"])
         self.skipped_steps = int(own["skipped_steps"])
         self._m.copy_(own["exp_avg"])

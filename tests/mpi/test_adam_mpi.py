@@ -184,8 +184,10 @@ def test_resume_is_bit_identical(comm):
     with torch.no_grad():
         for p, s in zip(params2, saved):
             p.copy_(s)
-    opt2 = mt.CompressedAdamW(groups_of(params2), **kw)
-    opt2.load_state_dict(state)
+    # another freeze_steps at resume: the state was frozen after 2 steps, which wins
+    opt2 = mt.CompressedAdamW(groups_of(params2), **dict(kw, freeze_steps=4))
+    with pytest.warns(UserWarning, match="frozen after 2 steps"):
+        opt2.load_state_dict(state)
     opt2.load_checkpoint(os.path.join(path, "res"))
     assert_all(opt2.frozen and opt2._steps == 5, "step count not restored")
     run(params2, opt2, range(5, 9))

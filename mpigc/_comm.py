@@ -46,10 +46,11 @@ class CommState:
         self.cuda_aware = None  # decided on first use by a device array (mpigc._cuda)
 
     def next_tags(self):
-        """Tags ``(phase1, phase2)`` for the next call on this communicator."""
+        """Tags ``(phase1, phase2, agreement)`` for the next call on this
+        communicator."""
         base = 4 * (self.seq % _SEQ_MOD) + 1
         self.seq += 1
-        return base, base + 1
+        return base, base + 1, base + 2
 
 
 def _limit_threads(local_size):

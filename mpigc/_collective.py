@@ -6,21 +6,26 @@ blocking functions call it at once) or step by step by ``test()``:
 1. *prepare* (local): validate the input, compress this rank's shards with
    error feedback into one send buffer. The new worker residual is written
    to a scratch buffer, so the old one survives a failed call.
-2. *agree*: one small allgather of each rank's status (error code,
+2. *agree*: every rank learns every rank's status row (error code,
    non-finite count, size, dtype, a fingerprint of the settings, terngrad's
    local scale, the count of finite values beyond the wire format's range).
-   Any error, mismatch, non-finite or out-of-range value is raised on every
-   rank, and no residual has changed. Otherwise the worker residual is
-   committed.
-3. *reduce-scatter*: each rank sends shard j's payload to rank j
-   (Isend/Irecv of packed bytes); the owner decodes and sums the N
-   contributions in rank order (deterministic) while the others arrive.
+   Up to 16 ranks the row travels point to point, in front of the data this
+   rank sends each peer where that data is known already (phase 1's
+   payloads; op="none"'s values on 2 ranks), so the agreement costs no round
+   of its own; beyond 16 ranks, one small allgather. Any error, mismatch,
+   non-finite or out-of-range value is raised on every rank, and no residual
+   and no buffer has changed. Otherwise the worker residual is committed.
+3. *reduce-scatter*: each rank sends shard j's payload to rank j (with the
+   row, or after the agreement as Isend/Irecv of packed bytes); the owner
+   decodes and sums the N contributions in rank order (deterministic).
 4. *allgather* (allreduce only): the owner's reduced shard travels to all
    ranks, recompressed with the owner residual (``gather="compressed"``) or
    as it is (``gather="exact"``), and each rank decodes it into place.
 
 ``op="none"`` skips compression and is exactly MPI_Allreduce /
-MPI_Reduce_scatter with MPI.SUM after the agreement. So do compressed ops on
+MPI_Reduce_scatter with MPI.SUM after the agreement (on 2 ranks, up to
+1 MiB, each rank adds the values that came with its peer's row: a + b is
+b + a, the same bits). So do compressed ops on
 buffers smaller than ``$MPIGC_MIN_COMPRESS_BYTES`` (default 8192 bytes; see
 :func:`min_compress_bytes`): below a few KiB the fixed cost of compressing
 exceeds what fewer bytes save. Such calls use and change no residual.

@@ -95,6 +95,10 @@ _P2P_MAX_RANKS = 16
 # values travel in the agreement message and each rank adds its peer's
 # (a + b == b + a: exactly what MPI_Allreduce returns on 2 ranks)
 _INLINE_PLAIN_MAX = 1 << 20
+# compressed ops: phase 1's payloads travel with the rows when none is larger
+# than this; larger ones go after the agreement into receives posted before
+# the sends, so big transfers start at once instead of at the receiver's probe
+_INLINE_PAYLOAD_MAX = 256 << 10
 _FAST_AGREE = np.array([_CODE, _NBAD, _RANGE])
 _SAME_COLS = slice(_N, _FP + 1)
 _DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
@@ -324,7 +328,8 @@ class _Op:
         (``{peer: uint8 array}``), else None (rows only).
 
         - compressed ops but terngrad (which quantizes only once the scale is
-          agreed): the payload of the peer's shard, i.e. phase 1 itself;
+          agreed), payloads of at most ``_INLINE_PAYLOAD_MAX`` bytes: the
+          payload of the peer's shard, i.e. phase 1 itself;
         - ``op="none"`` and the small-buffer fallback of an allreduce on 2
           ranks, up to ``_INLINE_PLAIN_MAX`` bytes: the values.
 
@@ -344,7 +349,7 @@ class _Op:
                 v = self.none_buf.view(np.uint8)
                 return {1 - r: v}
             return None
-        if self.comp.needs_global_scale:
+        if self.comp.needs_global_scale or max(self.sizes) > _INLINE_PAYLOAD_MAX:
             return None
         return {j: self.sendbuf[self.offs[j]:self.offs[j + 1]]
                 for j in range(self.size) if j != r}
@@ -358,7 +363,7 @@ class _Op:
             ok = (self.kind == "allreduce" and self.size == 2
                   and self.none_buf.nbytes <= _INLINE_PLAIN_MAX)
             return self.none_buf.nbytes if ok else 0
-        if self.comp.needs_global_scale:
+        if self.comp.needs_global_scale or max(self.sizes) > _INLINE_PAYLOAD_MAX:
             return 0
         return self.sizes[self.rank]
 

@@ -148,3 +148,34 @@ def test_cached_settings_follow_the_environment(comm, monkeypatch):
     monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "bad")
     name = _outcome(lambda: mpigc.allreduce(x.copy(), op="2bit", key="c", feedback=fb))
     assert_all(name == "ConfigError", f"got {name}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("fault", ["size", "nan", None])
+def test_large_payloads_go_after_the_agreement(comm, fault):
+    """Payloads above 256 KiB do not travel with the rows (the receives are
+    posted before the sends, after the agreement); the error semantics are
+    the same, and a good call gives what a reference store gives."""
+    n = 2_200_000 * max(1, comm.size)  # 2bit: about 550 KB per shard
+    fb, ref = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
+    x = grads(comm.rank, n)
+    req = mpigc.iallreduce(x.copy(), "2bit", key="big", feedback=fb)
+    req.wait()
+    assert_all(not req._op.table[:, _collective._INLINE].any(), "payloads went inline")
+    mpigc.allreduce(x.copy(), "2bit", key="big", feedback=ref)
+    before = _state(fb)
+    y = grads(comm.rank, n, seed=5)
+    if comm.rank == comm.size - 1 and fault == "size":
+        y = grads(comm.rank, n + 1, seed=5)
+    elif comm.rank == comm.size - 1 and fault == "nan":
+        y[n // 2] = np.inf
+    keep = y.copy()
+    name = _outcome(lambda: mpigc.allreduce(y, "2bit", key="big", feedback=fb))
+    names = comm.allgather(name)
+    if fault is None:
+        z = mpigc.allreduce(keep.copy(), "2bit", key="big", feedback=ref)
+        assert_all(name is None and y.tobytes() == z.tobytes(), f"{name}")
+    else:
+        assert_all(name is not None and len(set(names)) == 1, f"outcomes {names}")
+        assert_all(np.array_equal(y, keep), "buffer changed")
+        assert_all(_state(fb) == before, "residuals or call counts changed")

@@ -179,6 +179,8 @@ class Request:
         """Make progress on every pending request; True once this one is done."""
         with _lock:
             _progress_all()
+            if self._op.state == "done":
+                self._op._settle()
             return self._op.finished()
 
     def wait(self):
@@ -195,6 +197,7 @@ class Request:
                     first.progress(block=True)
                 else:
                     _progress_all()
+            op._settle()
             op.finished()
             return op.result
 
@@ -616,8 +619,22 @@ class _Op:
             self.fb._give_spare(self.spare)
             self.spare = None
         if self.fb is not None and getattr(self, "busy_key", False):
+            if _driver.thread:
+                # completed by the progress thread: the key stays in use until
+                # the caller's test() or wait() sees the call done, as without
+                # the thread (see Request._settle)
+                self.key_deferred = True
+                return
             self.fb._release(self.key)
             self.busy_key = False
+
+    def _settle(self):
+        """The caller saw the call done: release a key that the progress
+        thread left in use."""
+        if getattr(self, "key_deferred", False):
+            self.key_deferred = False
+            self.busy_key = False
+            self.fb._release(self.key)
 
     def _agreed(self):
         t = self.table
@@ -1126,6 +1143,15 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
 _lock = threading.RLock()
 
 
+class _Driver:
+    """Who is advancing calls now (under ``_lock``): the progress thread or
+    the caller."""
+    thread = False
+
+
+_driver = _Driver()
+
+
 def progress_thread_enabled():
     """Whether nonblocking calls progress in a background thread.
 
@@ -1186,7 +1212,11 @@ class _ProgressThread:
             with _lock:
                 if self.stopping or MPI.Is_finalized():
                     return
-                _progress_all()
+                _driver.thread = True
+                try:
+                    _progress_all()
+                finally:
+                    _driver.thread = False
             time.sleep(interval)
 
     def stop(self):

@@ -6,21 +6,26 @@ blocking functions call it at once) or step by step by ``test()``:
 1. *prepare* (local): validate the input, compress this rank's shards with
    error feedback into one send buffer. The new worker residual is written
    to a scratch buffer, so the old one survives a failed call.
-2. *agree*: one small allgather of each rank's status (error code,
+2. *agree*: every rank learns every rank's status row (error code,
    non-finite count, size, dtype, a fingerprint of the settings, terngrad's
    local scale, the count of finite values beyond the wire format's range).
-   Any error, mismatch, non-finite or out-of-range value is raised on every
-   rank, and no residual has changed. Otherwise the worker residual is
-   committed.
-3. *reduce-scatter*: each rank sends shard j's payload to rank j
-   (Isend/Irecv of packed bytes); the owner decodes and sums the N
-   contributions in rank order (deterministic) while the others arrive.
+   Up to 16 ranks the row travels point to point, in front of the data this
+   rank sends each peer where that data is known already (phase 1's
+   payloads; op="none"'s values on 2 ranks), so the agreement costs no round
+   of its own; beyond 16 ranks, one small allgather. Any error, mismatch,
+   non-finite or out-of-range value is raised on every rank, and no residual
+   and no buffer has changed. Otherwise the worker residual is committed.
+3. *reduce-scatter*: each rank sends shard j's payload to rank j (with the
+   row, or after the agreement as Isend/Irecv of packed bytes); the owner
+   decodes and sums the N contributions in rank order (deterministic).
 4. *allgather* (allreduce only): the owner's reduced shard travels to all
    ranks, recompressed with the owner residual (``gather="compressed"``) or
    as it is (``gather="exact"``), and each rank decodes it into place.
 
 ``op="none"`` skips compression and is exactly MPI_Allreduce /
-MPI_Reduce_scatter with MPI.SUM after the agreement. So do compressed ops on
+MPI_Reduce_scatter with MPI.SUM after the agreement (on 2 ranks, up to
+1 MiB, each rank adds the values that came with its peer's row: a + b is
+b + a, the same bits). So do compressed ops on
 buffers smaller than ``$MPIGC_MIN_COMPRESS_BYTES`` (default 8192 bytes; see
 :func:`min_compress_bytes`): below a few KiB the fixed cost of compressing
 exceeds what fewer bytes save. Such calls use and change no residual.
@@ -35,9 +40,12 @@ fallback and ``gather="exact"`` move full-precision values there). The
 default stream is synchronised before MPI reads device memory and before a
 call returns (see ``docs/gpu.md``).
 """
+import atexit
 import json
 import os
 import struct
+import threading
+import time
 import zlib
 
 import numpy as np
@@ -47,7 +55,7 @@ from . import _comm
 from . import _dispatch
 from ._errors import (CODES, ConfigError, DTypeError, InvalidBufferError, MismatchError,
                       MpigcError, NonFiniteError, code_of)
-from .compressors import SUPPORTED_DTYPES, get_compressor, work_dtype
+from .compressors import SUPPORTED_DTYPES, NoCompression, get_compressor, work_dtype
 from .feedback import get_default_feedback, shard_bounds
 from .kernels import cpu as _cpu
 
@@ -75,8 +83,24 @@ def reset_traffic():
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 GATHER_MODES = ("compressed", "exact")
 
-# columns of the agreement table
-_CODE, _NBAD, _N, _DTYPE, _FP, _SCALE, _RANGE, _NCOLS = 0, 1, 2, 3, 4, 5, 6, 7
+# columns of the agreement table; _INLINE: 1 when this rank's agreement
+# messages carry its data (see _Op._start_agree)
+_CODE, _NBAD, _N, _DTYPE, _FP, _SCALE, _RANGE, _INLINE, _NCOLS = 0, 1, 2, 3, 4, 5, 6, 7, 8
+_HDR = _NCOLS * 8  # bytes of one agreement row, at the head of each agreement message
+# up to this many ranks the agreement travels point to point, each rank's row
+# in front of the data it sends to each peer (one round for the whole call
+# where the data fits); beyond, an Iallgather of the rows (log N rounds)
+_P2P_MAX_RANKS = 16
+# op="none" and the small-buffer fallback on 2 ranks: up to this many bytes the
+# values travel in the agreement message and each rank adds its peer's
+# (a + b == b + a: exactly what MPI_Allreduce returns on 2 ranks)
+_INLINE_PLAIN_MAX = 1 << 20
+# compressed ops: phase 1's payloads travel with the rows when none is larger
+# than this; larger ones go after the agreement into receives posted before
+# the sends, so big transfers start at once instead of at the receiver's probe
+_INLINE_PAYLOAD_MAX = 256 << 10
+_FAST_AGREE = np.array([_CODE, _NBAD, _RANGE])
+_SAME_COLS = slice(_N, _FP + 1)
 _DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
 
 
@@ -108,6 +132,35 @@ def min_compress_bytes():
     return v
 
 
+# validated settings and their fingerprint per call signature (see _settings_key)
+_settings_cache = {}
+_SETTINGS_CACHE_MAX = 4096
+_SCALAR = (str, int, float, bool, type(None))
+
+
+def _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype, recvcounts,
+                  size):
+    """What the validated settings of a call depend on, as a hashable key, or
+    None where an argument is not a plain value (a dict op, a compressor
+    object: validated on every call). The environment variables that
+    settings read are part of the key, so changing them takes effect."""
+    if not (isinstance(op, str) and isinstance(average, bool)
+            and isinstance(gather, (str, type(None)))
+            and isinstance(nonfinite, (str, type(None)))
+            and isinstance(key, (str, int, type(None)))):
+        return None
+    if params and not all(isinstance(v, _SCALAR) for v in params.values()):
+        return None
+    if recvcounts is not None:
+        if not (isinstance(recvcounts, (list, tuple))
+                and all(type(c) is int for c in recvcounts)):
+            return None
+        recvcounts = tuple(recvcounts)
+    return (kind, op, repr(sorted(params.items())) if params else "", type(key), key,
+            average, gather, nonfinite, n, dtype, recvcounts, size,
+            os.environ.get("MPIGC_NONFINITE"), os.environ.get("MPIGC_MIN_COMPRESS_BYTES"))
+
+
 class Request:
     """A pending compressed collective (from ``iallreduce`` and friends).
 
@@ -124,24 +177,29 @@ class Request:
 
     def test(self):
         """Make progress on every pending request; True once this one is done."""
-        _progress_all()
-        return self._op.finished()
+        with _lock:
+            _progress_all()
+            if self._op.state == "done":
+                self._op._settle()
+            return self._op.finished()
 
     def wait(self):
         """Complete the call and return its result."""
         op = self._op
-        while not op.done_or_failed():
-            first = _pending[0]
-            if _in_order(op):
-                # every call started before this one is on its communicator, so
-                # every rank completes them in the same order: finish the
-                # oldest, blocking in MPI (no busy loop stealing the CPU from
-                # ranks that are still computing)
-                first.progress(block=True)
-            else:
-                _progress_all()
-        op.finished()
-        return op.result
+        with _lock:
+            while not op.done_or_failed():
+                first = _pending[0]
+                if _in_order(op):
+                    # every call started before this one is on its communicator,
+                    # so every rank completes them in the same order: finish the
+                    # oldest, blocking in MPI (no busy loop stealing the CPU from
+                    # ranks that are still computing)
+                    first.progress(block=True)
+                else:
+                    _progress_all()
+            op._settle()
+            op.finished()
+            return op.result
 
     @property
     def done(self):
@@ -149,6 +207,47 @@ class Request:
 
 
 _pending = []  # calls started and not done, in start order
+
+
+class _BufferPool:
+    """Reusable host byte buffers for agreement messages, by size: a fresh
+    ``np.empty`` of a large buffer costs page faults on every first touch.
+    Keeps at most ``per_size`` buffers of a size and ``max_bytes`` in all."""
+
+    def __init__(self, per_size=4, max_bytes=256 << 20):
+        self.free = {}
+        self.per_size, self.max_bytes, self.held = per_size, max_bytes, 0
+
+    def take(self, nbytes):
+        lst = self.free.get(nbytes)
+        if lst:
+            self.held -= nbytes
+            return lst.pop()
+        return np.empty(nbytes, np.uint8)
+
+    def give(self, a):
+        lst = self.free.setdefault(a.size, [])
+        if len(lst) < self.per_size and self.held + a.size <= self.max_bytes:
+            lst.append(a)
+            self.held += a.size
+
+
+_pool = _BufferPool()
+# sends of finished calls that MPI had not completed yet, with their buffers
+_draining = []
+
+
+def _drain():
+    """Recycle the buffers of finished calls' sends that have completed."""
+    keep = []
+    for reqs, bufs in _draining:
+        if MPI.Request.Testall(reqs):
+            for a in bufs:
+                _pool.give(a)
+        else:
+            keep.append((reqs, bufs))
+    _draining[:] = keep
+_NONE = NoCompression()
 
 
 def _in_order(op):
@@ -189,6 +288,9 @@ class _Op:
         self.fb = None
         self.key = None
         self.sendreqs = []
+        self.recvbuf = None
+        self.asend = []
+        self.abuf = None
         self.local_error = None
         self.error = None
         self.plain = False
@@ -207,12 +309,130 @@ class _Op:
             self._abandon()
         self.row = row
         self.table = np.zeros((self.size, _NCOLS), np.int64)
-        if blocking and not _pending:
-            self.cs.comm.Allgather(row, self.table)
-            self.agree_req = None
+        self.agree_req = None
+        self.arecv = None
+        if _draining:
+            _drain()
+        if self.size > _P2P_MAX_RANKS:
+            if blocking and not _pending:
+                self.cs.comm.Allgather(row, self.table)
+            else:
+                self.agree_req = self.cs.comm.Iallgather(row, self.table)
         else:
-            self.agree_req = self.cs.comm.Iallgather(row, self.table)
+            self._start_agree()
+            if blocking and not _pending:
+                self._progress_agree(block=True)
         _pending.append(self)
+
+    # -- 2a. the agreement, point to point -----------------------------------
+    def _inline_payloads(self):
+        """What this rank's agreement message to each peer carries after its
+        row: the data of the call where the agreement can travel with it
+        (``{peer: uint8 array}``), else None (rows only).
+
+        - compressed ops but terngrad (which quantizes only once the scale is
+          agreed), payloads of at most ``_INLINE_PAYLOAD_MAX`` bytes: the
+          payload of the peer's shard, i.e. phase 1 itself;
+        - ``op="none"`` and the small-buffer fallback of an allreduce on 2
+          ranks, up to ``_INLINE_PLAIN_MAX`` bytes: the values.
+
+        Host buffers only: a device buffer's payload would need staging
+        first (and a header read back from device memory with CUDA-aware
+        MPI), so device calls send rows only and move data as before.
+        A rank that failed early sends its row alone. The row says
+        (``_INLINE``) whether data follows, so the decision need not be the
+        same on every rank: the data path is taken only when every row says
+        so (see ``_after_agreement``)."""
+        if self.local_error is not None or self.be is None or self.be.device:
+            return None
+        r = self.rank
+        if self.plain:
+            if (self.kind == "allreduce" and self.size == 2
+                    and self.none_buf.nbytes <= _INLINE_PLAIN_MAX):
+                v = self.none_buf.view(np.uint8)
+                return {1 - r: v}
+            return None
+        if self.comp.needs_global_scale or max(self.sizes) > _INLINE_PAYLOAD_MAX:
+            return None
+        return {j: self.sendbuf[self.offs[j]:self.offs[j + 1]]
+                for j in range(self.size) if j != r}
+
+    def _expected_inline(self):
+        """Bytes of data that a peer that agrees with this rank sends after
+        its row (0: rows only)."""
+        if self.local_error is not None or self.be is None or self.be.device:
+            return 0
+        if self.plain:
+            ok = (self.kind == "allreduce" and self.size == 2
+                  and self.none_buf.nbytes <= _INLINE_PLAIN_MAX)
+            return self.none_buf.nbytes if ok else 0
+        if self.comp.needs_global_scale or max(self.sizes) > _INLINE_PAYLOAD_MAX:
+            return 0
+        return self.sizes[self.rank]
+
+    def _start_agree(self):
+        """Send this rank's row, with its data where it can travel with it,
+        to every peer; receives are matched by probe (:meth:`_progress_agree`),
+        so a peer whose message has another size (a different buffer size, a
+        rank that failed early) is read, not truncated."""
+        comm, r, tag = self.cs.comm, self.rank, self.tags[2]
+        inline = self._inline_payloads()
+        self.row[_INLINE] = 0 if inline is None else 1
+        self.table[r] = self.row
+        hdr = self.row.view(np.uint8)
+        self.asend = []
+        for k in range(1, self.size):
+            j = (r + k) % self.size
+            if inline is None:
+                msg = hdr
+            else:
+                p = inline[j]
+                msg = _pool.take(_HDR + p.size)
+                msg[:_HDR] = hdr
+                msg[_HDR:] = p
+                self.asend.append(msg)
+            self.sendreqs.append(comm.Isend([msg, MPI.BYTE], dest=j, tag=tag))
+        m = self._expected_inline()
+        self.aslot = _HDR + m
+        # one pooled buffer, a slot per source (this rank's slot unused)
+        self.abuf = _pool.take(self.size * self.aslot)
+        self.arecv = {(r - k) % self.size: None for k in range(1, self.size)}
+        self.adata = {}
+
+    def _progress_agree(self, block):
+        """Receive the peers' rows (and data); True once every row is in."""
+        comm, tag = self.cs.comm, self.tags[2]
+        done = True
+        for j, req in self.arecv.items():
+            if req is True:
+                continue
+            if req is None:
+                st = MPI.Status()
+                msg = comm.Mprobe(j, tag, st) if block else comm.Improbe(j, tag, st)
+                if msg is None:
+                    done = False
+                    continue
+                count = st.Get_count(MPI.BYTE)
+                if count == self.aslot:
+                    buf = self.abuf[j * self.aslot:(j + 1) * self.aslot]
+                else:  # the call will fail: read the row, keep nothing
+                    buf = np.empty(max(count, _HDR), np.uint8)
+                self.adata[j] = buf
+                if block:
+                    msg.Recv([buf, count, MPI.BYTE])
+                    req = None
+                else:
+                    req = msg.Irecv([buf, count, MPI.BYTE])
+                    self.arecv[j] = req
+            if req is not None and req is not True:
+                if block:
+                    req.Wait()
+                elif not req.Test():
+                    done = False
+                    continue
+            self.arecv[j] = True
+            self.table[j] = self.adata[j][:_HDR].view(np.int64)
+        return done
 
     # -- 1. prepare ----------------------------------------------------------
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
@@ -241,44 +461,24 @@ class _Op:
         row[_N] = n
         row[_DTYPE] = _DTYPE_CODE[dtype]
 
-        self.comp = comp = get_compressor(op, **params)
-        if gather not in GATHER_MODES:
-            raise ConfigError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
-        if nonfinite is None:
-            nonfinite = default_nonfinite()
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ConfigError(f"nonfinite must be one of {NONFINITE_POLICIES}, got "
-                              f"{nonfinite!r}")
-        if key is not None and not isinstance(key, (str, int)):
-            raise ConfigError(f"key must be a str or int, got {type(key).__name__}")
-        self.average = bool(average)
-        self.gather = gather
-        self.nonfinite = nonfinite
-        if recvcounts is None:
-            self.bounds = shard_bounds(n, self.size)
-        else:
-            counts = [int(c) for c in recvcounts]
-            if len(counts) != self.size or min(counts) < 0 or sum(counts) != n:
-                raise InvalidBufferError(
-                    f"recvcounts: expected {self.size} non-negative counts summing to {n}, "
-                    f"got {list(recvcounts)}")
-            starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
-            self.bounds = list(zip(starts[:-1], starts[1:]))
+        ck = _settings_key(self.kind, op, params, key, average, gather, nonfinite, n,
+                           dtype, recvcounts, self.size)
+        hit = None if ck is None else _settings_cache.get(ck)
+        if hit is None:
+            hit = self._validate_settings(op, params, key, average, gather, nonfinite, n,
+                                          recvcounts)
+            if ck is not None:
+                if len(_settings_cache) >= _SETTINGS_CACHE_MAX:
+                    _settings_cache.clear()
+                _settings_cache[ck] = hit
+        (self.comp, self.average, self.gather, self.nonfinite, self.bounds, self.key,
+         self.plain, self.settings, row[_FP]) = hit
+        comp, nonfinite = self.comp, self.nonfinite
         lo, hi = self.bounds[self.rank]
         self.out_given = out  # what reduce_scatter returns (the caller's object)
         if out is not None:
             out = self._check_out(out, hi - lo)
         self.out = out
-        self.key = (f"auto/{n}/{self.dtype.name}" if key is None else str(key))
-        # small buffers: plain MPI sum (see min_compress_bytes)
-        fallback = comp.codec_id != "none" and self.flat.nbytes < min_compress_bytes()
-        self.plain = comp.codec_id == "none" or fallback
-        settings = {"kind": self.kind, "comp": comp.get_config(), "key": self.key,
-                    "average": self.average, "gather": gather, "nonfinite": nonfinite,
-                    "bounds": None if recvcounts is None else self.bounds,
-                    "fallback": fallback}
-        self.settings = settings
-        row[_FP] = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
 
         self.uses_state = not self.plain and feedback is not False
         self.use_ef = self.uses_state and comp.uses_feedback
@@ -307,6 +507,42 @@ class _Op:
         self.e_out = self.fb._take_spare(n, self.wdtype, dev) if self.use_ef else None
         self.spare = self.e_out
         self._pack_shards(row)
+
+    def _validate_settings(self, op, params, key, average, gather, nonfinite, n,
+                           recvcounts):
+        """The call's settings, validated, and their fingerprint (cached per
+        :func:`_settings_key` by ``_prepare``)."""
+        comp = get_compressor(op, **params)
+        if gather not in GATHER_MODES:
+            raise ConfigError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
+        if nonfinite is None:
+            nonfinite = default_nonfinite()
+        if nonfinite not in NONFINITE_POLICIES:
+            raise ConfigError(f"nonfinite must be one of {NONFINITE_POLICIES}, got "
+                              f"{nonfinite!r}")
+        if key is not None and not isinstance(key, (str, int)):
+            raise ConfigError(f"key must be a str or int, got {type(key).__name__}")
+        average = bool(average)
+        if recvcounts is None:
+            bounds = shard_bounds(n, self.size)
+        else:
+            counts = [int(c) for c in recvcounts]
+            if len(counts) != self.size or min(counts) < 0 or sum(counts) != n:
+                raise InvalidBufferError(
+                    f"recvcounts: expected {self.size} non-negative counts summing to {n}, "
+                    f"got {list(recvcounts)}")
+            starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+            bounds = list(zip(starts[:-1], starts[1:]))
+        key = (f"auto/{n}/{self.dtype.name}" if key is None else str(key))
+        # small buffers: plain MPI sum (see min_compress_bytes)
+        fallback = comp.codec_id != "none" and n * self.dtype.itemsize < min_compress_bytes()
+        plain = comp.codec_id == "none" or fallback
+        settings = {"kind": self.kind, "comp": comp.get_config(), "key": key,
+                    "average": average, "gather": gather, "nonfinite": nonfinite,
+                    "bounds": None if recvcounts is None else bounds,
+                    "fallback": fallback}
+        fp = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
+        return comp, average, gather, nonfinite, bounds, key, plain, settings, fp
 
     def _check_out(self, out, n):
         """reduce_scatter's ``out``: on the side of ``buf`` (host or device)."""
@@ -382,11 +618,29 @@ class _Op:
             self.fb._give_spare(self.spare)
             self.spare = None
         if self.fb is not None and getattr(self, "busy_key", False):
+            if _driver.thread:
+                # completed by the progress thread: the key stays in use until
+                # the caller's test() or wait() sees the call done, as without
+                # the thread (see Request._settle)
+                self.key_deferred = True
+                return
             self.fb._release(self.key)
             self.busy_key = False
 
+    def _settle(self):
+        """The caller saw the call done: release a key that the progress
+        thread left in use."""
+        if getattr(self, "key_deferred", False):
+            self.key_deferred = False
+            self.busy_key = False
+            self.fb._release(self.key)
+
     def _agreed(self):
         t = self.table
+        # the common case first: no error, nothing non-finite, every rank alike
+        if (not t[:, _FAST_AGREE].any()
+                and (t[:, _SAME_COLS] == t[self.rank, _SAME_COLS]).all()):
+            return True
         comm = self.cs.post  # collectives started after an agreement
         # a disagreement between ranks is the root cause of any state error it
         # provokes, so it is reported first (rows of such ranks are complete)
@@ -435,6 +689,7 @@ class _Op:
             if self.fb is not None:
                 self.fb.skipped_steps += 1
             self._finish_skipped()
+            self._release_agree()
             return False
         return True
 
@@ -512,7 +767,32 @@ class _Op:
             self._set_rs_result(v)
         self.be.sync()
         self._release_staging()
+        self._release_agree()
         self.state = "done"
+
+    def _release_agree(self):
+        """The call is over: its agreement buffers go back to the pool, the
+        send buffers once MPI is done with them (see :func:`_drain`)."""
+        if self.abuf is not None:
+            _pool.give(self.abuf)
+            self.abuf = None
+        if self.sendreqs:
+            if MPI.Request.Testall(self.sendreqs):
+                self.sendreqs = []
+            else:
+                _draining.append((self.sendreqs, self.asend))
+                self.sendreqs, self.asend = [], []
+        for a in self.asend:
+            _pool.give(a)
+        self.asend = []
+
+    def _drop_agree(self):
+        """A failed call: its sends (the agreement messages, which every peer
+        receives before it decides) finish in the background."""
+        self.abuf = None
+        if self.sendreqs:
+            _draining.append((self.sendreqs, self.asend))
+            self.sendreqs, self.asend = [], []
 
     def _set_rs_result(self, v):
         if self.out is not None:
@@ -558,10 +838,30 @@ class _Op:
         self.next_src = 0
         self.state = "phase1"
 
+    def _start_phase1_inline(self):
+        """Phase 1 when the payloads came with the rows: decode them."""
+        lo, hi = self.bounds[self.rank]
+        self.recvreqs = [None] * self.size
+        acc_dtype = np.float64 if self.dtype == np.float64 else np.float32
+        self.acc = self._empty(hi - lo, acc_dtype)
+        self.next_src = 0
+        self.state = "phase1"
+
+    def _finish_inline_plain(self):
+        """op="none" (or the fallback) on 2 ranks, the values in the
+        agreement messages: add the peer's to this rank's, in place."""
+        peer = self.adata[1 - self.rank][_HDR:]
+        # a + b == b + a: the same bits as MPI_Allreduce on 2 ranks
+        _NONE._decode(peer, self.none_buf, True)
+        self.none_out = self.none_wire = self.none_buf
+        self._finish_none()
+
     def _payload_from(self, j):
         r, m = self.rank, self.sizes[self.rank]
         if j == r:
             return self.sendbuf[self.offs[r]:self.offs[r + 1]]
+        if self.recvbuf is None:  # the payloads came with the rows
+            return self.adata[j][_HDR:]
         return self.recvbuf[j * m:(j + 1) * m]
 
     def _unstage(self, dst, src):
@@ -751,6 +1051,7 @@ class _Op:
             self._set_rs_result(self.acc)
         self.be.sync()  # the decoding kernels are asynchronous
         self._release_staging()
+        self._release_agree()
         self._abandon()
         self.state = "done"
 
@@ -764,6 +1065,7 @@ class _Op:
         except BaseException as exc:  # noqa: BLE001 - kept for finished()
             self.error = exc
             self._abandon()
+            self._drop_agree()
             self.state = "done"
             done = True
         if self.state == "done" and self in _pending:
@@ -798,6 +1100,9 @@ class _Op:
                     self.agree_req.Wait()
                 elif not self.agree_req.Test():
                     return False
+                self.agree_req = None
+            if self.arecv is not None and not self._progress_agree(block):
+                return False
             # what follows the agreement may start collectives (the error
             # report, op="none"): every rank must start them in the same
             # order, so calls act on their agreements in the order they began
@@ -806,8 +1111,15 @@ class _Op:
             if not self._agreed():
                 return True
             self._commit()
+            # the data travelled with the rows when every row says so
+            inline = self.arecv is not None and bool(self.table[:, _INLINE].all())
             if self.plain:
+                if inline:
+                    self._finish_inline_plain()
+                    return True
                 self._start_none()
+            elif inline:
+                self._start_phase1_inline()
             else:
                 self._start_phase1()
         if self.state == "none":
@@ -837,5 +1149,105 @@ class _Op:
 def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,
           recvcounts=None, out=None, blocking):
     """Create and start one collective call; returns its ``_Op``."""
-    return _Op(kind, buf, op, params, comm, key, average, gather, feedback, nonfinite,
-               recvcounts, out, blocking)
+    with _lock:
+        o = _Op(kind, buf, op, params, comm, key, average, gather, feedback, nonfinite,
+                recvcounts, out, blocking)
+    if not blocking and o.state != "done":
+        _progress_thread.wake()
+    return o
+
+
+# -- progress during compute ----------------------------------------------------
+# Every entry point of the engine (start, test, wait, the progress thread)
+# holds this lock: the calls' state and MPI requests are touched by one thread
+# at a time. Re-entrant: a blocking call's wait() runs inside start()'s caller.
+_lock = threading.RLock()
+
+
+class _Driver:
+    """Who is advancing calls now (under ``_lock``): the progress thread or
+    the caller."""
+    thread = False
+
+
+_driver = _Driver()
+
+
+def progress_thread_enabled():
+    """Whether nonblocking calls progress in a background thread.
+
+    ``$MPIGC_PROGRESS_THREAD`` (default ``1``; ``0`` turns it off) and an MPI
+    library initialised with ``MPI_THREAD_MULTIPLE`` (the thread calls MPI
+    while the caller's thread may too); below that level, or with the
+    variable at 0, calls progress only inside ``test()`` and ``wait()``.
+    """
+    env = os.environ.get("MPIGC_PROGRESS_THREAD", "1").strip()
+    if env in ("0", "false", "no", "off"):
+        return False
+    return MPI.Is_initialized() and not MPI.Is_finalized() \
+        and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
+def _progress_interval():
+    """``$MPIGC_PROGRESS_INTERVAL_US``: how long the progress thread sleeps
+    between two passes over the pending calls (default 200 microseconds)."""
+    try:
+        return max(0.0, float(os.environ.get("MPIGC_PROGRESS_INTERVAL_US", "200"))) * 1e-6
+    except ValueError:
+        return 200e-6
+
+
+class _ProgressThread:
+    """A daemon thread that advances pending nonblocking calls while the
+    caller computes (MPI libraries without asynchronous progress, such as
+    Open MPI over TCP, move data only inside MPI calls). It sleeps on a
+    condition while nothing is pending, polls every ``_progress_interval``
+    otherwise, and is stopped and joined at interpreter exit, before mpi4py
+    finalizes MPI (its atexit handler is registered after mpi4py's, so it
+    runs first)."""
+
+    def __init__(self):
+        self.thread = None
+        self.cond = threading.Condition()
+        self.stopping = False
+
+    def wake(self):
+        if self.thread is None:
+            if self.stopping or not progress_thread_enabled():
+                return
+            self.thread = threading.Thread(target=self._run, name="mpigc-progress",
+                                           daemon=True)
+            atexit.register(self.stop)
+            self.thread.start()
+        with self.cond:
+            self.cond.notify()
+
+    def _run(self):
+        interval = _progress_interval()
+        while True:
+            with self.cond:
+                while not _pending and not self.stopping:
+                    self.cond.wait()
+            if self.stopping:
+                return
+            with _lock:
+                if self.stopping or MPI.Is_finalized():
+                    return
+                _driver.thread = True
+                try:
+                    _progress_all()
+                finally:
+                    _driver.thread = False
+            time.sleep(interval)
+
+    def stop(self):
+        """Stop the thread and wait for it (at exit; idempotent)."""
+        self.stopping = True
+        t = self.thread
+        if t is not None:
+            with self.cond:
+                self.cond.notify()
+            t.join()
+
+
+_progress_thread = _ProgressThread()

@@ -30,6 +30,20 @@ per op:
 ``speedup``
     median time of ``none`` / median time of the op, same size, same run.
 
+``--latency`` is the OSU-style small-message mode: 4 B .. 1 MiB (x4), every
+op and ``mpi`` in the same run, allreduce only, 200 timed iterations per
+point (at least 50), and two more columns:
+
+``vs mpi``
+    median time of the op / median time of ``mpi`` (bare ``comm.Allreduce``),
+    same size, same run: what mpigc costs on top of MPI.
+``wire %``
+    with ``--link-gbps R`` (a shaped fabric, e.g. ``benchmarks/fabric.sh``):
+    the time the op's wire bytes take at R Gbit/s / the median time, i.e. the
+    fraction of the wire ideal reached (100% = the link is busy the whole
+    call). Without it: the speedup over ``mpi`` / the ratio of ``mpi``'s wire
+    bytes to the op's (the speedup a link-bound call would get).
+
 Besides mpigc's ops, ``mpi`` is the bare ``comm.Allreduce`` /
 ``comm.Reduce_scatter`` (no agreement step), to show what ``none`` costs on top
 of MPI. ``--json`` writes every row, ``--plot`` a PNG (needs matplotlib:
@@ -48,7 +62,7 @@ from mpi4py import MPI
 
 import mpigc
 
-__all__ = ["main", "run", "parse_size", "format_size"]
+__all__ = ["main", "run", "parse_size", "format_size", "wire_fraction"]
 
 DEFAULT_OPS = ("mpi", "none", "fp16", "2bit", "1bit", "terngrad")
 COLLECTIVES = ("allreduce", "reduce_scatter")
@@ -249,13 +263,32 @@ def run(args, comm=None):
     prog.close()
     # speedup and compression ratio against `none` of the same size and collective
     ref = {(r["collective"], r["size_bytes"]): r for r in rows if r["op"] == "none"}
+    mpi = {(r["collective"], r["size_bytes"]): r for r in rows if r["op"] == "mpi"}
+    link = getattr(args, "link_gbps", None)
     for r in rows:
         b = ref[(r["collective"], r["size_bytes"])]
         r["speedup_vs_none"] = b["median_s"] / r["median_s"]
         # one rank sends nothing: call that a ratio of 1
         r["compression_ratio"] = (b["wire_bytes"] / r["wire_bytes"] if r["wire_bytes"]
                                   else 1.0)
+        m = mpi.get((r["collective"], r["size_bytes"]))
+        if m is not None:
+            r["time_vs_mpi"] = r["median_s"] / m["median_s"]
+        r["wire_fraction"] = wire_fraction(r, m, link)
     return rows
+
+
+def wire_fraction(row, mpi_row, link_gbps=None):
+    """The fraction of the wire ideal that ``row`` reached: with a link rate,
+    (wire bytes at ``link_gbps``) / median time; without, the speedup over
+    ``mpi_row`` / the ratio of its wire bytes to ``row``'s. None when neither
+    applies."""
+    if link_gbps:
+        return row["wire_bytes"] * 8 / (link_gbps * 1e9) / row["median_s"]
+    if mpi_row is None or not row["wire_bytes"]:
+        return None
+    ideal = mpi_row["wire_bytes"] / row["wire_bytes"]
+    return mpi_row["median_s"] / row["median_s"] / ideal
 
 
 def format_tables(rows, nranks):
@@ -273,16 +306,22 @@ def format_tables(rows, nranks):
         its = f"{its[0]}" if len(its) == 1 else f"{its[0]}-{its[-1]}"
         lines.append(f"# {coll}, op={op}, {nranks} ranks, {sub[0]['dtype']}, "
                      f"time = slowest rank, {its} timed iterations per size")
+        extra = any("time_vs_mpi" in r for r in sub)
         lines.append(f"#{'size':>9} {'count':>10} {'med us':>11} {'min us':>11} "
                      f"{'max us':>11} {'algbw':>8} {'busbw':>8} {'wire B/rank':>12} "
-                     f"{'ratio':>7} {'max rel err':>11} {'speedup':>8}")
+                     f"{'ratio':>7} {'max rel err':>11} {'speedup':>8}"
+                     + (f" {'vs mpi':>8} {'wire %':>7}" if extra else ""))
         for r in sub:
+            wf = r.get("wire_fraction")
             lines.append(
                 f"{format_size(r['size_bytes']):>10} {r['count']:>10} "
                 f"{r['median_s'] * 1e6:11.1f} {r['min_s'] * 1e6:11.1f} "
                 f"{r['max_s'] * 1e6:11.1f} {r['algbw_GBps']:8.3f} {r['busbw_GBps']:8.3f} "
                 f"{r['wire_bytes']:12d} {r['compression_ratio']:6.1f}x "
-                f"{r['max_rel_err']:11.2e} {r['speedup_vs_none']:7.2f}x")
+                f"{r['max_rel_err']:11.2e} {r['speedup_vs_none']:7.2f}x"
+                + (f" {r['time_vs_mpi']:7.2f}x "
+                   + (f"{100 * wf:6.1f}%" if wf is not None else f"{'-':>7}")
+                   if extra else ""))
         lines.append("")
     # summary: speedup against none, sizes x ops
     for coll in dict.fromkeys(r["collective"] for r in rows):
@@ -397,10 +436,44 @@ def build_parser():
                         "a terminal, so not in a Slurm log)")
     p.add_argument("--no-progress", dest="progress", action="store_false",
                    help="no progress bar")
+    p.add_argument("--latency", action="store_true",
+                   help="OSU-style small messages: 4B..1M (x4), allreduce, every op and "
+                        "mpi, 200 timed iterations (at least 50); adds the columns "
+                        "'vs mpi' and 'wire %%'")
+    p.add_argument("--link-gbps", type=float, metavar="R",
+                   help="the link rate of a shaped fabric (Gbit/s): 'wire %%' is then the "
+                        "time the wire bytes take at R / the median time")
     p.add_argument("--from-json", metavar="PATH",
                    help="print the tables (and --plot) of an earlier --json file; "
                         "measures nothing")
     return p
+
+
+LATENCY_SIZES = [4 << (2 * k) for k in range(10)]  # 4 B .. 1 MiB
+
+
+def apply_latency_defaults(args, argv=None):
+    """``--latency``: the small-message sweep, unless the command line set
+    the sizes, ops, collectives or iteration counts itself."""
+    given = set(sys.argv[1:] if argv is None else argv)
+    named = {a.split("=", 1)[0] for a in given}
+    if "--sizes" not in named:
+        args.sizes = list(LATENCY_SIZES)
+    if "--ops" not in named:
+        args.ops = ["mpi"] + [o for o in mpigc.available_compressors()]
+    elif "mpi" not in args.ops:
+        args.ops = ["mpi"] + list(args.ops)
+    if "--collectives" not in named:
+        args.collectives = ["allreduce"]
+    if "--iters" not in named:
+        args.iters = 200
+    if "--min-iters" not in named:
+        args.min_iters = 50
+    if "--time-per-point" not in named:
+        args.time_per_point = 0.5
+    if "--warmup" not in named:
+        args.warmup = 10
+    return args
 
 
 def main(argv=None):
@@ -417,6 +490,8 @@ def main(argv=None):
         return 0
     if args.warmup < 1:
         args.warmup = 1
+    if args.latency:
+        apply_latency_defaults(args, argv)
     comm = MPI.COMM_WORLD
     rows = run(args, comm)
     if comm.rank == 0:

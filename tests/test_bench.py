@@ -129,3 +129,31 @@ def test_small_message_fallback(monkeypatch):
     monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "lots")
     with pytest.raises(mpigc.ConfigError):
         mpigc.allreduce(x.copy(), op="2bit", key="small2", feedback=fb)
+
+
+def test_latency_defaults_and_columns(capsys):
+    """--latency: 4 B .. 1 MiB, every op and mpi, allreduce only; the tables
+    gain 'vs mpi' and 'wire %' (the sizes here are cut down to stay fast)."""
+    args = bench.build_parser().parse_args(["--latency"])
+    bench.apply_latency_defaults(args, ["--latency"])
+    assert args.sizes[0] == 4 and args.sizes[-1] == 1 << 20 and len(args.sizes) == 10
+    assert args.ops[0] == "mpi" and set(mpigc.available_compressors()) <= set(args.ops)
+    assert args.collectives == ["allreduce"] and args.iters == 200 and args.min_iters == 50
+    argv = ["--latency", "--sizes", "4,64K", "--ops", "none,2bit", "--iters", "3",
+            "--min-iters", "1", "--warmup", "1", "--no-progress"]
+    assert bench.main(argv) == 0
+    text = capsys.readouterr().out
+    assert "vs mpi" in text and "wire %" in text and "# allreduce, op=mpi" in text
+    assert "reduce_scatter" not in text
+
+
+def test_wire_fraction():
+    """The fraction of the wire ideal: with a link rate, wire time / time;
+    without, the speedup over mpi / mpi's wire bytes over the op's."""
+    mpi = {"wire_bytes": 16 << 20, "median_s": 0.32}
+    op = {"wire_bytes": 1 << 20, "median_s": 0.025}
+    # 1 MiB at 1 Gbit/s = 8.39 ms of 25 ms
+    assert abs(bench.wire_fraction(op, mpi, 1.0) - (8 * (1 << 20) / 1e9) / 0.025) < 1e-12
+    # speedup 12.8x of an ideal 16x: 80%
+    assert abs(bench.wire_fraction(op, mpi) - 0.8) < 1e-12
+    assert bench.wire_fraction(op, None) is None

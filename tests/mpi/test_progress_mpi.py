@@ -1,0 +1,125 @@
+"""Progress during compute: nonblocking calls complete while the caller
+computes without making any MPI call (the progress thread).
+
+Completion is observed, not timed: the caller spins in a pure-Python /
+numpy loop and reads ``request.done`` (no ``test()``, no MPI call) until it
+flips. A generous deadline only turns a request that never completes into a
+failure instead of a hang; it asserts nothing about speed.
+"""
+import os
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import mpigc
+from mpigc import _collective
+
+from conftest import assert_all, grads
+
+DEADLINE_S = 60.0
+
+
+def _compute_until_done(reqs):
+    """Busy without MPI until every request says done (or the deadline):
+    how many loop iterations it took, or None if the deadline passed."""
+    a = np.arange(256, dtype=np.float64)
+    t0, it = time.monotonic(), 0
+    while not all(r.done for r in reqs):
+        s = 0
+        for i in range(200):  # pure Python
+            s += i * i
+        a = np.sqrt(a * a + 1.0)  # numpy
+        it += 1
+        if time.monotonic() - t0 > DEADLINE_S:
+            return None
+    return it
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["none", "2bit", "1bit", "terngrad"])
+def test_request_completes_while_caller_computes(comm, op):
+    if not _collective.progress_thread_enabled():
+        pytest.skip("no progress thread (MPIGC_PROGRESS_THREAD=0 or MPI below "
+                    "THREAD_MULTIPLE)")
+    fb = mpigc.ErrorFeedback()
+    xs = [grads(comm.rank, n) for n in (5000, 70000, 300001)]
+    want = [mpigc.allreduce(x.copy(), op, key=f"k{i}", feedback=mpigc.ErrorFeedback(),
+                            seed=1) if op == "terngrad" else
+            mpigc.allreduce(x.copy(), op, key=f"k{i}", feedback=mpigc.ErrorFeedback())
+            for i, x in enumerate(xs)]
+    kw = {"seed": 1} if op == "terngrad" else {}
+    bufs = [x.copy() for x in xs]
+    reqs = [mpigc.iallreduce(b, op, key=f"k{i}", feedback=fb, **kw)
+            for i, b in enumerate(bufs)]
+    iters = _compute_until_done(reqs)
+    done = iters is not None
+    for r in reqs:  # complete them everywhere, whatever happened
+        r.wait()
+    assert_all(done, f"not done after {DEADLINE_S} s of compute without MPI calls")
+    if op == "none":  # MPI_Iallreduce may sum in another order than MPI_Allreduce
+        same = all(np.allclose(b, w, rtol=1e-5, atol=1e-5) for b, w in zip(bufs, want))
+    else:
+        same = all(b.tobytes() == w.tobytes() for b, w in zip(bufs, want))
+    assert_all(same, "results differ from blocking calls")
+
+
+@pytest.mark.mpi
+def test_errors_still_raised_by_wait_on_every_rank(comm):
+    """A bad call completed by the progress thread raises from wait()."""
+    x = grads(comm.rank, 4000)
+    if comm.rank == comm.size - 1:
+        x[3] = np.nan
+    req = mpigc.iallreduce(x, "2bit", key="e", feedback=mpigc.ErrorFeedback())
+    _compute_until_done([req])
+    try:
+        req.wait()
+        name = None
+    except mpigc.NonFiniteError as e:
+        name = type(e).__name__
+    assert_all(name == "NonFiniteError", f"got {name}")
+
+
+@pytest.mark.mpi
+def test_key_stays_in_use_until_wait(comm):
+    """A request completed by the thread keeps its key in use until the
+    caller's wait(): a call on that key in between raises StateError on
+    every rank, whatever the timing (as without the thread)."""
+    if not _collective.progress_thread_enabled():
+        pytest.skip("no progress thread")
+    fb = mpigc.ErrorFeedback()
+    req = mpigc.iallreduce(grads(comm.rank, 5000), "2bit", key="b", feedback=fb)
+    _compute_until_done([req])
+    try:
+        mpigc.allreduce(grads(comm.rank, 5000), "2bit", key="b", feedback=fb)
+        name = None
+    except mpigc.StateError as e:
+        name = type(e).__name__
+    req.wait()
+    assert_all(name == "StateError", f"got {name}")
+    mpigc.allreduce(grads(comm.rank, 5000), "2bit", key="b", feedback=fb)
+
+
+@pytest.mark.mpi
+def test_exit_with_the_thread_running_does_not_hang(comm):
+    """A program that leaves requests pending at exit (its atexit stops the
+    thread before mpi4py finalizes MPI) exits, on every rank."""
+    if comm.rank != 0:
+        return
+    code = (
+        "import numpy as np, mpigc\n"
+        "x = np.ones(100000, np.float32)\n"
+        "r = mpigc.iallreduce(x, '2bit', key='a')\n"
+        "r.wait()\n"
+        "r = mpigc.iallreduce(x, 'none')\n"
+        "assert mpigc._collective._progress_thread.thread is not None\n"
+        "r.wait()\n")
+    env = dict(os.environ, MPIGC_PROGRESS_THREAD="1")
+    for k in [k for k in env if k.startswith(("OMPI_", "PMIX", "PRTE"))
+              and "ALLOW_RUN_AS_ROOT" not in k]:
+        del env[k]  # a singleton, not a member of this job
+    p = subprocess.run([sys.executable, "-c", code], env=env, timeout=120,
+                       capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-2000:]

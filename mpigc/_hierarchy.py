@@ -401,6 +401,10 @@ class _HierCall:
         for s in lay.slices_of(lay.rank):
             slo, shi = sb[s]
             v = acc[slo - lo:shi - lo]
+            if shi == slo:  # fewer elements than slices: nothing to reduce
+                saved.append(None)
+                parts.append(v.copy())
+                continue
             sk = slice_key(self.key, s, lay.L, n)
             saved.append(self._snapshot(sk))
             try:

@@ -100,4 +100,4 @@ def iallreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm
     """
     return Request(start("allreduce", buf, op, params, comm=comm, key=key, average=average,
                          gather=gather, feedback=feedback, nonfinite=nonfinite,
-                         blocking=False))
+                         hierarchy=hierarchy, blocking=False))

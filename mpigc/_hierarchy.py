@@ -569,3 +569,78 @@ def redistribute(lay, pieces, bounds, n, dtype):
             if v is not None:
                 out[p - lo:q - lo] = v
     return out
+
+
+def redistribute_ranges(lay, pieces, targets, dtype):
+    """Like :func:`redistribute`, for several target ranges per rank:
+    ``targets[r]`` is a list of ``(lo, hi)``; returns one array per range of
+    this rank (zeros where no piece covers it)."""
+    send = []
+    for r in range(lay.size):
+        mine = []
+        for tlo, thi in targets[r]:
+            for a, b, v in pieces:
+                p, q = max(a, tlo), min(b, thi)
+                if q > p and v is not None:
+                    mine.append((p, q, np.ascontiguousarray(v[p - a:q - a])))
+        send.append(mine)
+    got = lay.comm.alltoall(send)
+    outs = [np.zeros(hi - lo, dtype) for lo, hi in targets[lay.rank]]
+    for parts in got:
+        for p, q, v in parts:
+            for (lo, hi), o in zip(targets[lay.rank], outs):
+                a, b = max(p, lo), min(q, hi)
+                if b > a:
+                    o[a - lo:b - lo] = v[a - p:b - p]
+    return outs
+
+
+# -- checkpoints: the hierarchical residuals in the flat layout, and back ------------
+def to_flat_form(lay, slices, n, dtype, has_worker, has_owner):
+    """This rank's residuals of one key, from ``slices`` ({slice: (worker,
+    owner)} of this rank) to the flat layout of the whole communicator
+    (collective): a worker residual of n values in global positions (zeros
+    outside this rank's slices; the sum over ranks is the total) and the owner
+    residual of this rank's ``shard_bounds(n, size)`` shard."""
+    sb = shard_bounds(n, lay.L)
+    w = None
+    if has_worker:
+        w = np.zeros(n, dtype)
+        for s, (wk, _) in slices.items():
+            if wk is not None:
+                lo, hi = sb[s]
+                w[lo:hi] = wk
+    o = None
+    if has_owner:
+        pieces = [(a, b, slices[s][1] if s in slices else None)
+                  for s, a, b in lay.owned_ranges(lay.rank, n)]
+        targets = [[b] for b in shard_bounds(n, lay.size)]
+        o = redistribute_ranges(lay, pieces, targets, dtype)[0]
+    return w, o
+
+
+def from_flat_form(lay, worker, owner, n, dtype):
+    """The inverse of :func:`to_flat_form` onto ``lay`` (collective): each
+    node's worker residuals summed per slice (local-rank order) to the slice's
+    handler, the owner shards moved to the group owners. Returns {slice:
+    (worker, owner)} for this rank's non-empty slices."""
+    sb = shard_bounds(n, lay.L)
+    lo, hi = lay.element_range(lay.rank, n)
+    acc = None
+    if worker is not None:
+        acc = intra_reduce_scatter(lay, np.ascontiguousarray(worker, dtype), n)
+    owned = lay.owned_ranges(lay.rank, n)
+    outs = None
+    if owner is not None:
+        flo, fhi = shard_bounds(n, lay.size)[lay.rank]
+        targets = [[(a, b) for _, a, b in lay.owned_ranges(r, n)] for r in range(lay.size)]
+        outs = redistribute_ranges(lay, [(flo, fhi, owner)], targets, dtype)
+    res = {}
+    for i, (s, _, _) in enumerate(owned):
+        slo, shi = sb[s]
+        if shi == slo:
+            continue
+        wk = None if acc is None else acc[slo - lo:shi - lo].copy()
+        ow = None if outs is None else outs[i]
+        res[s] = (wk, ow)
+    return res

@@ -264,3 +264,88 @@ def test_bad_hierarchy_value(comm):
     raises_everywhere(mpigc.ConfigError,
                       lambda: mpigc.allreduce(np.ones(10, np.float32), hierarchy="nodes"),
                       comm, match="hierarchy")
+
+
+def _total(fb, comm, n, key="k"):
+    """Sum over the ranks of ``comm`` of the worker and owner residuals of
+    ``key`` at their global positions (flat or hierarchical), float64."""
+    mine = np.zeros(n, np.float64)
+    st = fb.state_dict()
+    if key in st:
+        s = st[key]
+        if s["worker"] is not None:
+            mine += s["worker"]
+        if s["owner"] is not None:
+            lo, hi = mpigc.shard_bounds(n, comm.size)[comm.rank]
+            mine[lo:hi] += s["owner"]
+    hs = _slice_states(fb, key)
+    if hs:
+        lay = _hierarchy.layout(comm)
+        sb = mpigc.shard_bounds(n, lay.L)
+        for s, a, b in lay.owned_ranges(comm.rank, n):
+            if s in hs:
+                mine[sb[s][0]:sb[s][1]] += hs[s]["worker"]
+                if hs[s]["owner"] is not None:
+                    mine[a:b] += hs[s]["owner"]
+    return comm.allreduce(mine)
+
+
+@pytest.mark.mpi
+def test_checkpoint_2x2_to_1x3_and_back(comm, tmp_path_factory, monkeypatch):
+    """2 nodes x 2 -> 1 node x 3 (flat there) -> 2 x 2: the residual totals are
+    kept at every step, and a reload on the same layout continues bit for bit."""
+    if comm.size != 4:
+        pytest.skip("needs 4 ranks (2x2, then 3 of them as 1x3)")
+    n, op = 1001, "2bit"
+    path = comm.bcast(str(tmp_path_factory.mktemp("hck")) if comm.rank == 0 else None)
+    a, b = path + "/a", path + "/b"
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+    fb = mpigc.ErrorFeedback()
+    for step in range(3):
+        mpigc.allreduce(grads(comm.rank, n, seed=step), op, key="k", feedback=fb)
+    assert_all(any(_hierarchy.parse_slice_key(k) for k in fb.keys()), "not hierarchical",
+               comm)
+    t_a = _total(fb, comm, n)
+    mpigc.save_checkpoint(a, fb, comm=comm)
+    # same layout: identical state, identical next step
+    fb2 = mpigc.ErrorFeedback()
+    mpigc.load_checkpoint(a, fb2, comm=comm)
+    s1, s2 = fb.state_dict(), fb2.state_dict()
+    same = sorted(s1) == sorted(s2) and all(
+        s1[k]["worker"].tobytes() == s2[k]["worker"].tobytes() and
+        (s1[k]["owner"] is None) == (s2[k]["owner"] is None) and
+        (s1[k]["owner"] is None or s1[k]["owner"].tobytes() == s2[k]["owner"].tobytes())
+        for k in s1)
+    g = grads(comm.rank, n, seed=9)
+    r1 = mpigc.allreduce(g.copy(), op, key="k", feedback=fb)
+    r2 = mpigc.allreduce(g.copy(), op, key="k", feedback=fb2)
+    assert_all(same and r1.tobytes() == r2.tobytes(), "reload on 2x2 not bit-identical", comm)
+    # 1 node of 3 ranks: auto is flat there
+    sub = comm.Split(0 if comm.rank < 3 else MPI.UNDEFINED, key=comm.rank)
+    ok, why = True, ""
+    if sub != MPI.COMM_NULL:
+        monkeypatch.setenv("MPIGC_NODE_SPLIT", "3")
+        fb3 = mpigc.ErrorFeedback()
+        mpigc.load_checkpoint(a, fb3, comm=sub)
+        flat = sorted(fb3.keys()) == ["k"]
+        t_b = _total(fb3, sub, n)
+        ok = flat and np.allclose(t_b, t_a, rtol=1e-6, atol=1e-5)
+        why = f"1x3: keys {sorted(fb3.keys())}, max diff {np.max(np.abs(t_b - t_a))}"
+        mpigc.allreduce(grads(sub.rank, n, seed=4), op, key="k", feedback=fb3, comm=sub)
+        t_b = _total(fb3, sub, n)
+        mpigc.save_checkpoint(b, fb3, comm=sub)
+        sub.Free()
+    else:
+        t_b = None
+    assert_all(ok, why, comm)
+    t_b = comm.bcast(t_b, root=0)
+    # back to 2 x 2: hierarchical again, totals kept
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+    fb4 = mpigc.ErrorFeedback()
+    mpigc.load_checkpoint(b, fb4, comm=comm)
+    hier = all(_hierarchy.parse_slice_key(k) for k in fb4.keys()) and len(fb4.keys()) > 0
+    t_c = _total(fb4, comm, n)
+    assert_all(hier and np.allclose(t_c, t_b, rtol=1e-6, atol=1e-5),
+               f"back on 2x2: keys {fb4.keys()}, max diff {np.max(np.abs(t_c - t_b))}", comm)
+    # and it runs on
+    mpigc.allreduce(grads(comm.rank, n, seed=5), op, key="k", feedback=fb4)

@@ -148,6 +148,32 @@ class Layout:
             if g != MPI.COMM_NULL:
                 self.groups[s] = g
 
+    def shared(self, nbytes):
+        """Every node rank's segment (``nbytes`` at least) of a shared-memory
+        window on the node, as uint8 arrays in local-rank order (collective on
+        the node when it has to grow; ranks of a node always ask for the same
+        size, agreed beforehand)."""
+        win = getattr(self, "_win", None)
+        if win is None or self._win_bytes < nbytes:
+            if win is not None:
+                win.Unlock_all()
+                win.Free()
+            self._win = win = MPI.Win.Allocate_shared(max(int(nbytes), 1), 1,
+                                                      comm=self.node_comm)
+            win.Lock_all(MPI.MODE_NOCHECK)
+            self._win_bytes = nbytes
+            self._segs = []
+            for k in range(self.node_comm.Get_size()):
+                mem, _ = win.Shared_query(k)
+                self._segs.append(np.frombuffer(mem, np.uint8))
+        return self._segs
+
+    def node_fence(self):
+        """Stores to the shared window before it are seen by the node after it."""
+        self._win.Sync()
+        self.node_comm.Barrier()
+        self._win.Sync()
+
     def runs(self, size):
         """Slices per local rank on a node of ``size`` ranks."""
         if size not in self._runs:
@@ -391,9 +417,9 @@ class _HierCall:
                 "non-finite values in the input on " + ", ".join(
                     f"rank {r} ({int(c)})" for r, c in enumerate(nbad) if c))
         lay, n = self.lay, self.n
-        x = self.flat if self.dtype == self.wd else self.flat.astype(self.wd)
         lo, hi = lay.element_range(lay.rank, n)
-        acc = intra_reduce_scatter(lay, x, n)
+        segs = lay.shared(n * self.wd.itemsize)
+        acc = shm_reduce_scatter(lay, segs, self.flat, n, self.wd)
         # 2. one engine call per slice this rank handles (in slice order on every
         # rank: a rank in several groups meets each group in the same order)
         sb = shard_bounds(n, lay.L)
@@ -439,11 +465,9 @@ class _HierCall:
             self._release_old(snap)
         # 3.
         if self.kind == "allreduce":
-            full = intra_allgather(lay, acc, n)
             if self.average:
-                full /= lay.size
-            if full is not self.flat:
-                self.flat[...] = full
+                acc /= lay.size
+            shm_allgather(lay, segs, acc, self.flat, n, self.wd)
             return self.buf
         pieces = [(a, b, p) for (_, a, b), p in zip(lay.owned_ranges(lay.rank, n), parts)]
         lo, hi = self.bounds[lay.rank]
@@ -513,6 +537,46 @@ class _HierCall:
 
 
 # -- exact intra-node steps and data movement ---------------------------------------
+def _seg(segs, k, n, wd):
+    return segs[k][:n * wd.itemsize].view(wd)
+
+
+def shm_reduce_scatter(lay, segs, flat, n, wd):
+    """As :func:`intra_reduce_scatter`, through the node's shared window:
+    each rank stores its values (in ``wd``) in its segment, then sums its
+    elements from every segment in local-rank order."""
+    L = lay.node_comm.Get_size()
+    lo, hi = lay.element_range(lay.rank, n)
+    if L == 1:
+        return flat[lo:hi].astype(wd)
+    me = lay.node_comm.Get_rank()
+    _seg(segs, me, n, wd)[...] = flat
+    lay.node_fence()
+    acc = _seg(segs, 0, n, wd)[lo:hi].copy()
+    for k in range(1, L):
+        acc += _seg(segs, k, n, wd)[lo:hi]
+    return acc
+
+
+def shm_allgather(lay, segs, part, flat, n, wd):
+    """Every node rank's ``part`` (its element range) into ``flat`` (cast to
+    its dtype), through the node's shared window."""
+    L = lay.node_comm.Get_size()
+    lo, hi = lay.element_range(lay.rank, n)
+    if L == 1:
+        flat[lo:hi] = part
+        return
+    me = lay.node_comm.Get_rank()
+    # peers read only their own ranges of this segment: this range is free
+    _seg(segs, me, n, wd)[lo:hi] = part
+    lay.node_fence()
+    for k, r in enumerate(lay.members[lay.node]):
+        a, b = lay.element_range(r, n)
+        flat[a:b] = _seg(segs, k, n, wd)[a:b]
+    # the segments are written again by the next call only after every rank read
+    lay.node_fence()
+
+
 def intra_reduce_scatter(lay, x, n):
     """This rank's elements ``element_range`` summed over its node, in
     local-rank order, in ``x``'s dtype."""

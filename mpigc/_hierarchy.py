@@ -230,6 +230,9 @@ def layout(comm=None):
         cache = {}
         comm.Set_attr(_KEYVAL, cache)
     if exc is not None or split not in cache:
+        # the user's communicator first: its node-local size caps the kernels'
+        # threads (cores / ranks per node), not that of a group spanning nodes
+        _comm.resolve(comm)
         lay = Layout(comm, split, exc)  # raises on every rank if any rank failed
         cache[split] = lay
     return cache[split]

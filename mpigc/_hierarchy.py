@@ -140,13 +140,22 @@ class Layout:
             self.members[m].sort(key=lambda r: self.local_of[r])
         # slices of each local rank, per node size
         self._runs = {}
-        self.groups = {}
-        mine = self.slices_of(self.rank)
-        for s in range(self.L):
-            color = s if s in mine else MPI.UNDEFINED
-            g = c.Split(color, key=self.node)
-            if g != MPI.COMM_NULL:
-                self.groups[s] = g
+        self._groups = None
+
+    @property
+    def groups(self):
+        """{slice: communicator of its handlers, in node order} for this
+        rank's slices; made on first use (collective: the first hierarchical
+        call, the same on every rank), so flat-only communicators pay nothing."""
+        if self._groups is None:
+            groups = {}
+            mine = self.slices_of(self.rank)
+            for s in range(self.L):
+                g = self.comm.Split(s if s in mine else MPI.UNDEFINED, key=self.node)
+                if g != MPI.COMM_NULL:
+                    groups[s] = g
+            self._groups = groups
+        return self._groups
 
     def shared(self, nbytes):
         """Every node rank's segment (``nbytes`` at least) of a shared-memory
@@ -426,6 +435,7 @@ class _HierCall:
         # 2. one engine call per slice this rank handles (in slice order on every
         # rank: a rank in several groups meets each group in the same order)
         sb = shard_bounds(n, lay.L)
+        groups = lay.groups  # collective on first use: before any rank can skip a slice
         saved, errors, parts = [], [], []
         for s in lay.slices_of(lay.rank):
             slo, shi = sb[s]
@@ -438,7 +448,7 @@ class _HierCall:
             saved.append(self._snapshot(sk))
             try:
                 op = _collective.start(self.kind, v, self.op, self.params,
-                                       comm=lay.groups[s], key=sk, average=False,
+                                       comm=groups[s], key=sk, average=False,
                                        gather=self.gather,
                                        feedback=False if self.fb is None else self.fb,
                                        nonfinite="raise", blocking=True)

@@ -451,7 +451,8 @@ class _HierCall:
                                        comm=groups[s], key=sk, average=False,
                                        gather=self.gather,
                                        feedback=False if self.fb is None else self.fb,
-                                       nonfinite="raise", blocking=True)
+                                       nonfinite="ignore" if self.nonfinite == "ignore"
+                                       else "raise", blocking=True)
                 parts.append(_collective.Request(op).wait())
             except Exception as e:  # noqa: BLE001 - agreed below
                 errors.append(e)

@@ -260,6 +260,24 @@ def test_bad_input_on_one_rank_raises_everywhere_and_changes_nothing(comm, fb, s
 
 
 @pytest.mark.mpi
+def test_nonfinite_ignore_passes_nan_through(comm, fb, split):
+    g = grads(comm.rank, 300)
+    if comm.rank == 0:
+        g[5] = np.nan
+    try:
+        mpigc.allreduce(g, "2bit", key="i", feedback=fb, hierarchy="node",
+                        nonfinite="ignore")
+        # no check: the residual of slice 0 on node 0 (held by rank 0) takes the NaN
+        ok, why = True, ""
+        if comm.rank == 0:
+            w = _slice_states(fb, "i")[0]["worker"]
+            ok, why = bool(np.isnan(w).any()), "expected the NaN in rank 0's residual"
+    except Exception as e:  # noqa: BLE001
+        ok, why = False, f"raised {type(e).__name__}: {e}"
+    assert_all(ok, why, comm)
+
+
+@pytest.mark.mpi
 def test_bad_hierarchy_value(comm):
     raises_everywhere(mpigc.ConfigError,
                       lambda: mpigc.allreduce(np.ones(10, np.float32), hierarchy="nodes"),

@@ -136,7 +136,7 @@ EOF
 chmod +x "$WORK/agent"
 
 MPIRUN_OPTS=(--hostfile "$WORK/hosts" --prtemca plm_ssh_agent "$WORK/agent"
-             --mca pml ob1 --mca btl tcp,self,sm --mca btl_tcp_if_include 10.77.0.0/24
+             --mca pml ob1 --mca btl tcp,self,sm --mca btl_tcp_if_include 10.77.0.0/24 --mca osc ^ucx
              --prtemca oob_tcp_if_include 10.77.0.0/24 --map-by slot)
 export MPIGC_CLUSTER="$NODES nodes x $SLOTS slots, rate $RATE per node link (tc tbf, burst $BURST)"
 export MPIGC_CLUSTER_HOSTFILE="$WORK/hosts" MPIGC_CLUSTER_AGENT="$WORK/agent"

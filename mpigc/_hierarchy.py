@@ -9,9 +9,11 @@ nodes with several ranks on a node) composes three steps (ALGORITHMS.md,
    (``numpy.array_split``); on every node each slice has one handler (on a
    node of L ranks, local rank l handles slice l; a smaller node hands its
    ranks contiguous runs of slices, ``array_split(range(L), node size)``),
-   which receives every node rank's values of the slice and sums them in
-   local-rank order, in the work dtype (float32 for float16/float32 input,
-   float64 for float64): the same bits on every run.
+   which sums every node rank's values of the slice in local-rank order, in
+   the work dtype (float32 for float16/float32 input, float64 for float64):
+   the same bits on every run. The values travel through a shared-memory
+   window of the node (``MPI.Win.Allocate_shared``; each rank stores its
+   buffer in its segment, the handlers read their slices from every segment).
 2. *inter-node compressed allreduce*: for each slice s, the handlers of s on
    the M nodes (ordered by node) run the existing two-phase engine
    (:mod:`mpigc._collective`) on the node sums of s, with the caller's
@@ -19,7 +21,8 @@ nodes with several ranks on a node) composes three steps (ALGORITHMS.md,
    ``"{key}@hier[{s}/{L}:{n}]"`` (a worker residual of the slice, owner
    residuals of the group's shards): flat calls with the same key keep their
    own residuals.
-3. *intra-node allgather* (allreduce) of the reduced slices; for
+3. *intra-node allgather* (allreduce) of the reduced slices, through the
+   same window; for
    reduce_scatter, the group owners' shards are moved to the caller's layout
    (``array_split`` over the ranks, or ``recvcounts``) instead.
 
@@ -52,7 +55,7 @@ from mpi4py import MPI
 
 from . import _collective, _comm, _dispatch
 from ._errors import (CODES, ConfigError, DTypeError, InvalidBufferError, MismatchError,
-                      MpigcError, NonFiniteError, StateError, code_of)
+                      MpigcError, NonFiniteError, code_of)
 from .compressors import SUPPORTED_DTYPES, get_compressor, work_dtype
 from .feedback import get_default_feedback, shard_bounds
 
@@ -612,18 +615,6 @@ def intra_reduce_scatter(lay, x, n):
     for k in range(1, L):
         acc += recv[k * m:(k + 1) * m]
     return acc
-
-
-def intra_allgather(lay, part, n):
-    """Every node rank's ``part`` (its element range) gathered into one array."""
-    node = lay.node_comm
-    full = np.empty(n, part.dtype)
-    ranges = [lay.element_range(r, n) for r in lay.members[lay.node]]
-    isz = part.dtype.itemsize
-    node.Allgatherv([part.view(np.uint8), MPI.BYTE],
-                    [full.view(np.uint8), ([(b - a) * isz for a, b in ranges],
-                                           [a * isz for a, _ in ranges]), MPI.BYTE])
-    return full
 
 
 def redistribute(lay, pieces, bounds, n, dtype):

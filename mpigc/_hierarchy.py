@@ -393,7 +393,17 @@ class _HierCall:
             exc = e
             row[_CODE] = code_of(e)
         t = np.zeros((lay.size, _NCOLS), np.int64)
-        lay.comm.Allgather(row, t)
+        req = lay.comm.Iallgather(row, t)
+        # while the rows travel: this rank's values into its segment of the node's
+        # window (scratch; only when the window is large enough already, as growing
+        # it is collective and must wait for the agreement)
+        self.stored = False
+        if exc is None and not self.plain and lay.node_comm.Get_size() > 1 and \
+                getattr(lay, "_win_bytes", 0) >= self.n * self.wd.itemsize:
+            segs = lay.shared(self.n * self.wd.itemsize)
+            _seg(segs, lay.node_comm.Get_rank(), self.n, self.wd)[...] = self.flat
+            self.stored = True
+        req.Wait()
         full = t[:, _CODE] == 0
         for col, what in ((_N, "size"), (_DTYPE, "dtype"), (_FP, "settings")):
             vals = t[full, col]
@@ -434,7 +444,7 @@ class _HierCall:
         lay, n = self.lay, self.n
         lo, hi = lay.element_range(lay.rank, n)
         segs = lay.shared(n * self.wd.itemsize)
-        acc = shm_reduce_scatter(lay, segs, self.flat, n, self.wd)
+        acc = shm_reduce_scatter(lay, segs, self.flat, n, self.wd, self.stored)
         # 2. one engine call per slice this rank handles (in slice order on every
         # rank: a rank in several groups meets each group in the same order)
         sb = shard_bounds(n, lay.L)
@@ -558,7 +568,7 @@ def _seg(segs, k, n, wd):
     return segs[k][:n * wd.itemsize].view(wd)
 
 
-def shm_reduce_scatter(lay, segs, flat, n, wd):
+def shm_reduce_scatter(lay, segs, flat, n, wd, stored=False):
     """As :func:`intra_reduce_scatter`, through the node's shared window:
     each rank stores its values (in ``wd``) in its segment, then sums its
     elements from every segment in local-rank order."""
@@ -567,7 +577,8 @@ def shm_reduce_scatter(lay, segs, flat, n, wd):
     if L == 1:
         return flat[lo:hi].astype(wd)
     me = lay.node_comm.Get_rank()
-    _seg(segs, me, n, wd)[...] = flat
+    if not stored:  # (stored: during the agreement)
+        _seg(segs, me, n, wd)[...] = flat
     lay.node_fence()
     acc = _seg(segs, 0, n, wd)[lo:hi].copy()
     for k in range(1, L):

@@ -4,7 +4,8 @@ from typing import Literal, Optional, Union
 import numpy as np
 from mpi4py import MPI
 
-from ._collective import Request, start
+from ._collective import Request
+from ._hierarchy import start
 from .compressors import Compressor
 from .feedback import ErrorFeedback
 
@@ -17,7 +18,8 @@ def allreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm]
               key: Union[str, int, None] = None, average: bool = False,
               gather: Literal["compressed", "exact"] = "compressed",
               feedback: Union[ErrorFeedback, bool, None] = None,
-              nonfinite: Optional[str] = None, **params) -> np.ndarray:
+              nonfinite: Optional[str] = None,
+              hierarchy: Literal["auto", "flat", "node"] = "auto", **params) -> np.ndarray:
     """Sum ``buf`` over all ranks, in place, with a compressed exchange.
 
     Parameters
@@ -55,6 +57,14 @@ def allreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm]
         NaN on every rank (as an uncompressed allreduce would propagate it), so
         a loss scaler skips the step. ``"ignore"``: no check (the residuals
         take the NaN).
+    hierarchy : {"auto", "flat", "node"}
+        ``"node"``: reduce exactly inside each node and compress only
+        between nodes (``docs/cluster.md``); ``"flat"``: every rank
+        exchanges compressed shards with every other; ``"auto"`` (default):
+        ``"node"`` when the communicator spans several nodes and a node holds
+        several ranks (host arrays), else ``"flat"``. Must be the same on
+        every rank. Hierarchical calls keep their own residuals (keys
+        ``"{key}@hier[...]"``).
     **params
         Compressor parameters, e.g. ``threshold=0.5``.
 
@@ -69,7 +79,8 @@ def allreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm]
         no buffer and no residual is changed then.
     """
     req = start("allreduce", buf, op, params, comm=comm, key=key, average=average,
-                gather=gather, feedback=feedback, nonfinite=nonfinite, blocking=True)
+                gather=gather, feedback=feedback, nonfinite=nonfinite, hierarchy=hierarchy,
+                blocking=True)
     return Request(req).wait()
 
 
@@ -77,14 +88,16 @@ def iallreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm
                key: Union[str, int, None] = None, average: bool = False,
                gather: Literal["compressed", "exact"] = "compressed",
                feedback: Union[ErrorFeedback, bool, None] = None,
-               nonfinite: Optional[str] = None, **params) -> Request:
+               nonfinite: Optional[str] = None,
+               hierarchy: Literal["auto", "flat", "node"] = "auto", **params) -> Request:
     """Nonblocking :func:`allreduce`: compresses now, returns a :class:`Request`.
 
     ``buf`` must not be touched until ``request.wait()`` returned; progress
     is made inside ``test()`` and ``wait()``. Requests may be outstanding on
     several buffers at once (with distinct keys); every rank must start them
-    in the same order.
+    in the same order. A hierarchical call (``hierarchy=``) runs to
+    completion before this returns (its request is complete at once).
     """
     return Request(start("allreduce", buf, op, params, comm=comm, key=key, average=average,
                          gather=gather, feedback=feedback, nonfinite=nonfinite,
-                         blocking=False))
+                         hierarchy=hierarchy, blocking=False))

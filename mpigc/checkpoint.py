@@ -46,8 +46,9 @@ import zlib
 
 import numba
 import numpy as np
+from mpi4py import MPI
 
-from . import _comm, _jitcache
+from . import _comm, _hierarchy, _jitcache
 from ._errors import ConfigError, MismatchError, MpigcError, StateError
 from ._version import __version__
 from .compressors import get_compressor
@@ -59,6 +60,8 @@ FORMAT = "mpigc-checkpoint"
 RANK_FORMAT = "mpigc-checkpoint-rank"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.h5"
+#: a checkpoint row holding a key's hierarchical residuals (in the flat layout)
+HIER_SUFFIX = "@hier"
 CHECKSUM = "fletcher64"
 BLOCK_WORDS = 1 << 20  # checksum block: 2**20 32-bit words = 4 MiB
 _LIBVER = ("v108", "v110")  # superblock v2 / object headers v2: metadata checksums
@@ -250,11 +253,12 @@ def _create_raw(h5py, group, name, shape, dtype):
 
 
 def _write_manifest(path, token, rows, size, step, file_nbytes, has_w, has_o,
-                    skipped_steps, fsync):
+                    skipped_steps, fsync, extra=None):
     h5py = _h5py()
     tmp = os.path.join(path, f"{MANIFEST}.tmp-{token}")
     vstr = h5py.string_dtype("utf-8")
     meta = _manifest_meta(token, rows, size, step, file_nbytes, has_w, has_o, skipped_steps)
+    meta["attrs"].update(extra or {})
     with h5py.File(tmp, "w", libver=_LIBVER) as f:
         for k, v in meta["attrs"].items():
             f.attrs[k] = v
@@ -294,6 +298,80 @@ def _meta_crc(meta):
     m = {"attrs": {k: v for k, v in meta["attrs"].items() if k != "created"},
          **{k: v for k, v in meta.items() if k != "attrs"}}
     return zlib.crc32(json.dumps(m, sort_keys=True, separators=(",", ":")).encode())
+
+
+def _hier_to_flat(c, lay, hier, size, rank):
+    """``{key@hier: _Entry}``: each hierarchical key's residuals of this rank
+    in the flat layout of the communicator (collective; see
+    ``mpigc._hierarchy.to_flat_form``)."""
+    flags = []
+    for (b, L, n), ents in sorted(hier.items()):
+        flags.append([int(any(e.worker is not None for e in ents.values())),
+                      int(any(e.owner is not None for e in ents.values()))])
+        if L != lay.L or any((e.world_size, e.rank) != (lay.M, lay.node)
+                             for e in ents.values()):
+            flags[-1].append(1)
+    exc = None
+    if any(len(f) > 2 for f in flags):
+        exc = StateError(f"hierarchical residuals were made on another node layout than "
+                         f"this communicator's ({lay.describe()}): save on the "
+                         "communicator (and MPIGC_NODE_SPLIT) they were used with")
+    _agree(c, exc, "save_checkpoint")
+    flags = np.array(flags, np.int64).reshape(-1, 2)
+    c.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+    out = {}
+    for i, ((b, L, n), ents) in enumerate(sorted(hier.items())):
+        e0 = ents[min(ents)]
+        slices = {s: (e.worker, e.owner) for s, e in ents.items()}
+        w, o = _hierarchy.to_flat_form(lay, slices, n, e0.dtype, bool(flags[i, 0]),
+                                       bool(flags[i, 1]))
+        e = _Entry(n, e0.dtype, size, rank, dict(e0.config))
+        e.calls, e.worker, e.owner = e0.calls, w, o
+        out[b + HIER_SUFFIX] = e
+    return out
+
+
+def _to_layout(c, comm, entries, mode):
+    """The loaded entries (flat layout) in the form the collectives will use
+    on ``comm`` with ``hierarchy=mode``: hierarchical residuals (keys
+    ``key@hier[...]``) where that is hierarchical, flat ones (``key``)
+    otherwise (collective)."""
+    hier_on = mode != "flat" and _hierarchy.layout(comm).hierarchical(mode)
+    bases = {}
+    for k in entries:
+        b = k[:-len(HIER_SUFFIX)] if k.endswith(HIER_SUFFIX) else k
+        bases.setdefault(b, []).append(k)
+    clash = sorted(b for b, ks in bases.items() if len(ks) > 1)
+    if clash:  # the same on every rank (from the manifest)
+        raise CheckpointError(f"key(s) {clash} hold both flat and hierarchical residuals; "
+                              "load with strict=False and configs= naming one of them")
+    out = {}
+    if not hier_on:
+        for b in sorted(bases):
+            out[b] = entries[bases[b][0]]
+        return out
+    lay = _hierarchy.layout(comm)
+    # a rank may hold no worker residual after resharding (fewer old ranks than
+    # new): the decisions below must be the same on every rank
+    names = [bases[b][0] for b in sorted(bases)]
+    flags = np.array([[int(entries[k].worker is not None), int(entries[k].owner is not None)]
+                      for k in names], np.int64).reshape(-1, 2)
+    c.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
+    for i, b in enumerate(sorted(bases)):
+        e = entries[bases[b][0]]
+        w, o = e.worker, e.owner
+        if flags[i, 0] and w is None:
+            w = np.zeros(e.n, e.dtype)
+        if flags[i, 1] and o is None:
+            lo, hi = shard_bounds(e.n, lay.size)[lay.rank]
+            o = np.zeros(hi - lo, e.dtype)
+        parts = _hierarchy.from_flat_form(lay, w, o, e.n, e.dtype)
+        for s, (w, o) in parts.items():
+            lo, hi = shard_bounds(e.n, lay.L)[s]
+            se = _Entry(hi - lo, e.dtype, lay.M, lay.node, dict(e.config))
+            se.calls, se.worker, se.owner = e.calls, w, o
+            out[_hierarchy.slice_key(b, s, lay.L, e.n)] = se
+    return out
 
 
 def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None):
@@ -348,17 +426,32 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None):
                 step, (int, np.integer))):
             raise ConfigError(f"step: expected an int or None, got {step!r}")
         held = fb._hold_entries()
+        hier = {}  # (key, L, n) -> {slice: entry}: hierarchical residuals
         for key in sorted(held):
             e = held[key]
+            sk = _hierarchy.parse_slice_key(key)
+            if sk is not None:
+                hier.setdefault((sk[0], sk[2], sk[3]), {})[sk[1]] = e
+                continue
             if (e.world_size, e.rank) != (size, rank):
                 raise StateError(
                     f"key {key!r} holds residuals of rank {e.rank} of {e.world_size}, but "
                     f"this is rank {rank} of {size}: save with the communicator the key "
                     "was used on")
             rows.append((key, *_layout_of(e)))
+        bases = [b for b, _, _ in hier]
+        for b in bases:
+            if bases.count(b) > 1 or b + HIER_SUFFIX in held:
+                raise StateError(f"key {b!r} holds hierarchical residuals of several layouts "
+                                 f"(nodes or sizes); reset({b!r}) the stale ones")
+        for (b, L, n), ents in sorted(hier.items()):
+            e = ents[min(ents)]
+            rows.append((b + HIER_SUFFIX, n, e.dtype.name,
+                         json.dumps(e.config, sort_keys=True), int(e.calls)))
     except Exception as e:  # noqa: BLE001 - raised collectively
         exc = e
     token, datadir, committed = None, None, False
+    extra = {}
     try:
         _agree(c, exc, "save_checkpoint")
         digests = c.allgather((_digest(rows), len(rows)))
@@ -367,6 +460,12 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None):
                                for r, (d, n) in enumerate(digests))
             raise MismatchError(f"save_checkpoint: ranks hold different keys, configs, sizes "
                                 f"or call counts ({detail})")
+        if any(r[0].endswith(HIER_SUFFIX) for r in rows):
+            # every rank has the same rows: the hierarchical residuals go to the
+            # flat layout (collective), with the node layout recorded
+            lay = _hierarchy.layout(comm)
+            held.update(_hier_to_flat(c, lay, hier, size, rank))
+            extra["hierarchy"] = json.dumps(lay.describe(), sort_keys=True)
         # rank 0 makes the directory for this save's data
         exc = None
         if rank == 0:
@@ -404,7 +503,7 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None):
                 hw = [max(r[1][i] for r in res) for i in range(len(rows))]
                 ho = [max(r[2][i] for r in res) for i in range(len(rows))]
                 tmp = _write_manifest(path, token, rows, size, step, nb, hw, ho,
-                                      fb.skipped_steps, fsync)
+                                      fb.skipped_steps, fsync, extra)
                 _test_kill("manifest", rank)
                 os.replace(tmp, os.path.join(path, MANIFEST))
                 committed = True
@@ -704,7 +803,8 @@ def _mismatches(meta, fb, configs):
     return out
 
 
-def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None):
+def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None,
+                    hierarchy="auto"):
     """Load the checkpoint ``path`` into ``feedback`` (collective).
 
     The store's content is replaced by the checkpoint's. On the world size
@@ -732,6 +832,13 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
         ``{key: compressor}`` (id, dict or Compressor) the keys will be used
         with. Without it, a key is compared with the store's live entry of
         that key, if any (so a fresh store accepts any checkpoint).
+    hierarchy : {"auto", "flat", "node"}
+        The ``hierarchy=`` the collectives will be called with on ``comm``.
+        Where it makes them hierarchical (``docs/cluster.md``), every key's
+        residuals (saved flat or hierarchical, on any node layout) are
+        installed as hierarchical residuals of this layout (worker residuals
+        summed per node and slice, owner residuals moved to the group
+        owners); otherwise as flat ones. The totals are kept either way.
 
     Returns
     -------
@@ -774,10 +881,14 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
                       f"config does not match ({detail})", stacklevel=2)
     exc, entries = None, None
     try:
+        if hierarchy not in _hierarchy.HIERARCHY_MODES:
+            raise ConfigError(f"hierarchy must be one of {_hierarchy.HIERARCHY_MODES}, got "
+                              f"{hierarchy!r}")
         entries = _read_entries(meta, union, size, rank)
     except Exception as e:  # noqa: BLE001
         exc = e if isinstance(e, MpigcError) else CheckpointError(f"{type(e).__name__}: {e}")
     _agree(c, exc, "load_checkpoint")
+    entries = _to_layout(c, comm, entries, hierarchy)
     exc = None
     try:
         fb._replace_entries(entries)

@@ -1,10 +1,11 @@
 """Compressed reduce-scatter (phase 1 and 2 of the allreduce alone)."""
-from typing import Optional, Sequence, Union
+from typing import Literal, Optional, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
 
-from ._collective import Request, start
+from ._collective import Request
+from ._hierarchy import start
 from .compressors import Compressor
 from .feedback import ErrorFeedback
 
@@ -18,7 +19,8 @@ def reduce_scatter(buf: np.ndarray, op: Op = "2bit", *,
                    out: Optional[np.ndarray] = None, comm: Optional[MPI.Intracomm] = None,
                    key: Union[str, int, None] = None, average: bool = False,
                    feedback: Union[ErrorFeedback, bool, None] = None,
-                   nonfinite: Optional[str] = None, **params) -> np.ndarray:
+                   nonfinite: Optional[str] = None,
+                   hierarchy: Literal["auto", "flat", "node"] = "auto", **params) -> np.ndarray:
     """Reduce ``buf`` over all ranks and return this rank's shard of the sum.
 
     Each rank compresses its ``buf`` once (with error feedback under ``key``),
@@ -33,7 +35,8 @@ def reduce_scatter(buf: np.ndarray, op: Op = "2bit", *,
         Shard sizes per rank; default as ``numpy.array_split``.
     out : numpy.ndarray, optional
         Where to write this rank's shard (dtype of ``buf``).
-    Other parameters as in :func:`mpigc.allreduce`.
+    Other parameters as in :func:`mpigc.allreduce`; hierarchically, the group
+    owners' shards are moved to this layout after the inter-node step.
 
     Returns
     -------
@@ -42,7 +45,7 @@ def reduce_scatter(buf: np.ndarray, op: Op = "2bit", *,
     """
     req = start("reduce_scatter", buf, op, params, comm=comm, key=key, average=average,
                 gather="compressed", feedback=feedback, nonfinite=nonfinite,
-                recvcounts=recvcounts, out=out, blocking=True)
+                recvcounts=recvcounts, out=out, hierarchy=hierarchy, blocking=True)
     return Request(req).wait()
 
 
@@ -52,9 +55,10 @@ def ireduce_scatter(buf: np.ndarray, op: Op = "2bit", *,
                     comm: Optional[MPI.Intracomm] = None,
                     key: Union[str, int, None] = None, average: bool = False,
                     feedback: Union[ErrorFeedback, bool, None] = None,
-                    nonfinite: Optional[str] = None, **params) -> Request:
+                    nonfinite: Optional[str] = None,
+                    hierarchy: Literal["auto", "flat", "node"] = "auto", **params) -> Request:
     """Nonblocking :func:`reduce_scatter`; ``request.wait()`` returns the shard."""
     return Request(start("reduce_scatter", buf, op, params, comm=comm, key=key,
                          average=average, gather="compressed", feedback=feedback,
                          nonfinite=nonfinite, recvcounts=recvcounts, out=out,
-                         blocking=False))
+                         hierarchy=hierarchy, blocking=False))

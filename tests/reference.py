@@ -488,3 +488,129 @@ def decode(config, payload, n, dtype=np.float32):
     if fmt == "terngrad":
         return decode_terngrad(payload, n, dtype)
     raise ValueError(fmt)
+
+
+# ----------------------------------------------------------------------------
+# the collectives, all ranks at once (ALGORITHMS.md, "Collectives")
+# ----------------------------------------------------------------------------
+def _bounds(n, parts):
+    """``(lo, hi)`` of ``numpy.array_split(range(n), parts)``."""
+    q, r = divmod(n, parts)
+    out, lo = [], 0
+    for j in range(parts):
+        hi = lo + q + (1 if j < r else 0)
+        out.append((lo, hi))
+        lo = hi
+    return out
+
+
+def two_phase(config, xs, E=None, O=None, gather="compressed", phase2=True):
+    """The two-phase compressed allreduce of ``xs`` (one 1-D work-dtype array
+    per rank, in rank order) without averaging. ``E``: per-rank worker
+    residuals (updated in place), ``O``: per-rank owner residuals of their
+    shards (updated in place); None: no error feedback. Returns the reduced
+    vector (the work dtype): after phase 2 with ``phase2``, else the owners'
+    sums (what reduce_scatter returns)."""
+    N, n = len(xs), xs[0].size
+    wd = xs[0].dtype
+    acc_dtype = np.float64 if wd == np.float64 else np.float32
+    out = np.empty(n, wd)
+    for j, (lo, hi) in enumerate(_bounds(n, N)):
+        if hi == lo:
+            continue
+        acc = None
+        for r in range(N):  # the owner sums the contributions in rank order
+            e = None if E is None else E[r][lo:hi]
+            payload, res = encode(config, xs[r][lo:hi], e)
+            if E is not None:
+                E[r][lo:hi] = res
+            d = decode(config, payload, hi - lo, acc_dtype)
+            acc = d if acc is None else acc + d
+        if not phase2 or gather == "exact":
+            out[lo:hi] = acc
+            continue
+        o = None if O is None else O[j]
+        payload, res = encode(config, acc.astype(wd), o)
+        if O is not None:
+            O[j] = res
+        out[lo:hi] = decode(config, payload, hi - lo, wd)
+    return out
+
+
+class Hierarchical:
+    """The hierarchical allreduce / reduce-scatter (ALGORITHMS.md,
+    "Hierarchical") for all ranks at once.
+
+    ``nodes``: the world ranks of each node, in local-rank order. With L the
+    largest node size, the n elements are cut into L slices; on a node of L
+    ranks local rank l handles slice l, on a smaller node of k ranks local
+    rank l handles the slices ``array_split(range(L), k)[l]``. Each node sums
+    each slice exactly (work dtype, local-rank order); the handlers of slice
+    s (one per node, in node order) run :func:`two_phase` on the node sums;
+    the result is gathered on every rank. ``ef``: error feedback on (worker
+    residual per slice and node, owner residuals per slice and node).
+    """
+
+    def __init__(self, config, nodes, n, dtype, ef=True, gather="compressed"):
+        self.config, self.nodes, self.n = config, nodes, n
+        self.dtype = np.dtype(dtype)
+        self.wd = np.dtype(np.float64 if self.dtype == np.float64 else np.float32)
+        self.L = max(len(m) for m in nodes)
+        self.M = len(nodes)
+        self.W = sum(len(m) for m in nodes)
+        self.gather = gather
+        self.slices = _bounds(n, self.L)
+        self.E = self.O = None
+        if ef:
+            self.E = {s: [np.zeros(hi - lo, self.wd) for _ in nodes]
+                      for s, (lo, hi) in enumerate(self.slices)}
+            self.O = {s: [np.zeros(b - a, self.wd) for a, b in _bounds(hi - lo, self.M)]
+                      for s, (lo, hi) in enumerate(self.slices)}
+
+    def handler(self, m, s):
+        """The world rank of node ``m`` that handles slice ``s``."""
+        ranks = self.nodes[m]
+        for l, (a, b) in enumerate(_bounds(self.L, len(ranks))):
+            if a <= s < b:
+                return ranks[l]
+        raise AssertionError
+
+    def _reduce(self, xs, phase2):
+        out = np.empty(self.n, self.wd)
+        for s, (lo, hi) in enumerate(self.slices):
+            sums = []
+            for ranks in self.nodes:
+                acc = xs[ranks[0]][lo:hi].astype(self.wd)
+                for r in ranks[1:]:
+                    acc = acc + xs[r][lo:hi].astype(self.wd)
+                sums.append(acc)
+            out[lo:hi] = two_phase(self.config, sums,
+                                   None if self.E is None else self.E[s],
+                                   None if self.O is None else self.O[s],
+                                   self.gather, phase2)
+        return out
+
+    def allreduce(self, xs, average=False):
+        out = self._reduce(xs, True)
+        if average:
+            out = out / self.W
+        return out.astype(self.dtype)
+
+    def reduce_scatter(self, xs, average=False):
+        """The reduced vector (work dtype): rank r's result is its shard of it."""
+        out = self._reduce(xs, False)
+        if average:
+            out = out / self.W
+        return out
+
+    def residual_total(self):
+        """Sum over every rank of the worker and owner residuals, per element."""
+        tot = np.zeros(self.n, np.float64)
+        if self.E is None:
+            return tot
+        for s, (lo, hi) in enumerate(self.slices):
+            for e in self.E[s]:
+                tot[lo:hi] += e
+            for (a, b), o in zip(_bounds(hi - lo, self.M), self.O[s]):
+                tot[lo + a:lo + b] += o
+        return tot

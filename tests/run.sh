@@ -55,6 +55,11 @@ for k in $RANKS; do
     fi
 done
 
+echo "== hierarchical collectives on the emulated cluster (tests/cluster/run.sh)"
+bash tests/cluster/run.sh 2>&1 | tee "$LOGS/cluster.log"
+rc=${PIPESTATUS[0]}; tally "$LOGS/cluster.log" "$rc"
+[ "$rc" -eq 0 ] || { echo "cluster test: exit $rc"; status=1; }
+
 echo "logs: $LOGS"
 echo "mpigc tests: $passed passed, $failed failed"
 exit $status

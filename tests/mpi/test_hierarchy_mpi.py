@@ -1,0 +1,369 @@
+"""Hierarchical collectives (hierarchy=) against the independent reference.
+
+Nodes are emulated with ``MPIGC_NODE_SPLIT=2`` (ranks 0-1 form node 0, 2-3
+node 1, ...): 4 ranks are 2 nodes of 2, 3 ranks are 2 + 1 (uneven), 1 and 2
+ranks a single node. ``tests/reference.py``'s :class:`Hierarchical` rebuilds
+every rank's inputs and the whole algorithm in numpy; results and residuals
+must match bit for bit. The real emulated cluster (network namespaces) is
+exercised by ``tests/cluster_test.sh``.
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpigc
+from mpigc import _hierarchy
+
+from conftest import assert_all, grads, raises_everywhere
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import reference  # noqa: E402  (tests/reference.py)
+
+SPLIT = 2
+OPS = ["2bit", "1bit", {"type": "2bit", "threshold": 0.25},
+       {"type": "1bit", "block_size": 16}, {"type": "2bit", "rel_threshold": 1.5},
+       {"type": "fp16", "error_feedback": True}]
+
+
+def _id(op):
+    return op if isinstance(op, str) else "-".join(f"{v}" for v in op.values())
+
+
+@pytest.fixture
+def split(monkeypatch):
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", str(SPLIT))
+    return SPLIT
+
+
+def _nodes(W, k=SPLIT):
+    return [list(range(a, min(a + k, W))) for a in range(0, W, k)]
+
+
+def _ref(op, n, dtype, gather="compressed", comm=MPI.COMM_WORLD):
+    comp = mpigc.get_compressor(op)
+    return reference.Hierarchical(comp.get_config(), _nodes(comm.size), n, dtype,
+                                  ef=comp.uses_feedback, gather=gather)
+
+
+def _slice_states(fb, key):
+    """This rank's hierarchical residuals of ``key``: {slice: state}."""
+    out = {}
+    for k, st in fb.state_dict().items():
+        p = _hierarchy.parse_slice_key(k)
+        if p is not None and p[0] == key:
+            out[p[1]] = st
+    return out
+
+
+def _check_residuals(fb, sim, rank, key="k"):
+    """This rank's residuals equal the reference's (None: they do)."""
+    if sim.E is None:
+        return None
+    lay = _hierarchy.layout(MPI.COMM_WORLD)
+    states = _slice_states(fb, key)
+    # slices without elements (n < L) hold no residuals
+    mine = [s for s in lay.slices_of(rank) if sim.slices[s][1] > sim.slices[s][0]]
+    if sorted(states) != mine:
+        return f"slices {sorted(states)}, expected {mine}"
+    m = lay.node_of[rank]
+    for s in mine:
+        st = states[s]
+        if st["worker"].tobytes() != sim.E[s][m].tobytes():
+            return f"worker residual of slice {s} differs"
+        own = st["owner"] if st["owner"] is not None else np.zeros(0, sim.wd)
+        if own.size and own.tobytes() != sim.O[s][m].tobytes():
+            return f"owner residual of slice {s} differs"
+    return None
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", OPS, ids=_id)
+@pytest.mark.parametrize("gather", ["compressed", "exact"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_allreduce_matches_reference(comm, fb, split, op, gather, dtype):
+    n = 1003
+    sim = _ref(op, n, dtype, gather)
+    why = None
+    for step in range(3):
+        xs = [grads(q, n, dtype, seed=step) for q in range(comm.size)]
+        want = sim.allreduce(xs)
+        got = mpigc.allreduce(xs[comm.rank].copy(), op=op, key="k", feedback=fb,
+                              gather=gather, hierarchy="node")
+        if got.dtype != np.dtype(dtype) or got.tobytes() != want.tobytes():
+            why = f"step {step}: max diff {np.max(np.abs(got.astype(float) - want))}"
+            break
+    if why is None and gather == "compressed":
+        why = _check_residuals(fb, sim, comm.rank)
+    assert_all(why is None, why, comm)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["2bit", "1bit"])
+def test_average_and_tiny_sizes(comm, fb, split, op):
+    why = None
+    for n in (1, 2, 5, 7, 64):
+        sim = _ref(op, n, np.float32)
+        for step in range(2):
+            xs = [grads(q, n, seed=step) for q in range(comm.size)]
+            want = sim.allreduce(xs, average=True)
+            got = mpigc.allreduce(xs[comm.rank].copy(), op=op, key=f"t{n}", feedback=fb,
+                                  average=True, hierarchy="node")
+            if got.tobytes() != want.tobytes():
+                why = f"n={n} step {step}: max diff {np.max(np.abs(got - want))}"
+        if why is None:
+            why = _check_residuals(fb, sim, comm.rank, key=f"t{n}")
+    assert_all(why is None, why, comm)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["2bit", "1bit"])
+@pytest.mark.parametrize("counts", [False, True])
+def test_reduce_scatter_matches_reference(comm, fb, split, op, counts):
+    n, N = 1001, comm.size
+    sim = _ref(op, n, np.float32)
+    if counts:  # uneven, one rank empty
+        recv = [0] + [n // (N - 1) + (1 if j < n % (N - 1) else 0) for j in range(N - 1)] \
+            if N > 1 else [n]
+    else:
+        recv = None
+    bounds = mpigc.shard_bounds(n, N) if recv is None else \
+        list(zip(np.cumsum([0] + recv[:-1]).tolist(), np.cumsum(recv).tolist()))
+    why = None
+    for step in range(3):
+        xs = [grads(q, n, seed=step) for q in range(N)]
+        want = sim.reduce_scatter(xs)
+        lo, hi = bounds[comm.rank]
+        got = mpigc.reduce_scatter(xs[comm.rank], op=op, key="k", feedback=fb,
+                                   recvcounts=recv, hierarchy="node")
+        if got.shape != (hi - lo,) or got.tobytes() != want[lo:hi].tobytes():
+            why = f"step {step}: got {got.shape}, expected {(hi - lo,)} or values differ"
+            break
+    if why is None:
+        sim.O = None  # reduce_scatter has no owner stage
+        why = _check_residuals(fb, sim, comm.rank) if sim.E is not None else None
+    assert_all(why is None, why, comm)
+
+
+@pytest.mark.mpi
+def test_nonblocking_equals_blocking(comm, split):
+    n = 777
+    fb1, fb2 = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
+    why = None
+    for step in range(2):
+        g = grads(comm.rank, n, seed=step)
+        a = mpigc.allreduce(g.copy(), "2bit", key="k", feedback=fb1, hierarchy="node")
+        req = mpigc.iallreduce(g.copy(), "2bit", key="k", feedback=fb2, hierarchy="node")
+        b = req.wait()
+        if a.tobytes() != b.tobytes():
+            why = f"step {step}: iallreduce differs from allreduce"
+    assert_all(why is None, why, comm)
+
+
+@pytest.mark.mpi
+def test_auto_decides_by_layout(comm, fb, monkeypatch):
+    """auto: hierarchical only with several nodes and several ranks on a node."""
+    n = 512
+    g = grads(comm.rank, n)
+    cases = [("2", comm.size > 2), ("1", False), ("", False)]
+    why = None
+    for env, hier in cases:
+        monkeypatch.setenv("MPIGC_NODE_SPLIT", env)
+        fb.reset()
+        mpigc.allreduce(g.copy(), "2bit", key="a", feedback=fb)
+        got = any(_hierarchy.parse_slice_key(k) for k in fb.keys())
+        if got != hier:
+            why = f"MPIGC_NODE_SPLIT={env!r}: hierarchical {got}, expected {hier}"
+    assert_all(why is None, why, comm)
+
+
+@pytest.mark.mpi
+def test_error_feedback_conservation_1000_steps(comm, fb, split):
+    """Summed over ranks and 10**3 steps: delivered + residuals == input."""
+    n, steps = 37, 1000
+    dtype = np.float64  # float64: the check is tight (1e-9)
+    sim = _ref("2bit", n, dtype)
+    put = np.zeros(n, np.float64)
+    got_sum = np.zeros(n, np.float64)
+    rng = np.random.default_rng([comm.rank, 5])
+    why = None
+    for step in range(steps):
+        g = rng.standard_normal(n) * (1.0 + (step % 7))
+        put += comm.allreduce(g)
+        r = mpigc.allreduce(g.copy(), "2bit", key="c", feedback=fb, hierarchy="node")
+        got_sum += r
+    # the residuals of every rank, placed at their global positions
+    lay = _hierarchy.layout(comm)
+    states = _slice_states(fb, "c")
+    mine = np.zeros(n, np.float64)
+    sb = mpigc.shard_bounds(n, lay.L)
+    for (s, a, b) in lay.owned_ranges(comm.rank, n):
+        slo, shi = sb[s]
+        mine[slo:shi] += states[s]["worker"]
+        if states[s]["owner"] is not None:
+            mine[a:b] += states[s]["owner"]
+    resid = comm.allreduce(mine)
+    err = np.max(np.abs(put - (got_sum + resid)))
+    if not err < 1e-9 * max(1.0, np.max(np.abs(put))):
+        why = f"conservation off by {err}"
+    assert_all(why is None, why, comm)
+    del sim
+
+
+@pytest.mark.mpi
+def test_bad_input_on_one_rank_raises_everywhere_and_changes_nothing(comm, fb, split):
+    n = 600
+    g = grads(comm.rank, n)
+    mpigc.allreduce(g.copy(), "2bit", key="k", feedback=fb, hierarchy="node")
+    before = {k: (v["worker"].tobytes(), None if v["owner"] is None else v["owner"].tobytes())
+              for k, v in fb.state_dict().items()}
+    last = comm.size - 1
+    bad_dtype = g.astype(np.int32) if comm.rank == last else g.copy()
+    raises_everywhere(mpigc.DTypeError,
+                      lambda: mpigc.allreduce(bad_dtype, "2bit", key="k", feedback=fb,
+                                              hierarchy="node"), comm)
+    short = g[:-1].copy() if comm.rank == last else g.copy()
+    if comm.size > 1:
+        raises_everywhere(mpigc.MismatchError,
+                          lambda: mpigc.allreduce(short, "2bit", key="k", feedback=fb,
+                                                  hierarchy="node"), comm, match="size")
+    nan = g.copy()
+    if comm.rank == last:
+        nan[3] = np.nan
+    raises_everywhere(mpigc.NonFiniteError,
+                      lambda: mpigc.allreduce(nan, "2bit", key="k", feedback=fb,
+                                              hierarchy="node"), comm)
+    after = {k: (v["worker"].tobytes(), None if v["owner"] is None else v["owner"].tobytes())
+             for k, v in fb.state_dict().items()}
+    assert_all(after == before, "residuals changed by a failed call", comm)
+    if comm.size == 1:  # a node of one rank: no sum to overflow
+        return
+    # finite inputs whose node sum overflows in slice 0 only: the group of slice 0
+    # fails after the other groups committed; every rank raises, nothing changed
+    big = g.copy()
+    big[0] = 3e38
+    raises_everywhere(mpigc.NonFiniteError,
+                      lambda: mpigc.allreduce(big, "2bit", key="k", feedback=fb,
+                                              hierarchy="node"), comm, match="node")
+    after = {k: (v["worker"].tobytes(), None if v["owner"] is None else v["owner"].tobytes())
+             for k, v in fb.state_dict().items()}
+    assert_all(after == before, "residuals changed by a failed call", comm)
+    # and the skip policy fills NaN, residuals unchanged
+    res = mpigc.allreduce(big, "2bit", key="k", feedback=fb, hierarchy="node",
+                          nonfinite="skip")
+    after = {k: (v["worker"].tobytes(), None if v["owner"] is None else v["owner"].tobytes())
+             for k, v in fb.state_dict().items()}
+    ok = bool(np.all(np.isnan(res))) and after == before
+    assert_all(ok, "skip: expected NaN and no change", comm)
+
+
+@pytest.mark.mpi
+def test_nonfinite_ignore_passes_nan_through(comm, fb, split):
+    g = grads(comm.rank, 300)
+    if comm.rank == 0:
+        g[5] = np.nan
+    try:
+        mpigc.allreduce(g, "2bit", key="i", feedback=fb, hierarchy="node",
+                        nonfinite="ignore")
+        # no check: the residual of slice 0 on node 0 (held by rank 0) takes the NaN
+        ok, why = True, ""
+        if comm.rank == 0:
+            w = _slice_states(fb, "i")[0]["worker"]
+            ok, why = bool(np.isnan(w).any()), "expected the NaN in rank 0's residual"
+    except Exception as e:  # noqa: BLE001
+        ok, why = False, f"raised {type(e).__name__}: {e}"
+    assert_all(ok, why, comm)
+
+
+@pytest.mark.mpi
+def test_bad_hierarchy_value(comm):
+    raises_everywhere(mpigc.ConfigError,
+                      lambda: mpigc.allreduce(np.ones(10, np.float32), hierarchy="nodes"),
+                      comm, match="hierarchy")
+
+
+def _total(fb, comm, n, key="k"):
+    """Sum over the ranks of ``comm`` of the worker and owner residuals of
+    ``key`` at their global positions (flat or hierarchical), float64."""
+    mine = np.zeros(n, np.float64)
+    st = fb.state_dict()
+    if key in st:
+        s = st[key]
+        if s["worker"] is not None:
+            mine += s["worker"]
+        if s["owner"] is not None:
+            lo, hi = mpigc.shard_bounds(n, comm.size)[comm.rank]
+            mine[lo:hi] += s["owner"]
+    hs = _slice_states(fb, key)
+    if hs:
+        lay = _hierarchy.layout(comm)
+        sb = mpigc.shard_bounds(n, lay.L)
+        for s, a, b in lay.owned_ranges(comm.rank, n):
+            if s in hs:
+                mine[sb[s][0]:sb[s][1]] += hs[s]["worker"]
+                if hs[s]["owner"] is not None:
+                    mine[a:b] += hs[s]["owner"]
+    return comm.allreduce(mine)
+
+
+@pytest.mark.mpi
+def test_checkpoint_2x2_to_1x3_and_back(comm, tmp_path_factory, monkeypatch):
+    """2 nodes x 2 -> 1 node x 3 (flat there) -> 2 x 2: the residual totals are
+    kept at every step, and a reload on the same layout continues bit for bit."""
+    if comm.size != 4:
+        pytest.skip("needs 4 ranks (2x2, then 3 of them as 1x3)")
+    n, op = 1001, "2bit"
+    path = comm.bcast(str(tmp_path_factory.mktemp("hck")) if comm.rank == 0 else None)
+    a, b = path + "/a", path + "/b"
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+    fb = mpigc.ErrorFeedback()
+    for step in range(3):
+        mpigc.allreduce(grads(comm.rank, n, seed=step), op, key="k", feedback=fb)
+    assert_all(any(_hierarchy.parse_slice_key(k) for k in fb.keys()), "not hierarchical",
+               comm)
+    t_a = _total(fb, comm, n)
+    mpigc.save_checkpoint(a, fb, comm=comm)
+    # same layout: identical state, identical next step
+    fb2 = mpigc.ErrorFeedback()
+    mpigc.load_checkpoint(a, fb2, comm=comm)
+    s1, s2 = fb.state_dict(), fb2.state_dict()
+    same = sorted(s1) == sorted(s2) and all(
+        s1[k]["worker"].tobytes() == s2[k]["worker"].tobytes() and
+        (s1[k]["owner"] is None) == (s2[k]["owner"] is None) and
+        (s1[k]["owner"] is None or s1[k]["owner"].tobytes() == s2[k]["owner"].tobytes())
+        for k in s1)
+    g = grads(comm.rank, n, seed=9)
+    r1 = mpigc.allreduce(g.copy(), op, key="k", feedback=fb)
+    r2 = mpigc.allreduce(g.copy(), op, key="k", feedback=fb2)
+    assert_all(same and r1.tobytes() == r2.tobytes(), "reload on 2x2 not bit-identical", comm)
+    # 1 node of 3 ranks: auto is flat there
+    sub = comm.Split(0 if comm.rank < 3 else MPI.UNDEFINED, key=comm.rank)
+    ok, why = True, ""
+    if sub != MPI.COMM_NULL:
+        monkeypatch.setenv("MPIGC_NODE_SPLIT", "3")
+        fb3 = mpigc.ErrorFeedback()
+        mpigc.load_checkpoint(a, fb3, comm=sub)
+        flat = sorted(fb3.keys()) == ["k"]
+        t_b = _total(fb3, sub, n)
+        ok = flat and np.allclose(t_b, t_a, rtol=1e-6, atol=1e-5)
+        why = f"1x3: keys {sorted(fb3.keys())}, max diff {np.max(np.abs(t_b - t_a))}"
+        mpigc.allreduce(grads(sub.rank, n, seed=4), op, key="k", feedback=fb3, comm=sub)
+        t_b = _total(fb3, sub, n)
+        mpigc.save_checkpoint(b, fb3, comm=sub)
+        sub.Free()
+    else:
+        t_b = None
+    assert_all(ok, why, comm)
+    t_b = comm.bcast(t_b, root=0)
+    # back to 2 x 2: hierarchical again, totals kept
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+    fb4 = mpigc.ErrorFeedback()
+    mpigc.load_checkpoint(b, fb4, comm=comm)
+    hier = all(_hierarchy.parse_slice_key(k) for k in fb4.keys()) and len(fb4.keys()) > 0
+    t_c = _total(fb4, comm, n)
+    assert_all(hier and np.allclose(t_c, t_b, rtol=1e-6, atol=1e-5),
+               f"back on 2x2: keys {fb4.keys()}, max diff {np.max(np.abs(t_c - t_b))}", comm)
+    # and it runs on
+    mpigc.allreduce(grads(comm.rank, n, seed=5), op, key="k", feedback=fb4)

@@ -273,7 +273,7 @@ _DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.flo
 
 
 def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,
-          recvcounts=None, out=None, hierarchy="auto", blocking):
+          recvcounts=None, out=None, hierarchy="flat", blocking):
     """Route one collective: the flat engine, or the hierarchical path (run
     to completion now). Returns what :class:`mpigc.Request` wraps."""
     if hierarchy not in HIERARCHY_MODES:

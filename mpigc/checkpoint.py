@@ -804,7 +804,7 @@ def _mismatches(meta, fb, configs):
 
 
 def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None,
-                    hierarchy="auto"):
+                    hierarchy="flat"):
     """Load the checkpoint ``path`` into ``feedback`` (collective).
 
     The store's content is replaced by the checkpoint's. On the world size
@@ -832,8 +832,9 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
         ``{key: compressor}`` (id, dict or Compressor) the keys will be used
         with. Without it, a key is compared with the store's live entry of
         that key, if any (so a fresh store accepts any checkpoint).
-    hierarchy : {"auto", "flat", "node"}
-        The ``hierarchy=`` the collectives will be called with on ``comm``.
+    hierarchy : {"flat", "auto", "node"}
+        The ``hierarchy=`` the collectives will be called with on ``comm``
+        (default ``"flat"``, as theirs).
         Where it makes them hierarchical (``docs/cluster.md``), every key's
         residuals (saved flat or hierarchical, on any node layout) are
         installed as hierarchical residuals of this layout (worker residuals

@@ -20,7 +20,7 @@ def reduce_scatter(buf: np.ndarray, op: Op = "2bit", *,
                    key: Union[str, int, None] = None, average: bool = False,
                    feedback: Union[ErrorFeedback, bool, None] = None,
                    nonfinite: Optional[str] = None,
-                   hierarchy: Literal["auto", "flat", "node"] = "auto", **params) -> np.ndarray:
+                   hierarchy: Literal["auto", "flat", "node"] = "flat", **params) -> np.ndarray:
     """Reduce ``buf`` over all ranks and return this rank's shard of the sum.
 
     Each rank compresses its ``buf`` once (with error feedback under ``key``),
@@ -56,7 +56,7 @@ def ireduce_scatter(buf: np.ndarray, op: Op = "2bit", *,
                     key: Union[str, int, None] = None, average: bool = False,
                     feedback: Union[ErrorFeedback, bool, None] = None,
                     nonfinite: Optional[str] = None,
-                    hierarchy: Literal["auto", "flat", "node"] = "auto", **params) -> Request:
+                    hierarchy: Literal["auto", "flat", "node"] = "flat", **params) -> Request:
     """Nonblocking :func:`reduce_scatter`; ``request.wait()`` returns the shard."""
     return Request(start("reduce_scatter", buf, op, params, comm=comm, key=key,
                          average=average, gather="compressed", feedback=feedback,

@@ -36,7 +36,8 @@ for op in ("2bit", "1bit"):
         xs = [np.random.default_rng([r, step]).standard_normal(n).astype(np.float32)
               for r in range(comm.size)]
         want = sim.allreduce(xs)
-        got = mpigc.allreduce(xs[comm.rank].copy(), op, key="c", feedback=fb)
+        got = mpigc.allreduce(xs[comm.rank].copy(), op, key="c", feedback=fb,
+                              hierarchy="auto")
         if not any(_hierarchy.parse_slice_key(k) for k in fb.keys()):
             fails.append(f"{op}: hierarchy='auto' did not take the hierarchical path")
             break

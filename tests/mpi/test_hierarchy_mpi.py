@@ -164,18 +164,20 @@ def test_nonblocking_equals_blocking(comm, split):
 
 @pytest.mark.mpi
 def test_auto_decides_by_layout(comm, fb, monkeypatch):
-    """auto: hierarchical only with several nodes and several ranks on a node."""
+    """auto: hierarchical only with several nodes and several ranks on a node;
+    the default is flat on any layout."""
     n = 512
     g = grads(comm.rank, n)
     cases = [("2", comm.size > 2), ("1", False), ("", False)]
     why = None
     for env, hier in cases:
         monkeypatch.setenv("MPIGC_NODE_SPLIT", env)
-        fb.reset()
-        mpigc.allreduce(g.copy(), "2bit", key="a", feedback=fb)
-        got = any(_hierarchy.parse_slice_key(k) for k in fb.keys())
-        if got != hier:
-            why = f"MPIGC_NODE_SPLIT={env!r}: hierarchical {got}, expected {hier}"
+        for kw, want in (({"hierarchy": "auto"}, hier), ({}, False)):
+            fb.reset()
+            mpigc.allreduce(g.copy(), "2bit", key="a", feedback=fb, **kw)
+            got = any(_hierarchy.parse_slice_key(k) for k in fb.keys())
+            if got != want:
+                why = f"MPIGC_NODE_SPLIT={env!r} {kw}: hierarchical {got}, expected {want}"
     assert_all(why is None, why, comm)
 
 

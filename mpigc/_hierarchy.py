@@ -262,6 +262,9 @@ class _Done:
     def done_or_failed(self):
         return True
 
+    def _settle(self):
+        """Nothing to release: the call's own engine calls were waited for."""
+
     def finished(self):
         if self.error is not None:
             raise self.error

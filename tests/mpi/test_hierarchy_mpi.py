@@ -322,14 +322,15 @@ def test_checkpoint_2x2_to_1x3_and_back(comm, tmp_path_factory, monkeypatch):
     monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
     fb = mpigc.ErrorFeedback()
     for step in range(3):
-        mpigc.allreduce(grads(comm.rank, n, seed=step), op, key="k", feedback=fb)
+        mpigc.allreduce(grads(comm.rank, n, seed=step), op, key="k", feedback=fb,
+                        hierarchy="auto")
     assert_all(any(_hierarchy.parse_slice_key(k) for k in fb.keys()), "not hierarchical",
                comm)
     t_a = _total(fb, comm, n)
     mpigc.save_checkpoint(a, fb, comm=comm)
     # same layout: identical state, identical next step
     fb2 = mpigc.ErrorFeedback()
-    mpigc.load_checkpoint(a, fb2, comm=comm)
+    mpigc.load_checkpoint(a, fb2, comm=comm, hierarchy="auto")
     s1, s2 = fb.state_dict(), fb2.state_dict()
     same = sorted(s1) == sorted(s2) and all(
         s1[k]["worker"].tobytes() == s2[k]["worker"].tobytes() and
@@ -337,8 +338,10 @@ def test_checkpoint_2x2_to_1x3_and_back(comm, tmp_path_factory, monkeypatch):
         (s1[k]["owner"] is None or s1[k]["owner"].tobytes() == s2[k]["owner"].tobytes())
         for k in s1)
     g = grads(comm.rank, n, seed=9)
-    r1 = mpigc.allreduce(g.copy(), op, key="k", feedback=fb)
-    r2 = mpigc.allreduce(g.copy(), op, key="k", feedback=fb2)
+    r1 = mpigc.allreduce(g.copy(), op, key="k", feedback=fb,
+                        hierarchy="auto")
+    r2 = mpigc.allreduce(g.copy(), op, key="k", feedback=fb2,
+                        hierarchy="auto")
     assert_all(same and r1.tobytes() == r2.tobytes(), "reload on 2x2 not bit-identical", comm)
     # 1 node of 3 ranks: auto is flat there
     sub = comm.Split(0 if comm.rank < 3 else MPI.UNDEFINED, key=comm.rank)
@@ -346,12 +349,13 @@ def test_checkpoint_2x2_to_1x3_and_back(comm, tmp_path_factory, monkeypatch):
     if sub != MPI.COMM_NULL:
         monkeypatch.setenv("MPIGC_NODE_SPLIT", "3")
         fb3 = mpigc.ErrorFeedback()
-        mpigc.load_checkpoint(a, fb3, comm=sub)
+        mpigc.load_checkpoint(a, fb3, comm=sub, hierarchy="auto")
         flat = sorted(fb3.keys()) == ["k"]
         t_b = _total(fb3, sub, n)
         ok = flat and np.allclose(t_b, t_a, rtol=1e-6, atol=1e-5)
         why = f"1x3: keys {sorted(fb3.keys())}, max diff {np.max(np.abs(t_b - t_a))}"
-        mpigc.allreduce(grads(sub.rank, n, seed=4), op, key="k", feedback=fb3, comm=sub)
+        mpigc.allreduce(grads(sub.rank, n, seed=4), op, key="k", feedback=fb3, comm=sub,
+                        hierarchy="auto")
         t_b = _total(fb3, sub, n)
         mpigc.save_checkpoint(b, fb3, comm=sub)
         sub.Free()
@@ -362,10 +366,11 @@ def test_checkpoint_2x2_to_1x3_and_back(comm, tmp_path_factory, monkeypatch):
     # back to 2 x 2: hierarchical again, totals kept
     monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
     fb4 = mpigc.ErrorFeedback()
-    mpigc.load_checkpoint(b, fb4, comm=comm)
+    mpigc.load_checkpoint(b, fb4, comm=comm, hierarchy="auto")
     hier = all(_hierarchy.parse_slice_key(k) for k in fb4.keys()) and len(fb4.keys()) > 0
     t_c = _total(fb4, comm, n)
     assert_all(hier and np.allclose(t_c, t_b, rtol=1e-6, atol=1e-5),
                f"back on 2x2: keys {fb4.keys()}, max diff {np.max(np.abs(t_c - t_b))}", comm)
     # and it runs on
-    mpigc.allreduce(grads(comm.rank, n, seed=5), op, key="k", feedback=fb4)
+    mpigc.allreduce(grads(comm.rank, n, seed=5), op, key="k", feedback=fb4,
+                    hierarchy="auto")

@@ -36,6 +36,11 @@ all of it and continues. The last line printed is one JSON object for scripts
 rank by mpigc in this run, seconds); ``benchmarks/bench_lm.py`` runs the
 comparison of compressors with it.
 
+``--optimizer compressed-adamw`` trains with ``mpigc.torch.CompressedAdamW`` instead
+(exact warm-up for ``--freeze-steps``, default 20% of ``--steps``, then the momentum
+compressed with error feedback and the variance frozen: 1-bit Adam's recipe), which
+recovers what compressing gradients in front of AdamW loses (``docs/torch.md``).
+
 2bit runs in its relative mode (``--rel-threshold``, default 1.5; see
 ``docs/torch.md``) unless ``--threshold`` gives MXNet's absolute one.
 """

@@ -12,7 +12,7 @@ cd "$(dirname "$0")/.."
 RANKS=${RANKS:-"1 2 3 4"}
 TIMEOUT=${MPIGC_TEST_TIMEOUT:-900}  # per MPI launch
 # the plain suite (the CUDA simulator and the PTX compile of every kernel are most of it)
-PLAIN_TIMEOUT=${MPIGC_PLAIN_TEST_TIMEOUT:-2400}
+PLAIN_TIMEOUT=${MPIGC_PLAIN_TEST_TIMEOUT:-3600}
 LOGS=${MPIGC_TEST_LOGS:-$(mktemp -d /tmp/mpigc-tests.XXXXXX)}
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # harmless when not root
 export OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe

@@ -43,7 +43,7 @@ def _have_numba_cuda():
         return False
 
 
-def _run_script(args, sim, timeout=900):
+def _run_script(args, sim, timeout=1500):
     if not _have_numba_cuda():
         pytest.skip("numba.cuda is not installed (pip install 'mpigc[cuda]')")
     env = dict(os.environ)
@@ -317,7 +317,10 @@ def check_2bit_rel():
     values, non-finite values and shards that are not multiples of 4."""
     np, cuda, cpu, kc = _ctx()
     # (block 4 at n = 1027 is 257 warp rounds: slow in the simulator, left out)
-    cases = [(n, 4) for n in SIZES if n < 1000] + [(n, 16) for n in SIZES]
+    # (block 16 at n = 1027, 65 warps, left out too: the group ran 10.5 minutes with it;
+    # n = 100 with
+    # block 16 already spans several warps and a partial block)
+    cases = [(n, 4) for n in SIZES if n < 1000] + [(n, 16) for n in SIZES if n < 1000]
     cases += [(n, 1024) for n in (13, 2051)]
     for dtype in DTYPES:
         for n, block in cases:

@@ -317,9 +317,8 @@ def check_2bit_rel():
     values, non-finite values and shards that are not multiples of 4."""
     np, cuda, cpu, kc = _ctx()
     # (block 4 at n = 1027 is 257 warp rounds: slow in the simulator, left out)
-    # (block 16 at n = 1027, 65 warps, left out too: the group ran 10.5 minutes with it;
-    # n = 100 with
-    # block 16 already spans several warps and a partial block)
+    # (block 16 at n = 1027, 65 warps, left out too: the group ran 10.5 minutes with
+    # it; n = 100 with block 16 already spans several warps and a partial block)
     cases = [(n, 4) for n in SIZES if n < 1000] + [(n, 16) for n in SIZES if n < 1000]
     cases += [(n, 1024) for n in (13, 2051)]
     for dtype in DTYPES:

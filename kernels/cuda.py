@@ -459,6 +459,33 @@ def _warp_sum_i(c):
 # ----------------------------------------------------------------------------
 # 2bit (MXNet layout): one thread per value, bytes assembled by shuffles
 # ----------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _code_2bit(x, e_in, has_e_in, e_out, has_e_out, i, t_pos, t_neg, d_pos, d_neg, zero):
+    """The 2bit code of ``x[i] (+ e_in[i])`` against the thresholds ``t_pos`` /
+    ``t_neg``, which decode to ``d_pos`` / ``d_neg`` (the thresholds themselves
+    in MXNet's mode, the block's mean magnitude in the relative one); the
+    residual goes to ``e_out[i]``. Returns (code, 1 if the value is not finite)."""
+    val = x[i]
+    if has_e_in:
+        val = val + e_in[i]
+    pos = val >= t_pos
+    neg = val <= t_neg
+    d = d_pos if pos else (d_neg if neg else zero)
+    if has_e_out:
+        e_out[i] = val - d
+    return (3 if pos else (2 if neg else 0)), (1 if (val - val) != zero else 0)
+
+
+@cuda.jit(device=True)
+def _byte_of_codes(code, sh):
+    """The byte of 4 consecutive lanes' codes (lane 4k+m shifted by ``sh`` =
+    6 - 2m), assembled by two shuffles; every lane of the warp must call it."""
+    c = np.int32(code << sh)
+    c |= _shfl_xor(c, 1)
+    c |= _shfl_xor(c, 2)
+    return c
+
+
 @cuda.jit
 def _pack_2bit_kernel(x, e_in, has_e_in, e_out, has_e_out, out, starts, offs, t, nbad_out):
     j = cuda.blockIdx.y
@@ -476,20 +503,10 @@ def _pack_2bit_kernel(x, e_in, has_e_in, e_out, has_e_out, out, starts, offs, t,
         v = v0 + lane
         code = 0
         if v < n:
-            i = lo + v
-            val = x[i]
-            if has_e_in:
-                val = val + e_in[i]
-            pos = val >= t
-            neg = val <= neg_t
-            d = t if pos else (neg_t if neg else zero)
-            if has_e_out:
-                e_out[i] = val - d
-            nbad += (val - val) != zero
-            code = 3 if pos else (2 if neg else 0)
-        c = np.int32(code << sh)
-        c |= _shfl_xor(c, 1)
-        c |= _shfl_xor(c, 2)
+            code, bad = _code_2bit(x, e_in, has_e_in, e_out, has_e_out, lo + v, t, neg_t,
+                                   t, neg_t, zero)
+            nbad += bad
+        c = _byte_of_codes(code, sh)
         if sh == 6 and v < nv:
             out[ob + (v >> 2)] = c
     if nbad:
@@ -816,20 +833,10 @@ def _pack_2bit_rel_kernel(x, e_in, has_e_in, e_out, has_e_out, out, tail, inline
             v = r0 + lane
             code = 0
             if v < b1:
-                i = lo + v
-                val = x[i]
-                if has_e_in:
-                    val = val + e_in[i]
-                pos = val >= tc
-                neg = val <= neg_tc
-                d = td if pos else (neg_td if neg else zero)
-                if has_e_out:
-                    e_out[i] = val - d
-                kbad += (val - val) != zero
-                code = 3 if pos else (2 if neg else 0)
-            cc = np.int32(code << sh)
-            cc |= _shfl_xor(cc, 1)
-            cc |= _shfl_xor(cc, 2)
+                code, bad = _code_2bit(x, e_in, has_e_in, e_out, has_e_out, lo + v, tc,
+                                       neg_tc, td, neg_td, zero)
+                kbad += bad
+            cc = _byte_of_codes(code, sh)
             if sh == 6 and v < b1:
                 out[ob + (v >> 2)] = cc
         kbad = _warp_sum_i(kbad)
@@ -1079,9 +1086,7 @@ def _pack_ternary_kernel(x, e_in, has_e_in, e_out, has_e_out, out, inline, start
                 e_out[i] = val - d
             nbad += (val - val) != zero
             code = 3 if pos else (2 if neg else 0)
-        c = np.int32(code << sh)
-        c |= _shfl_xor(c, 1)
-        c |= _shfl_xor(c, 2)
+        c = _byte_of_codes(code, sh)
         if sh == 6 and v < nv:
             out[ob + (v >> 2)] = c
     if nbad:

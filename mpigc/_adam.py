@@ -20,6 +20,7 @@ import zlib
 
 import torch
 
+from .allreduce import allreduce
 from ._errors import ConfigError, InvalidBufferError, MismatchError
 from .feedback import ErrorFeedback
 
@@ -125,11 +126,11 @@ class CompressedAdamW(torch.optim.Optimizer):
     def _wire(self, t):
         return t.numpy() if t.device.type == "cpu" else t
 
-    def _exchange(self, op, average=True, **kw):
-        import mpigc
-        mpigc.allreduce(self._wire(self._flat_g), op, comm=self.comm, average=average,
-                        gather=self.gather,
-                        nonfinite="skip" if self.nonfinite == "skip" else "raise", **kw)
+    def _exchange(self, op, **kw):
+        """Average the exchanged buffer over the ranks; True if the result is
+        finite (the same answer on every rank: the result is the same)."""
+        allreduce(self._wire(self._flat_g), op, comm=self.comm, average=True,
+                  gather=self.gather, nonfinite=self.nonfinite, **kw)
         return bool(torch.isfinite(self._flat_g).all())
 
     @property

@@ -294,6 +294,7 @@ class _Op:
         self.local_error = None
         self.error = None
         self.plain = False
+        self.decoded2 = False  # device gather: every shard decoded with one launch
         self.be = None  # the backend of the buffer's side (mpigc._backend)
         self.dev = False  # which side, for the error-feedback store
         # what the agreement step reads of a rank that failed early: defined
@@ -1021,8 +1022,8 @@ class _Op:
             if pending and not block:
                 return False
         if (self.gather == "compressed" and self.be.batch_decode
-                and not getattr(self, "_decoded2", False)):
-            self._decoded2 = True
+                and not self.decoded2):
+            self.decoded2 = True
             self._decode_all_in_place()
         return True
 

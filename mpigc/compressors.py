@@ -341,26 +341,20 @@ class NoCompression(Compressor):
                 self._decode(payload[b:b + isz * (hi - lo)], out[lo:hi], accumulate or s > 0)
 
 
-@register_compressor
-class FP16(Compressor):
-    """``fp16``: IEEE half precision on the wire, sums in float32 at the owner.
+class _TwoByte(Compressor):
+    """fp16 and bf16: a 2-byte float per value, the kernels ``pack_{_kernel}``
+    and ``unpack_{_kernel}_shards``; nothing else differs between them."""
 
-    When averaging, workers divide by the world size before the cast
-    (pre-scaling), so large gradients do not overflow the half range.
-    Error feedback is off by default (as in DDP's fp16 hook and Horovod).
-    """
-
-    codec_id = "fp16"
+    _kernel = None
     _params = {"error_feedback": False}
     prescales_average = True
-    wire_range = "half precision, magnitudes up to 65504"
 
     def payload_nbytes(self, n, dtype=np.float32):
         return 2 * int(n)
 
     def _encode(self, x, e_in, e_out, payload, *, divisor=1.0, **kw):
-        return _dispatch.kernels(x).pack_fp16(x, e_in, e_out, payload.view(np.uint16),
-                                              divisor)
+        pack = getattr(_dispatch.kernels(x), "pack_" + self._kernel)
+        return pack(x, e_in, e_out, payload.view(np.uint16), divisor)
 
     def _encode_shards(self, x, e_in, e_out, payload, starts, offs, *, divisor=1.0, **kw):
         # the payloads of contiguous shards are the values, contiguous: one call
@@ -370,12 +364,27 @@ class FP16(Compressor):
                             payload[offs[0]:offs[0] + 2 * (hi - lo)], divisor=divisor)
 
     def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
-        _dispatch.kernels(out).unpack_fp16_shards(payload, stride, nsrc, starts, offs, out,
-                                                   accumulate)
+        unpack = getattr(_dispatch.kernels(out), f"unpack_{self._kernel}_shards")
+        unpack(payload, stride, nsrc, starts, offs, out, accumulate)
 
 
 @register_compressor
-class BF16(Compressor):
+class FP16(_TwoByte):
+    """``fp16``: IEEE half precision on the wire, sums in float32 at the owner.
+
+    When averaging, workers divide by the world size before the cast
+    (pre-scaling), so large gradients do not overflow the half range.
+    Error feedback is off by default (as in DDP's fp16 hook and Horovod).
+    """
+
+    codec_id = "fp16"
+    wire_range = "half precision, magnitudes up to 65504"
+
+    _kernel = "fp16"
+
+
+@register_compressor
+class BF16(_TwoByte):
     """``bf16``: bfloat16 on the wire, sums in float32 at the owner.
 
     Each value is rounded to nearest even to bfloat16 (the upper 16 bits of
@@ -389,27 +398,9 @@ class BF16(Compressor):
     """
 
     codec_id = "bf16"
-    _params = {"error_feedback": False}
-    prescales_average = True
     wire_range = "bfloat16, magnitudes up to 3.39e38"
 
-    def payload_nbytes(self, n, dtype=np.float32):
-        return 2 * int(n)
-
-    def _encode(self, x, e_in, e_out, payload, *, divisor=1.0, **kw):
-        return _dispatch.kernels(x).pack_bf16(x, e_in, e_out, payload.view(np.uint16),
-                                              divisor)
-
-    def _encode_shards(self, x, e_in, e_out, payload, starts, offs, *, divisor=1.0, **kw):
-        # the payloads of contiguous shards are the values, contiguous: one call
-        lo, hi = starts[0], starts[-1]
-        return self._encode(x[lo:hi], None if e_in is None else e_in[lo:hi],
-                            None if e_out is None else e_out[lo:hi],
-                            payload[offs[0]:offs[0] + 2 * (hi - lo)], divisor=divisor)
-
-    def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
-        _dispatch.kernels(out).unpack_bf16_shards(payload, stride, nsrc, starts, offs, out,
-                                                   accumulate)
+    _kernel = "bf16"
 
 
 @register_compressor

@@ -7,11 +7,10 @@ the next sequence number of that duplicate; its messages use tags derived from
 it, so concurrent nonblocking calls never match each other's messages.
 """
 import os
-import warnings
 
 from mpi4py import MPI
 
-from ._errors import DTypeError
+from ._errors import DTypeError, warn_caller
 
 __all__ = ["CommState", "resolve", "agree", "on_root"]
 
@@ -80,8 +79,8 @@ def _limit_threads(local_size):
             if k < 0:
                 raise ValueError
         except ValueError:
-            warnings.warn(f"MPIGC_NUM_THREADS must be an integer >= 0, got {env!r}; "
-                          "ignored", stacklevel=3)
+            warn_caller(f"MPIGC_NUM_THREADS must be an integer >= 0, got {env!r}; "
+                        "ignored")
         else:
             cpu.set_max_threads(k if k > 0 else None)
             return

@@ -32,11 +32,10 @@ import collections
 import ctypes
 import os
 import threading
-import warnings
 
 import numpy as np
 
-from ._errors import ConfigError, DTypeError
+from ._errors import ConfigError, DTypeError, warn_caller
 
 __all__ = ["CudaAwareness", "cuda_aware_mpi", "select_device"]
 
@@ -343,11 +342,11 @@ def warn_staging_once(decision):
     if _warned_staging or decision.source.startswith("MPIGC_CUDA_AWARE"):
         return
     _warned_staging = True
-    warnings.warn(
+    warn_caller(
         f"mpigc: MPI is not known to accept CUDA device memory ({decision.source}); "
         "device collectives stage their packed payloads through pinned host memory. "
         "Set MPIGC_CUDA_AWARE=1 if this MPI is CUDA-aware, or MPIGC_CUDA_AWARE=0 to "
-        "silence this warning.", RuntimeWarning, stacklevel=7)
+        "silence this warning.", RuntimeWarning)
 
 
 # -- device selection ----------------------------------------------------------

@@ -1,4 +1,9 @@
-"""The exceptions of mpigc: one base, each subclass also a matching builtin."""
+"""The exceptions of mpigc: one base, each subclass also a matching builtin;
+and ``warn_caller``, which points a warning at the user's line."""
+
+import os
+import sys
+import warnings
 
 __all__ = [
     "MpigcError", "ConfigError", "InvalidBufferError", "DTypeError", "MismatchError",
@@ -54,3 +59,16 @@ def code_of(exc):
         if cls is not None and code != 6 and type(exc) is cls:
             return code
     return 6
+
+
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_caller(message, category=RuntimeWarning):
+    """``warnings.warn`` attributed to the first frame outside the mpigc
+    package, i.e. the user's call, however deep inside mpigc it is raised."""
+    level, f = 2, sys._getframe(1)
+    while f is not None and os.path.abspath(f.f_code.co_filename).startswith(_PACKAGE):
+        f = f.f_back
+        level += 1
+    warnings.warn(message, category, stacklevel=level)

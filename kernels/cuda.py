@@ -263,6 +263,44 @@ if SIMULATOR:
     _warp_lock = threading.Lock()
     _WARP_TIMEOUT = 120.0
 
+    class _WarpRendezvous:
+        """The 32 lanes of one simulated warp meet here: each deposits a value
+        and gets all 32. Two slot lists used in turn make one meeting per
+        exchange (a lane writes the other list only after every lane has
+        arrived at this meeting, and this list again only after every lane
+        has read it and arrived at the next). Waiting lanes block on their own
+        raw lock, released by the last to arrive: a fraction of the lock
+        traffic of ``threading.Barrier``, which is most of the simulator's time
+        in the warp kernels."""
+
+        def __init__(self):
+            self.slots = ([None] * LANES, [None] * LANES)
+            self.phase = [0] * LANES
+            self.count = 0
+            self.lock = threading.Lock()
+            self.waits = [threading.Lock() for _ in range(LANES)]
+            for w in self.waits:
+                w.acquire()
+
+        def exchange(self, lane, value):
+            phase = self.phase[lane]
+            self.phase[lane] = phase ^ 1
+            mine = self.slots[phase]
+            mine[lane] = value
+            with self.lock:
+                self.count += 1
+                last = self.count == LANES
+                if last:
+                    self.count = 0
+            if last:
+                for k in range(LANES):
+                    if k != lane:
+                        self.waits[k].release()
+            elif not self.waits[lane].acquire(timeout=_WARP_TIMEOUT):
+                raise RuntimeError("a full-warp shuffle or ballot that not all 32 lanes "
+                                   "reached")
+            return list(mine)
+
     def _warp_exchange(value):
         """All 32 lanes of the calling thread's warp deposit ``value``; each
         gets its lane and the 32 values. A lane that does not come (a
@@ -275,18 +313,8 @@ if SIMULATOR:
             warps = mgr.__dict__.setdefault("_mpigc_warps", {})
             ent = warps.get(w)
             if ent is None:
-                ent = warps[w] = (threading.Barrier(LANES, timeout=_WARP_TIMEOUT),
-                                  [None] * LANES)
-        bar, slots = ent
-        try:
-            slots[lane] = value
-            bar.wait()
-            vals = list(slots)
-            bar.wait()
-        except threading.BrokenBarrierError:
-            raise RuntimeError("a full-warp shuffle or ballot that not all 32 lanes "
-                               "reached") from None
-        return lane, vals
+                ent = warps[w] = _WarpRendezvous()
+        return lane, ent.exchange(lane, value)
 
     def _shfl_xor(v, m):
         lane, vals = _warp_exchange(v)

@@ -28,6 +28,8 @@ import sys
 
 import pytest
 
+import background
+
 HERE = os.path.abspath(__file__)
 
 SIM_GROUPS = ["fp16_conversion", "bf16_conversion", "2bit", "2bit_rel", "1bit", "terngrad",
@@ -43,24 +45,77 @@ def _have_numba_cuda():
         return False
 
 
-def _run_script(args, sim, timeout=1500):
-    if not _have_numba_cuda():
-        pytest.skip("numba.cuda is not installed (pip install 'mpigc[cuda]')")
+def _env(sim):
     env = dict(os.environ)
     env.pop("NUMBA_ENABLE_CUDASIM", None)
     if sim:
         env["NUMBA_ENABLE_CUDASIM"] = "1"
-    r = subprocess.run([sys.executable, HERE, *args], env=env, capture_output=True,
-                       text=True, timeout=timeout)
+    return env
+
+
+def _finish(args, r, timeout):
+    """The output of the script run ``r`` (``python tests/test_cuda_sim.py
+    ARGS``), after its checks: a skip, a time-out or a failure fails the test."""
+    if isinstance(r, subprocess.TimeoutExpired):
+        pytest.fail(f"{' '.join(args)} timed out after {timeout} s:\n{r.stdout}")
     if r.returncode == _SKIP:
         pytest.skip(r.stdout.strip().splitlines()[-1] if r.stdout.strip() else "skipped")
     assert r.returncode == 0, f"{' '.join(args)} failed:\n{r.stdout}\n{r.stderr}"
     return r.stdout
 
 
+def _run_script(args, sim, timeout=1500):
+    if not _have_numba_cuda():
+        pytest.skip("numba.cuda is not installed (pip install 'mpigc[cuda]')")
+    return _finish(args, background._run([sys.executable, HERE, *args], _env(sim), timeout),
+                   timeout)
+
+
+def _have_numba_cuda_ptx():
+    from importlib import metadata
+    try:
+        metadata.version("numba-cuda")
+    except metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+# the slowest first (seconds on the 2-core VM: 2bit_rel 490 and 1bit 190 before
+# the lighter warp emulation of kernels/cuda.py, signatures about 100, the rest
+# under 60)
+_SLOWEST = ["2bit_rel", "1bit", "signatures", "terngrad", "shards", "2bit", "stats"]
+_TIMEOUT = 1500
+
+
+@pytest.fixture(scope="module")
+def sim_runs(request, tmp_path_factory):
+    """The simulator runs of the selected tests of this module, started side
+    by side in the background (tests/background.py) when the first of them
+    runs: the groups, and the signature recording of the PTX test."""
+    jobs = {g: [sys.executable, HERE, g]
+            for g in background.selected(request, "test_cuda_simulator", "group")}
+    sigs = str(tmp_path_factory.mktemp("ptx") / "signatures.json")
+    if any(getattr(it, "originalname", None) == "test_kernels_compile_to_ptx"
+           for it in request.session.items) and _have_numba_cuda_ptx():
+        jobs["signatures"] = [sys.executable, HERE, "signatures", sigs]
+    runs = background.Runs()
+    if _have_numba_cuda():
+        order = sorted(jobs, key=lambda k: _SLOWEST.index(k) if k in _SLOWEST else 99)
+        runs.start({k: (jobs[k], _env(True), _TIMEOUT) for k in order})
+    runs.signatures = sigs
+    return runs
+
+
+def _sim_result(runs, key, args):
+    if not _have_numba_cuda():
+        pytest.skip("numba.cuda is not installed (pip install 'mpigc[cuda]')")
+    return _finish(args, runs.result(key, [sys.executable, HERE, *args], _env(True), _TIMEOUT),
+                   _TIMEOUT)
+
+
 @pytest.mark.parametrize("group", SIM_GROUPS)
-def test_cuda_simulator(group):
-    out = _run_script([group], sim=True)
+def test_cuda_simulator(group, sim_runs):
+    out = _sim_result(sim_runs, group, [group])
     assert f"ok {group}" in out
 
 
@@ -78,7 +133,7 @@ def test_launch_contract_catches_planted_defects():
     assert "ok contract" in out
 
 
-def test_kernels_compile_to_ptx(tmp_path):
+def test_kernels_compile_to_ptx(sim_runs):
     """Every kernel compiles to PTX for sm_90 with exactly the argument types
     it is launched with: a simulator run of the engine (allreduce and
     reduce_scatter at one rank, every compressor, float16/32/64, with and
@@ -88,14 +143,11 @@ def test_kernels_compile_to_ptx(tmp_path):
     (no GPU needed, numba-cuda's NVVM) and checks that no kernel of the module
     went unlaunched, with no flush-to-zero, no approximate division and no
     fma contraction of the products whose rounding must match the CPU."""
-    from importlib import metadata
-    try:
-        metadata.version("numba-cuda")
-    except metadata.PackageNotFoundError:
+    if not _have_numba_cuda_ptx():
         pytest.skip("numba-cuda is not installed (only Numba's built-in CUDA target): "
                     "pip install 'numba-cuda[cu12]' (the test extra does) to compile to PTX")
-    sigs = str(tmp_path / "signatures.json")
-    _run_script(["signatures", sigs], sim=True)
+    sigs = sim_runs.signatures
+    _sim_result(sim_runs, "signatures", ["signatures", sigs])
     out = _run_script(["ptx", sigs], sim=False)
     assert "compiled" in out
 

@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+import background
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "mpi", "test_gpu_path_mpi.py")
 TIMEOUT = int(os.environ.get("MPIGC_TEST_TIMEOUT", "900"))
@@ -51,17 +53,27 @@ def _mpirun():
 _SIM_RANKS = [int(k) for k in os.environ.get("MPIGC_SIM_RANKS", "1 3").split()]
 
 
+_RUNS = background.Runs()  # the groups run side by side (tests/background.py)
+
+
 @pytest.mark.parametrize("ranks", _SIM_RANKS)
 @pytest.mark.parametrize("group", list(GROUPS))
-def test_gpu_path_simulator(group, ranks):
-    cmd = [_mpirun(), "--oversubscribe", "-n", str(ranks), sys.executable, SCRIPT, group]
-    try:
-        r = subprocess.run(cmd, env=_env(True, GROUPS[group]), capture_output=True,
-                           text=True, timeout=TIMEOUT)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{' '.join(cmd)} timed out after {TIMEOUT} s:\n{exc.stdout}")
+def test_gpu_path_simulator(group, ranks, request):
+    mpirun = _mpirun()
+
+    def cmd(g, k):
+        return [mpirun, "--oversubscribe", "-n", str(k), sys.executable, SCRIPT, g]
+
+    runs = background.selected(request, "test_gpu_path_simulator", "group", "ranks")
+    # the most ranks first (the longest); each (group, ranks) once
+    runs = sorted(dict.fromkeys(runs), key=lambda gk: -gk[1])
+    _RUNS.start({gk: (cmd(*gk), _env(True, GROUPS[gk[0]]), TIMEOUT) for gk in runs})
+    r = _RUNS.result((group, ranks), cmd(group, ranks), _env(True, GROUPS[group]), TIMEOUT)
+    if isinstance(r, subprocess.TimeoutExpired):
+        pytest.fail(f"{' '.join(cmd(group, ranks))} timed out after {TIMEOUT} s:\n{r.stdout}")
     assert r.returncode == 0 and f"ok {group}" in r.stdout, \
-        f"{' '.join(cmd)}: exit {r.returncode}\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
+        f"{' '.join(cmd(group, ranks))}: exit {r.returncode}\n{r.stdout[-6000:]}\n" \
+        f"{r.stderr[-6000:]}"
 
 
 def _python(code, sim):

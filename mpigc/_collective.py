@@ -654,23 +654,32 @@ class _Op:
                 # allgather is reached by every rank whatever this one holds
                 mine = None
                 if full[self.rank]:
-                    mine = {"size": self.n, "dtype": str(self.dtype),
-                            "settings": json.dumps(self.settings, sort_keys=True)}[what]
-                allv = comm.allgather(mine)
-                detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(allv)
-                                   if v is not None)
-                raise MismatchError(f"{self.kind}: ranks disagree on the {what} ({detail})")
+                    mine = str({"size": self.n, "dtype": str(self.dtype),
+                                "settings": json.dumps(self.settings, sort_keys=True)}[what])
+
+                def mismatch(allv, what=what):
+                    detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(allv)
+                                       if v is not None)
+                    return MismatchError(f"{self.kind}: ranks disagree on the {what} "
+                                         f"({detail})")
+                self._start_report(comm, mine, mismatch)
+                return None
         bad = np.flatnonzero(t[:, _CODE])
         if bad.size:
             exc = self.local_error
             msg = "" if exc is None else (str(exc) if isinstance(exc, MpigcError)
                                           else f"{type(exc).__name__}: {exc}")
-            msgs = comm.allgather(msg)  # only on this error path
             # every rank raises the class of the lowest failing rank's error
             cls = CODES.get(int(t[int(bad[0]), _CODE])) or MpigcError
-            detail = "; ".join(f"rank {int(r)}: {msgs[int(r)]}" for r in bad)
-            raise cls(f"{self.kind} failed on {len(bad)} of {self.size} rank(s): {detail}") \
-                from self.local_error
+
+            def failed(msgs, cls=cls, bad=bad):
+                detail = "; ".join(f"rank {int(r)}: {msgs[int(r)]}" for r in bad)
+                exc = cls(f"{self.kind} failed on {len(bad)} of {self.size} rank(s): "
+                          f"{detail}")
+                exc.__cause__ = self.local_error
+                return exc
+            self._start_report(comm, msg, failed)
+            return None
         nbad, nrange = t[:, _NBAD], t[:, _RANGE]
         if (np.any(nbad) or np.any(nrange)) and self.nonfinite != "ignore":
             self._abandon()
@@ -693,6 +702,40 @@ class _Op:
             self._release_agree()
             return False
         return True
+
+    # the messages of an error report, one fixed-width slot per rank
+    _REPORT_WIDTH = 2048
+
+    def _start_report(self, comm, text, make_error):
+        """Gather every rank's message of a failed agreement (``text``, a str
+        or None) with a NONBLOCKING allgather, then raise ``make_error(msgs)``
+        from state "report". A blocking allgather here deadlocked: a progress
+        step (the progress thread's, or a test()) that reached this call's
+        failed agreement while an earlier call still owed the peers its next
+        stage blocked in the allgather, holding the engine lock, so that
+        earlier call never advanced, and the peers, blocked waiting for it,
+        never reached the allgather (seen in CI: test_random_faults, 2 ranks)."""
+        w = self._REPORT_WIDTH
+        mine = np.zeros(w, np.uint8)
+        if text is not None:
+            b = text.encode("utf-8")[:w - 1]
+            mine[0] = 1
+            mine[1:1 + len(b)] = np.frombuffer(b, np.uint8)
+        allb = np.zeros(w * self.size, np.uint8)
+        self.report = (mine, allb, make_error)
+        self.report_req = comm.Iallgather([mine, MPI.BYTE], [allb, MPI.BYTE])
+        self.state = "report"
+
+    def _report_error(self):
+        _, allb, make_error = self.report
+        w = self._REPORT_WIDTH
+        msgs = []
+        for r in range(self.size):
+            slot = allb[r * w:(r + 1) * w]
+            msgs.append(bytes(slot[1:]).rstrip(b"\0").decode("utf-8", "replace")
+                        if slot[0] else None)
+        self.report = None
+        return make_error(msgs)
 
     def _finish_skipped(self):
         if self.kind == "allreduce":
@@ -723,15 +766,20 @@ class _Op:
                 self.fb._give_spare(old)
 
     # -- 3./4. data movement -------------------------------------------------
-    def _start_none(self):
+    def _start_none(self, block):
+        """op="none" (or the small-buffer fallback): MPI's own sum. Blocking
+        only inside a blocking wait on this very call (``block``): a progress
+        step that blocked here, holding the engine lock, would keep an
+        earlier call from advancing while the peers wait for it."""
         comm = self.cs.post
+        blocking = self.blocking and block
         sendbuf = self.none_buf
         self.be.sync()
         # staged: the full-precision values cross to the host
         wire = self.be.wire(sendbuf, send=True)
         self.none_wire = wire
         if self.kind == "allreduce":
-            if self.blocking:
+            if blocking:
                 comm.Allreduce(MPI.IN_PLACE, wire, op=MPI.SUM)
                 self.reqs = []
             else:
@@ -743,7 +791,7 @@ class _Op:
             recv = self._empty(hi - lo, sendbuf.dtype)
             rwire = self.be.wire(recv)
             self.none_rwire = rwire
-            if self.blocking:
+            if blocking:
                 comm.Reduce_scatter(wire, rwire, counts, op=MPI.SUM)
                 self.reqs = []
             else:
@@ -1027,6 +1075,15 @@ class _Op:
             self._decode_all_in_place()
         return True
 
+    def _progress_report(self, block):
+        """State "report": raise the agreed error once every rank's message is in."""
+        if block:
+            self.report_req.Wait()
+        elif not self.report_req.Test():
+            return False
+        self.report_req = None
+        raise self._report_error()
+
     def _count(self, sent):
         _traffic["calls"] += 1
         _traffic["bytes_sent"] += sent
@@ -1109,7 +1166,10 @@ class _Op:
             # order, so calls act on their agreements in the order they began
             if self._earlier_undecided():
                 return False
-            if not self._agreed():
+            agreed = self._agreed()
+            if agreed is None:  # failed: the error report is under way
+                return self._progress_report(block)
+            if not agreed:
                 return True
             self._commit()
             # the data travelled with the rows when every row says so
@@ -1118,11 +1178,13 @@ class _Op:
                 if inline:
                     self._finish_inline_plain()
                     return True
-                self._start_none()
+                self._start_none(block)
             elif inline:
                 self._start_phase1_inline()
             else:
                 self._start_phase1()
+        if self.state == "report":
+            return self._progress_report(block)
         if self.state == "none":
             if self.reqs:
                 if block:

@@ -113,3 +113,58 @@ def test_progress_at_different_times_on_different_ranks(comm, op):
     ra.wait()
     want = comm.size if op == "none" else 0.5
     assert_all(np.all(a == want) and np.all(b == want), f"{a[:3]} {b[:3]}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("fault", ["size", "readonly", "none-size"])
+def test_failed_call_reached_early_does_not_block_an_earlier_one(comm, fault):
+    """The last rank advances a later call to its failed agreement (test())
+    while an earlier call still owes the other ranks its next stage; they
+    come later and wait for that earlier call first. The failed call's error
+    report must not block the last rank: it once did (a blocking allgather
+    holding the engine lock) and the job hung, in CI's random-fault test.
+    The earlier call completes and is right, the later one raises on every
+    rank. A hang kills this rank after a deadline (faulthandler), so it
+    fails instead of stalling the suite."""
+    import faulthandler
+    import time
+
+    from mpigc import _collective
+    if comm.size < 2:
+        pytest.skip("needs a peer that comes later")
+    last = comm.rank == comm.size - 1
+    n = 300_000  # fp16: > 256 KiB to each peer, sent after the agreement
+    x = grads(comm.rank, n)
+    want = mpigc.allreduce(x.copy(), "fp16", key="a", feedback=mpigc.ErrorFeedback())
+    op = "none" if fault == "none-size" else "2bit"
+    bad = grads(comm.rank, 1000 + (last and fault != "readonly"))
+    if fault == "readonly" and last:
+        bad.flags.writeable = False
+    expected = mpigc.InvalidBufferError if fault == "readonly" else mpigc.MismatchError
+    faulthandler.dump_traceback_later(120, exit=True)
+    try:
+        # the lock keeps the progress thread out: each rank's steps in this order
+        with _collective._lock:
+            ra = mpigc.iallreduce(x, "fp16", key="a", feedback=mpigc.ErrorFeedback())
+            rc = mpigc.iallreduce(bad, op, key="c", feedback=mpigc.ErrorFeedback())
+            got = None
+            if last:
+                while True:
+                    try:
+                        if rc.test():
+                            break
+                    except mpigc.MpigcError as e:
+                        got = e
+                        break
+            else:
+                time.sleep(0.5)  # the last rank reaches rc's agreement first
+                ra.wait()
+                try:
+                    rc.wait()
+                except mpigc.MpigcError as e:
+                    got = e
+            ra.wait()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert_all(isinstance(got, expected), f"got {type(got).__name__}: {got}")
+    assert_all(x.tobytes() == want.tobytes(), "the earlier call's result differs")

@@ -109,6 +109,7 @@ class DeviceBackend:
     def __init__(self, kernels):
         self.kernels = kernels
         self.aware = None  # CudaAwareness of the call's communicator
+        self.device_id = None  # the GPU current in the caller's thread
         self.staged = []  # staging buffers taken from the pool
 
     # -- the input -------------------------------------------------------------
@@ -119,6 +120,9 @@ class DeviceBackend:
         if not self.aware.aware:
             _cuda.warn_staging_once(self.aware)
         _cuda.ensure_device(buf, cs)
+        # the GPU of the call: the progress thread makes it current before it
+        # advances the call
+        self.device_id = _cuda.current_device_id()
         return _cuda.as_device(buf)
 
     def is_c_contiguous(self, buf, a):

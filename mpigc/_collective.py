@@ -52,6 +52,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _comm
+from . import _cuda
 from . import _dispatch
 from ._errors import (CODES, ConfigError, DTypeError, InvalidBufferError, MismatchError,
                       MpigcError, NonFiniteError, code_of)
@@ -267,6 +268,10 @@ def _progress_all():
     """Advance every pending call without blocking (errors are kept by the
     call they belong to and raised by its own test() or wait())."""
     for op in list(_pending):
+        if _driver.thread:  # the progress thread: the call's GPU current
+            dev = getattr(getattr(op, "be", None), "device_id", None)
+            if dev is not None:
+                _cuda.make_current(dev)
         op.progress(block=False)
 
 
@@ -315,10 +320,13 @@ class _Op:
         if _draining:
             _drain()
         if self.size > _P2P_MAX_RANKS:
+            # always the nonblocking form: whether anything is pending here
+            # depends on timing (the progress thread), and a blocking
+            # MPI_Allgather does not match another rank's MPI_Iallgather
+            self.agree_req = self.cs.comm.Iallgather(row, self.table)
             if blocking and not _pending:
-                self.cs.comm.Allgather(row, self.table)
-            else:
-                self.agree_req = self.cs.comm.Iallgather(row, self.table)
+                self.agree_req.Wait()
+                self.agree_req = None
         else:
             self._start_agree()
             if blocking and not _pending:
@@ -767,12 +775,21 @@ class _Op:
 
     # -- 3./4. data movement -------------------------------------------------
     def _start_none(self, block):
-        """op="none" (or the small-buffer fallback): MPI's own sum. Blocking
-        only inside a blocking wait on this very call (``block``): a progress
-        step that blocked here, holding the engine lock, would keep an
-        earlier call from advancing while the peers wait for it."""
+        """op="none" (or the small-buffer fallback): MPI's own sum. A
+        nonblocking call starts MPI's nonblocking sum at once; a blocking call
+        starts MPI's blocking sum (``MPI_Allreduce``'s bits, which
+        ``MPI_Iallreduce`` need not give), and only from a blocking wait on
+        this very call once every earlier call of this rank is done (it is
+        then first in ``_pending``); until then it stays in state
+        "none-ready" (False). Never from a progress step: blocking there, with
+        the engine lock held, would keep an earlier call from advancing while
+        the peers wait for it; and the choice is the same on every rank
+        (blocking and nonblocking collectives do not match, MPI-3.1 5.12)."""
+        self.state = "none-ready"
+        blocking = self.blocking
+        if blocking and not (block and _pending and _pending[0] is self):
+            return False
         comm = self.cs.post
-        blocking = self.blocking and block
         sendbuf = self.none_buf
         self.be.sync()
         # staged: the full-precision values cross to the host
@@ -798,6 +815,7 @@ class _Op:
                 self.reqs = [comm.Ireduce_scatter(wire, rwire, counts, op=MPI.SUM)]
             self.none_out = recv
         self.state = "none"
+        return True
 
     def _finish_none(self):
         v = self.none_out
@@ -1178,13 +1196,15 @@ class _Op:
                 if inline:
                     self._finish_inline_plain()
                     return True
-                self._start_none(block)
+                self.state = "none-ready"
             elif inline:
                 self._start_phase1_inline()
             else:
                 self._start_phase1()
         if self.state == "report":
             return self._progress_report(block)
+        if self.state == "none-ready" and not self._start_none(block):
+            return False
         if self.state == "none":
             if self.reqs:
                 if block:
@@ -1197,9 +1217,17 @@ class _Op:
             if not self._progress_phase1(block):
                 return False
             if self.kind == "reduce_scatter":
-                self._finish()
-                return True
-            self._start_phase2()
+                self.state = "sends"
+            else:
+                self._start_phase2()
+        if self.state == "sends":
+            # reduce_scatter after phase 1: only the sends are left; a progress
+            # step must not block on them (a receiver that is waiting for an
+            # earlier call of this rank would never take them: a hang)
+            if self.sendreqs and not block and not MPI.Request.Testall(self.sendreqs):
+                return False
+            self._finish()
+            return True
         if self.state == "phase2":
             if not self._progress_phase2(block):
                 return False
@@ -1212,6 +1240,10 @@ class _Op:
 def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,
           recvcounts=None, out=None, blocking):
     """Create and start one collective call; returns its ``_Op``."""
+    # a communicator's first use is collective (Dup, a Sendrecv per peer):
+    # outside the engine lock, so that the progress thread can advance
+    # earlier calls meanwhile, which a peer may be waiting for
+    _comm.resolve(comm)
     with _lock:
         o = _Op(kind, buf, op, params, comm, key, average, gather, feedback, nonfinite,
                 recvcounts, out, blocking)

@@ -403,6 +403,27 @@ def select_device(comm=None, device=None):
     return device
 
 
+def current_device_id():
+    """The GPU current in the calling thread (0 in the simulator)."""
+    if simulator():
+        return 0
+    return _numba_cuda().get_current_device().id
+
+
+_thread_device = threading.local()
+
+
+def make_current(device_id):
+    """Make GPU ``device_id`` current in the calling thread (the progress
+    thread, before it advances a device call). A thread starts with no CUDA
+    context, and Numba would then use GPU 0: a rank on GPU 1 would allocate
+    and launch there. Once per thread and device."""
+    if simulator() or getattr(_thread_device, "id", None) == device_id:
+        return
+    _numba_cuda().select_device(device_id)
+    _thread_device.id = device_id
+
+
 def _device_count():
     cuda = _numba_cuda()
     try:

@@ -94,8 +94,10 @@ def iallreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm
                hierarchy: Literal["auto", "flat", "node"] = "flat", **params) -> Request:
     """Nonblocking :func:`allreduce`: compresses now, returns a :class:`Request`.
 
-    ``buf`` must not be touched until ``request.wait()`` returned; progress
-    is made inside ``test()`` and ``wait()``. Requests may be outstanding on
+    ``buf`` must not be touched until ``request.wait()`` returned. A
+    background thread advances the request while the caller computes (when
+    MPI grants ``MPI_THREAD_MULTIPLE``; ``MPIGC_PROGRESS_THREAD=0`` turns it
+    off), and ``test()`` and ``wait()`` always do. Requests may be outstanding on
     several buffers at once (with distinct keys); every rank must start them
     in the same order. A hierarchical call (``hierarchy=``) runs to
     completion before this returns (its request is complete at once).

@@ -123,3 +123,96 @@ def test_exit_with_the_thread_running_does_not_hang(comm):
     p = subprocess.run([sys.executable, "-c", code], env=env, timeout=120,
                        capture_output=True, text=True)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def _deadline(seconds=120):
+    """A hang kills this rank (traceback on stderr) instead of the suite."""
+    import faulthandler
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    return faulthandler.cancel_dump_traceback_later
+
+
+@pytest.mark.mpi
+def test_blocking_mpi_sum_while_a_request_is_pending(comm):
+    """A blocking op="none" call (MPI's own sum) started while a request is
+    pending: whether this rank's caller or its progress thread starts the
+    sum is timing, so the engine must start the same (nonblocking) MPI
+    collective either way; a blocking sum on one rank against a nonblocking
+    one on another hung (review of issue 15, 3 of 3 runs within 30 calls)."""
+    if not _collective.progress_thread_enabled():
+        pytest.skip("no progress thread")
+    cancel = _deadline()
+    try:
+        a = np.ones(1 << 17, np.float32)
+        fb = mpigc.ErrorFeedback()
+        ok = True
+        for _ in range(20):
+            time.sleep(0.01 * comm.rank)  # ranks arrive at different times
+            req = mpigc.iallreduce(a, "2bit", key="A", feedback=fb)
+            small = np.ones(1 << 18, np.float32)
+            mpigc.allreduce(small, "none")
+            req.wait()
+            ok &= bool(np.all(small == comm.size))
+    finally:
+        cancel()
+    assert_all(ok, "wrong MPI sum")
+
+
+@pytest.mark.mpi
+def test_reduce_scatter_sends_do_not_block_the_thread(comm):
+    """The progress thread finishing an ireduce_scatter must not block on its
+    sends (engine lock held) while the peer waits for an earlier call of
+    this rank: it hung about one iteration in three (review of issue 15)."""
+    if not _collective.progress_thread_enabled() or comm.size != 2:
+        pytest.skip("2 ranks with the progress thread")
+    cancel = _deadline()
+    try:
+        rng = np.random.default_rng(comm.rank)
+        a = rng.standard_normal(1 << 23).astype(np.float32)  # terngrad: packs after agreeing
+        n = 1 << 19
+        b = rng.standard_normal(n).astype(np.float32)
+        counts = [1000, n - 1000]  # rank 0 -> 1: large (rendezvous), 1 -> 0: small
+        want = mpigc.reduce_scatter(b.copy(), "2bit", key="R", recvcounts=counts,
+                                    feedback=mpigc.ErrorFeedback())
+        fb = mpigc.ErrorFeedback()
+        ok = True
+        for _ in range(12):
+            if comm.rank == 1:
+                time.sleep(0.3)
+            ra = mpigc.iallreduce(a.copy(), "terngrad", key="A", feedback=fb)
+            rr = mpigc.ireduce_scatter(b, "2bit", key="R", recvcounts=counts,
+                                       feedback=mpigc.ErrorFeedback())
+            if comm.rank == 0:
+                time.sleep(0.6)  # compute while the thread works
+            ra.wait()
+            ok &= rr.wait().tobytes() == want.tobytes()
+            comm.Barrier()
+    finally:
+        cancel()
+    assert_all(ok, "reduce_scatter result differs")
+
+
+@pytest.mark.mpi
+def test_many_rank_agreement_is_the_same_collective_everywhere(comm, monkeypatch):
+    """Above 16 ranks the agreement is an allgather. A blocking call with
+    nothing pending on one rank (the thread finished its request) and a
+    request still pending on another must still start the same collective
+    (MPI_Iallgather), or the two do not match: a hang (forced here)."""
+    if not _collective.progress_thread_enabled() or comm.size < 2:
+        pytest.skip("2+ ranks with the progress thread")
+    monkeypatch.setattr(_collective, "_P2P_MAX_RANKS", 1)
+    want = mpigc.allreduce(np.ones(1 << 14, np.float32), "2bit", key="B",
+                           feedback=mpigc.ErrorFeedback())
+    cancel = _deadline()
+    try:
+        a, b = np.ones(1 << 21, np.float32), np.ones(1 << 14, np.float32)
+        if comm.rank == 1:
+            time.sleep(0.3)
+        req = mpigc.iallreduce(a, "2bit", key="A", feedback=mpigc.ErrorFeedback())
+        if comm.rank == 0:
+            _compute_until_done([req])  # rank 0: nothing pending at the next call
+        mpigc.allreduce(b, "2bit", key="B", feedback=mpigc.ErrorFeedback())
+        req.wait()
+    finally:
+        cancel()
+    assert_all(b.tobytes() == want.tobytes(), "results differ from a call alone")

@@ -278,11 +278,11 @@ def _progress_all():
 class _Op:
     """One collective call (see the module docstring)."""
 
-    def __init__(self, kind, buf, op, params, comm, key, average, gather, feedback,
+    def __init__(self, kind, buf, op, params, cs, key, average, gather, feedback,
                  nonfinite, recvcounts, out, blocking):
         self.kind = kind  # "allreduce" or "reduce_scatter"
         self.blocking = blocking
-        self.cs = _comm.resolve(comm)
+        self.cs = cs  # the communicator's CommState (start() resolved it)
         self.size, self.rank = self.cs.size, self.cs.rank
         self.seq = self.cs.seq
         self.tags = self.cs.next_tags()
@@ -785,7 +785,6 @@ class _Op:
         the engine lock held, would keep an earlier call from advancing while
         the peers wait for it; and the choice is the same on every rank
         (blocking and nonblocking collectives do not match, MPI-3.1 5.12)."""
-        self.state = "none-ready"
         blocking = self.blocking
         if blocking and not (block and _pending and _pending[0] is self):
             return False
@@ -1243,9 +1242,9 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
     # a communicator's first use is collective (Dup, a Sendrecv per peer):
     # outside the engine lock, so that the progress thread can advance
     # earlier calls meanwhile, which a peer may be waiting for
-    _comm.resolve(comm)
+    cs = _comm.resolve(comm)
     with _lock:
-        o = _Op(kind, buf, op, params, comm, key, average, gather, feedback, nonfinite,
+        o = _Op(kind, buf, op, params, cs, key, average, gather, feedback, nonfinite,
                 recvcounts, out, blocking)
     if not blocking and o.state != "done":
         _progress_thread.wake()

@@ -85,8 +85,9 @@ NONFINITE_POLICIES = ("raise", "skip", "ignore")
 GATHER_MODES = ("compressed", "exact")
 
 # columns of the agreement table; _INLINE: 1 when this rank's agreement
-# messages carry its data (see _Op._start_agree)
-_CODE, _NBAD, _N, _DTYPE, _FP, _SCALE, _RANGE, _INLINE, _NCOLS = 0, 1, 2, 3, 4, 5, 6, 7, 8
+# messages carry its data (see _Op._start_agree); _CHUNK: the number of chunks
+# of a pipelined call, 0 for one that is not (see _Op._chunk_plan)
+_CODE, _NBAD, _N, _DTYPE, _FP, _SCALE, _RANGE, _INLINE, _CHUNK, _NCOLS = range(10)
 _HDR = _NCOLS * 8  # bytes of one agreement row, at the head of each agreement message
 # up to this many ranks the agreement travels point to point, each rank's row
 # in front of the data it sends to each peer (one round for the whole call
@@ -101,7 +102,7 @@ _INLINE_PLAIN_MAX = 1 << 20
 # the sends, so big transfers start at once instead of at the receiver's probe
 _INLINE_PAYLOAD_MAX = 256 << 10
 _FAST_AGREE = np.array([_CODE, _NBAD, _RANGE])
-_SAME_COLS = slice(_N, _FP + 1)
+_SAME_COLS = np.array([_N, _DTYPE, _FP, _CHUNK])
 _DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
 
 
@@ -130,6 +131,26 @@ def min_compress_bytes():
     if v < 0:
         raise ConfigError(f"MPIGC_MIN_COMPRESS_BYTES: expected a non-negative integer "
                           f"(bytes), got {env!r}")
+    return v
+
+
+def chunk_bytes():
+    """``$MPIGC_CHUNK_BYTES``: compressed calls on host buffers of at least
+    twice this many bytes (the buffer's own dtype) are pipelined in chunks of
+    about this size: a chunk's payloads travel while the next chunk is
+    compressed, and an owner recompresses a chunk of its shard as soon as
+    every rank's contribution to it is in (see ``_Op._chunk_plan``).
+    Default 2 MiB; 0 turns pipelining off. The results are the same bits
+    either way. Ranks must agree (a difference is reported as a mismatch on
+    the chunking)."""
+    env = os.environ.get("MPIGC_CHUNK_BYTES", str(2 << 20))
+    try:
+        v = int(env)
+    except ValueError:
+        v = -1
+    if v < 0:
+        raise ConfigError(f"MPIGC_CHUNK_BYTES: expected a non-negative integer (bytes), "
+                          f"got {env!r}")
     return v
 
 
@@ -300,6 +321,7 @@ class _Op:
         self.error = None
         self.plain = False
         self.decoded2 = False  # device gather: every shard decoded with one launch
+        self.chunks = None  # a pipelined call's plan (see _chunk_plan)
         self.be = None  # the backend of the buffer's side (mpigc._backend)
         self.dev = False  # which side, for the error-feedback store
         # what the agreement step reads of a rank that failed early: defined
@@ -352,7 +374,8 @@ class _Op:
         (``_INLINE``) whether data follows, so the decision need not be the
         same on every rank: the data path is taken only when every row says
         so (see ``_after_agreement``)."""
-        if self.local_error is not None or self.be is None or self.be.device:
+        if (self.local_error is not None or self.be is None or self.be.device
+                or self.chunks is not None):
             return None
         r = self.rank
         if self.plain:
@@ -369,7 +392,8 @@ class _Op:
     def _expected_inline(self):
         """Bytes of data that a peer that agrees with this rank sends after
         its row (0: rows only)."""
-        if self.local_error is not None or self.be is None or self.be.device:
+        if (self.local_error is not None or self.be is None or self.be.device
+                or self.chunks is not None):
             return 0
         if self.plain:
             ok = (self.kind == "allreduce" and self.size == 2
@@ -483,6 +507,12 @@ class _Op:
         (self.comp, self.average, self.gather, self.nonfinite, self.bounds, self.key,
          self.plain, self.settings, row[_FP]) = hit
         comp, nonfinite = self.comp, self.nonfinite
+        if not self.plain:
+            # before anything that can fail with a full row (a key in use):
+            # every complete row says how the call is cut
+            self.chunks = self._chunk_plan()
+            if self.chunks is not None:
+                row[_CHUNK] = len(self.chunks)
         lo, hi = self.bounds[self.rank]
         self.out_given = out  # what reduce_scatter returns (the caller's object)
         if out is not None:
@@ -515,7 +545,34 @@ class _Op:
         # compress every shard now; the new residual goes to a scratch buffer
         self.e_out = self.fb._take_spare(n, self.wdtype, dev) if self.use_ef else None
         self.spare = self.e_out
+        if self.chunks is not None:
+            return  # pipelined: chunk by chunk once the rows agree (_start_chunks)
         self._pack_shards(row)
+
+    def _chunk_plan(self):
+        """How a pipelined call cuts the buffer: ``plan[c][j]`` is the range
+        ``(lo, hi)`` of shard j that chunk c covers; None for a call that is
+        not pipelined. Host buffers of a compressor that says where it may
+        cut (``chunk_align``), on 2 ranks or more, at least two chunks of
+        ``$MPIGC_CHUNK_BYTES`` (:func:`chunk_bytes`). Each shard is cut
+        into as many pieces as there are chunks, at multiples of the
+        alignment from the shard's start, so each piece encodes as its part
+        of the whole shard would: the results are the same bits."""
+        if self.be.device or self.size < 2:
+            return None
+        align = self.comp.chunk_align()
+        cb = chunk_bytes()
+        nbytes = self.n * self.dtype.itemsize
+        if align is None or cb == 0 or nbytes < 2 * cb:
+            return None
+        nc = -(-nbytes // cb)
+        plan = [[None] * self.size for _ in range(nc)]
+        for j, (lo, hi) in enumerate(self.bounds):
+            ln = hi - lo
+            cuts = [min(ln, -(-(c * ln // nc) // align) * align) for c in range(nc)] + [ln]
+            for c in range(nc):
+                plan[c][j] = (lo + cuts[c], lo + cuts[c + 1])
+        return plan
 
     def _validate_settings(self, op, params, key, average, gather, nonfinite, n,
                            recvcounts):
@@ -654,7 +711,8 @@ class _Op:
         # a disagreement between ranks is the root cause of any state error it
         # provokes, so it is reported first (rows of such ranks are complete)
         full = np.isin(t[:, _CODE], (0, 4))
-        for col, what in ((_N, "size"), (_DTYPE, "dtype"), (_FP, "settings")):
+        for col, what in ((_N, "size"), (_DTYPE, "dtype"), (_FP, "settings"),
+                          (_CHUNK, "chunking")):
             vals = t[full, col]
             if vals.size and np.any(vals != vals[0]):
                 self._abandon()
@@ -662,14 +720,20 @@ class _Op:
                 # allgather is reached by every rank whatever this one holds
                 mine = None
                 if full[self.rank]:
+                    chunking = (f"{len(self.chunks)} chunks" if self.chunks is not None
+                                else "not pipelined")
                     mine = str({"size": self.n, "dtype": str(self.dtype),
-                                "settings": json.dumps(self.settings, sort_keys=True)}[what])
+                                "settings": json.dumps(self.settings, sort_keys=True),
+                                "chunking": chunking}[what])
 
                 def mismatch(allv, what=what):
                     detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(allv)
                                        if v is not None)
+                    hint = ("; pipelining takes host buffers only and "
+                            "$MPIGC_CHUNK_BYTES must be the same on every rank"
+                            if what == "chunking" else "")
                     return MismatchError(f"{self.kind}: ranks disagree on the {what} "
-                                         f"({detail})")
+                                         f"({detail}){hint}")
                 self._start_report(comm, mine, mismatch)
                 return None
         bad = np.flatnonzero(t[:, _CODE])
@@ -688,6 +752,14 @@ class _Op:
                 return exc
             self._start_report(comm, msg, failed)
             return None
+        return self._nonfinite_verdict()
+
+    def _nonfinite_verdict(self):
+        """The table's non-finite and out-of-range counts decide: True (go
+        ahead), False (skipped on every rank: NaN results) or raise
+        NonFiniteError on every rank; nothing has changed in the last two
+        cases."""
+        t = self.table
         nbad, nrange = t[:, _NBAD], t[:, _RANGE]
         if (np.any(nbad) or np.any(nrange)) and self.nonfinite != "ignore":
             self._abandon()
@@ -1130,6 +1202,296 @@ class _Op:
         self._abandon()
         self.state = "done"
 
+    # -- 3'./4'. pipelined calls (see _chunk_plan) -----------------------------
+    # After the rows agree (the counts of non-finite and out-of-range values
+    # are not known yet: nothing is compressed), each rank compresses chunk
+    # after chunk and sends each piece to its owner at once; after the last
+    # chunk it sends every peer its two counts (the trailer, tag
+    # tags[2] + 1). Owners decode-accumulate each chunk's pieces in rank
+    # order as they arrive. Once every trailer is in, the counts decide as
+    # the row would have (_nonfinite_verdict): on a failure every rank first
+    # completes phase 1's transfers (all of them were posted), then raises or
+    # skips with nothing changed. Otherwise the worker residual is committed
+    # and each owner recompresses chunk c of its shard and sends it as soon
+    # as chunk c is reduced, while later chunks are still arriving.
+
+    def _start_chunks(self):
+        comm, r, size = self.cs.comm, self.rank, self.size
+        plan, comp = self.chunks, self.comp
+        nc = len(plan)
+        acc_dtype = np.float64 if self.dtype == np.float64 else np.float32
+        self.psz = [[comp.payload_nbytes(hi - lo, self.wdtype) for lo, hi in ch]
+                    for ch in plan]
+        self.poff, o = [], 0
+        for c in range(nc):
+            self.poff.append([o + sum(self.psz[c][:j]) for j in range(size)])
+            o += sum(self.psz[c])
+        self.sendbuf = self._empty(o, np.uint8)
+        self.sizes = [sum(self.psz[c][j] for c in range(nc)) for j in range(size)]
+        # phase 1's receives: chunk by chunk, a slot per sender
+        self.rbase, o = [], 0
+        for c in range(nc):
+            self.rbase.append(o)
+            o += size * self.psz[c][r]
+        self.recvbuf = self._empty(o, np.uint8)
+        tag = self.tags[0]
+        self.rreq1 = [[None] * size for _ in range(nc)]
+        for c in range(nc):
+            m = self.psz[c][r]
+            if m:
+                for k in range(1, size):
+                    j = (r - k) % size
+                    b = self.rbase[c] + j * m
+                    self.rreq1[c][j] = comm.Irecv([self.recvbuf[b:b + m], MPI.BYTE],
+                                                  source=j, tag=tag)
+        self.trail = np.zeros((size, 2), np.int64)
+        self.treq = [comm.Irecv(self.trail[j], source=j, tag=self.tags[2] + 1)
+                     for j in range(size) if j != r]
+        lo, hi = self.bounds[r]
+        self.acc = self._empty(hi - lo, acc_dtype)
+        self.cpack = self.c1 = self.src1 = self.c2 = 0
+        self.nbad = 0
+        self.verdict = None  # "go" or "stop" once every trailer is in
+        self.obad = False
+        self.rreq2, self.meta2, self.left2 = [], [], 0  # phase 2's receives
+        self.state = "chunks"
+
+    def _pack_chunk(self):
+        """Compress chunk ``cpack`` (every shard's piece) and send each piece
+        to its owner; after the last one, the trailer."""
+        comm, r, size, c = self.cs.comm, self.rank, self.size, self.cpack
+        kw = {}
+        if self.comp.prescales_average and self.average:
+            kw = {"divisor": float(size)}
+        x, ei, eo = self.x, self.e_in, self.e_out
+        for j in range(size):
+            lo, hi = self.chunks[c][j]
+            if hi > lo:
+                o = self.poff[c][j]
+                self.nbad += self.comp._encode(
+                    x[lo:hi], None if ei is None else ei[lo:hi],
+                    None if eo is None else eo[lo:hi],
+                    self.sendbuf[o:o + self.psz[c][j]], **kw)
+        for k in range(1, size):
+            j = (r + k) % size
+            m = self.psz[c][j]
+            if m:
+                o = self.poff[c][j]
+                self.sendreqs.append(comm.Isend([self.sendbuf[o:o + m], MPI.BYTE], dest=j,
+                                                tag=self.tags[0]))
+        self.cpack += 1
+        if self.cpack == len(self.chunks):
+            row = np.zeros(_NCOLS, np.int64)
+            self._count_bad(row, self.nbad)
+            self.trail[r] = (row[_NBAD], row[_RANGE])
+            for k in range(1, size):
+                self.sendreqs.append(comm.Isend(self.trail[r], dest=(r + k) % size,
+                                                tag=self.tags[2] + 1))
+
+    def _decode_chunks(self):
+        """Decode-accumulate phase 1's pieces that are in: chunk by chunk,
+        each chunk's in rank order. True if any was."""
+        r, size = self.rank, self.size
+        lo_r = self.bounds[r][0]
+        moved = False
+        while self.c1 < self.cpack:  # this rank's own piece must be packed
+            c = self.c1
+            a, b = self.chunks[c][r]
+            m = self.psz[c][r]
+            while self.src1 < size:
+                j = self.src1
+                req = self.rreq1[c][j]
+                if req is not None:
+                    if not req.Test():
+                        return moved
+                    self.rreq1[c][j] = None
+                if b > a:
+                    if j == r:
+                        payload = self.sendbuf[self.poff[c][r]:self.poff[c][r] + m]
+                    else:
+                        payload = self.recvbuf[self.rbase[c] + j * m:
+                                               self.rbase[c] + (j + 1) * m]
+                    self.comp._decode(payload, self.acc[a - lo_r:b - lo_r], j > 0)
+                self.src1 += 1
+                moved = True
+            if b > a and self.average and not self.comp.prescales_average:
+                self._divide(self.acc[a - lo_r:b - lo_r], size)
+            self.c1 += 1
+            self.src1 = 0
+        return moved
+
+    def _decide_chunks(self):
+        """Every trailer is in: the counts decide (see the section's comment)."""
+        self.table[:, _NBAD] = self.trail[:, 0]
+        self.table[:, _RANGE] = self.trail[:, 1]
+        t = self.table
+        bad = np.any(t[:, _NBAD]) or np.any(t[:, _RANGE])
+        if bad and self.nonfinite != "ignore":
+            self.verdict = "stop"
+            return
+        self.verdict = "go"
+        self._commit()
+        if self.kind != "allreduce":
+            return
+        comm, r, size = self.cs.comm, self.rank, self.size
+        nc = len(self.chunks)
+        lo, hi = self.bounds[r]
+        tag = self.tags[1]
+        if self.gather == "exact":
+            isz = self.dtype.itemsize
+            flat8 = self.flat.view(np.uint8)
+            for c in range(nc):
+                for k in range(1, size):
+                    j = (r - k) % size
+                    a, b = self.chunks[c][j]
+                    if b > a:
+                        self.meta2.append((c, j))
+                        self.rreq2.append(comm.Irecv([flat8[a * isz:b * isz], MPI.BYTE],
+                                                     source=j, tag=tag))
+            self.left2 = len(self.rreq2)
+            return
+        adt = self.acc.dtype
+        self.psz2 = [[self.comp.payload_nbytes(b - a, adt) for a, b in ch]
+                     for ch in self.chunks]
+        self.poff2, o = [], 0
+        for c in range(nc):
+            self.poff2.append([o + sum(self.psz2[c][:j]) for j in range(size)])
+            o += sum(self.psz2[c])
+        self.recvbuf2 = self._empty(o, np.uint8)
+        self.sizes2 = [sum(self.psz2[c][j] for c in range(nc)) for j in range(size)]
+        for c in range(nc):
+            for k in range(1, size):
+                j = (r - k) % size
+                m = self.psz2[c][j]
+                if m:
+                    o = self.poff2[c][j]
+                    self.meta2.append((c, j))
+                    self.rreq2.append(comm.Irecv([self.recvbuf2[o:o + m], MPI.BYTE],
+                                                 source=j, tag=tag))
+        self.left2 = len(self.rreq2)
+        if self.use_ef:
+            if self.entry.owner is None:
+                self.entry.owner = self.be.zeros(hi - lo, self.wdtype)
+            self.owner_out = self._empty(hi - lo, self.wdtype)
+
+    def _gather_chunk(self):
+        """Phase 2 of chunk ``c2`` (reduced): this owner's piece to every
+        peer, recompressed with the owner residual (or exact), and into
+        place here."""
+        comm, r, size, c = self.cs.comm, self.rank, self.size, self.c2
+        lo = self.bounds[r][0]
+        a, b = self.chunks[c][r]
+        self.c2 += 1
+        if b == a:
+            return
+        acc = self.acc[a - lo:b - lo]
+        tag = self.tags[1]
+        if self.gather == "exact":
+            self._assign(self.flat[a:b], acc)
+            isz = self.dtype.itemsize
+            send = self.flat.view(np.uint8)[a * isz:b * isz]
+        else:
+            send = self.recvbuf2[self.poff2[c][r]:self.poff2[c][r] + self.psz2[c][r]]
+            e = eo = None
+            if self.use_ef:
+                e, eo = self.entry.owner[a - lo:b - lo], self.owner_out[a - lo:b - lo]
+            x = acc if acc.dtype == self.wdtype else self._converted(acc, self.wdtype)
+            if self.comp._encode(x, e, eo, send):
+                # a reduced value beyond the wire format: this piece arrives
+                # non-finite everywhere, and the owner residual is kept whole
+                self.comp._mark_out_of_range(send, b - a)
+                self.obad = True
+        for k in range(1, size):
+            self.sendreqs.append(comm.Isend([send, MPI.BYTE], dest=(r + k) % size, tag=tag))
+        if self.gather != "exact":
+            self._decode_piece(send, a, b)
+
+    def _decode_piece(self, payload, a, b):
+        target = self.flat[a:b]
+        if target.dtype == np.float16:
+            tmp = self._empty(b - a, np.float32)
+            self.comp._decode(payload, tmp, False)
+            self._assign(target, tmp)
+        else:
+            self.comp._decode(payload, target, False)
+
+    def _arrived_chunks(self, block=False):
+        """Phase 2's pieces that are in (``block``: at least one): into place.
+        True if any was. Only this method completes these requests (each
+        is counted once: a completed request is null from then on)."""
+        if not self.left2:
+            return False
+        done = (MPI.Request.Waitsome if block else MPI.Request.Testsome)(self.rreq2) or []
+        for i in done:
+            self._arrived_piece(i)
+        return bool(done)
+
+    def _arrived_piece(self, i):
+        """Phase 2's receive ``i`` completed: its piece into place."""
+        self.left2 -= 1
+        if self.gather != "exact":
+            c, j = self.meta2[i]
+            a, b = self.chunks[c][j]
+            o = self.poff2[c][j]
+            self._decode_piece(self.recvbuf2[o:o + self.psz2[c][j]], a, b)
+
+    def _progress_chunks(self, block):
+        """State "chunks". A step that must not block compresses at most one
+        chunk (the engine lock is held meanwhile) and handles what has
+        arrived; a blocking one runs the call to its end, waiting in MPI only
+        when nothing is left to compute."""
+        nc = len(self.chunks)
+        while True:
+            moved = False
+            if self.cpack < nc:
+                self._pack_chunk()
+                moved = True
+            moved |= self._decode_chunks()
+            if (self.verdict is None and self.cpack == nc
+                    and MPI.Request.Testall(self.treq)):
+                self._decide_chunks()
+                moved = True
+            if self.verdict == "stop":
+                # phase 1 was posted whole: complete it, then raise or skip
+                if self.c1 == nc and MPI.Request.Testall(self.sendreqs):
+                    self._nonfinite_verdict()
+                    return True
+            elif self.verdict == "go":
+                if self.kind == "allreduce":
+                    while self.c2 < self.c1:
+                        self._gather_chunk()
+                        moved = True
+                    moved |= self._arrived_chunks()
+                    over = self.c2 == nc and not self.left2
+                else:
+                    over = self.c1 == nc
+                if over and (block or MPI.Request.Testall(self.sendreqs)):
+                    if self.use_ef and not self.obad and self.kind == "allreduce" \
+                            and self.gather != "exact":
+                        self.entry.owner = self.owner_out
+                    self._finish()
+                    return True
+            if not block:
+                if moved and self.cpack == nc:
+                    continue  # nothing left to compress: handle all that is in
+                return False
+            if moved:
+                continue
+            # nothing to compute: wait for whichever receive completes first.
+            # A phase 1 piece or a trailer stays null once completed and is
+            # handled by the next pass (Test of a null request is true); a
+            # phase 2 piece is handled here, as Testsome will not report it
+            waiting = [q for q in self.rreq1[self.c1] if q] if self.c1 < nc else []
+            waiting += [q for q in self.treq if q]
+            first2 = len(waiting)
+            waiting += self.rreq2
+            if any(waiting):
+                i = MPI.Request.Waitany(waiting)
+                if i != MPI.UNDEFINED and i >= first2:
+                    self._arrived_piece(i - first2)
+            else:
+                MPI.Request.Waitall(self.sendreqs)
+
     # -- the state machine ---------------------------------------------------
     def progress(self, block):
         """Advance; never raises (see :meth:`finished`)."""
@@ -1188,18 +1550,25 @@ class _Op:
                 return self._progress_report(block)
             if not agreed:
                 return True
-            self._commit()
-            # the data travelled with the rows when every row says so
-            inline = self.arecv is not None and bool(self.table[:, _INLINE].all())
-            if self.plain:
-                if inline:
-                    self._finish_inline_plain()
-                    return True
-                self.state = "none-ready"
-            elif inline:
-                self._start_phase1_inline()
+            if self.chunks is not None:
+                # pipelined: the residual is committed once the counts of
+                # non-finite values, known after the last chunk, agree too
+                self._start_chunks()
             else:
-                self._start_phase1()
+                self._commit()
+                # the data travelled with the rows when every row says so
+                inline = self.arecv is not None and bool(self.table[:, _INLINE].all())
+                if self.plain:
+                    if inline:
+                        self._finish_inline_plain()
+                        return True
+                    self.state = "none-ready"
+                elif inline:
+                    self._start_phase1_inline()
+                else:
+                    self._start_phase1()
+        if self.state == "chunks":
+            return self._progress_chunks(block)
         if self.state == "report":
             return self._progress_report(block)
         if self.state == "none-ready" and not self._start_none(block):

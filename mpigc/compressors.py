@@ -133,6 +133,16 @@ class Compressor:
     #: (for the error raised when finite values do not fit)
     wire_range = "float32, magnitudes up to 3.4e38"
 
+    def chunk_align(self):
+        """A pipelined call (``$MPIGC_CHUNK_BYTES``) cuts each shard into
+        pieces that start at multiples of this many elements from the
+        shard's start, so that each piece encodes exactly as its part of the
+        whole shard would (blocks, bytes of codes): the same bits either
+        way. None: this compressor's calls are never pipelined (the
+        default for registered compressors, whose layout mpigc cannot
+        know)."""
+        return None
+
     def __init__(self, **params):
         unknown = sorted(set(params) - set(self._params))
         if unknown:
@@ -345,6 +355,9 @@ class _TwoByte(Compressor):
     """fp16 and bf16: a 2-byte float per value, the kernels ``pack_{_kernel}``
     and ``unpack_{_kernel}_shards``; nothing else differs between them."""
 
+    def chunk_align(self):
+        return 1
+
     _kernel = None
     _params = {"error_feedback": False}
     prescales_average = True
@@ -503,6 +516,9 @@ class TwoBit(Compressor):
     def _nblocks(self, n):
         return (int(n) + self.block_size - 1) // self.block_size
 
+    def chunk_align(self):
+        return self.block_size if self.relative else 4
+
     def payload_nbytes(self, n, dtype=np.float32):
         if self.relative:
             return (int(n) + 3) // 4 + 4 * self._nblocks(n)
@@ -563,6 +579,9 @@ class OneBit(Compressor):
 
     def _nblocks(self, n):
         return (int(n) + self.block_size - 1) // self.block_size
+
+    def chunk_align(self):
+        return self.block_size
 
     def payload_nbytes(self, n, dtype=np.float32):
         return (int(n) + 7) // 8 + 8 * self._nblocks(n)

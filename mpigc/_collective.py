@@ -123,14 +123,19 @@ def min_compress_bytes():
     bytes, the buffer's own dtype) run as ``op="none"`` (plain MPI sum, no
     residual used or changed). Default 8192; 0 always compresses. Ranks must
     agree (a difference is reported as a settings mismatch)."""
-    env = os.environ.get("MPIGC_MIN_COMPRESS_BYTES", "8192")
+    return _env_bytes("MPIGC_MIN_COMPRESS_BYTES", 8192)
+
+
+def _env_bytes(name, default):
+    """A non-negative byte count from the environment variable ``name``;
+    ConfigError otherwise."""
+    env = os.environ.get(name, str(default))
     try:
         v = int(env)
     except ValueError:
         v = -1
     if v < 0:
-        raise ConfigError(f"MPIGC_MIN_COMPRESS_BYTES: expected a non-negative integer "
-                          f"(bytes), got {env!r}")
+        raise ConfigError(f"{name}: expected a non-negative integer (bytes), got {env!r}")
     return v
 
 
@@ -143,15 +148,7 @@ def chunk_bytes():
     Default 2 MiB; 0 turns pipelining off. The results are the same bits
     either way. Ranks must agree (a difference is reported as a mismatch on
     the chunking)."""
-    env = os.environ.get("MPIGC_CHUNK_BYTES", str(2 << 20))
-    try:
-        v = int(env)
-    except ValueError:
-        v = -1
-    if v < 0:
-        raise ConfigError(f"MPIGC_CHUNK_BYTES: expected a non-negative integer (bytes), "
-                          f"got {env!r}")
-    return v
+    return _env_bytes("MPIGC_CHUNK_BYTES", 2 << 20)
 
 
 # validated settings and their fingerprint per call signature (see _settings_key)
@@ -294,6 +291,16 @@ def _progress_all():
             if dev is not None:
                 _cuda.make_current(dev)
         op.progress(block=False)
+
+
+def _piece_offsets(psz):
+    """Byte offsets of a pipelined call's pieces, chunk by chunk and shard by
+    shard in one buffer (``psz[c][j]``: piece sizes), and the total."""
+    offs, o = [], 0
+    for row in psz:
+        offs.append([o + sum(row[:j]) for j in range(len(row))])
+        o += sum(row)
+    return offs, o
 
 
 class _Op:
@@ -754,6 +761,12 @@ class _Op:
             return None
         return self._nonfinite_verdict()
 
+    def _nonfinite_found(self):
+        """The table counts non-finite or out-of-range values that the policy
+        does not ignore."""
+        t = self.table
+        return self.nonfinite != "ignore" and bool(t[:, _NBAD].any() or t[:, _RANGE].any())
+
     def _nonfinite_verdict(self):
         """The table's non-finite and out-of-range counts decide: True (go
         ahead), False (skipped on every rank: NaN results) or raise
@@ -761,7 +774,7 @@ class _Op:
         cases."""
         t = self.table
         nbad, nrange = t[:, _NBAD], t[:, _RANGE]
-        if (np.any(nbad) or np.any(nrange)) and self.nonfinite != "ignore":
+        if self._nonfinite_found():
             self._abandon()
             if self.nonfinite == "raise":
                 what = []
@@ -1113,14 +1126,7 @@ class _Op:
         lo, hi = self.bounds[j]
         if hi == lo or self.be.batch_decode:  # batched: _decode_all_in_place
             return
-        payload = self.recvbuf2[self.offs2[j]:self.offs2[j + 1]]
-        target = self.flat[lo:hi]
-        if target.dtype == np.float16:
-            tmp = self._empty(hi - lo, np.float32)
-            self.comp._decode(payload, tmp, False)
-            self._assign(target, tmp)
-        else:
-            self.comp._decode(payload, target, False)
+        self._decode_piece(self.recvbuf2[self.offs2[j]:self.offs2[j + 1]], lo, hi)
 
     def _decode_all_in_place(self):
         """Every shard of the gather into place with one decode (device)."""
@@ -1222,10 +1228,7 @@ class _Op:
         acc_dtype = np.float64 if self.dtype == np.float64 else np.float32
         self.psz = [[comp.payload_nbytes(hi - lo, self.wdtype) for lo, hi in ch]
                     for ch in plan]
-        self.poff, o = [], 0
-        for c in range(nc):
-            self.poff.append([o + sum(self.psz[c][:j]) for j in range(size)])
-            o += sum(self.psz[c])
+        self.poff, o = _piece_offsets(self.psz)
         self.sendbuf = self._empty(o, np.uint8)
         self.sizes = [sum(self.psz[c][j] for c in range(nc)) for j in range(size)]
         # phase 1's receives: chunk by chunk, a slot per sender
@@ -1324,9 +1327,7 @@ class _Op:
         """Every trailer is in: the counts decide (see the section's comment)."""
         self.table[:, _NBAD] = self.trail[:, 0]
         self.table[:, _RANGE] = self.trail[:, 1]
-        t = self.table
-        bad = np.any(t[:, _NBAD]) or np.any(t[:, _RANGE])
-        if bad and self.nonfinite != "ignore":
+        if self._nonfinite_found():
             self.verdict = "stop"
             return
         self.verdict = "go"
@@ -1353,10 +1354,7 @@ class _Op:
         adt = self.acc.dtype
         self.psz2 = [[self.comp.payload_nbytes(b - a, adt) for a, b in ch]
                      for ch in self.chunks]
-        self.poff2, o = [], 0
-        for c in range(nc):
-            self.poff2.append([o + sum(self.psz2[c][:j]) for j in range(size)])
-            o += sum(self.psz2[c])
+        self.poff2, o = _piece_offsets(self.psz2)
         self.recvbuf2 = self._empty(o, np.uint8)
         self.sizes2 = [sum(self.psz2[c][j] for c in range(nc)) for j in range(size)]
         for c in range(nc):
@@ -1407,6 +1405,8 @@ class _Op:
             self._decode_piece(send, a, b)
 
     def _decode_piece(self, payload, a, b):
+        """Decode ``payload`` into the user's buffer at ``[a, b)`` (through a
+        float32 copy for float16 buffers)."""
         target = self.flat[a:b]
         if target.dtype == np.float16:
             tmp = self._empty(b - a, np.float32)

@@ -307,9 +307,13 @@ class _Op:
     """One collective call (see the module docstring)."""
 
     def __init__(self, kind, buf, op, params, cs, key, average, gather, feedback,
-                 nonfinite, recvcounts, out, blocking):
+                 nonfinite, recvcounts, out, blocking, fill=None):
         self.kind = kind  # "allreduce" or "reduce_scatter"
         self.blocking = blocking
+        # fill(lo, hi): writes elements [lo, hi) of buf before the engine first
+        # reads them (the hierarchical path sums a node's values there just in
+        # time, so that the sums overlap with the transfers of a pipelined call)
+        self.fill = fill
         self.cs = cs  # the communicator's CommState (start() resolved it)
         self.size, self.rank = self.cs.size, self.cs.rank
         self.seq = self.cs.seq
@@ -520,6 +524,8 @@ class _Op:
             self.chunks = self._chunk_plan()
             if self.chunks is not None:
                 row[_CHUNK] = len(self.chunks)
+        if self.fill is not None and self.chunks is None:
+            self.fill(0, n)  # read whole below (or by the inline path)
         lo, hi = self.bounds[self.rank]
         self.out_given = out  # what reduce_scatter returns (the caller's object)
         if out is not None:
@@ -1270,6 +1276,8 @@ class _Op:
         for j in range(size):
             lo, hi = self.chunks[c][j]
             if hi > lo:
+                if self.fill is not None:
+                    self.fill(lo, hi)
                 o = self.poff[c][j]
                 self.nbad += self.comp._encode(
                     x[lo:hi], None if ei is None else ei[lo:hi],
@@ -1606,15 +1614,16 @@ class _Op:
 
 
 def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,
-          recvcounts=None, out=None, blocking):
-    """Create and start one collective call; returns its ``_Op``."""
+          recvcounts=None, out=None, blocking, fill=None):
+    """Create and start one collective call; returns its ``_Op`` (``fill``:
+    see ``_Op.__init__``; host buffers only)."""
     # a communicator's first use is collective (Dup, a Sendrecv per peer):
     # outside the engine lock, so that the progress thread can advance
     # earlier calls meanwhile, which a peer may be waiting for
     cs = _comm.resolve(comm)
     with _lock:
         o = _Op(kind, buf, op, params, cs, key, average, gather, feedback, nonfinite,
-                recvcounts, out, blocking)
+                recvcounts, out, blocking, fill)
     if not blocking and o.state != "done":
         _progress_thread.wake()
     return o

@@ -271,7 +271,7 @@ class _Done:
         return True
 
 
-_CODE, _NBAD, _N, _DTYPE, _FP, _NCOLS = 0, 1, 2, 3, 4, 5
+_CODE, _N, _DTYPE, _FP, _NCOLS = 0, 1, 2, 3, 4
 _DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
 
 
@@ -383,8 +383,10 @@ class _HierCall:
                     "layout": self.lay.describe(), "plain": self.plain}
         self.settings = settings
         row[_FP] = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
-        if nonfinite != "ignore" and not self.plain:
-            row[_NBAD] = int(np.count_nonzero(~np.isfinite(self.flat)))
+        # no pass over the input for non-finite values: a non-finite input makes
+        # its node's sum non-finite (NaN and inf propagate through the sum), which
+        # the inter-node call detects before any residual changes; the ranks
+        # that hold them are named then (_input_nonfinite)
 
     def _agree_input(self):
         lay = self.lay
@@ -403,8 +405,8 @@ class _HierCall:
         self.stored = False
         if exc is None and not self.plain and lay.node_comm.Get_size() > 1 and \
                 getattr(lay, "_win_bytes", 0) >= self.n * self.wd.itemsize:
-            segs = lay.shared(self.n * self.wd.itemsize)
-            _seg(segs, lay.node_comm.Get_rank(), self.n, self.wd)[...] = self.flat
+            store_for_peers(lay, lay.shared(self.n * self.wd.itemsize), self.flat, self.n,
+                            self.wd)
             self.stored = True
         req.Wait()
         full = t[:, _CODE] == 0
@@ -428,11 +430,10 @@ class _HierCall:
             detail = "; ".join(f"rank {int(r)}: {msgs[int(r)]}" for r in bad)
             raise cls(f"{self.kind} failed on {len(bad)} of {lay.size} rank(s): "
                       f"{detail}") from exc
-        return t[:, _NBAD]
 
     # -- the steps ---------------------------------------------------------------------
     def run(self):
-        nbad = self._agree_input()
+        self._agree_input()
         if self.plain:
             # op="none" and small buffers: the flat path (a plain MPI sum)
             op = _collective.start(self.kind, self.buf, self.op, self.params, comm=self.comm,
@@ -440,22 +441,29 @@ class _HierCall:
                                    feedback=self.feedback, nonfinite=self.nonfinite,
                                    recvcounts=self.recvcounts, out=self.out, blocking=True)
             return _collective.Request(op).wait()
-        if np.any(nbad):
-            return self._nonfinite(
-                "non-finite values in the input on " + ", ".join(
-                    f"rank {r} ({int(c)})" for r, c in enumerate(nbad) if c))
         lay, n = self.lay, self.n
         lo, hi = lay.element_range(lay.rank, n)
         segs = lay.shared(n * self.wd.itemsize)
-        acc = shm_reduce_scatter(lay, segs, self.flat, n, self.wd, self.stored)
+        alone = lay.node_comm.Get_size() == 1
+        if alone:  # a node of one rank: nothing to sum
+            acc = self.flat[lo:hi].astype(self.wd)
+        else:
+            # the node's sums of this rank's range are made in this rank's own
+            # segment (where no peer reads), slice by slice as the inter-node
+            # call reads them (fill): the sums overlap with its transfers
+            if not self.stored:  # (stored: during the agreement)
+                store_for_peers(lay, segs, self.flat, n, self.wd)
+            lay.node_fence()
+            acc = _seg(segs, lay.node_comm.Get_rank(), n, self.wd)[lo:hi]
         # 2. one engine call per slice this rank handles (in slice order on every
         # rank: a rank in several groups meets each group in the same order)
         sb = shard_bounds(n, lay.L)
         groups = lay.groups  # collective on first use: before any rank can skip a slice
-        saved, errors, parts = [], [], []
+        saved, errors, parts, cause = [], [], [], None
         for s in lay.slices_of(lay.rank):
             slo, shi = sb[s]
             v = acc[slo - lo:shi - lo]
+            fill = None if alone else node_sum_fill(lay, segs, self.flat, n, self.wd, slo)
             if shi == slo:  # fewer elements than slices: nothing to reduce
                 saved.append(None)
                 parts.append(v.copy())
@@ -468,36 +476,47 @@ class _HierCall:
                                        gather=self.gather,
                                        feedback=False if self.fb is None else self.fb,
                                        nonfinite="ignore" if self.nonfinite == "ignore"
-                                       else "raise", blocking=True)
+                                       else "raise", blocking=True, fill=fill)
                 parts.append(_collective.Request(op).wait())
             except Exception as e:  # noqa: BLE001 - agreed below
-                errors.append(e)
+                cause = cause or e
+                errors.append((s, type(e).__name__, str(e), isinstance(e, NonFiniteError)))
                 parts.append(None)
             self._keep_old(saved[-1])
-        err = errors[0] if errors else None
-        codes = lay.comm.allgather(None if err is None else (
-            type(err).__name__, str(err), isinstance(err, NonFiniteError)))
-        failed = [(r, c) for r, c in enumerate(codes) if c is not None]
+        # the outcome of every group, agreed inside the node only: an inter-node
+        # call fails or succeeds on all of its group, and every node has a handler
+        # of every slice, so each node learns every group's outcome without a
+        # collective across the nodes. Decided on the set of failed slices
+        # (the same on every node), never on which rank reported them.
+        failed = {}
+        for errs in lay.node_comm.allgather(errors):
+            for s, name, text, nonfin in errs:
+                failed[s] = (name, text, nonfin)
         if failed:
             for snap in saved:
                 self._restore(snap)
-            if all(c[2] for _, c in failed):
-                return self._nonfinite("a node's sum is not finite, or beyond the range of "
-                                       "the wire format (" + "; ".join(
-                                           f"rank {r}: {c[1]}" for r, c in failed) + ")")
-            first = failed[0][1]
+            if all(f[2] for f in failed.values()):
+                return self._nonfinite(self._input_nonfinite() or (
+                    "a node's sum is not finite, or beyond the range of the wire format ("
+                    + "; ".join(f"slice {s}: {f[1]}" for s, f in sorted(failed.items()))
+                    + ")"))
+            name = next(f[0] for s, f in sorted(failed.items()) if not f[2])
             cls = {c.__name__: c for c in CODES.values() if c is not None}.get(
-                first[0], MpigcError)
-            raise cls(f"{self.kind} (hierarchical) failed on {len(failed)} of {lay.size} "
-                      "rank(s): " + "; ".join(f"rank {r}: {c[1]}" for r, c in failed)
-                      + "; no residual changed") from err
+                name, MpigcError)
+            raise cls(f"{self.kind} (hierarchical) failed in {len(failed)} of {lay.L} "
+                      "slice group(s): " + "; ".join(
+                          f"slice {s}: {f[1]}" for s, f in sorted(failed.items()))
+                      + "; no residual changed") from cause
         for snap in saved:
             self._release_old(snap)
         # 3.
         if self.kind == "allreduce":
             if self.average:
                 acc /= lay.size
-            shm_allgather(lay, segs, acc, self.flat, n, self.wd)
+            if alone:
+                self.flat[lo:hi] = acc
+            else:
+                shm_allgather(lay, segs, self.flat, n, self.wd)
             return self.buf
         pieces = [(a, b, p) for (_, a, b), p in zip(lay.owned_ranges(lay.rank, n), parts)]
         lo, hi = self.bounds[lay.rank]
@@ -508,6 +527,18 @@ class _HierCall:
             self.out.reshape(-1)[...] = res
             return self.out
         return res.astype(self.dtype, copy=False)
+
+    def _input_nonfinite(self):
+        """Collective, on the failure path only: "non-finite values in the
+        input on rank r (count), ..." when any rank's input holds some, else
+        an empty string (the node sum overflowed)."""
+        if self.nonfinite == "ignore":
+            return ""
+        nbad = self.lay.comm.allgather(int(np.count_nonzero(~np.isfinite(self.flat))))
+        if not any(nbad):
+            return ""
+        return "non-finite values in the input on " + ", ".join(
+            f"rank {r} ({c})" for r, c in enumerate(nbad) if c)
 
     def _nonfinite(self, what):
         if self.nonfinite == "raise":
@@ -571,35 +602,39 @@ def _seg(segs, k, n, wd):
     return segs[k][:n * wd.itemsize].view(wd)
 
 
-def shm_reduce_scatter(lay, segs, flat, n, wd, stored=False):
-    """As :func:`intra_reduce_scatter`, through the node's shared window:
-    each rank stores its values (in ``wd``) in its segment, then sums its
-    elements from every segment in local-rank order."""
-    L = lay.node_comm.Get_size()
+def store_for_peers(lay, segs, flat, n, wd):
+    """This rank's values outside its own element range (those its node peers
+    sum) into its segment, in ``wd``; its own range of the segment is where
+    the node's sums of that range are made (:func:`node_sum_fill`)."""
     lo, hi = lay.element_range(lay.rank, n)
-    if L == 1:
-        return flat[lo:hi].astype(wd)
-    me = lay.node_comm.Get_rank()
-    if not stored:  # (stored: during the agreement)
-        _seg(segs, me, n, wd)[...] = flat
-    lay.node_fence()
-    acc = _seg(segs, 0, n, wd)[lo:hi].copy()
-    for k in range(1, L):
-        acc += _seg(segs, k, n, wd)[lo:hi]
-    return acc
+    seg = _seg(segs, lay.node_comm.Get_rank(), n, wd)
+    seg[:lo] = flat[:lo]
+    seg[hi:] = flat[hi:]
 
 
-def shm_allgather(lay, segs, part, flat, n, wd):
-    """Every node rank's ``part`` (its element range) into ``flat`` (cast to
-    its dtype), through the node's shared window."""
-    L = lay.node_comm.Get_size()
-    lo, hi = lay.element_range(lay.rank, n)
-    if L == 1:
-        flat[lo:hi] = part
-        return
+def node_sum_fill(lay, segs, flat, n, wd, base):
+    """``fill(a, b)`` for the inter-node call of the slice that starts at
+    element ``base``: elements ``[base + a, base + b)`` summed over the node's
+    ranks in local-rank order, in ``wd`` (this rank's values from ``flat``,
+    its peers' from their segments), into this rank's segment, which is the
+    inter-node call's buffer. Called after a node fence (the peers' stores)."""
     me = lay.node_comm.Get_rank()
-    # peers read only their own ranges of this segment: this range is free
-    _seg(segs, me, n, wd)[lo:hi] = part
+    L = lay.node_comm.Get_size()
+    segs_wd = [_seg(segs, k, n, wd) for k in range(L)]
+
+    def fill(a, b):
+        a, b = base + a, base + b
+        src = [flat[a:b] if k == me else segs_wd[k][a:b] for k in range(L)]
+        out = segs_wd[me][a:b]
+        np.add(src[0], src[1], out=out)
+        for k in range(2, L):
+            out += src[k]
+    return fill
+
+
+def shm_allgather(lay, segs, flat, n, wd):
+    """Every node rank's element range, reduced in place in its segment,
+    into ``flat`` (cast to its dtype)."""
     lay.node_fence()
     for k, r in enumerate(lay.members[lay.node]):
         a, b = lay.element_range(r, n)

@@ -12,25 +12,32 @@ nodes with several ranks on a node) composes three steps (ALGORITHMS.md,
    which sums every node rank's values of the slice in local-rank order, in
    the work dtype (float32 for float16/float32 input, float64 for float64):
    the same bits on every run. The values travel through a shared-memory
-   window of the node (``MPI.Win.Allocate_shared``; each rank stores its
-   buffer in its segment, the handlers read their slices from every segment).
+   window of the node (``MPI.Win.Allocate_shared``): each rank stores the
+   values its peers sum in its segment; a handler makes the sums of its range
+   in its own segment, piece by piece just before the inter-node call
+   compresses each piece (the engine's ``fill`` hook), so that with a
+   pipelined inter-node call the sums overlap with the transfers.
 2. *inter-node compressed allreduce*: for each slice s, the handlers of s on
    the M nodes (ordered by node) run the existing two-phase engine
-   (:mod:`mpigc._collective`) on the node sums of s, with the caller's
-   compressor and ``gather``, under the residual key
+   (:mod:`mpigc._collective`) on the node sums of s, in place in the window,
+   with the caller's compressor and ``gather``, under the residual key
    ``"{key}@hier[{s}/{L}:{n}]"`` (a worker residual of the slice, owner
    residuals of the group's shards): flat calls with the same key keep their
    own residuals.
-3. *intra-node allgather* (allreduce) of the reduced slices, through the
-   same window; for
+3. *intra-node allgather* (allreduce) of the reduced slices, read from the
+   handlers' segments; for
    reduce_scatter, the group owners' shards are moved to the caller's layout
    (``array_split`` over the ranks, or ``recvcounts``) instead.
 
 A call changes nothing unless it succeeds on every rank: the input is agreed
-over the whole communicator first (sizes, dtypes, settings, the layout,
-non-finite values), and the residuals the inter-node step replaced are put
-back on every rank should any group fail (a non-finite node sum, a state
-error): the error is then raised on every rank.
+over the whole communicator first (sizes, dtypes, settings, the layout);
+non-finite values are not looked for up front, since they make their node's
+sum non-finite, which the inter-node call detects before it changes any
+residual (the ranks whose input holds them are then named). The residuals the
+inter-node calls replaced are put back on every rank should any group fail (a
+non-finite node sum, a state error): the groups' outcomes are agreed inside
+each node (an inter-node call fails on all of its group, and every node holds
+a handler of every slice), and the error is raised on every rank.
 
 Node groups come from ``Split_type(COMM_TYPE_SHARED)``, or, for tests on one
 machine, from ``$MPIGC_NODE_SPLIT=k``: ranks ``0..k-1`` form node 0, ``k..2k-1``

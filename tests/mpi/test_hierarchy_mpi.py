@@ -374,3 +374,57 @@ def test_checkpoint_2x2_to_1x3_and_back(comm, tmp_path_factory, monkeypatch):
     # and it runs on
     mpigc.allreduce(grads(comm.rank, n, seed=5), op, key="k", feedback=fb4,
                     hierarchy="auto")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["2bit", "1bit", {"type": "fp16", "error_feedback": True}],
+                         ids=_id)
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_pipelined_inter_node_calls_sum_just_in_time(comm, fb, split, monkeypatch, op,
+                                                     dtype):
+    """With the inter-node calls pipelined (small MPIGC_CHUNK_BYTES), each piece
+    of a node's sum is made when the engine reads it (the fill hook): results and
+    residuals stay bit-identical to the reference, and the pipeline is taken
+    wherever a group spans two nodes."""
+    from mpigc import _collective
+    monkeypatch.setenv("MPIGC_CHUNK_BYTES", "512")
+    taken = []
+    orig = _collective._Op._start_chunks
+
+    def counted(self):
+        taken.append(len(self.chunks))
+        return orig(self)
+    monkeypatch.setattr(_collective._Op, "_start_chunks", counted)
+    n = 4001
+    sim = _ref(op, n, dtype)
+    why = None
+    for step in range(3):
+        xs = [grads(q, n, dtype, seed=step) for q in range(comm.size)]
+        want = sim.allreduce(xs)
+        got = mpigc.allreduce(xs[comm.rank].copy(), op=op, key="k", feedback=fb,
+                              hierarchy="node")
+        if got.tobytes() != want.tobytes():
+            why = f"step {step}: max diff {np.max(np.abs(got.astype(float) - want))}"
+            break
+    if why is None:
+        why = _check_residuals(fb, sim, comm.rank)
+    lay = _hierarchy.layout(comm)
+    if why is None and lay.M > 1 and len(taken) != 3 * len(lay.slices_of(comm.rank)):
+        why = f"pipelined inter-node calls: {taken}"
+    assert_all(why is None, why, comm)
+
+
+@pytest.mark.mpi
+def test_nonfinite_input_is_named_by_rank(comm, fb, split):
+    """No pass over the input finds non-finite values up front: the node sum
+    carries them to the inter-node call, and the failure names the input's rank."""
+    g = grads(comm.rank, 500)
+    last = comm.size - 1
+    if comm.rank == last:
+        g[7] = np.inf
+    raises_everywhere(mpigc.NonFiniteError,
+                      lambda: mpigc.allreduce(g.copy(), "2bit", key="n", feedback=fb,
+                                              hierarchy="node"), comm,
+                      match=f"input on rank {last} \\(1\\)")
+    assert_all(not any(k == "n" or k.startswith("n@") for k in fb.keys()),
+               f"residuals created: {fb.keys()}", comm)

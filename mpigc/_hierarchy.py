@@ -55,6 +55,7 @@ request is complete at once); ``op="none"`` and buffers below
 import json
 import os
 import re
+import time
 import zlib
 
 import numpy as np
@@ -188,9 +189,20 @@ class Layout:
         return self._segs
 
     def node_fence(self):
-        """Stores to the shared window before it are seen by the node after it."""
+        """Stores to the shared window before it are seen by the node after it.
+        The barrier is waited for politely: tested for up to 200 µs, then
+        every 100 µs with the core given up in between. A rank waits here for
+        its node peers to finish their part, and where ranks outnumber cores
+        (tests, the emulated cluster) a spinning wait takes the core from the
+        very peer it waits for: on the 2-core emulated cluster this lowered the
+        CPU time of a 32 MiB 2bit call, summed over 4 ranks, from 138 to 124 ms
+        (wall 72 to 64 ms, median of 15; docs/cluster.md)."""
         self._win.Sync()
-        self.node_comm.Barrier()
+        req = self.node_comm.Ibarrier()
+        t0 = time.perf_counter()
+        while not req.Test():
+            if time.perf_counter() - t0 > 200e-6:
+                time.sleep(100e-6)
         self._win.Sync()
 
     def runs(self, size):

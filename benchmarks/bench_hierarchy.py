@@ -3,7 +3,9 @@
     mpirun -n 4 python benchmarks/bench_hierarchy.py [--mib 32] [--reps 5]
 
 Times (median of --reps, after one warm-up call; every call ends with a
-barrier-free max over ranks of its wall time) of: ``comm.Allreduce``
+barrier-free max over ranks of its wall time), and the CPU time of a call
+summed over the ranks (median; it includes MPI's busy waiting: where it is
+about cores x wall time, the calls are bound by the CPU, not the links), of: ``comm.Allreduce``
 (float32 sum, whatever coll component Open MPI picked), flat and
 hierarchical ``2bit`` and ``1bit`` (``hierarchy="flat"`` / ``"node"``), and the
 ratios. Run it on the emulated cluster (``benchmarks/cluster.sh``) to get
@@ -23,13 +25,15 @@ from mpigc import _hierarchy
 
 def timed(comm, fn, reps):
     fn()  # warm-up: JIT, buffers, connections
-    out = []
+    out, cpu = [], []
     for _ in range(reps):
         comm.Barrier()
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         fn()
-        out.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
-    return float(np.median(out)), min(out)
+        t1, c1 = time.perf_counter(), time.process_time()
+        out.append(comm.allreduce(t1 - t0, op=MPI.MAX))
+        cpu.append(comm.allreduce(c1 - c0, op=MPI.SUM))
+    return float(np.median(out)), min(out), float(np.median(cpu))
 
 
 def main():
@@ -61,10 +65,11 @@ def main():
             def fn(h=h, op=op):
                 work[...] = g
                 mpigc.allreduce(work, op, key=name, feedback=fb, hierarchy=h)
-        med, best = timed(comm, fn, a.reps)
+        med, best, cpu = timed(comm, fn, a.reps)
         res[name] = med
         if comm.rank == 0:
-            print(f"{name:12s} median {med * 1e3:8.1f} ms  best {best * 1e3:8.1f} ms", flush=True)
+            print(f"{name:12s} median {med * 1e3:8.1f} ms  best {best * 1e3:8.1f} ms  "
+                  f"cpu (all ranks) {cpu * 1e3:8.1f} ms", flush=True)
     if comm.rank == 0:
         for op in ("2bit", "1bit"):
             f, h = res.get(f"flat-{op}"), res.get(f"node-{op}")

@@ -550,8 +550,9 @@ class _HierCall:
     def _input_nonfinite(self):
         """Collective, on the failure path only: "non-finite values in the
         input on rank r (count), ..." when any rank's input holds some, else
-        an empty string (the node sum overflowed)."""
-        if self.nonfinite == "ignore":
+        an empty string (the node sum overflowed, or nonfinite="skip", whose
+        result says nothing; the policy is agreed, so every rank skips alike)."""
+        if self.nonfinite != "raise":
             return ""
         nbad = self.lay.comm.allgather(int(np.count_nonzero(~np.isfinite(self.flat))))
         if not any(nbad):

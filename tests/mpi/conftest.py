@@ -36,6 +36,20 @@ def comm():
 
 
 @pytest.fixture
+def starts(monkeypatch):
+    """How many calls took the pipelined path on this rank."""
+    count = [0]
+    from mpigc import _collective
+    orig = _collective._Op._start_chunks
+
+    def counted(self):
+        count[0] += 1
+        return orig(self)
+    monkeypatch.setattr(_collective._Op, "_start_chunks", counted)
+    return count
+
+
+@pytest.fixture
 def fb():
     """A fresh residual store per test (the default store is process-wide)."""
     return mpigc.ErrorFeedback()

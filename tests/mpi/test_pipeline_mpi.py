@@ -37,19 +37,6 @@ def _state(fb):
     return out
 
 
-@pytest.fixture
-def starts(monkeypatch):
-    """How many calls took the pipelined path on this rank."""
-    count = [0]
-    orig = _collective._Op._start_chunks
-
-    def counted(self):
-        count[0] += 1
-        return orig(self)
-    monkeypatch.setattr(_collective._Op, "_start_chunks", counted)
-    return count
-
-
 def _steps(comm, op, kind, dtype, n, gather="compressed", average=False, steps=3):
     fb = mpigc.ErrorFeedback()
     outs = []

@@ -206,16 +206,7 @@ class Request:
         """Complete the call and return its result."""
         op = self._op
         with _lock:
-            while not op.done_or_failed():
-                first = _pending[0]
-                if _in_order(op):
-                    # every call started before this one is on its communicator,
-                    # so every rank completes them in the same order: finish the
-                    # oldest, blocking in MPI (no busy loop stealing the CPU from
-                    # ranks that are still computing)
-                    first.progress(block=True)
-                else:
-                    _progress_all()
+            complete(op)
             op._settle()
             op.finished()
             return op.result
@@ -226,6 +217,21 @@ class Request:
 
 
 _pending = []  # calls started and not done, in start order
+
+
+def complete(op):
+    """Advance pending calls until ``op`` is done or failed (under ``_lock``;
+    raises nothing: its error stays with ``op``)."""
+    while not op.done_or_failed():
+        first = _pending[0]
+        if _in_order(op):
+            # every call started before this one is on its communicator,
+            # so every rank completes them in the same order: finish the
+            # oldest, blocking in MPI (no busy loop stealing the CPU from
+            # ranks that are still computing)
+            first.progress(block=True)
+        else:
+            _progress_all()
 
 
 class _BufferPool:
@@ -303,13 +309,36 @@ def _piece_offsets(psz):
     return offs, o
 
 
-class _Op:
+class PendingCall:
+    """What the queue of pending calls (``_pending``) and :class:`Request` ask
+    of a call: ``state`` ("done" at the end), ``error``, ``result``, ``cs``
+    (calls with the same ``cs`` complete in start order on every rank),
+    ``progress(block)`` and ``_settle()``. Engine calls (:class:`_Op`) and
+    hierarchical calls (``mpigc._hierarchy``) are both."""
+
+    def done_or_failed(self):
+        return self.state == "done"
+
+    def finished(self):
+        """True once done; raises the call's error (once done) if it failed."""
+        if self.state != "done":
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class _Op(PendingCall):
     """One collective call (see the module docstring)."""
 
     def __init__(self, kind, buf, op, params, cs, key, average, gather, feedback,
-                 nonfinite, recvcounts, out, blocking, fill=None):
+                 nonfinite, recvcounts, out, blocking, fill=None, keep_replaced=False):
         self.kind = kind  # "allreduce" or "reduce_scatter"
         self.blocking = blocking
+        # the caller keeps the worker residual this call replaces (the
+        # hierarchical path may put it back if another group fails): it does
+        # not go to the store's spare pool, where a later call could reuse it
+        self.keep_replaced = keep_replaced
         # fill(lo, hi): writes elements [lo, hi) of buf before the engine first
         # reads them (the hierarchical path sums a node's values there just in
         # time, so that the sums overlap with the transfers of a pipelined call)
@@ -861,7 +890,7 @@ class _Op:
         if self.spare is not None:
             old, e.worker = e.worker, self.spare
             self.spare = None
-            if old is not None:
+            if old is not None and not self.keep_replaced:
                 self.fb._give_spare(old)
 
     # -- 3./4. data movement -------------------------------------------------
@@ -1525,17 +1554,6 @@ class _Op:
                 return True
         return False
 
-    def done_or_failed(self):
-        return self.state == "done"
-
-    def finished(self):
-        """True once done; raises the call's error (once done) if it failed."""
-        if self.state != "done":
-            return False
-        if self.error is not None:
-            raise self.error
-        return True
-
     def _progress(self, block):
         if self.state == "done":
             return True
@@ -1614,16 +1632,16 @@ class _Op:
 
 
 def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,
-          recvcounts=None, out=None, blocking, fill=None):
-    """Create and start one collective call; returns its ``_Op`` (``fill``:
-    see ``_Op.__init__``; host buffers only)."""
+          recvcounts=None, out=None, blocking, fill=None, keep_replaced=False):
+    """Create and start one collective call; returns its ``_Op`` (``fill``,
+    host buffers only, and ``keep_replaced``: see ``_Op.__init__``)."""
     # a communicator's first use is collective (Dup, a Sendrecv per peer):
     # outside the engine lock, so that the progress thread can advance
     # earlier calls meanwhile, which a peer may be waiting for
     cs = _comm.resolve(comm)
     with _lock:
         o = _Op(kind, buf, op, params, cs, key, average, gather, feedback, nonfinite,
-                recvcounts, out, blocking, fill)
+                recvcounts, out, blocking, fill, keep_replaced)
     if not blocking and o.state != "done":
         _progress_thread.wake()
     return o

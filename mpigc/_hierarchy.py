@@ -46,12 +46,22 @@ per communicator and value of ``$MPIGC_NODE_SPLIT`` (collectively: every rank
 must call with the same setting), and cached as an attribute of the
 communicator.
 
+Nonblocking calls (``iallreduce``/``ireduce_scatter``) are nonblocking: a call
+is a :class:`_HierCall` in the engine's queue of pending calls, advanced by the
+progress thread, ``test()`` and ``wait()`` like an engine call; only its
+agreement rows go out when it starts. On each rank the hierarchical calls of
+one communicator advance one at a time, oldest first, and every step after the
+start is nonblocking MPI on communicators private to the layout, so the ranks
+issue them in the same order and a progress step never blocks. Exception: the
+first call of a size larger than any before grows the node's window (a
+collective allocation), so it completes the earlier hierarchical calls, waits
+for its agreement and grows the window before it returns.
+
 Limits: host (numpy) arrays only (``"auto"`` takes the flat path for device
-arrays; ``"node"`` raises on every rank); nonblocking calls
-(``iallreduce``/``ireduce_scatter``) run to completion when started (their
-request is complete at once); ``op="none"`` and buffers below
+arrays; ``"node"`` raises on every rank); ``op="none"`` and buffers below
 ``$MPIGC_MIN_COMPRESS_BYTES`` take the flat path (plain MPI sum).
 """
+import itertools
 import json
 import os
 import re
@@ -127,6 +137,9 @@ class Layout:
         except MpigcError:
             c.Free()
             raise
+        # the agreement rows of hierarchical calls, sent at their start in
+        # program order (everything else a call sends, it sends when it advances)
+        self.agree_comm = c.Dup()
         color = None if split is None else self.rank // split
         if split is not None:
             node_comm = c.Split(color, key=self.rank)
@@ -152,6 +165,11 @@ class Layout:
         # slices of each local rank, per node size
         self._runs = {}
         self._groups = None
+        self._win, self._win_bytes = None, 0
+        # posted by the node's ranks once they have read a call's results out of
+        # the window; a later call writes to the window only after it completed
+        self.read_fence = None
+        self._calls_ready = False
 
     @property
     def groups(self):
@@ -168,12 +186,35 @@ class Layout:
             self._groups = groups
         return self._groups
 
+    def ready_for_calls(self):
+        """What hierarchical calls use, made at the first one's start (collective,
+        in program order): the slice groups, and the engine's state of each
+        group and of ``comm`` (the plain route), so that no call creates a
+        communicator while it advances."""
+        if not self._calls_ready:
+            for g in self.groups.values():
+                _comm.resolve(g)
+            _comm.resolve(self.comm)
+            self._calls_ready = True
+
+    def quiesce(self):
+        """Complete the pending hierarchical calls of this layout (before
+        blocking collectives on its communicators outside a call)."""
+        with _collective._lock:
+            for op in list(_collective._pending):
+                if op.cs is self:
+                    _collective.complete(op)
+
+    def window_bytes(self):
+        """The size of each segment of the node's shared window (0: none yet)."""
+        return self._win_bytes
+
     def shared(self, nbytes):
         """Every node rank's segment (``nbytes`` at least) of a shared-memory
         window on the node, as uint8 arrays in local-rank order (collective on
         the node when it has to grow; ranks of a node always ask for the same
         size, agreed beforehand)."""
-        win = getattr(self, "_win", None)
+        win = self._win
         if win is None or self._win_bytes < nbytes:
             if win is not None:
                 win.Unlock_all()
@@ -189,20 +230,10 @@ class Layout:
         return self._segs
 
     def node_fence(self):
-        """Stores to the shared window before it are seen by the node after it.
-        The barrier is waited for politely: tested for up to 200 µs, then
-        every 100 µs with the core given up in between. A rank waits here for
-        its node peers to finish their part, and where ranks outnumber cores
-        (tests, the emulated cluster) a spinning wait takes the core from the
-        very peer it waits for: on the 2-core emulated cluster this lowered the
-        CPU time of a 32 MiB 2bit call, summed over 4 ranks, from 138 to 124 ms
-        (wall 72 to 64 ms, median of 15; docs/cluster.md)."""
+        """Steps (a generator of what to wait for): stores to the shared window
+        before it are seen by the node after it (a nonblocking barrier)."""
         self._win.Sync()
-        req = self.node_comm.Ibarrier()
-        t0 = time.perf_counter()
-        while not req.Test():
-            if time.perf_counter() - t0 > 200e-6:
-                time.sleep(100e-6)
+        yield self.node_comm.Ibarrier()
         self._win.Sync()
 
     def runs(self, size):
@@ -270,34 +301,19 @@ def layout(comm=None):
 
 
 # -- the call ----------------------------------------------------------------------
-class _Done:
-    """A call that ran to completion when it started (what Request wraps)."""
-
-    def __init__(self, result=None, error=None):
-        self.state = "done"
-        self.result = result
-        self.error = error
-
-    def done_or_failed(self):
-        return True
-
-    def _settle(self):
-        """Nothing to release: the call's own engine calls were waited for."""
-
-    def finished(self):
-        if self.error is not None:
-            raise self.error
-        return True
-
-
 _CODE, _N, _DTYPE, _FP, _NCOLS = 0, 1, 2, 3, 4
 _DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
+_NONFINITE_CODE = code_of(NonFiniteError())
+_TEXT_BYTES = 4096  # an error text as the ranks exchange it (longer ones are cut)
+_PAUSE = object()  # what the steps yield where begin() hands back (see begin)
+_call_ids = itertools.count(1)
 
 
 def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,
           recvcounts=None, out=None, hierarchy="flat", blocking):
-    """Route one collective: the flat engine, or the hierarchical path (run
-    to completion now). Returns what :class:`mpigc.Request` wraps."""
+    """Route one collective: the flat engine, or the hierarchical path. Returns
+    what :class:`mpigc.Request` wraps (an engine call, or a :class:`_HierCall`
+    in the engine's queue)."""
     if hierarchy not in HIERARCHY_MODES:
         # decides which collective runs, so it is checked here, on this rank:
         # like the function called, it must be the same on every rank
@@ -312,23 +328,173 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
                                  recvcounts=recvcounts, out=out, blocking=blocking)
     call = _HierCall(lay, kind, buf, op, params, comm, key, average, gather, feedback,
                      nonfinite, recvcounts, out)
-    try:
-        return _Done(call.run())
-    except Exception as exc:  # noqa: BLE001 - raised by wait() / test()
-        if blocking:
-            raise
-        return _Done(error=exc)
+    call.begin()
+    if not blocking and call.state != "done":
+        _collective._progress_thread.wake()
+    return call
 
 
-class _HierCall:
+class _HierCall(_collective.PendingCall):
+    """One hierarchical call, held in the engine's queue of pending calls
+    (``_collective._pending``) like an engine call, with the same protocol
+    (``progress``, ``done_or_failed``, ``finished``, ``result``, ``cs``).
+
+    Its steps are a generator (:meth:`_steps`) that yields what it waits for:
+    an MPI request, or engine calls (its inter-node calls). Every step after
+    :meth:`begin` is nonblocking MPI on communicators private to the layout
+    (``lay.comm``, the node's, the slice groups, and the engine's duplicates of
+    ``lay.comm`` and the groups), so a progress step never blocks in MPI (the
+    progress thread holds the engine lock while it steps). On each rank the
+    hierarchical calls of one layout advance one at a time, the oldest first
+    (:meth:`_head`): they issue their collectives on those communicators in the
+    same order everywhere, and one call at a time uses the node's window.
+    Only the agreement rows go out at :meth:`begin`, in program order, on a
+    communicator of their own (``lay.agree_comm``)."""
+
     def __init__(self, lay, kind, buf, op, params, comm, key, average, gather, feedback,
                  nonfinite, recvcounts, out):
         self.lay, self.kind, self.buf, self.op, self.params = lay, kind, buf, op, params
         self.comm, self.key, self.average, self.gather = comm, key, average, gather
         self.feedback, self.nonfinite = feedback, nonfinite
         self.recvcounts, self.out = recvcounts, out
+        self.cs = lay  # the engine orders calls by .cs; never one of its CommStates
+        self.state = "pending"
+        self.result = self.error = None
+        self.waiting = None  # what the steps wait for
+        self.running = False  # a step is under way (no re-entry from a nested wait)
+        self.steps = None
 
-    # -- 1. agree on the input, over the whole communicator --------------------------
+    # -- the engine's protocol (PendingCall) -------------------------------------------
+    def _settle(self):
+        """The caller saw the call done: its key is no longer in use."""
+        if self.busy is not None:
+            with self.fb._lock:
+                self.fb._busy.discard(self.busy)
+            self.busy = None
+
+    def _head(self):
+        """No earlier hierarchical call of this layout is pending here."""
+        for op in _collective._pending:
+            if op is self:
+                return True
+            if op.cs is self.cs:
+                return False
+        return True
+
+    def progress(self, block):
+        """Advance; never raises (see :meth:`finished`). Blocks in MPI only
+        with ``block`` (a blocking wait on this call, first in the queue)."""
+        if self.state == "done":
+            return True
+        if self.running or not self._head():
+            return False
+        self.running = True
+        try:
+            while True:
+                w = self.waiting
+                if w is _PAUSE:
+                    self.waiting = None
+                    return False
+                if w is not None and not self._ready(w, block):
+                    return False
+                self.waiting = None
+                self.waiting = next(self.steps)
+        except StopIteration as stop:
+            self.result = stop.value
+            self._end()
+            return True
+        except BaseException as exc:  # noqa: BLE001 - kept for finished()
+            self.error = exc
+            self._end()
+            return True
+        finally:
+            self.running = False
+
+    def _end(self):
+        self.state = "done"
+        self.steps = None
+        if self in _collective._pending:
+            _collective._pending.remove(self)
+
+    def _ready(self, w, block):
+        """Whether what the steps wait for is there; waits for it with ``block``."""
+        if isinstance(w, MPI.Request):
+            if not block:
+                return w.Test()
+            # waited for politely: tested for up to 200 µs, then every 100 µs
+            # with the core given up in between. Where ranks outnumber cores
+            # (tests, the emulated cluster) a spinning wait takes the core from
+            # the very peer it waits for (docs/cluster.md: with the node fences
+            # waited for so, a 32 MiB 2bit call on the 2-core emulated cluster
+            # took 124 instead of 138 ms of CPU, summed over 4 ranks)
+            t0 = time.perf_counter()
+            while not w.Test():
+                if time.perf_counter() - t0 > 200e-6:
+                    time.sleep(100e-6)
+            return True
+        # this call's inter-node engine calls, later in the queue
+        pending = _collective._pending
+        for sub in w:
+            while sub.state != "done":
+                if not block:
+                    sub.progress(block=False)
+                    if sub.state != "done":
+                        return False
+                elif len(pending) > 1 and pending[0] is self and pending[1] is sub:
+                    # nothing started before it but this call, which waits for
+                    # it: blocking in MPI is safe, as for the oldest engine call
+                    sub.progress(block=True)
+                else:
+                    _collective._progress_all()
+        return True
+
+    # -- 1. the start and the input agreement ------------------------------------------
+    def begin(self):
+        """Check the input, send the agreement rows and queue the call.
+
+        The rows go out on ``lay.agree_comm`` now, in program order. The first
+        call of a size larger than the node's window so far (a collective
+        allocation on the node) completes the earlier hierarchical calls of
+        the layout, waits for the agreement and grows the window here: every
+        node rank with the same valid input does the same, at the same call.
+        The rest of the call is progressed from the queue."""
+        lay = self.lay
+        lay.ready_for_calls()
+        row = np.zeros(_NCOLS, np.int64)
+        self.exc = None
+        self.plain = False
+        try:
+            self._prepare(row)
+        except Exception as e:  # noqa: BLE001 - reported collectively
+            self.exc = e
+            row[_CODE] = code_of(e)
+        self.alone = lay.node_comm.Get_size() == 1
+        self.need = 0
+        if self.exc is None and not self.plain and not self.alone:
+            self.need = self.n * self.wd.itemsize
+        self.table = np.zeros((lay.size, _NCOLS), np.int64)
+        # the residual store reports the call as a pending user of its key (a
+        # checkpoint raises StateError until it is done, as for a flat call,
+        # whose own keys are busy from its start)
+        self.busy = None
+        if self.exc is None and self.fb is not None:
+            self.busy = f"{self.key}@hier (call {next(_call_ids)})"
+            with self.fb._lock:
+                self.fb._busy.add(self.busy)
+        grow = self.need > lay.window_bytes()
+        with _collective._lock:
+            self.row = row  # MPI reads it until the rows are in
+            self.agree_req = lay.agree_comm.Iallgather(row, self.table)
+            self.steps = self._steps(pause=grow)
+            _collective._pending.append(self)
+            if grow:
+                for op in list(_collective._pending):
+                    if op is self:
+                        break
+                    if op.cs is lay:
+                        _collective.complete(op)
+                self.progress(block=True)  # to the _PAUSE after the growth
+
     def _prepare(self, row):
         kind, buf = self.kind, self.buf
         if _dispatch.is_device_array(buf):
@@ -407,139 +573,160 @@ class _HierCall:
         # the inter-node call detects before any residual changes; the ranks
         # that hold them are named then (_input_nonfinite)
 
-    def _agree_input(self):
-        lay = self.lay
-        row = np.zeros(_NCOLS, np.int64)
-        exc = None
-        try:
-            self._prepare(row)
-        except Exception as e:  # noqa: BLE001 - reported collectively
-            exc = e
-            row[_CODE] = code_of(e)
-        t = np.zeros((lay.size, _NCOLS), np.int64)
-        req = lay.comm.Iallgather(row, t)
-        # while the rows travel: this rank's values into its segment of the node's
-        # window (scratch; only when the window is large enough already, as growing
-        # it is collective and must wait for the agreement)
-        self.stored = False
-        if exc is None and not self.plain and lay.node_comm.Get_size() > 1 and \
-                getattr(lay, "_win_bytes", 0) >= self.n * self.wd.itemsize:
-            store_for_peers(lay, lay.shared(self.n * self.wd.itemsize), self.flat, self.n,
-                            self.wd)
-            self.stored = True
-        req.Wait()
+    def _rows_agree(self):
+        t = self.table
+        full = t[:, _CODE] == 0
+        return bool(full.all()) and all(bool(np.all(t[:, c] == t[0, c]))
+                                        for c in (_N, _DTYPE, _FP))
+
+    def _disagreement(self):
+        """The agreement failed: the error, raised on every rank (steps)."""
+        lay, t = self.lay, self.table
         full = t[:, _CODE] == 0
         for col, what in ((_N, "size"), (_DTYPE, "dtype"), (_FP, "settings")):
             vals = t[full, col]
             if vals.size and np.any(vals != vals[0]):
-                mine = None
+                mine = ""
                 if full[lay.rank]:
-                    mine = {"size": self.n, "dtype": str(self.dtype),
+                    mine = {"size": str(self.n), "dtype": str(self.dtype),
                             "settings": json.dumps(self.settings, sort_keys=True)}[what]
-                allv = lay.comm.allgather(mine)
-                detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(allv)
-                                   if v is not None)
+                allv = yield from _texts(lay.comm, mine)
+                detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(allv) if v)
                 raise MismatchError(f"{self.kind}: ranks disagree on the {what} ({detail})")
         bad = np.flatnonzero(t[:, _CODE])
-        if bad.size:
-            msg = "" if exc is None else (str(exc) if isinstance(exc, MpigcError)
-                                          else f"{type(exc).__name__}: {exc}")
-            msgs = lay.comm.allgather(msg)
-            cls = CODES.get(int(t[int(bad[0]), _CODE])) or MpigcError
-            detail = "; ".join(f"rank {int(r)}: {msgs[int(r)]}" for r in bad)
-            raise cls(f"{self.kind} failed on {len(bad)} of {lay.size} rank(s): "
-                      f"{detail}") from exc
+        exc = self.exc
+        msg = "" if exc is None else (str(exc) if isinstance(exc, MpigcError)
+                                      else f"{type(exc).__name__}: {exc}")
+        msgs = yield from _texts(lay.comm, msg)
+        cls = CODES.get(int(t[int(bad[0]), _CODE])) or MpigcError
+        detail = "; ".join(f"rank {int(r)}: {msgs[int(r)]}" for r in bad)
+        raise cls(f"{self.kind} failed on {len(bad)} of {lay.size} rank(s): "
+                  f"{detail}") from exc
 
     # -- the steps ---------------------------------------------------------------------
-    def run(self):
-        self._agree_input()
+    def _steps(self, pause):
+        lay = self.lay
+        if lay.read_fence is not None:
+            # the node's ranks have read the last call's results out of the window
+            yield lay.read_fence
+            lay.read_fence = None
+        # while the rows travel: this rank's values into its segment of the
+        # node's window (when it is large enough already)
+        stored = self.need and lay.window_bytes() >= self.need
+        if stored:
+            store_for_peers(lay, lay.shared(self.need), self.flat, self.n, self.wd)
+        yield self.agree_req
+        agreed = self._rows_agree()
+        if agreed and self.need:
+            lay.shared(self.need)  # grows (collective on the node): from begin() only
+        if pause:
+            yield _PAUSE
+        if not agreed:
+            yield from self._disagreement()
         if self.plain:
-            # op="none" and small buffers: the flat path (a plain MPI sum)
-            op = _collective.start(self.kind, self.buf, self.op, self.params, comm=self.comm,
-                                   key=self.key, average=self.average, gather=self.gather,
-                                   feedback=self.feedback, nonfinite=self.nonfinite,
-                                   recvcounts=self.recvcounts, out=self.out, blocking=True)
-            return _collective.Request(op).wait()
-        lay, n = self.lay, self.n
+            # op="none" and small buffers: the flat engine (a plain MPI sum), on
+            # the layout's own communicator (the same ranks in the same order)
+            sub = _collective.start(self.kind, self.buf, self.op, self.params,
+                                    comm=lay.comm, key=self.key, average=self.average,
+                                    gather=self.gather, feedback=self.feedback,
+                                    nonfinite=self.nonfinite, recvcounts=self.recvcounts,
+                                    out=self.out, blocking=False)
+            yield [sub]
+            sub._settle()
+            sub.finished()
+            return sub.result
+        n, wd = self.n, self.wd
         lo, hi = lay.element_range(lay.rank, n)
-        segs = lay.shared(n * self.wd.itemsize)
-        alone = lay.node_comm.Get_size() == 1
-        if alone:  # a node of one rank: nothing to sum
-            acc = self.flat[lo:hi].astype(self.wd)
+        if self.alone:  # a node of one rank: nothing to sum
+            segs = None
+            acc = self.flat[lo:hi].astype(wd)
         else:
             # the node's sums of this rank's range are made in this rank's own
             # segment (where no peer reads), slice by slice as the inter-node
             # call reads them (fill): the sums overlap with its transfers
-            if not self.stored:  # (stored: during the agreement)
-                store_for_peers(lay, segs, self.flat, n, self.wd)
-            lay.node_fence()
-            acc = _seg(segs, lay.node_comm.Get_rank(), n, self.wd)[lo:hi]
-        # 2. one engine call per slice this rank handles (in slice order on every
-        # rank: a rank in several groups meets each group in the same order)
+            segs = lay.shared(self.need)
+            if not stored:
+                store_for_peers(lay, segs, self.flat, n, wd)
+            yield from lay.node_fence()
+            acc = _seg(segs, lay.node_comm.Get_rank(), n, wd)[lo:hi]
+        # 2. one inter-node engine call per slice this rank handles, all started
+        # now, in slice order on every rank
         sb = shard_bounds(n, lay.L)
-        groups = lay.groups  # collective on first use: before any rank can skip a slice
-        saved, errors, parts, cause = [], [], [], None
+        saved, subs, parts = [], [], []
         for s in lay.slices_of(lay.rank):
             slo, shi = sb[s]
             v = acc[slo - lo:shi - lo]
-            fill = None if alone else node_sum_fill(lay, segs, self.flat, n, self.wd, slo)
             if shi == slo:  # fewer elements than slices: nothing to reduce
-                saved.append(None)
                 parts.append(v.copy())
                 continue
             sk = slice_key(self.key, s, lay.L, n)
             saved.append(self._snapshot(sk))
-            try:
-                op = _collective.start(self.kind, v, self.op, self.params,
-                                       comm=groups[s], key=sk, average=False,
-                                       gather=self.gather,
-                                       feedback=False if self.fb is None else self.fb,
-                                       nonfinite="ignore" if self.nonfinite == "ignore"
-                                       else "raise", blocking=True, fill=fill)
-                parts.append(_collective.Request(op).wait())
-            except Exception as e:  # noqa: BLE001 - agreed below
-                cause = cause or e
-                errors.append((s, type(e).__name__, str(e), isinstance(e, NonFiniteError)))
-                parts.append(None)
-            self._keep_old(saved[-1])
+            fill = None if self.alone else node_sum_fill(lay, segs, self.flat, n, wd, slo)
+            sub = _collective.start(self.kind, v, self.op, self.params,
+                                    comm=lay.groups[s], key=sk, average=False,
+                                    gather=self.gather,
+                                    feedback=False if self.fb is None else self.fb,
+                                    nonfinite="ignore" if self.nonfinite == "ignore"
+                                    else "raise", blocking=False, fill=fill,
+                                    keep_replaced=True)
+            subs.append((s, sub))
+            parts.append(sub)
+        if subs:
+            yield [sub for _, sub in subs]
+            for _, sub in subs:
+                sub._settle()  # this call saw them done: their keys are free
         # the outcome of every group, agreed inside the node only: an inter-node
         # call fails or succeeds on all of its group, and every node has a handler
         # of every slice, so each node learns every group's outcome without a
         # collective across the nodes. Decided on the set of failed slices
         # (the same on every node), never on which rank reported them.
-        failed = {}
-        for errs in lay.node_comm.allgather(errors):
-            for s, name, text, nonfin in errs:
-                failed[s] = (name, text, nonfin)
+        codes = np.zeros(lay.L, np.int64)
+        texts, cause = {}, None
+        for s, sub in subs:
+            if sub.error is not None:
+                cause = cause or sub.error
+                codes[s] = code_of(sub.error)
+                texts[s] = str(sub.error)
+        table = np.zeros((lay.node_comm.Get_size(), lay.L), np.int64)
+        yield lay.node_comm.Iallgather(codes, table)
+        failed = {s: int(c) for s, c in enumerate(table.max(axis=0)) if c}
         if failed:
             for snap in saved:
                 self._restore(snap)
-            if all(f[2] for f in failed.values()):
-                return self._nonfinite(self._input_nonfinite() or (
+            got = yield from _texts(lay.node_comm, json.dumps(texts))
+            for t in got:
+                texts.update({int(s): v for s, v in json.loads(t).items()})
+            what = "; ".join(f"slice {s}: {texts[s]}" for s in sorted(failed))
+            if all(c == _NONFINITE_CODE for c in failed.values()):
+                ranks = yield from self._input_nonfinite()
+                return self._nonfinite(ranks or (
                     "a node's sum is not finite, or beyond the range of the wire format ("
-                    + "; ".join(f"slice {s}: {f[1]}" for s, f in sorted(failed.items()))
-                    + ")"))
-            name = next(f[0] for s, f in sorted(failed.items()) if not f[2])
-            cls = {c.__name__: c for c in CODES.values() if c is not None}.get(
-                name, MpigcError)
-            raise cls(f"{self.kind} (hierarchical) failed in {len(failed)} of {lay.L} "
-                      "slice group(s): " + "; ".join(
-                          f"slice {s}: {f[1]}" for s, f in sorted(failed.items()))
-                      + "; no residual changed") from cause
+                    + what + ")"))
+            code = next(c for s, c in sorted(failed.items()) if c != _NONFINITE_CODE)
+            raise (CODES.get(code) or MpigcError)(
+                f"{self.kind} (hierarchical) failed in {len(failed)} of {lay.L} slice "
+                f"group(s): {what}; no residual changed") from cause
         for snap in saved:
             self._release_old(snap)
         # 3.
+        parts = [p.result if isinstance(p, _collective._Op) else p for p in parts]
         if self.kind == "allreduce":
             if self.average:
                 acc /= lay.size
-            if alone:
+            if self.alone:
                 self.flat[lo:hi] = acc
             else:
-                shm_allgather(lay, segs, self.flat, n, self.wd)
+                # every node rank's range, reduced in place in its segment
+                yield from lay.node_fence()
+                for k, r in enumerate(lay.members[lay.node]):
+                    a, b = lay.element_range(r, n)
+                    self.flat[a:b] = _seg(segs, k, n, wd)[a:b]
+                # the next call's stores wait for every node rank's reads (a
+                # peer's new values may land where this call's results were)
+                lay.read_fence = lay.node_comm.Ibarrier()
             return self.buf
         pieces = [(a, b, p) for (_, a, b), p in zip(lay.owned_ranges(lay.rank, n), parts)]
-        lo, hi = self.bounds[lay.rank]
-        res = redistribute(lay, pieces, self.bounds, n, self.wd)
+        res = yield from redistribute(lay, pieces, self.bounds, n, wd)
         if self.average:
             res /= lay.size
         if self.out is not None:
@@ -548,17 +735,19 @@ class _HierCall:
         return res.astype(self.dtype, copy=False)
 
     def _input_nonfinite(self):
-        """Collective, on the failure path only: "non-finite values in the
-        input on rank r (count), ..." when any rank's input holds some, else
-        an empty string (the node sum overflowed, or nonfinite="skip", whose
-        result says nothing; the policy is agreed, so every rank skips alike)."""
+        """Steps, on the failure path only: "non-finite values in the input on
+        rank r (count), ..." when any rank's input holds some, else an empty
+        string (the node sum overflowed, or nonfinite="skip", whose result
+        says nothing; the policy is agreed, so every rank skips alike)."""
         if self.nonfinite != "raise":
             return ""
-        nbad = self.lay.comm.allgather(int(np.count_nonzero(~np.isfinite(self.flat))))
-        if not any(nbad):
+        mine = np.array([np.count_nonzero(~np.isfinite(self.flat))], np.int64)
+        nbad = np.zeros(self.lay.size, np.int64)
+        yield self.lay.comm.Iallgather(mine, nbad)
+        if not nbad.any():
             return ""
         return "non-finite values in the input on " + ", ".join(
-            f"rank {r} ({c})" for r, c in enumerate(nbad) if c)
+            f"rank {r} ({c})" for r, c in enumerate(nbad.tolist()) if c)
 
     def _nonfinite(self, what):
         if self.nonfinite == "raise":
@@ -577,6 +766,7 @@ class _HierCall:
         return np.full(hi - lo, np.nan, self.dtype)
 
     # -- failure atomicity: the residuals an inter-node call replaced -------------------
+    # (the inter-node calls keep the worker residual they replace: keep_replaced)
     def _snapshot(self, sk):
         fb = self.fb
         if fb is None:
@@ -585,19 +775,6 @@ class _HierCall:
         if e is None:
             return (sk, None, None, None, None, None)
         return (sk, e, e.worker, e.owner, e.calls, e.config)
-
-    def _keep_old(self, snap):
-        """The engine hands a replaced worker residual to its spare pool, where
-        the next call could overwrite it: take it back until the call is agreed."""
-        if snap is None or snap[2] is None:
-            return
-        fb, old = self.fb, snap[2]
-        with fb._lock:
-            for pool in fb._spares.values():
-                for i, a in enumerate(pool):
-                    if a is old:
-                        del pool[i]
-                        return
 
     def _release_old(self, snap):
         if snap is None or snap[2] is None or snap[1].worker is snap[2]:
@@ -615,6 +792,22 @@ class _HierCall:
             else:
                 e.worker, e.owner, e.calls, e.config = worker, owner, calls, config
                 fb._entries[sk] = e
+
+
+def _texts(comm, text):
+    """Steps: every rank's ``text`` (at most ``_TEXT_BYTES`` of UTF-8 each;
+    longer ones are cut), by one nonblocking allgather."""
+    b = text.encode()[:_TEXT_BYTES]
+    mine = np.zeros(_TEXT_BYTES + 8, np.uint8)
+    mine[:8] = np.frombuffer(np.int64(len(b)).tobytes(), np.uint8)
+    mine[8:8 + len(b)] = np.frombuffer(b, np.uint8)
+    table = np.empty((comm.Get_size(), _TEXT_BYTES + 8), np.uint8)
+    yield comm.Iallgather(mine, table)
+    out = []
+    for row in table:
+        k = int(row[:8].view(np.int64)[0])
+        out.append(bytes(row[8:8 + k]).decode(errors="replace"))
+    return out
 
 
 # -- exact intra-node steps and data movement ---------------------------------------
@@ -652,17 +845,6 @@ def node_sum_fill(lay, segs, flat, n, wd, base):
     return fill
 
 
-def shm_allgather(lay, segs, flat, n, wd):
-    """Every node rank's element range, reduced in place in its segment,
-    into ``flat`` (cast to its dtype)."""
-    lay.node_fence()
-    for k, r in enumerate(lay.members[lay.node]):
-        a, b = lay.element_range(r, n)
-        flat[a:b] = _seg(segs, k, n, wd)[a:b]
-    # the segments are written again by the next call only after every rank read
-    lay.node_fence()
-
-
 def intra_reduce_scatter(lay, x, n):
     """This rank's elements ``element_range`` summed over its node, in
     local-rank order, in ``x``'s dtype."""
@@ -687,25 +869,40 @@ def intra_reduce_scatter(lay, x, n):
 
 
 def redistribute(lay, pieces, bounds, n, dtype):
-    """Move ``pieces`` (``[(lo, hi, values)]``: global element ranges this rank
-    holds, values None for zeros) so that world rank r gets ``bounds[r]``;
-    returns this rank's ``bounds[rank]`` as one array of ``dtype``."""
-    send = []
-    for r, (tlo, thi) in enumerate(bounds):
-        mine = []
+    """Steps: move ``pieces`` (``[(lo, hi, values)]``: the global element ranges
+    this rank owns, ``lay.owned_ranges``) so that world rank r gets
+    ``bounds[r]``, by one nonblocking all-to-all of ``dtype`` values (every
+    rank knows what every other owns: no sizes travel). Returns this rank's
+    ``bounds[rank]`` as one array."""
+    send, scounts = [], []
+    for tlo, thi in bounds:
+        count = 0
         for a, b, v in pieces:
             p, q = max(a, tlo), min(b, thi)
             if q > p:
-                mine.append((p, q, None if v is None else np.ascontiguousarray(
-                    v[p - a:q - a])))
-        send.append(mine)
-    got = lay.comm.alltoall(send)
+                send.append(v[p - a:q - a])
+                count += q - p
+        scounts.append(count)
     lo, hi = bounds[lay.rank]
+    places, rcounts = [], []
+    for r in range(lay.size):
+        count = 0
+        for _, a, b in lay.owned_ranges(r, n):
+            p, q = max(a, lo), min(b, hi)
+            if q > p:
+                places.append((p, q))
+                count += q - p
+        rcounts.append(count)
+    sbuf = np.concatenate(send).astype(dtype, copy=False) if send else np.empty(0, dtype)
+    rbuf = np.empty(sum(rcounts), dtype)
+    sdispl = np.concatenate([[0], np.cumsum(scounts)[:-1]]).astype(int).tolist()
+    rdispl = np.concatenate([[0], np.cumsum(rcounts)[:-1]]).astype(int).tolist()
+    yield lay.comm.Ialltoallv([sbuf, (scounts, sdispl)], [rbuf, (rcounts, rdispl)])
     out = np.zeros(hi - lo, dtype)
-    for parts in got:
-        for p, q, v in parts:
-            if v is not None:
-                out[p - lo:q - lo] = v
+    o = 0
+    for p, q in places:
+        out[p - lo:q - lo] = rbuf[o:o + q - p]
+        o += q - p
     return out
 
 
@@ -740,6 +937,7 @@ def to_flat_form(lay, slices, n, dtype, has_worker, has_owner):
     (collective): a worker residual of n values in global positions (zeros
     outside this rank's slices; the sum over ranks is the total) and the owner
     residual of this rank's ``shard_bounds(n, size)`` shard."""
+    lay.quiesce()
     sb = shard_bounds(n, lay.L)
     w = None
     if has_worker:
@@ -762,6 +960,7 @@ def from_flat_form(lay, worker, owner, n, dtype):
     node's worker residuals summed per slice (local-rank order) to the slice's
     handler, the owner shards moved to the group owners. Returns {slice:
     (worker, owner)} for this rank's non-empty slices."""
+    lay.quiesce()
     sb = shard_bounds(n, lay.L)
     lo, hi = lay.element_range(lay.rank, n)
     acc = None

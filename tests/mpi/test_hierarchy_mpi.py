@@ -9,6 +9,7 @@ exercised by ``tests/cluster_test.sh``.
 """
 import os
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -160,6 +161,82 @@ def test_nonblocking_equals_blocking(comm, split):
         if a.tobytes() != b.tobytes():
             why = f"step {step}: iallreduce differs from allreduce"
     assert_all(why is None, why, comm)
+
+
+@pytest.mark.mpi
+def test_nonblocking_call_returns_before_peers_start(comm, fb, split):
+    """iallreduce(hierarchy="node") returns at once: rank 0 starts its call, then
+    tells the last rank, which starts its own only on that word (a call that
+    waited for its peers in iallreduce would never send it). While the call is
+    pending, its residual store refuses to hand out its state (StateError)."""
+    n = 3000
+    last = comm.size - 1
+    g = grads(comm.rank, n)
+    want = mpigc.allreduce(g.copy(), "2bit", key="k", feedback=mpigc.ErrorFeedback(),
+                           hierarchy="node")
+    why = None
+    if comm.rank != last or comm.size == 1:
+        req = mpigc.iallreduce(g.copy(), "2bit", key="k", feedback=fb, hierarchy="node")
+        if comm.rank == 0 and comm.size > 1:
+            try:
+                fb.state_dict()
+                why = "state_dict() of a store with a pending hierarchical call"
+            except mpigc.StateError:
+                pass
+            comm.send("started", dest=last, tag=77)
+    else:
+        token = comm.irecv(source=0, tag=77)
+        deadline = time.monotonic() + 60
+        got, _ = token.test()
+        while not got and time.monotonic() < deadline:
+            time.sleep(0.01)
+            got, _ = token.test()
+        if not got:
+            why = "rank 0 did not return from iallreduce before this rank started"
+        req = mpigc.iallreduce(g.copy(), "2bit", key="k", feedback=fb, hierarchy="node")
+        if not got:
+            token.wait()
+    res = req.wait()
+    if why is None and res.tobytes() != want.tobytes():
+        why = "iallreduce differs from allreduce"
+    assert_all(why is None, why, comm)
+
+
+@pytest.mark.mpi
+def test_many_pending_calls_any_wait_order(comm, split):
+    """Hierarchical and flat calls in flight together, allreduce and
+    reduce_scatter, growing sizes (the node window grows at a call's start),
+    waited for in reverse order: the same bits and residuals as the same
+    calls made blocking one after the other."""
+    calls = [("allreduce", 500, "2bit", "node"), ("allreduce", 700, "1bit", "flat"),
+             ("reduce_scatter", 900, "2bit", "node"), ("allreduce", 5000, "2bit", "node"),
+             ("allreduce", 20000, "1bit", "node"), ("reduce_scatter", 64, "none", "node"),
+             ("allreduce", 300, "fp16", "node")]
+    fb1, fb2 = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
+    why = None
+    for step in range(2):
+        xs = [grads(comm.rank, n, seed=100 * step + i) for i, (_, n, _, _) in enumerate(calls)]
+        want = []
+        for i, ((kind, n, op, h), x) in enumerate(zip(calls, xs)):
+            f = getattr(mpigc, kind)
+            want.append(f(x.copy(), op, key=f"c{i}", feedback=fb1, hierarchy=h))
+        reqs = []
+        for i, ((kind, n, op, h), x) in enumerate(zip(calls, xs)):
+            f = getattr(mpigc, "i" + kind)
+            reqs.append(f(x.copy(), op, key=f"c{i}", feedback=fb2, hierarchy=h))
+        got = [None] * len(reqs)
+        for i in reversed(range(len(reqs))):
+            got[i] = reqs[i].wait()
+        for i, (a, b) in enumerate(zip(want, got)):
+            if a.tobytes() != b.tobytes():
+                why = why or f"step {step}, call {i} {calls[i]}: differs from blocking"
+    s1, s2 = fb1.state_dict(), fb2.state_dict()
+    for k in s1:
+        for part in ("worker", "owner"):
+            a, b = s1[k][part], s2.get(k, {}).get(part)
+            if (a is None) != (b is None) or (a is not None and a.tobytes() != b.tobytes()):
+                why = why or f"residual {k} {part} differs"
+    assert_all(why is None and set(s1) == set(s2), why, comm)
 
 
 @pytest.mark.mpi
@@ -380,21 +457,13 @@ def test_checkpoint_2x2_to_1x3_and_back(comm, tmp_path_factory, monkeypatch):
 @pytest.mark.parametrize("op", ["2bit", "1bit", {"type": "fp16", "error_feedback": True}],
                          ids=_id)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16])
-def test_pipelined_inter_node_calls_sum_just_in_time(comm, fb, split, monkeypatch, op,
-                                                     dtype):
+def test_pipelined_inter_node_calls_sum_just_in_time(comm, fb, split, monkeypatch, starts,
+                                                     op, dtype):
     """With the inter-node calls pipelined (small MPIGC_CHUNK_BYTES), each piece
     of a node's sum is made when the engine reads it (the fill hook): results and
     residuals stay bit-identical to the reference, and the pipeline is taken
     wherever a group spans two nodes."""
-    from mpigc import _collective
     monkeypatch.setenv("MPIGC_CHUNK_BYTES", "512")
-    taken = []
-    orig = _collective._Op._start_chunks
-
-    def counted(self):
-        taken.append(len(self.chunks))
-        return orig(self)
-    monkeypatch.setattr(_collective._Op, "_start_chunks", counted)
     n = 4001
     sim = _ref(op, n, dtype)
     why = None
@@ -409,8 +478,8 @@ def test_pipelined_inter_node_calls_sum_just_in_time(comm, fb, split, monkeypatc
     if why is None:
         why = _check_residuals(fb, sim, comm.rank)
     lay = _hierarchy.layout(comm)
-    if why is None and lay.M > 1 and len(taken) != 3 * len(lay.slices_of(comm.rank)):
-        why = f"pipelined inter-node calls: {taken}"
+    if why is None and lay.M > 1 and starts[0] != 3 * len(lay.slices_of(comm.rank)):
+        why = f"{starts[0]} pipelined inter-node calls"
     assert_all(why is None, why, comm)
 
 

@@ -63,8 +63,8 @@ def allreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm]
         compress only between nodes (``docs/cluster.md``); ``"auto"``:
         ``"node"`` when the communicator spans several nodes and a node holds
         several ranks (host arrays), else ``"flat"``. Not the default: on the
-        emulated 2-node cluster it was not yet faster than flat, and a
-        nonblocking hierarchical call completes when it starts. Must be the
+        2-core emulated 2-node cluster it was faster than flat only where the
+        links were slow (100 Mbit/s), not at 1 Gbit/s. Must be the
         same on every rank. Hierarchical calls keep their own residuals (keys
         ``"{key}@hier[...]"``).
     **params
@@ -99,8 +99,9 @@ def iallreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm
     MPI grants ``MPI_THREAD_MULTIPLE``; ``MPIGC_PROGRESS_THREAD=0`` turns it
     off), and ``test()`` and ``wait()`` always do. Requests may be outstanding on
     several buffers at once (with distinct keys); every rank must start them
-    in the same order. A hierarchical call (``hierarchy=``) runs to
-    completion before this returns (its request is complete at once).
+    in the same order. A hierarchical call (``hierarchy=``) is nonblocking
+    too, except the first of a size larger than any before on its
+    communicator, which grows the node's shared window when it starts.
     """
     return Request(start("allreduce", buf, op, params, comm=comm, key=key, average=average,
                          gather=gather, feedback=feedback, nonfinite=nonfinite,

@@ -425,8 +425,9 @@ class _HierCall(_collective.PendingCall):
             # with the core given up in between. Where ranks outnumber cores
             # (tests, the emulated cluster) a spinning wait takes the core from
             # the very peer it waits for (docs/cluster.md: with the node fences
-            # waited for so, a 32 MiB 2bit call on the 2-core emulated cluster
-            # took 124 instead of 138 ms of CPU, summed over 4 ranks)
+            # waited for by sleeping alone, the earlier form, a 32 MiB 2bit call
+            # on the 2-core emulated cluster took 124 instead of 138 ms of CPU,
+            # summed over 4 ranks; this form was not measured against spinning)
             t0 = time.perf_counter()
             while not w.Test():
                 if time.perf_counter() - t0 > 200e-6:

@@ -57,9 +57,20 @@ first call of a size larger than any before grows the node's window (a
 collective allocation), so it completes the earlier hierarchical calls, waits
 for its agreement and grows the window before it returns.
 
-Limits: host (numpy) arrays only (``"auto"`` takes the flat path for device
-arrays; ``"node"`` raises on every rank); ``op="none"`` and buffers below
-``$MPIGC_MIN_COMPRESS_BYTES`` take the flat path (plain MPI sum).
+Device (CUDA) arrays: the intra-node steps are staged through the host. The
+input is copied to a pinned host buffer when the call starts (in the
+caller's thread, after the producer's stream), the node's sums are made on
+the host in the shared window as above, each slice's node sum is copied to
+the device and reduced between the nodes by the engine's device path (CUDA
+kernels, residuals in device memory, CUDA-aware MPI or staged payloads as for
+a flat call), copied back to the window, and the allgathered result copied to
+the caller's buffer, once. Same bits as the host path: the sums are the same
+host sums, and the engine's device kernels give the bits of its host kernels.
+The shared window is host memory whatever the MPI library, so the intra-node
+steps are staged even where MPI takes device memory.
+
+Limits: ``op="none"`` and buffers below ``$MPIGC_MIN_COMPRESS_BYTES`` take the
+flat path (plain MPI sum).
 """
 import itertools
 import json
@@ -71,7 +82,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from . import _collective, _comm, _dispatch
+from . import _collective, _comm, _cuda, _dispatch
 from ._errors import (CODES, ConfigError, DTypeError, InvalidBufferError, MismatchError,
                       MpigcError, NonFiniteError, code_of)
 from .compressors import SUPPORTED_DTYPES, get_compressor, work_dtype
@@ -318,7 +329,7 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
         # decides which collective runs, so it is checked here, on this rank:
         # like the function called, it must be the same on every rank
         raise ConfigError(f"hierarchy must be one of {HIERARCHY_MODES}, got {hierarchy!r}")
-    flat = hierarchy == "flat" or (hierarchy == "auto" and _dispatch.is_device_array(buf))
+    flat = hierarchy == "flat"
     if not flat:
         lay = layout(comm)
         flat = not lay.hierarchical(hierarchy)
@@ -363,6 +374,10 @@ class _HierCall(_collective.PendingCall):
         self.waiting = None  # what the steps wait for
         self.running = False  # a step is under way (no re-entry from a nested wait)
         self.steps = None
+        # device arrays: the backend (its device_id is made current by the
+        # progress thread), the caller's buffer as a flat Numba device array,
+        # and the pinned host buffer that holds its values while the call runs
+        self.be = self.dflat = self.staging = None
 
     # -- the engine's protocol (PendingCall) -------------------------------------------
     def _settle(self):
@@ -413,6 +428,10 @@ class _HierCall(_collective.PendingCall):
     def _end(self):
         self.state = "done"
         self.steps = None
+        if self.staging is not None:
+            _cuda.sync()  # the last copies out of the pinned buffer
+            _cuda.staging_pool.give(self.staging)
+            self.staging = None
         if self in _collective._pending:
             _collective._pending.remove(self)
 
@@ -499,27 +518,33 @@ class _HierCall(_collective.PendingCall):
     def _prepare(self, row):
         kind, buf = self.kind, self.buf
         if _dispatch.is_device_array(buf):
-            raise InvalidBufferError(f"{kind}: hierarchy='node' takes host (numpy) arrays "
-                                     "only; pass hierarchy='flat' (or 'auto') for device "
-                                     "arrays")
-        if not isinstance(buf, np.ndarray):
+            # the engine's device backend: raises where there are no CUDA
+            # kernels (reported on every rank, like any bad input)
+            self.be = _dispatch.backend(buf)
+            a = self.be.adopt(buf, kind, _comm.resolve(self.lay.comm))
+            contiguous = self.be.is_c_contiguous(buf, a)
+            writable = self.be.is_writable(buf)
+        elif isinstance(buf, np.ndarray):
+            a = buf
+            contiguous, writable = bool(buf.flags.c_contiguous), bool(buf.flags.writeable)
+        else:
             raise DTypeError(f"{kind}: expected a numpy array or a CUDA device array, got "
                              f"{type(buf).__name__}")
-        dtype = buf.dtype
+        dtype = np.dtype(a.dtype)
         if dtype not in SUPPORTED_DTYPES or not dtype.isnative:
             raise DTypeError(f"{kind}: expected float16, float32 or float64 (native byte "
                              f"order), got {dtype}")
-        if buf.size == 0:
+        if a.size == 0:
             raise InvalidBufferError(f"{kind}: expected a non-empty array, got shape "
-                                     f"{tuple(buf.shape)}")
-        if not buf.flags.c_contiguous:
+                                     f"{tuple(a.shape)}")
+        if not contiguous:
             raise InvalidBufferError(f"{kind}: expected a C-contiguous array; pass a "
                                      "contiguous copy and copy the result back")
-        if kind == "allreduce" and not buf.flags.writeable:
+        if kind == "allreduce" and not writable:
             raise InvalidBufferError("allreduce: expected a writable array (it reduces in "
                                      "place), got a read-only one")
-        self.flat = buf.reshape(buf.size)
-        self.n = n = buf.size
+        self.flat = a.reshape(a.size)  # the device array itself until _stage()
+        self.n = n = a.size
         self.dtype = dtype
         self.wd = np.dtype(work_dtype(dtype))
         row[_N] = n
@@ -551,8 +576,15 @@ class _HierCall(_collective.PendingCall):
             starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
             self.bounds = list(zip(starts[:-1], starts[1:]))
         lo, hi = self.bounds[self.lay.rank]
-        if self.out is not None:
+        self.dout = None
+        if self.out is not None and self.be is not None:
+            self.dout = self.be.adopt_out(self.out, hi - lo, dtype)  # or raises
+        elif self.out is not None:
             o = self.out
+            if _dispatch.is_device_array(o):
+                raise InvalidBufferError(
+                    "out: expected a numpy array like buf, got a CUDA device array: host "
+                    "and device arrays cannot be mixed in one call")
             if (not isinstance(o, np.ndarray) or o.dtype != dtype or o.size != hi - lo
                     or not o.flags.c_contiguous or not o.flags.writeable):
                 raise InvalidBufferError(f"out: expected a writable contiguous numpy array "
@@ -569,10 +601,23 @@ class _HierCall(_collective.PendingCall):
                     "layout": self.lay.describe(), "plain": self.plain}
         self.settings = settings
         row[_FP] = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
+        if self.be is not None and not self.plain:
+            self._stage()
         # no pass over the input for non-finite values: a non-finite input makes
         # its node's sum non-finite (NaN and inf propagate through the sum), which
         # the inter-node call detects before any residual changes; the ranks
         # that hold them are named then (_input_nonfinite)
+
+    def _stage(self):
+        """A device call: the input's values into a pinned host buffer, now
+        (the caller's thread, the GPU current; ``as_device`` waited for the
+        stream that produced them). The intra-node steps read this copy."""
+        d = self.flat
+        b = _cuda.staging_pool.take(max(d.nbytes, 1))
+        self.staging = b
+        self.dflat = d
+        self.flat = b[:d.nbytes].view(d.dtype)
+        _cuda.to_host(d, self.flat)
 
     def _rows_agree(self):
         t = self.table
@@ -663,6 +708,13 @@ class _HierCall(_collective.PendingCall):
             sk = slice_key(self.key, s, lay.L, n)
             saved.append(self._snapshot(sk))
             fill = None if self.alone else node_sum_fill(lay, segs, self.flat, n, wd, slo)
+            if self.be is not None:
+                # a device call: the node's sums now, to the device, where the
+                # engine reduces them between the nodes (its residuals there)
+                if fill is not None:
+                    fill(0, shi - slo)
+                    fill = None
+                v = _cuda.to_device(v)
             sub = _collective.start(self.kind, v, self.op, self.params,
                                     comm=lay.groups[s], key=sk, average=False,
                                     gather=self.gather,
@@ -711,6 +763,18 @@ class _HierCall(_collective.PendingCall):
             self._release_old(snap)
         # 3.
         parts = [p.result if isinstance(p, _collective._Op) else p for p in parts]
+        if self.be is not None:
+            # a device call: the reduced slices back to the host (into the
+            # window for allreduce, where the node's ranks read them)
+            sb_all = shard_bounds(n, lay.L)
+            if self.kind == "allreduce":
+                for s, p in zip(lay.slices_of(lay.rank), parts):
+                    if _dispatch.is_device_array(p):
+                        slo, shi = sb_all[s]
+                        _cuda.to_host(p, acc[slo - lo:shi - lo])
+            else:
+                parts = [_cuda.to_host(p) if _dispatch.is_device_array(p) else p
+                         for p in parts]
         if self.kind == "allreduce":
             if self.average:
                 acc /= lay.size
@@ -725,15 +789,30 @@ class _HierCall(_collective.PendingCall):
                 # the next call's stores wait for every node rank's reads (a
                 # peer's new values may land where this call's results were)
                 lay.read_fence = lay.node_comm.Ibarrier()
+            if self.be is not None:
+                _cuda.copy(self.dflat, self.flat)  # the result, in place on the device
+                _cuda.sync()
             return self.buf
         pieces = [(a, b, p) for (_, a, b), p in zip(lay.owned_ranges(lay.rank, n), parts)]
         res = yield from redistribute(lay, pieces, self.bounds, n, wd)
         if self.average:
             res /= lay.size
-        if self.out is not None:
-            self.out.reshape(-1)[...] = res
-            return self.out
-        return res.astype(self.dtype, copy=False)
+        return self._shard_result(res.astype(self.dtype, copy=False))
+
+    def _shard_result(self, res):
+        """reduce_scatter's result ``res`` (host, the input's dtype) where the
+        caller wants it: ``out``, or a new array on the side of ``buf``."""
+        if self.be is None:
+            if self.out is not None:
+                self.out.reshape(-1)[...] = res
+                return self.out
+            return res
+        if self.out is None:
+            return _cuda.to_device(res)
+        if res.size:
+            _cuda.copy(self.dout, np.ascontiguousarray(res))
+            _cuda.sync()
+        return self.out
 
     def _input_nonfinite(self):
         """Steps, on the failure path only: "non-finite values in the input on
@@ -758,13 +837,14 @@ class _HierCall(_collective.PendingCall):
         if self.fb is not None:
             self.fb.skipped_steps += 1
         if self.kind == "allreduce":
-            self.flat[...] = np.nan
+            if self.be is not None:
+                self.be.fill_nan(self.dflat)
+                _cuda.sync()
+            else:
+                self.flat[...] = np.nan
             return self.buf
         lo, hi = self.bounds[self.lay.rank]
-        if self.out is not None:
-            self.out[...] = np.nan
-            return self.out
-        return np.full(hi - lo, np.nan, self.dtype)
+        return self._shard_result(np.full(hi - lo, np.nan, self.dtype))
 
     # -- failure atomicity: the residuals an inter-node call replaced -------------------
     # (the inter-node calls keep the worker residual they replace: keep_replaced)

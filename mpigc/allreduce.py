@@ -62,7 +62,8 @@ def allreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm]
         every other. ``"node"``: reduce exactly inside each node and
         compress only between nodes (``docs/cluster.md``); ``"auto"``:
         ``"node"`` when the communicator spans several nodes and a node holds
-        several ranks (host arrays), else ``"flat"``. Not the default: on the
+        several ranks, else ``"flat"`` (device arrays too: their intra-node
+        steps are staged through host memory). Not the default: on the
         2-core emulated 2-node cluster it was faster than flat only where the
         links were slow (100 Mbit/s), not at 1 Gbit/s. Must be the
         same on every rank. Hierarchical calls keep their own residuals (keys

@@ -16,7 +16,8 @@ This file has two uses.
    once per process and replaces ``numba.cuda`` for good). Groups:
 
    ``staged``  ``MPIGC_CUDA_AWARE=0``: payloads staged through host buffers.
-   ``aware``   ``MPIGC_CUDA_AWARE=1``: device buffers handed to MPI. In the
+   ``aware``   ``MPIGC_CUDA_AWARE=1``: device buffers handed to MPI (flat
+               calls, then the inter-node steps of hierarchical ones). In the
                simulator a device array is a numpy array in a wrapper, which
                MPI cannot take: ``mpigc._cuda.mpi_buffer`` gives MPI the wrapped
                array there (the documented test seam; on a GPU, the device
@@ -24,6 +25,12 @@ This file has two uses.
    ``detect``  no ``MPIGC_CUDA_AWARE``: the library is probed (this Open MPI
                says no), the staging warning comes once; host and device
                arrays mixed in a call raise on every rank; state dicts.
+   ``hier``    ``MPIGC_CUDA_AWARE=0``, ``MPIGC_NODE_SPLIT=2`` (emulated nodes
+               of two ranks: one node of 1 at 1 rank, 2+1 at 3 ranks):
+               hierarchical calls (``hierarchy="node"``) on device arrays give
+               the results and residuals of the same calls on host arrays,
+               blocking and nonblocking, ``out=``, a failed call changes
+               nothing, a saved state continues exactly.
 
    Ranks agree on pass/fail before the script exits; rank 0 prints
    ``ok GROUP`` or every rank's failures.
@@ -284,6 +291,11 @@ def group_aware(c, cuda):
     _compare_foreign(c, cuda, "none", np.float16, 45)
     c.check(_cuda.staging_pool.allocated == 0,
             f"{_cuda.staging_pool.allocated} staging buffer(s) with CUDA-aware MPI")
+    # hierarchical calls: the inter-node engine calls hand device buffers to
+    # MPI (the intra-node steps are staged through the host window regardless)
+    os.environ["MPIGC_NODE_SPLIT"] = "2"
+    _compare_hier(c, cuda, "allreduce", OPS[0], np.float32, 101, 2)
+    _compare_hier(c, cuda, "reduce_scatter", OPS[1], np.float32, 77, 1)
 
 
 def _raises_everywhere(c, what, exc_type, fn):
@@ -390,7 +402,130 @@ def group_detect(c, cuda):
                        lambda: mpigc.select_device(device=-1))
 
 
-GROUPS = {"staged": group_staged, "aware": group_aware, "detect": group_detect}
+def _compare_hier(c, cuda, kind, op, dtype, n, steps, average=False, nonblocking=False):
+    """Hierarchical calls with host and device arrays: bit for bit."""
+    name = op if isinstance(op, str) else op["type"]
+    what = f"hier {kind} {name} {np.dtype(dtype).name} n={n}"
+    fbh, fbd = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
+    kw = dict(op=op, key="h", average=average, hierarchy="node")
+    for step in range(steps):
+        g = _grad(c.rank, n, dtype, 30 + step)
+        if kind == "allreduce":
+            h, d = g.copy(), cuda.to_device(g)
+            if nonblocking:  # device and host calls in flight together
+                rd = mpigc.iallreduce(d, feedback=fbd, **kw)
+                rh = mpigc.iallreduce(h, feedback=fbh, **kw)
+                rh.wait()
+                rd = rd.wait()
+            else:
+                rd = mpigc.allreduce(d, feedback=fbd, **kw)
+                mpigc.allreduce(h, feedback=fbh, **kw)
+            c.check(rd is d, f"{what}: allreduce must return buf")
+            c.same(f"{what} step {step}", d.copy_to_host(), h)
+        else:
+            rh = mpigc.reduce_scatter(g, feedback=fbh, **kw)
+            rd = mpigc.reduce_scatter(cuda.to_device(g), feedback=fbd, **kw)
+            c.check(mpigc._dispatch.is_device_array(rd), f"{what}: result not on device")
+            c.same(f"{what} step {step}", rd.copy_to_host(), rh)
+    _same_state(c, what, fbh, fbd)
+    for k, e in fbd._entries.items():
+        c.check(e.worker is None or mpigc._dispatch.is_device_array(e.worker),
+                f"{what}: residual {k} not on the device")
+    c.check(any("@hier[" in k for k in fbd.keys()) or name == "none" or n < 2,
+            f"{what}: no hierarchical residual ({fbd.keys()})")
+    return fbh, fbd
+
+
+def group_hier(c, cuda):
+    N, r = c.comm.size, c.rank
+    os.environ["MPIGC_NODE_SPLIT"] = "2"
+    lay = mpigc._hierarchy.layout(c.comm)
+    c.check(lay.node_sizes == [2] * (N // 2) + [1] * (N % 2),
+            f"emulated nodes {lay.node_sizes}")
+    for op in OPS:
+        _compare_hier(c, cuda, "allreduce", op, np.float32, 101, 2, average=True)
+        _compare_hier(c, cuda, "reduce_scatter", op, np.float32, 77, 1)
+    _compare_hier(c, cuda, "allreduce", OPS[0], np.float16, 101, 2)
+    _compare_hier(c, cuda, "allreduce", OPS[1], np.float64, 64, 2, nonblocking=True)
+    _compare_hier(c, cuda, "reduce_scatter", OPS[0], np.float16, 50, 2, average=True)
+    # fewer elements than slices and ranks
+    _compare_hier(c, cuda, "allreduce", OPS[0], np.float32, 1, 2)
+    # a torch-like tensor (foreign __cuda_array_interface__), out= on the device
+    from foreign_arrays import TorchLikeTensor
+    n = 45
+    g = _grad(r, n, np.float32, 40)
+    d = cuda.to_device(g)
+    t = TorchLikeTensor(d)
+    fbh, fbd = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
+    got = mpigc.allreduce(t, "2bit", key="t", feedback=fbd, hierarchy="node")
+    h = mpigc.allreduce(g.copy(), "2bit", key="t", feedback=fbh, hierarchy="node")
+    c.check(got is t, "hier: allreduce must return the tensor")
+    c.same("hier foreign allreduce", d.copy_to_host(), h)
+    lo, hi = mpigc.shard_bounds(n, N)[r]
+    out = cuda.to_device(np.zeros(hi - lo, np.float32))
+    tout = TorchLikeTensor(out)
+    got = mpigc.reduce_scatter(cuda.to_device(g), "1bit", out=tout, key="o", feedback=fbd,
+                               hierarchy="node", block_size=8)
+    want = mpigc.reduce_scatter(g, "1bit", key="o", feedback=fbh, hierarchy="node",
+                                block_size=8)
+    c.check(got is tout, "hier: out= not returned")
+    c.same("hier reduce_scatter out=", out.copy_to_host(), want)
+    _same_state(c, "hier foreign", fbh, fbd)
+    # a host out= for a device buffer on one rank: refused on every rank
+    bad = np.zeros(hi - lo, np.float32) if r == 0 else cuda.to_device(np.zeros(hi - lo,
+                                                                              np.float32))
+    e = _raises_everywhere(c, "hier host out", mpigc.InvalidBufferError,
+                           lambda: mpigc.reduce_scatter(cuda.to_device(g), "2bit", out=bad,
+                                                        key="x", feedback=fbd,
+                                                        hierarchy="node"))
+    c.check(e is None or "rank 0" in str(e), f"message: {e}")
+    # a non-finite value on the last rank: skipped (or raised) everywhere, no
+    # residual changed, NaN on the device
+    fbh, fbd = _compare_hier(c, cuda, "allreduce", OPS[0], np.float32, 64, 1)
+    x = _grad(r, 64, np.float32, 50)
+    if r == N - 1:
+        x[5] = np.nan
+    d = cuda.to_device(x)
+    mpigc.allreduce(d, "2bit", key="h", feedback=fbd, hierarchy="node", nonfinite="skip")
+    c.check(np.isnan(d.copy_to_host()).all(), "hier skip: result not NaN")
+    _raises_everywhere(c, "hier raise", mpigc.NonFiniteError, lambda: mpigc.allreduce(
+        cuda.to_device(x), "2bit", key="h", feedback=fbd, hierarchy="node"))
+    _same_state(c, "hier failed calls change nothing", fbh, fbd)
+    # the saved state, loaded into a new store, continues on the device exactly
+    fb2 = mpigc.ErrorFeedback()
+    fb2.load_state_dict(fbd.state_dict())
+    g = _grad(r, 64, np.float32, 51)
+    d, h = cuda.to_device(g), g.copy()
+    mpigc.allreduce(d, "2bit", key="h", feedback=fb2, hierarchy="node")
+    mpigc.allreduce(h, "2bit", key="h", feedback=fbh, hierarchy="node")
+    c.same("hier after load_state_dict", d.copy_to_host(), h)
+    _same_state(c, "hier after load_state_dict", fbh, fb2)
+    # a checkpoint of device residuals: saved from host copies, loaded onto the
+    # device at the next call, continues exactly
+    import shutil
+    import tempfile
+    tmp = c.comm.bcast(tempfile.mkdtemp() if r == 0 else None)
+    try:
+        mpigc.save_checkpoint(os.path.join(tmp, "ck"), fb2, comm=c.comm)
+        fb3 = mpigc.ErrorFeedback()
+        mpigc.load_checkpoint(os.path.join(tmp, "ck"), fb3, comm=c.comm, hierarchy="node")
+    finally:
+        c.comm.Barrier()
+        if r == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+    _same_state(c, "hier checkpoint round trip", fbh, fb3)
+    g = _grad(r, 64, np.float32, 52)
+    d, h = cuda.to_device(g), g.copy()
+    mpigc.allreduce(d, "2bit", key="h", feedback=fb3, hierarchy="node")
+    mpigc.allreduce(h, "2bit", key="h", feedback=fbh, hierarchy="node")
+    c.same("hier after load_checkpoint", d.copy_to_host(), h)
+    c.check(all(e.worker is None or mpigc._dispatch.is_device_array(e.worker)
+                for e in fb3._entries.values()), "hier: loaded residuals not on the device")
+    c.check(_cuda.staging_pool.allocated > 0, "no staging buffer was used")
+
+
+GROUPS = {"staged": group_staged, "aware": group_aware, "detect": group_detect,
+          "hier": group_hier}
 
 
 def main(group):

@@ -45,7 +45,7 @@ from ._errors import (ConfigError, DTypeError, MismatchError, MpigcError, NonFin
                       StateError)
 from .allreduce import iallreduce
 from .compressors import get_compressor
-from . import _dispatch
+from . import _dispatch, _hierarchy
 from .feedback import ErrorFeedback, _host, shard_bounds
 from ._adam import CompressedAdamW
 
@@ -208,6 +208,34 @@ def _restore(fb, key, snap):
         else:
             cur[...] = old
     e.calls = calls
+
+
+def _bucket_keys(fb, key):
+    """``key`` and its hierarchical slice keys (``key@hier[...]``) held by ``fb``."""
+    out = []
+    for k in list(fb._entries):
+        if k == key:
+            out.append(k)
+        else:
+            sk = _hierarchy.parse_slice_key(k)
+            if sk is not None and sk[0] == key:
+                out.append(k)
+    return out
+
+
+def _snapshot_bucket(fb, key, reuse=None):
+    """:func:`_snapshot` of every key of a bucket (its own, or its slice keys
+    when its calls are hierarchical): ``{key: snapshot}``; ``reuse``: an
+    older such dict whose arrays are written over."""
+    reuse = reuse or {}
+    return {k: _snapshot(fb, k, reuse.get(k)) for k in _bucket_keys(fb, key)}
+
+
+def _restore_bucket(fb, key, snaps):
+    """Put back :func:`_snapshot_bucket`'s ``snaps``: keys the step created are
+    forgotten."""
+    for k in _bucket_keys(fb, key):
+        _restore(fb, k, snaps.get(k))
 
 
 class _Layout:
@@ -573,6 +601,13 @@ class GradientSync:
         returns (clipping, ``GradScaler`` and anything else that reads the
         gradients then need no :meth:`wait`). Default False: :meth:`wait`
         completes it. :class:`DistributedOptimizer` turns it on.
+    hierarchy : {"flat", "auto", "node"}
+        As for :func:`mpigc.allreduce` (default ``"flat"``): ``"node"`` sums
+        each bucket exactly inside the node and compresses only between
+        nodes; ``"auto"`` does so when ``comm`` spans several nodes with
+        several ranks on a node. Must be the same on every rank.
+        :meth:`state_dict` and checkpoints are per parameter either way, so
+        they load whatever the hierarchy and node layout of the loading job.
     feedback : ErrorFeedback, optional
         The residual store of the buckets; default a new one, :attr:`feedback`.
     gradient_as_bucket_view : bool
@@ -613,7 +648,8 @@ class GradientSync:
     def __init__(self, module, op="2bit", *, bucket_mb=25.0, comm=None, average=True,
                  gather="compressed", nonfinite=None, feedback=None,
                  find_unused_parameters=False, gradient_as_bucket_view=False,
-                 timeout=None, sync_on_backward=False, device_buckets=True, **params):
+                 timeout=None, sync_on_backward=False, device_buckets=True,
+                 hierarchy="flat", **params):
         self.comm = _resolve_comm(comm)
         self.device_buckets = bool(device_buckets)
         self.compressor = get_compressor(op, **params)
@@ -649,6 +685,20 @@ class GradientSync:
         except MpigcError as e:
             exc = e
         _raise_everywhere(self._comm, exc, "GradientSync")
+        self.hierarchy = hierarchy
+        exc = None
+        if hierarchy not in _hierarchy.HIERARCHY_MODES:
+            exc = ConfigError(f"hierarchy must be one of {_hierarchy.HIERARCHY_MODES}, got "
+                              f"{hierarchy!r}")
+        _raise_everywhere(self._comm, exc, "GradientSync")
+        modes = self._comm.allgather(hierarchy)
+        if any(m != modes[0] for m in modes):
+            exc = MismatchError("GradientSync: ranks disagree on hierarchy (" + ", ".join(
+                f"rank {r}: {m!r}" for r, m in enumerate(modes)) + ")")
+        _raise_everywhere(self._comm, exc, "GradientSync")
+        # the node layout (collective): whether the buckets' calls are hierarchical
+        self._lay = None if hierarchy == "flat" else _hierarchy.layout(self.comm)
+        self._hier = self._lay is not None and self._lay.hierarchical(hierarchy)
         named = [(n, p) for n, p in named if p.requires_grad]
         _check_same(self._comm, _describe(named), "GradientSync")
         taken = [n for n, p in named if _hooked_by(p) is not None]
@@ -789,12 +839,13 @@ class GradientSync:
         if b.tensor.is_cuda:
             _engine_after_torch(b.tensor.device)  # zeros and fold-backs of wait()
         if self._keep_snapshots:
-            self._snapshots[b.key] = _snapshot(self.feedback, b.key,
-                                               self._spare_snapshots.pop(b.key, None))
+            self._snapshots[b.key] = _snapshot_bucket(self.feedback, b.key,
+                                                      self._spare_snapshots.pop(b.key, None))
         b.started_at = time.perf_counter()
         b.request = iallreduce(b.flat, op=self.compressor, comm=self.comm, key=b.key,
                                average=self.average, gather=self.gather,
-                               feedback=self.feedback, nonfinite=self.nonfinite)
+                               feedback=self.feedback, nonfinite=self.nonfinite,
+                               hierarchy=self.hierarchy)
 
     def _launch_ready(self):
         # buckets start in index order on every rank, whatever order their
@@ -913,9 +964,11 @@ class GradientSync:
             self.nonfinite_steps += 1
             for b, bad in zip(self.buckets, nan):
                 if b.key in snapshots and not bad:
-                    _restore(self.feedback, b.key, snapshots[b.key])
+                    _restore_bucket(self.feedback, b.key, snapshots[b.key])
         # the snapshots' arrays serve the next step's snapshots
-        self._spare_snapshots.update((k, v) for k, v in snapshots.items() if v is not None)
+        self._spare_snapshots.update(
+            (k, {kk: vv for kk, vv in v.items() if vv is not None})
+            for k, v in snapshots.items())
         with torch.no_grad():
             for i, p in enumerate(self._params):
                 b, off, m = self._where[i]
@@ -988,12 +1041,31 @@ class GradientSync:
     def _fold_back(self, b, off, m):
         """A parameter no rank used: give what its elements delivered back to
         the worker residuals (so nothing is lost), leave its grad alone."""
+        if self._hier:
+            self._fold_back_hier(b, off, m)
+            return
         entry = self.feedback._entries.get(b.key)
         if entry is None or entry.worker is None:
             return
         delivered = b.tensor[off:off + m]
         worker = _as_tensor(entry.worker, b.tensor)[off:off + m]  # a view, either side
         worker += delivered if self.average else delivered / self.size
+
+    def _fold_back_hier(self, b, off, m):
+        """:meth:`_fold_back` for hierarchical buckets: a slice's worker
+        residuals are held by its M handlers (one per node), so each takes
+        1/M of the total that the parameter's elements delivered."""
+        lay = self._lay
+        total = self.size if self.average else 1  # delivered = total sum / this
+        sb = shard_bounds(b.n, lay.L)
+        for sl in lay.slices_of(lay.rank):
+            e = self.feedback._entries.get(_hierarchy.slice_key(b.key, sl, lay.L, b.n))
+            slo, shi = sb[sl]
+            lo, hi = max(off, slo), min(off + m, shi)
+            if e is None or e.worker is None or hi <= lo:
+                continue
+            worker = _as_tensor(e.worker, b.tensor)[lo - slo:hi - slo]
+            worker += b.tensor[lo:hi] * (total / lay.M)
 
     # -- state -------------------------------------------------------------------
     def _idle(self, what):
@@ -1019,7 +1091,44 @@ class GradientSync:
         except MpigcError as e:
             exc, fbs = e, {}
         _raise_everywhere(self._comm, exc, "GradientSync.state_dict")
+        if self._hier:
+            fbs = self._hier_to_flat(fbs)
         return _state_from_layouts(self.buckets, fbs, self._comm, self.gather)
+
+    def _hier_to_flat(self, fbs):
+        """``fbs`` with each bucket's hierarchical residuals (slice keys) in
+        the flat layout under the bucket's key (collective; see
+        ``mpigc._hierarchy.to_flat_form``). Driven by the buckets, the same on
+        every rank: a rank that holds no slice of a bucket (fewer elements
+        than slices) takes the bucket's settings from a rank that does."""
+        lay = self._lay
+        mine, desc = {}, {}
+        for b in self.buckets:
+            ents = {}
+            for sl in lay.slices_of(lay.rank):
+                st = fbs.get(_hierarchy.slice_key(b.key, sl, lay.L, b.n))
+                if st is not None:
+                    ents[sl] = st
+            mine[b.key] = ents
+            if ents:
+                st = ents[min(ents)]
+                desc[b.key] = (st["config"], int(st["calls"]), str(st["dtype"]),
+                               any(e["worker"] is not None for e in ents.values()),
+                               any(e["owner"] is not None for e in ents.values()))
+        every = self._comm.allgather(desc)
+        out = dict(fbs)
+        for b in self.buckets:
+            have = [d[b.key] for d in every if b.key in d]
+            if not have:
+                continue
+            config, calls, dtype = have[0][:3]
+            has_w, has_o = any(h[3] for h in have), any(h[4] for h in have)
+            slices = {sl: (st["worker"], st["owner"]) for sl, st in mine[b.key].items()}
+            w, o = _hierarchy.to_flat_form(lay, slices, b.n, np.dtype(dtype), has_w, has_o)
+            out[b.key] = {"worker": w, "owner": o, "config": dict(config), "calls": calls,
+                          "world_size": self.size, "rank": self.rank, "n": b.n,
+                          "dtype": dtype}
+        return out
 
     def load_state_dict(self, state, strict=True):
         """Load residuals from :meth:`state_dict` (collective), whatever the
@@ -1049,7 +1158,28 @@ class GradientSync:
         except MpigcError as e:
             exc = e
         _raise_everywhere(self._comm, exc, "GradientSync.load_state_dict")
-        self.feedback.load_state_dict(_entries_for_layouts(self.buckets, state, self._comm))
+        new = _entries_for_layouts(self.buckets, state, self._comm)
+        if not self._hier:
+            self.feedback.load_state_dict(new)
+            return
+        # hierarchical buckets: each bucket's flat-layout residuals to its slice
+        # keys on this layout (worker residuals summed per node, owner shards to
+        # the group owners), as load_checkpoint(..., hierarchy=) does
+        from . import checkpoint
+        exc, tmp = None, ErrorFeedback()
+        try:
+            tmp.load_state_dict(new)
+        except MpigcError as e:
+            exc = e
+        _raise_everywhere(self._comm, exc, "GradientSync.load_state_dict")
+        keys = self._comm.allgather(sorted(tmp._entries))
+        if any(k != keys[0] for k in keys):
+            exc = StateError("GradientSync.load_state_dict: ranks' states cover different "
+                             "buckets (" + "; ".join(f"rank {r}: {len(k)} bucket(s)"
+                                                     for r, k in enumerate(keys)) + ")")
+        _raise_everywhere(self._comm, exc, "GradientSync.load_state_dict")
+        entries = checkpoint._to_layout(self._comm, self.comm, tmp._entries, self.hierarchy)
+        self.feedback._replace_entries(entries)
 
     def save_checkpoint(self, path, step=None):
         """Save the residuals with :func:`mpigc.save_checkpoint` (collective),

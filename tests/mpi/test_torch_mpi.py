@@ -847,3 +847,141 @@ def test_comm_hook_takes_residuals_over_when_a_later_bucket_changes(comm):
     ok &= set(a) == set(b) and all(np.array_equal(a[n][k], b[n][k])
                                    for n in b for k in ("worker", "owner"))
     assert_all(ok)
+
+
+# -- hierarchical buckets (hierarchy="node", emulated nodes of 2 ranks) -----------
+def _hier_keys(sync):
+    return [k for k in sync.feedback.keys() if mpigc._hierarchy.parse_slice_key(k)]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["2bit", "1bit"])
+def test_hierarchical_gradients_equal_reference(comm, monkeypatch, op):
+    """GradientSync(hierarchy="node"): each bucket as the blocking hierarchical
+    mpigc.allreduce gives it, bit for bit, with residuals carried over."""
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+    model, ref = make_model(), make_model()
+    sync = mt.GradientSync(model, op=op, bucket_mb=0.002, hierarchy="node")
+    fb = mpigc.ErrorFeedback()
+    ok = len(sync.buckets) >= 2
+    for step in range(3):
+        model.zero_grad()
+        ref.zero_grad()
+        backward(model, comm.rank, step)
+        backward(ref, comm.rank, step)
+        sync.wait()
+        reference_sync(sync, ref, op, fb, hierarchy="node")
+        got, want = grads_of(model), grads_of(ref)
+        ok &= got.keys() == want.keys() and all(
+            got[n].numpy().tobytes() == want[n].numpy().tobytes() for n in want)
+    ok &= sorted(_hier_keys(sync)) == sorted(fb.keys()) and len(fb.keys()) > 0
+    assert_all(ok, f"{op}: hierarchical buckets differ from the reference")
+
+
+@pytest.mark.mpi
+def test_hierarchical_skip_restores_every_slice_residual(comm, monkeypatch):
+    """nonfinite='skip' with hierarchical buckets: one bucket non-finite, the
+    others' slice residuals are put back (a snapshot of the bucket's own key
+    alone would miss them: their residuals live under key@hier[...])."""
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+    model = make_model()
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                  op="2bit", bucket_mb=0.002, threshold=2.0 ** -6,
+                                  hierarchy="node")
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
+
+    def step(s, poison):
+        opt.zero_grad()
+        x, y = batch(comm.rank, s)
+        loss = ((model(x) - y) ** 2).mean()
+        if poison and comm.rank == comm.size - 1:
+            loss = loss + (model[4].bias * float("inf")).sum()  # one bucket only
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+
+    step(0, False)
+    raw = {k: e.worker.copy() for k, e in opt.sync.feedback._entries.items()}
+    state, before = opt.sync.state_dict(), _params(model)
+    step(1, True)
+    after = opt.sync.state_dict()
+    ok = len(opt.sync.buckets) >= 2 and opt.sync.nonfinite_steps == 1 and len(raw) > 0
+    ok &= all(k in raw for k in _hier_keys(opt.sync))
+    ok &= all(torch.equal(a, b) for a, b in zip(before, _params(model)))
+    ok &= all(np.array_equal(opt.sync.feedback._entries[k].worker, w) for k, w in raw.items())
+    ok &= all(np.array_equal(state[n][k], after[n][k]) for n in state for k in ("worker", "owner"))
+    step(2, False)
+    ok &= opt.sync.last_step_finite
+    assert_all(ok, f"skipped {opt.sync.nonfinite_steps}, keys {sorted(raw)}")
+
+
+@pytest.mark.mpi
+def test_hierarchical_state_dict_resumes_and_moves_between_layouts(comm, monkeypatch):
+    """The per-parameter state of hierarchical buckets: reloaded on the same
+    layout the next step is bit-identical; loaded by a flat GradientSync (or
+    another bucketing) it is the same state; and back again."""
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+    model = make_model()
+    sync = mt.GradientSync(model, op="1bit", bucket_mb=0.002, hierarchy="node")
+    _steps(sync, model, comm.rank, range(3))
+    state = sync.state_dict()
+    ok = set(state) == set(sync.names) and len(_hier_keys(sync)) > 0
+    m2 = copy.deepcopy(model)
+    s2 = mt.GradientSync(m2, op="1bit", bucket_mb=0.002, hierarchy="node")
+    s2.load_state_dict(state)
+    ok &= sorted(s2.feedback.keys()) == sorted(sync.feedback.keys())
+    g1 = _steps(sync, model, comm.rank, [3])
+    g2 = _steps(s2, m2, comm.rank, [3])
+    ok &= all(g1[n].numpy().tobytes() == g2[n].numpy().tobytes() for n in g1)
+    # flat, one bucket: the same per-parameter state
+    state = s2.state_dict()
+    s3 = mt.GradientSync(copy.deepcopy(model), op="1bit", bucket_mb=25)
+    s3.load_state_dict(state)
+    back = s3.state_dict()
+    ok &= all(np.array_equal(state[n][p], back[n][p]) for n in state for p in ("worker", "owner"))
+    # and back to hierarchical buckets (worker residuals summed per node: the
+    # totals are kept)
+    s4 = mt.GradientSync(copy.deepcopy(model), op="1bit", bucket_mb=0.004, hierarchy="node")
+    s4.load_state_dict(back)
+    again = s4.state_dict()
+    for n in state:
+        tw = comm.allreduce(state[n]["worker"].astype(np.float64))
+        ta = comm.allreduce(again[n]["worker"].astype(np.float64))
+        ok &= np.allclose(tw, ta, rtol=1e-6, atol=1e-6)
+        ok &= np.array_equal(state[n]["owner"], again[n]["owner"])
+    assert_all(ok)
+
+
+@pytest.mark.mpi
+def test_hierarchical_unused_parameter_keeps_its_residual(comm, monkeypatch):
+    """find_unused_parameters with hierarchical buckets: what a parameter no
+    rank used delivered goes back into its slices' worker residuals (each of
+    the M handlers takes 1/M), so the residual total is kept."""
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(200, 1)
+    sync = mt.GradientSync([("w", lin.weight), ("b", lin.bias)], op="1bit",
+                           find_unused_parameters=True, hierarchy="node")
+    g = torch.Generator().manual_seed(comm.rank)
+    lin(torch.randn(1, 200, generator=g)).sum().backward()
+    sync.wait()
+    before = sync.state_dict()
+    lin.zero_grad()
+    (lin.bias * 1.0).sum().backward()  # w unused on every rank
+    sync.wait()
+    after = sync.state_dict()
+    ok = lin.weight.grad is None and len(_hier_keys(sync)) > 0
+    tot = lambda s: comm.allreduce(float(s["w"]["worker"].astype(np.float64).sum()
+                                         + s["w"]["owner"].astype(np.float64).sum()))
+    ok &= abs(tot(before) - tot(after)) < 1e-4
+    assert_all(ok, f"{tot(before)} vs {tot(after)}")
+
+
+@pytest.mark.mpi
+def test_hierarchy_must_agree_and_be_known(comm):
+    model = make_model()
+    raises_everywhere(mpigc.ConfigError,
+                      lambda: mt.GradientSync(model, op="2bit", hierarchy="nodes"))
+    if comm.size > 1:
+        raises_everywhere(mpigc.MismatchError, lambda: mt.GradientSync(
+            model, op="2bit", hierarchy="node" if comm.rank == 0 else "flat"))

@@ -156,7 +156,7 @@ _SIM_RANKS = [int(k) for k in os.environ.get("MPIGC_TORCH_SIM_RANKS", "2 3").spl
 
 
 @pytest.mark.parametrize("ranks", _SIM_RANKS)
-@pytest.mark.parametrize("group", ["ops", "skip", "state", "hook"])
+@pytest.mark.parametrize("group", ["ops", "skip", "state", "hook", "hier"])
 def test_device_buckets_in_the_simulator(group, ranks):
     """``mpirun -n K python tests/mpi/test_torch_gpu_sim_mpi.py GROUP`` with
     ``NUMBA_ENABLE_CUDASIM=1`` (that file says what each group checks): device

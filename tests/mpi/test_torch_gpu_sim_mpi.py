@@ -34,6 +34,9 @@ This file has two uses (as ``tests/mpi/test_gpu_path_mpi.py``).
               device at its next step), the next step equals the host's.
    ``hook``   ``comm_hook`` with stand-ins for DDP's buckets: device (seam) and
               host give the same buckets, residuals and NaN rollback.
+   ``hier``   ``hierarchy="node"`` with ``MPIGC_NODE_SPLIT=2``: ``ops``'s 2bit
+              training with an unused layer, then ``skip``, device against host
+              buckets (the intra-node steps staged through the host window).
 
 Ranks agree on pass/fail before the script exits; rank 0 prints ``ok GROUP``.
 """
@@ -263,13 +266,13 @@ def group_ops(c):
             c.check(not md.spare.weight.grad.any(), f"{what}: unused parameter got a grad")
 
 
-def group_skip(c):
+def group_skip(c, **kw):
     last = c.comm.size - 1
     models, syncs, states = [], [], []
     for device in (False, True):
         model = make_model()
         sync = (_device_sync if device else mt.GradientSync)(model, op="2bit", threshold=0.05,
-                                                             bucket_mb=BUCKET_MB)
+                                                             bucket_mb=BUCKET_MB, **kw)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         st = []
         for step in range(3):
@@ -382,7 +385,24 @@ def group_hook(c):
                 for k in hooks[1].feedback.keys()), "hook residuals not on the device")
 
 
-GROUPS = {"ops": group_ops, "skip": group_skip, "state": group_state, "hook": group_hook}
+def group_hier(c):
+    """Hierarchical device buckets (emulated nodes of 2 ranks): the training,
+    the unused layer's fold-back and the NaN rollback of ``ops`` and ``skip``
+    with ``hierarchy="node"``, against host buckets."""
+    os.environ["MPIGC_NODE_SPLIT"] = "2"
+    kw = {"hierarchy": "node", "find_unused_parameters": True}
+    mh, sh, _ = _train(c, "2bit", 3, False, **kw)
+    md, sd, spy = _train(c, "2bit", 3, True, **kw)
+    c.same_model("hier", md, mh)
+    c.same_state("hier state", sd.state_dict(), sh.state_dict())
+    _check_device(c, "hier", sd)
+    c.check(any("@hier[" in k for k in sd.feedback.keys()), "hier: no slice residual")
+    c.check(spy.sides and all(spy.sides), "hier: the engine took a host backend")
+    group_skip(c, hierarchy="node")
+
+
+GROUPS = {"ops": group_ops, "skip": group_skip, "state": group_state, "hook": group_hook,
+          "hier": group_hier}
 
 
 def main(group):

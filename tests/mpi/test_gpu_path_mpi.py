@@ -178,18 +178,24 @@ def _same_state(c, what, fbh, fbd):
         c.check(sh[k]["calls"] == sd[k]["calls"], f"{what} {k}: calls differ")
 
 
-def _compare(c, cuda, kind, op, gather, dtype, n, steps, average=False):
+def _compare(c, cuda, kind, op, gather, dtype, n, steps, average=False, hierarchy="flat",
+             nonblocking=False, seed=0):
     """The same calls with host and device arrays; results and residuals
-    bit for bit."""
-    what = f"{kind} {op} {gather} {np.dtype(dtype).name} n={n}"
+    bit for bit. ``nonblocking``: the device and host calls in flight together."""
+    what = f"{kind} {op} {gather} {np.dtype(dtype).name} n={n} {hierarchy}"
     fbh, fbd = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
     for step in range(steps):
-        g = _grad(c.rank, n, dtype, step)
-        kw = dict(op=op, key="k", average=average)
+        g = _grad(c.rank, n, dtype, seed + step)
+        kw = dict(op=op, key="k", average=average, hierarchy=hierarchy)
         if kind == "allreduce":
             h, d = g.copy(), cuda.to_device(g)
-            rh = mpigc.allreduce(h, feedback=fbh, gather=gather, **kw)
-            rd = mpigc.allreduce(d, feedback=fbd, gather=gather, **kw)
+            if nonblocking:
+                rd = mpigc.iallreduce(d, feedback=fbd, gather=gather, **kw)
+                rh = mpigc.iallreduce(h, feedback=fbh, gather=gather, **kw)
+                rh, rd = rh.wait(), rd.wait()
+            else:
+                rh = mpigc.allreduce(h, feedback=fbh, gather=gather, **kw)
+                rd = mpigc.allreduce(d, feedback=fbd, gather=gather, **kw)
             c.check(rh is h and rd is d, f"{what}: allreduce must return buf")
             c.same(f"{what} step {step}", d.copy_to_host(), h)
         else:
@@ -202,11 +208,14 @@ def _compare(c, cuda, kind, op, gather, dtype, n, steps, average=False):
                 out = cuda.to_device(np.zeros(hi - lo, dtype))
                 # fresh stores: terngrad's streams follow the key's call count
                 got = mpigc.reduce_scatter(cuda.to_device(g), op=op, out=out, key="o",
-                                           feedback=mpigc.ErrorFeedback())
-                want = mpigc.reduce_scatter(g, op=op, key="o", feedback=mpigc.ErrorFeedback())
+                                           feedback=mpigc.ErrorFeedback(),
+                                           hierarchy=hierarchy)
+                want = mpigc.reduce_scatter(g, op=op, key="o", feedback=mpigc.ErrorFeedback(),
+                                            hierarchy=hierarchy)
                 c.check(got is out, f"{what}: out= not returned")
                 c.same(f"{what} out=", out.copy_to_host(), want)
     _same_state(c, what, fbh, fbd)
+    return fbh, fbd
 
 
 def _matrix(c, cuda, full):
@@ -403,31 +412,11 @@ def group_detect(c, cuda):
 
 
 def _compare_hier(c, cuda, kind, op, dtype, n, steps, average=False, nonblocking=False):
-    """Hierarchical calls with host and device arrays: bit for bit."""
+    """:func:`_compare` of hierarchical calls; their residuals on the device."""
     name = op if isinstance(op, str) else op["type"]
+    fbh, fbd = _compare(c, cuda, kind, op, "compressed", dtype, n, steps, average=average,
+                        hierarchy="node", nonblocking=nonblocking, seed=30)
     what = f"hier {kind} {name} {np.dtype(dtype).name} n={n}"
-    fbh, fbd = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
-    kw = dict(op=op, key="h", average=average, hierarchy="node")
-    for step in range(steps):
-        g = _grad(c.rank, n, dtype, 30 + step)
-        if kind == "allreduce":
-            h, d = g.copy(), cuda.to_device(g)
-            if nonblocking:  # device and host calls in flight together
-                rd = mpigc.iallreduce(d, feedback=fbd, **kw)
-                rh = mpigc.iallreduce(h, feedback=fbh, **kw)
-                rh.wait()
-                rd = rd.wait()
-            else:
-                rd = mpigc.allreduce(d, feedback=fbd, **kw)
-                mpigc.allreduce(h, feedback=fbh, **kw)
-            c.check(rd is d, f"{what}: allreduce must return buf")
-            c.same(f"{what} step {step}", d.copy_to_host(), h)
-        else:
-            rh = mpigc.reduce_scatter(g, feedback=fbh, **kw)
-            rd = mpigc.reduce_scatter(cuda.to_device(g), feedback=fbd, **kw)
-            c.check(mpigc._dispatch.is_device_array(rd), f"{what}: result not on device")
-            c.same(f"{what} step {step}", rd.copy_to_host(), rh)
-    _same_state(c, what, fbh, fbd)
     for k, e in fbd._entries.items():
         c.check(e.worker is None or mpigc._dispatch.is_device_array(e.worker),
                 f"{what}: residual {k} not on the device")
@@ -486,18 +475,18 @@ def group_hier(c, cuda):
     if r == N - 1:
         x[5] = np.nan
     d = cuda.to_device(x)
-    mpigc.allreduce(d, "2bit", key="h", feedback=fbd, hierarchy="node", nonfinite="skip")
+    mpigc.allreduce(d, "2bit", key="k", feedback=fbd, hierarchy="node", nonfinite="skip")
     c.check(np.isnan(d.copy_to_host()).all(), "hier skip: result not NaN")
     _raises_everywhere(c, "hier raise", mpigc.NonFiniteError, lambda: mpigc.allreduce(
-        cuda.to_device(x), "2bit", key="h", feedback=fbd, hierarchy="node"))
+        cuda.to_device(x), "2bit", key="k", feedback=fbd, hierarchy="node"))
     _same_state(c, "hier failed calls change nothing", fbh, fbd)
     # the saved state, loaded into a new store, continues on the device exactly
     fb2 = mpigc.ErrorFeedback()
     fb2.load_state_dict(fbd.state_dict())
     g = _grad(r, 64, np.float32, 51)
     d, h = cuda.to_device(g), g.copy()
-    mpigc.allreduce(d, "2bit", key="h", feedback=fb2, hierarchy="node")
-    mpigc.allreduce(h, "2bit", key="h", feedback=fbh, hierarchy="node")
+    mpigc.allreduce(d, "2bit", key="k", feedback=fb2, hierarchy="node")
+    mpigc.allreduce(h, "2bit", key="k", feedback=fbh, hierarchy="node")
     c.same("hier after load_state_dict", d.copy_to_host(), h)
     _same_state(c, "hier after load_state_dict", fbh, fb2)
     # a checkpoint of device residuals: saved from host copies, loaded onto the
@@ -516,8 +505,8 @@ def group_hier(c, cuda):
     _same_state(c, "hier checkpoint round trip", fbh, fb3)
     g = _grad(r, 64, np.float32, 52)
     d, h = cuda.to_device(g), g.copy()
-    mpigc.allreduce(d, "2bit", key="h", feedback=fb3, hierarchy="node")
-    mpigc.allreduce(h, "2bit", key="h", feedback=fbh, hierarchy="node")
+    mpigc.allreduce(d, "2bit", key="k", feedback=fb3, hierarchy="node")
+    mpigc.allreduce(h, "2bit", key="k", feedback=fbh, hierarchy="node")
     c.same("hier after load_checkpoint", d.copy_to_host(), h)
     c.check(all(e.worker is None or mpigc._dispatch.is_device_array(e.worker)
                 for e in fb3._entries.values()), "hier: loaded residuals not on the device")

@@ -42,6 +42,10 @@ def grads_of(model):
             if p.grad is not None}
 
 
+def _hier_keys(sync):
+    return [k for k in sync.feedback.keys() if mpigc._hierarchy.parse_slice_key(k)]
+
+
 def reference_sync(sync, model, op, fb, **kw):
     """What GradientSync must produce: each bucket built by hand in its
     documented layout, then the blocking mpigc.allreduce."""
@@ -56,10 +60,16 @@ def reference_sync(sync, model, op, fb, **kw):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("hierarchy", ["flat", "node"])
 @pytest.mark.parametrize("op", ["2bit", "1bit", "fp16", "bf16", "terngrad"])
-def test_gradients_equal_compressed_allreduce_reference(comm, op):
+def test_gradients_equal_compressed_allreduce_reference(comm, monkeypatch, op, hierarchy):
+    """Each bucket as the blocking mpigc.allreduce gives it; with
+    hierarchy="node" (emulated nodes of 2 ranks) the hierarchical one, its
+    residuals under the buckets' slice keys."""
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
     model, ref = make_model(), make_model()
-    sync = mt.GradientSync(model, op=op, bucket_mb=0.002)  # several buckets
+    sync = mt.GradientSync(model, op=op, bucket_mb=0.002,  # several buckets
+                           hierarchy=hierarchy)
     fb = mpigc.ErrorFeedback()
     ok = len(sync.buckets) >= 2  # agreed on below, no rank-local raise between collectives
     for step in range(3):  # residuals carry over between steps
@@ -68,11 +78,13 @@ def test_gradients_equal_compressed_allreduce_reference(comm, op):
         backward(model, comm.rank, step)
         backward(ref, comm.rank, step)
         sync.wait()
-        reference_sync(sync, ref, op, fb)
+        reference_sync(sync, ref, op, fb, hierarchy=hierarchy)
         got, want = grads_of(model), grads_of(ref)
         ok &= got.keys() == want.keys() and all(
             got[n].numpy().tobytes() == want[n].numpy().tobytes() for n in want)
-    assert_all(ok, f"{op}: synced gradients differ from the reference")
+    ok &= sorted(sync.feedback.keys()) == sorted(fb.keys())
+    ok &= hierarchy == "flat" or len(_hier_keys(sync)) == len(fb.keys()) > 0
+    assert_all(ok, f"{op} {hierarchy}: synced gradients differ from the reference")
 
 
 def _free_port():
@@ -202,12 +214,17 @@ def test_unused_and_frozen_parameters_as_ddp(comm, find_unused, view):
 
 
 @pytest.mark.mpi
-def test_globally_unused_parameter_keeps_its_residual(comm):
+@pytest.mark.parametrize("hierarchy", ["flat", "node"])
+def test_globally_unused_parameter_keeps_its_residual(comm, monkeypatch, hierarchy):
+    """What a parameter no rank used delivered goes back into its worker
+    residuals; hierarchically (emulated nodes of 2) into its slices', each of
+    a slice's M handlers taking 1/M of it."""
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
     torch.manual_seed(0)
     lin = torch.nn.Linear(200, 1)
     # 1bit: a residual alone still sends something (2bit would send nothing)
     sync = mt.GradientSync([("w", lin.weight), ("b", lin.bias)], op="1bit",
-                           find_unused_parameters=True)
+                           find_unused_parameters=True, hierarchy=hierarchy)
     g = torch.Generator().manual_seed(comm.rank)
     lin(torch.randn(1, 200, generator=g)).sum().backward()  # everything used
     sync.wait()
@@ -216,9 +233,10 @@ def test_globally_unused_parameter_keeps_its_residual(comm):
     (lin.bias * 1.0).sum().backward()  # w unused on every rank
     sync.wait()
     after = sync.state_dict()
-    ok = lin.weight.grad is None
+    ok = lin.weight.grad is None and (hierarchy == "flat") != bool(_hier_keys(sync))
     # w's residual total is kept (what it delivered went back into the residuals)
-    tot = lambda s: comm.allreduce(float(s["w"]["worker"].sum() / comm.size
+    per = comm.size if hierarchy == "flat" else 1
+    tot = lambda s: comm.allreduce(float(s["w"]["worker"].sum() / per
                                          + s["w"]["owner"].sum()))
     ok &= abs(tot(before) - tot(after)) < 1e-4
     assert_all(ok, f"{tot(before)} vs {tot(after)}")
@@ -583,16 +601,9 @@ def test_distributed_optimizer_is_an_optimizer_to_schedulers(comm):
     assert_all(ok, f"{type(opt).__mro__}")
 
 
-@pytest.mark.mpi
-def test_gradscaler_skips_nonfinite_steps_and_residuals_stay(comm):
-    """nonfinite default 'skip': the scaler sees the Inf, skips the step and
-    backs off; no residual changes, though only one bucket was non-finite."""
-    model = make_model()
-    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
-                                  op="2bit", bucket_mb=0.002, threshold=2.0 ** -6)
-    several = len(opt.sync.buckets) >= 2
-    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
-
+def _scaler_steps(opt, model, scaler, comm):
+    """``step(s, poison)``: one AMP step of ``model``; with ``poison``, an Inf
+    in the last bucket's gradient on the last rank."""
     def step(s, poison):
         opt.zero_grad()
         x, y = batch(comm.rank, s)
@@ -602,6 +613,19 @@ def test_gradscaler_skips_nonfinite_steps_and_residuals_stay(comm):
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
+    return step
+
+
+@pytest.mark.mpi
+def test_gradscaler_skips_nonfinite_steps_and_residuals_stay(comm):
+    """nonfinite default 'skip': the scaler sees the Inf, skips the step and
+    backs off; no residual changes, though only one bucket was non-finite."""
+    model = make_model()
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                  op="2bit", bucket_mb=0.002, threshold=2.0 ** -6)
+    several = len(opt.sync.buckets) >= 2
+    scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
+    step = _scaler_steps(opt, model, scaler, comm)
 
     step(0, False)
     state, before = opt.sync.state_dict(), _params(model)
@@ -850,34 +874,6 @@ def test_comm_hook_takes_residuals_over_when_a_later_bucket_changes(comm):
 
 
 # -- hierarchical buckets (hierarchy="node", emulated nodes of 2 ranks) -----------
-def _hier_keys(sync):
-    return [k for k in sync.feedback.keys() if mpigc._hierarchy.parse_slice_key(k)]
-
-
-@pytest.mark.mpi
-@pytest.mark.parametrize("op", ["2bit", "1bit"])
-def test_hierarchical_gradients_equal_reference(comm, monkeypatch, op):
-    """GradientSync(hierarchy="node"): each bucket as the blocking hierarchical
-    mpigc.allreduce gives it, bit for bit, with residuals carried over."""
-    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
-    model, ref = make_model(), make_model()
-    sync = mt.GradientSync(model, op=op, bucket_mb=0.002, hierarchy="node")
-    fb = mpigc.ErrorFeedback()
-    ok = len(sync.buckets) >= 2
-    for step in range(3):
-        model.zero_grad()
-        ref.zero_grad()
-        backward(model, comm.rank, step)
-        backward(ref, comm.rank, step)
-        sync.wait()
-        reference_sync(sync, ref, op, fb, hierarchy="node")
-        got, want = grads_of(model), grads_of(ref)
-        ok &= got.keys() == want.keys() and all(
-            got[n].numpy().tobytes() == want[n].numpy().tobytes() for n in want)
-    ok &= sorted(_hier_keys(sync)) == sorted(fb.keys()) and len(fb.keys()) > 0
-    assert_all(ok, f"{op}: hierarchical buckets differ from the reference")
-
-
 @pytest.mark.mpi
 def test_hierarchical_skip_restores_every_slice_residual(comm, monkeypatch):
     """nonfinite='skip' with hierarchical buckets: one bucket non-finite, the
@@ -889,16 +885,7 @@ def test_hierarchical_skip_restores_every_slice_residual(comm, monkeypatch):
                                   op="2bit", bucket_mb=0.002, threshold=2.0 ** -6,
                                   hierarchy="node")
     scaler = torch.amp.GradScaler("cpu", init_scale=65536.0)
-
-    def step(s, poison):
-        opt.zero_grad()
-        x, y = batch(comm.rank, s)
-        loss = ((model(x) - y) ** 2).mean()
-        if poison and comm.rank == comm.size - 1:
-            loss = loss + (model[4].bias * float("inf")).sum()  # one bucket only
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
+    step = _scaler_steps(opt, model, scaler, comm)
 
     step(0, False)
     raw = {k: e.worker.copy() for k, e in opt.sync.feedback._entries.items()}
@@ -950,31 +937,6 @@ def test_hierarchical_state_dict_resumes_and_moves_between_layouts(comm, monkeyp
         ok &= np.allclose(tw, ta, rtol=1e-6, atol=1e-6)
         ok &= np.array_equal(state[n]["owner"], again[n]["owner"])
     assert_all(ok)
-
-
-@pytest.mark.mpi
-def test_hierarchical_unused_parameter_keeps_its_residual(comm, monkeypatch):
-    """find_unused_parameters with hierarchical buckets: what a parameter no
-    rank used delivered goes back into its slices' worker residuals (each of
-    the M handlers takes 1/M), so the residual total is kept."""
-    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
-    torch.manual_seed(0)
-    lin = torch.nn.Linear(200, 1)
-    sync = mt.GradientSync([("w", lin.weight), ("b", lin.bias)], op="1bit",
-                           find_unused_parameters=True, hierarchy="node")
-    g = torch.Generator().manual_seed(comm.rank)
-    lin(torch.randn(1, 200, generator=g)).sum().backward()
-    sync.wait()
-    before = sync.state_dict()
-    lin.zero_grad()
-    (lin.bias * 1.0).sum().backward()  # w unused on every rank
-    sync.wait()
-    after = sync.state_dict()
-    ok = lin.weight.grad is None and len(_hier_keys(sync)) > 0
-    tot = lambda s: comm.allreduce(float(s["w"]["worker"].astype(np.float64).sum()
-                                         + s["w"]["owner"].astype(np.float64).sum()))
-    ok &= abs(tot(before) - tot(after)) < 1e-4
-    assert_all(ok, f"{tot(before)} vs {tot(after)}")
 
 
 @pytest.mark.mpi

@@ -7,7 +7,9 @@ compressor (``none``, ``fp16``, ``bf16``, ``2bit`` in both modes, ``1bit``,
 ``terngrad`` without clip), float32 / float64 / float16, both gathers, with
 averaging: three steps of ``allreduce`` and of ``reduce_scatter`` on device
 arrays give the results and residuals of the same calls on host arrays (the
-comparison of ``tests/mpi/test_gpu_path_mpi.py``, at GPU sizes). Ranks agree
+comparison of ``tests/mpi/test_gpu_path_mpi.py``, at GPU sizes); then
+hierarchical calls (``hierarchy="node"``, ``MPIGC_NODE_SPLIT=2``) of 2bit and
+1bit, blocking and nonblocking, the same way. Ranks agree
 on pass/fail; rank 0 writes a JSON summary to JSON_FILE and prints
 ``ok e2e`` or every rank's failures.
 
@@ -65,6 +67,20 @@ def main(path):
                     cases += 1
                 _compare(c, cuda, "reduce_scatter", op, "compressed", dtype, N, STEPS)
                 cases += 1
+        # hierarchical calls (emulated nodes of 2 ranks: 1x2 at 2 ranks, 2x2 at 4):
+        # the intra-node steps staged through the host window, the inter-node
+        # calls on the GPU
+        os.environ["MPIGC_NODE_SPLIT"] = "2"
+        for op in ("2bit", "1bit"):
+            for dtype in (np.float32, np.float16):
+                _compare(c, cuda, "allreduce", op, "compressed", dtype, N, STEPS,
+                         average=True, hierarchy="node")
+                _compare(c, cuda, "allreduce", op, "compressed", dtype, N, STEPS,
+                         hierarchy="node", nonblocking=True, seed=7)
+                cases += 2
+            _compare(c, cuda, "reduce_scatter", op, "compressed", np.float32, N, STEPS,
+                     hierarchy="node")
+            cases += 1
     except Exception:  # noqa: BLE001 - reported with the others
         aware = None
         c.failures.append(traceback.format_exc())

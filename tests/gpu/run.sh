@@ -9,8 +9,9 @@
 #      numba-cuda; that folder goes first on PYTHONPATH;
 #   2. python -m pytest tests/gpu (one process);
 #   3. tests/gpu/e2e_mpi.py under mpirun at 2 and 4 ranks sharing the GPU, staged
-#      (MPIGC_CUDA_AWARE=0) and as the MPI library is probed: every op, results
-#      and residuals bit-identical to host calls;
+#      (MPIGC_CUDA_AWARE=0) and as the MPI library is probed: every op, then
+#      hierarchical 2bit and 1bit calls (MPIGC_NODE_SPLIT=2), results and
+#      residuals bit-identical to host calls;
 #   4. benchmarks/gpu_bench.py;
 #   5. a torch training step (benchmarks/bench_torch_step.py --device cuda, 2 ranks
 #      sharing the GPU): GradientSync with device buckets (none, 2bit, 1bit) vs the

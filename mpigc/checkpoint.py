@@ -300,10 +300,39 @@ def _meta_crc(meta):
     return zlib.crc32(json.dumps(m, sort_keys=True, separators=(",", ":")).encode())
 
 
-def _hier_to_flat(c, lay, hier, size, rank):
+def _hier_rows(c, hier):
+    """``{(key, L, n): (dtype name, config json, calls)}`` of every
+    hierarchical key held by any rank (collective), and ``hier`` completed
+    with an empty ``{}`` for those this rank holds no slice of (a buffer of
+    fewer elements than slices leaves some ranks without one). Raises on
+    every rank where the ranks that hold a key disagree on it, or where a key
+    has residuals of several layouts."""
+    mine = {}
+    for (b, L, n), ents in hier.items():
+        e = ents[min(ents)]
+        mine[(b, L, n)] = (e.dtype.name, json.dumps(e.config, sort_keys=True), int(e.calls))
+    rows, exc = {}, None
+    for r, theirs in enumerate(c.allgather(mine)):
+        for k, v in theirs.items():
+            if rows.setdefault(k, v) != v and exc is None:
+                exc = MismatchError(f"save_checkpoint: ranks disagree on the hierarchical "
+                                    f"residuals of key {k[0]!r} (rank {r}: {v}, another: "
+                                    f"{rows[k]})")
+    bases = [b for b, _, _ in rows]
+    if exc is None and len(set(bases)) < len(bases):
+        exc = StateError(f"keys {sorted({b for b in bases if bases.count(b) > 1})} hold "
+                         "hierarchical residuals of several layouts (nodes or sizes) "
+                         "across the ranks; reset() the stale ones")
+    _agree(c, exc, "save_checkpoint")
+    for k in rows:
+        hier.setdefault(k, {})
+    return rows
+
+
+def _hier_to_flat(c, lay, hier, rows, size, rank):
     """``{key@hier: _Entry}``: each hierarchical key's residuals of this rank
-    in the flat layout of the communicator (collective; see
-    ``mpigc._hierarchy.to_flat_form``)."""
+    in the flat layout of the communicator (collective; ``hier`` and ``rows``
+    from :func:`_hier_rows`; see ``mpigc._hierarchy.to_flat_form``)."""
     flags = []
     for (b, L, n), ents in sorted(hier.items()):
         flags.append([int(any(e.worker is not None for e in ents.values())),
@@ -321,12 +350,12 @@ def _hier_to_flat(c, lay, hier, size, rank):
     c.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
     out = {}
     for i, ((b, L, n), ents) in enumerate(sorted(hier.items())):
-        e0 = ents[min(ents)]
+        dtype, config, calls = rows[(b, L, n)]
         slices = {s: (e.worker, e.owner) for s, e in ents.items()}
-        w, o = _hierarchy.to_flat_form(lay, slices, n, e0.dtype, bool(flags[i, 0]),
+        w, o = _hierarchy.to_flat_form(lay, slices, n, np.dtype(dtype), bool(flags[i, 0]),
                                        bool(flags[i, 1]))
-        e = _Entry(n, e0.dtype, size, rank, dict(e0.config))
-        e.calls, e.worker, e.owner = e0.calls, w, o
+        e = _Entry(n, dtype, size, rank, json.loads(config))
+        e.calls, e.worker, e.owner = calls, w, o
         out[b + HIER_SUFFIX] = e
     return out
 
@@ -444,16 +473,15 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None):
             if bases.count(b) > 1 or b + HIER_SUFFIX in held:
                 raise StateError(f"key {b!r} holds hierarchical residuals of several layouts "
                                  f"(nodes or sizes); reset({b!r}) the stale ones")
-        for (b, L, n), ents in sorted(hier.items()):
-            e = ents[min(ents)]
-            rows.append((b + HIER_SUFFIX, n, e.dtype.name,
-                         json.dumps(e.config, sort_keys=True), int(e.calls)))
     except Exception as e:  # noqa: BLE001 - raised collectively
         exc = e
     token, datadir, committed = None, None, False
     extra = {}
     try:
         _agree(c, exc, "save_checkpoint")
+        hrows = _hier_rows(c, hier)
+        for (b, L, n), (dtype, config, calls) in sorted(hrows.items()):
+            rows.append((b + HIER_SUFFIX, n, dtype, config, calls))
         digests = c.allgather((_digest(rows), len(rows)))
         if any(d != digests[0] for d in digests):
             detail = ", ".join(f"rank {r}: {n} key(s), crc {d:08x}"
@@ -464,7 +492,7 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None):
             # every rank has the same rows: the hierarchical residuals go to the
             # flat layout (collective), with the node layout recorded
             lay = _hierarchy.layout(comm)
-            held.update(_hier_to_flat(c, lay, hier, size, rank))
+            held.update(_hier_to_flat(c, lay, hier, hrows, size, rank))
             extra["hierarchy"] = json.dumps(lay.describe(), sort_keys=True)
         # rank 0 makes the directory for this save's data
         exc = None

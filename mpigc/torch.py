@@ -210,32 +210,19 @@ def _restore(fb, key, snap):
     e.calls = calls
 
 
-def _bucket_keys(fb, key):
-    """``key`` and its hierarchical slice keys (``key@hier[...]``) held by ``fb``."""
-    out = []
-    for k in list(fb._entries):
-        if k == key:
-            out.append(k)
-        else:
-            sk = _hierarchy.parse_slice_key(k)
-            if sk is not None and sk[0] == key:
-                out.append(k)
-    return out
-
-
-def _snapshot_bucket(fb, key, reuse=None):
-    """:func:`_snapshot` of every key of a bucket (its own, or its slice keys
-    when its calls are hierarchical): ``{key: snapshot}``; ``reuse``: an
-    older such dict whose arrays are written over."""
+def _snapshot_keys(fb, keys, reuse=None):
+    """:func:`_snapshot` of each of ``keys`` (a bucket's residual keys):
+    ``{key: snapshot}``; ``reuse``: an older such dict whose arrays are
+    written over."""
     reuse = reuse or {}
-    return {k: _snapshot(fb, k, reuse.get(k)) for k in _bucket_keys(fb, key)}
+    return {k: _snapshot(fb, k, reuse.get(k)) for k in keys}
 
 
-def _restore_bucket(fb, key, snaps):
-    """Put back :func:`_snapshot_bucket`'s ``snaps``: keys the step created are
-    forgotten."""
-    for k in _bucket_keys(fb, key):
-        _restore(fb, k, snaps.get(k))
+def _restore_keys(fb, snaps):
+    """Put back :func:`_snapshot_keys`'s ``snaps`` (keys without residuals
+    then are forgotten)."""
+    for k, snap in snaps.items():
+        _restore(fb, k, snap)
 
 
 class _Layout:
@@ -839,8 +826,9 @@ class GradientSync:
         if b.tensor.is_cuda:
             _engine_after_torch(b.tensor.device)  # zeros and fold-backs of wait()
         if self._keep_snapshots:
-            self._snapshots[b.key] = _snapshot_bucket(self.feedback, b.key,
-                                                      self._spare_snapshots.pop(b.key, None))
+            self._snapshots[b.key] = _snapshot_keys(
+                self.feedback, [k for _, k in self._residual_keys(b)],
+                self._spare_snapshots.pop(b.key, None))
         b.started_at = time.perf_counter()
         b.request = iallreduce(b.flat, op=self.compressor, comm=self.comm, key=b.key,
                                average=self.average, gather=self.gather,
@@ -964,11 +952,9 @@ class GradientSync:
             self.nonfinite_steps += 1
             for b, bad in zip(self.buckets, nan):
                 if b.key in snapshots and not bad:
-                    _restore_bucket(self.feedback, b.key, snapshots[b.key])
+                    _restore_keys(self.feedback, snapshots[b.key])
         # the snapshots' arrays serve the next step's snapshots
-        self._spare_snapshots.update(
-            (k, {kk: vv for kk, vv in v.items() if vv is not None})
-            for k, v in snapshots.items())
+        self._spare_snapshots.update(snapshots)
         with torch.no_grad():
             for i, p in enumerate(self._params):
                 b, off, m = self._where[i]
@@ -1051,6 +1037,16 @@ class GradientSync:
         worker = _as_tensor(entry.worker, b.tensor)[off:off + m]  # a view, either side
         worker += delivered if self.average else delivered / self.size
 
+    def _residual_keys(self, b):
+        """``[(slice, key)]``: the residual keys of bucket ``b``'s calls on
+        this rank: its own (slice None), or those of the slices it handles
+        when its calls are hierarchical (``mpigc._hierarchy``)."""
+        if not self._hier:
+            return [(None, b.key)]
+        lay = self._lay
+        return [(sl, _hierarchy.slice_key(b.key, sl, lay.L, b.n))
+                for sl in lay.slices_of(lay.rank)]
+
     def _fold_back_hier(self, b, off, m):
         """:meth:`_fold_back` for hierarchical buckets: a slice's worker
         residuals are held by its M handlers (one per node), so each takes
@@ -1058,8 +1054,8 @@ class GradientSync:
         lay = self._lay
         total = self.size if self.average else 1  # delivered = total sum / this
         sb = shard_bounds(b.n, lay.L)
-        for sl in lay.slices_of(lay.rank):
-            e = self.feedback._entries.get(_hierarchy.slice_key(b.key, sl, lay.L, b.n))
+        for sl, key in self._residual_keys(b):
+            e = self.feedback._entries.get(key)
             slo, shi = sb[sl]
             lo, hi = max(off, slo), min(off + m, shi)
             if e is None or e.worker is None or hi <= lo:
@@ -1097,37 +1093,24 @@ class GradientSync:
 
     def _hier_to_flat(self, fbs):
         """``fbs`` with each bucket's hierarchical residuals (slice keys) in
-        the flat layout under the bucket's key (collective; see
-        ``mpigc._hierarchy.to_flat_form``). Driven by the buckets, the same on
-        every rank: a rank that holds no slice of a bucket (fewer elements
-        than slices) takes the bucket's settings from a rank that does."""
-        lay = self._lay
-        mine, desc = {}, {}
-        for b in self.buckets:
-            ents = {}
-            for sl in lay.slices_of(lay.rank):
-                st = fbs.get(_hierarchy.slice_key(b.key, sl, lay.L, b.n))
-                if st is not None:
-                    ents[sl] = st
-            mine[b.key] = ents
-            if ents:
-                st = ents[min(ents)]
-                desc[b.key] = (st["config"], int(st["calls"]), str(st["dtype"]),
-                               any(e["worker"] is not None for e in ents.values()),
-                               any(e["owner"] is not None for e in ents.values()))
-        every = self._comm.allgather(desc)
+        the flat layout under the bucket's key (collective), as
+        :func:`mpigc.save_checkpoint` converts them."""
+        from . import checkpoint
+        lay, tmp = self._lay, ErrorFeedback()
+        tmp.load_state_dict(fbs)
+        hier = {}
+        for k, e in tmp._entries.items():
+            sk = _hierarchy.parse_slice_key(k)
+            if sk is not None:
+                hier.setdefault((sk[0], sk[2], sk[3]), {})[sk[1]] = e
+        rows = checkpoint._hier_rows(self._comm, hier)
         out = dict(fbs)
-        for b in self.buckets:
-            have = [d[b.key] for d in every if b.key in d]
-            if not have:
-                continue
-            config, calls, dtype = have[0][:3]
-            has_w, has_o = any(h[3] for h in have), any(h[4] for h in have)
-            slices = {sl: (st["worker"], st["owner"]) for sl, st in mine[b.key].items()}
-            w, o = _hierarchy.to_flat_form(lay, slices, b.n, np.dtype(dtype), has_w, has_o)
-            out[b.key] = {"worker": w, "owner": o, "config": dict(config), "calls": calls,
-                          "world_size": self.size, "rank": self.rank, "n": b.n,
-                          "dtype": dtype}
+        for k, e in checkpoint._hier_to_flat(self._comm, lay, hier, rows, self.size,
+                                             self.rank).items():
+            out[k[:-len(checkpoint.HIER_SUFFIX)]] = {
+                "worker": e.worker, "owner": e.owner, "config": e.config, "calls": e.calls,
+                "world_size": self.size, "rank": self.rank, "n": e.n,
+                "dtype": e.dtype.name}
         return out
 
     def load_state_dict(self, state, strict=True):

@@ -180,6 +180,82 @@ def _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype, r
             os.environ.get("MPIGC_NONFINITE"), os.environ.get("MPIGC_MIN_COMPRESS_BYTES"))
 
 
+def adopt_input(kind, buf, cs):
+    """The checks every call (flat or hierarchical) makes of its buffer:
+    ``(backend, array, dtype)``, the array as the backend sees it (dtype and
+    shape come from it, never from ``buf``: a torch tensor's dtype is a torch
+    dtype); raises DTypeError or InvalidBufferError."""
+    be = _dispatch.backend(buf)
+    dbuf = be.adopt(buf, kind, cs)
+    dtype = np.dtype(dbuf.dtype)
+    if dtype not in SUPPORTED_DTYPES or not dtype.isnative:
+        raise DTypeError(f"{kind}: expected float16, float32 or float64 "
+                         f"(native byte order), got {dtype}")
+    if dbuf.size == 0:
+        raise InvalidBufferError(f"{kind}: expected a non-empty array, got shape "
+                                 f"{tuple(dbuf.shape)}")
+    if not be.is_c_contiguous(buf, dbuf):
+        raise InvalidBufferError(f"{kind}: expected a C-contiguous array; pass "
+                                 "a contiguous copy and copy the result back")
+    if kind == "allreduce" and not be.is_writable(buf):
+        raise InvalidBufferError("allreduce: expected a writable array (it reduces in "
+                                 "place), got a read-only one")
+    return be, dbuf, dtype
+
+
+def settings_for(kind, dtype, size, op, params, key, average, gather, nonfinite, n,
+                 recvcounts):
+    """A call's settings, validated (raises ConfigError or InvalidBufferError),
+    and their fingerprint: ``(comp, average, gather, nonfinite, bounds, key,
+    plain, settings, fingerprint)``; cached per :func:`_settings_key`."""
+    ck = _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype,
+                       recvcounts, size)
+    hit = None if ck is None else _settings_cache.get(ck)
+    if hit is None:
+        hit = _validate_settings(kind, dtype, size, op, params, key, average, gather,
+                                 nonfinite, n, recvcounts)
+        if ck is not None:
+            if len(_settings_cache) >= _SETTINGS_CACHE_MAX:
+                _settings_cache.clear()
+            _settings_cache[ck] = hit
+    return hit
+
+
+def _validate_settings(kind, dtype, size, op, params, key, average, gather, nonfinite, n,
+                       recvcounts):
+    comp = get_compressor(op, **params)
+    if gather not in GATHER_MODES:
+        raise ConfigError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
+    if nonfinite is None:
+        nonfinite = default_nonfinite()
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ConfigError(f"nonfinite must be one of {NONFINITE_POLICIES}, got "
+                          f"{nonfinite!r}")
+    if key is not None and not isinstance(key, (str, int)):
+        raise ConfigError(f"key must be a str or int, got {type(key).__name__}")
+    average = bool(average)
+    if recvcounts is None:
+        bounds = shard_bounds(n, size)
+    else:
+        counts = [int(c) for c in recvcounts]
+        if len(counts) != size or min(counts) < 0 or sum(counts) != n:
+            raise InvalidBufferError(
+                f"recvcounts: expected {size} non-negative counts summing to {n}, "
+                f"got {list(recvcounts)}")
+        starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        bounds = list(zip(starts[:-1], starts[1:]))
+    key = (f"auto/{n}/{dtype.name}" if key is None else str(key))
+    # small buffers: plain MPI sum (see min_compress_bytes)
+    fallback = comp.codec_id != "none" and n * dtype.itemsize < min_compress_bytes()
+    plain = comp.codec_id == "none" or fallback
+    settings = {"kind": kind, "comp": comp.get_config(), "key": key,
+                "average": average, "gather": gather, "nonfinite": nonfinite,
+                "bounds": None if recvcounts is None else bounds,
+                "fallback": fallback}
+    fp = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
+    return comp, average, gather, nonfinite, bounds, key, plain, settings, fp
+
+
 class Request:
     """A pending compressed collective (from ``iallreduce`` and friends).
 
@@ -510,22 +586,9 @@ class _Op(PendingCall):
     # -- 1. prepare ----------------------------------------------------------
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
                  recvcounts, out, row):
-        self.be = be = _dispatch.backend(buf)
-        self.dev = dev = be.device
-        dbuf = be.adopt(buf, self.kind, self.cs)  # dtype, shape: from dbuf, never buf
-        dtype = np.dtype(dbuf.dtype)
-        if dtype not in SUPPORTED_DTYPES or not dtype.isnative:
-            raise DTypeError(f"{self.kind}: expected float16, float32 or float64 "
-                             f"(native byte order), got {dtype}")
-        if dbuf.size == 0:
-            raise InvalidBufferError(f"{self.kind}: expected a non-empty array, got shape "
-                                     f"{tuple(dbuf.shape)}")
-        if not be.is_c_contiguous(buf, dbuf):
-            raise InvalidBufferError(f"{self.kind}: expected a C-contiguous array; pass "
-                                     "a contiguous copy and copy the result back")
-        if self.kind == "allreduce" and not be.is_writable(buf):
-            raise InvalidBufferError("allreduce: expected a writable array (it reduces in "
-                                     "place), got a read-only one")
+        be, dbuf, dtype = adopt_input(self.kind, buf, self.cs)
+        self.be, self.dev = be, be.device
+        dev = be.device
         self.buf = buf
         self.flat = dbuf.reshape(dbuf.size)
         self.n = n = self.flat.size
@@ -534,16 +597,8 @@ class _Op(PendingCall):
         row[_N] = n
         row[_DTYPE] = _DTYPE_CODE[dtype]
 
-        ck = _settings_key(self.kind, op, params, key, average, gather, nonfinite, n,
-                           dtype, recvcounts, self.size)
-        hit = None if ck is None else _settings_cache.get(ck)
-        if hit is None:
-            hit = self._validate_settings(op, params, key, average, gather, nonfinite, n,
-                                          recvcounts)
-            if ck is not None:
-                if len(_settings_cache) >= _SETTINGS_CACHE_MAX:
-                    _settings_cache.clear()
-                _settings_cache[ck] = hit
+        hit = settings_for(self.kind, dtype, self.size, op, params, key, average, gather,
+                           nonfinite, n, recvcounts)
         (self.comp, self.average, self.gather, self.nonfinite, self.bounds, self.key,
          self.plain, self.settings, row[_FP]) = hit
         comp, nonfinite = self.comp, self.nonfinite
@@ -615,42 +670,6 @@ class _Op(PendingCall):
             for c in range(nc):
                 plan[c][j] = (lo + cuts[c], lo + cuts[c + 1])
         return plan
-
-    def _validate_settings(self, op, params, key, average, gather, nonfinite, n,
-                           recvcounts):
-        """The call's settings, validated, and their fingerprint (cached per
-        :func:`_settings_key` by ``_prepare``)."""
-        comp = get_compressor(op, **params)
-        if gather not in GATHER_MODES:
-            raise ConfigError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
-        if nonfinite is None:
-            nonfinite = default_nonfinite()
-        if nonfinite not in NONFINITE_POLICIES:
-            raise ConfigError(f"nonfinite must be one of {NONFINITE_POLICIES}, got "
-                              f"{nonfinite!r}")
-        if key is not None and not isinstance(key, (str, int)):
-            raise ConfigError(f"key must be a str or int, got {type(key).__name__}")
-        average = bool(average)
-        if recvcounts is None:
-            bounds = shard_bounds(n, self.size)
-        else:
-            counts = [int(c) for c in recvcounts]
-            if len(counts) != self.size or min(counts) < 0 or sum(counts) != n:
-                raise InvalidBufferError(
-                    f"recvcounts: expected {self.size} non-negative counts summing to {n}, "
-                    f"got {list(recvcounts)}")
-            starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
-            bounds = list(zip(starts[:-1], starts[1:]))
-        key = (f"auto/{n}/{self.dtype.name}" if key is None else str(key))
-        # small buffers: plain MPI sum (see min_compress_bytes)
-        fallback = comp.codec_id != "none" and n * self.dtype.itemsize < min_compress_bytes()
-        plain = comp.codec_id == "none" or fallback
-        settings = {"kind": self.kind, "comp": comp.get_config(), "key": key,
-                    "average": average, "gather": gather, "nonfinite": nonfinite,
-                    "bounds": None if recvcounts is None else bounds,
-                    "fallback": fallback}
-        fp = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
-        return comp, average, gather, nonfinite, bounds, key, plain, settings, fp
 
     def _check_out(self, out, n):
         """reduce_scatter's ``out``: on the side of ``buf`` (host or device)."""

@@ -83,9 +83,9 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _collective, _comm, _cuda, _dispatch
-from ._errors import (CODES, ConfigError, DTypeError, InvalidBufferError, MismatchError,
-                      MpigcError, NonFiniteError, code_of)
-from .compressors import SUPPORTED_DTYPES, get_compressor, work_dtype
+from ._errors import (CODES, ConfigError, DTypeError, MismatchError, MpigcError,
+                      NonFiniteError, code_of)
+from .compressors import work_dtype
 from .feedback import get_default_feedback, shard_bounds
 
 __all__ = ["HIERARCHY_MODES", "Layout", "layout", "start", "slice_key", "parse_slice_key"]
@@ -374,10 +374,12 @@ class _HierCall(_collective.PendingCall):
         self.waiting = None  # what the steps wait for
         self.running = False  # a step is under way (no re-entry from a nested wait)
         self.steps = None
-        # device arrays: the backend (its device_id is made current by the
-        # progress thread), the caller's buffer as a flat Numba device array,
-        # and the pinned host buffer that holds its values while the call runs
+        # the buffer's backend (a device one's device_id is made current by the
+        # progress thread); for device arrays, the caller's buffer as a flat
+        # Numba device array and the pinned host buffer that holds its values
+        # while the call runs
         self.be = self.dflat = self.staging = None
+        self.dev = False
 
     # -- the engine's protocol (PendingCall) -------------------------------------------
     def _settle(self):
@@ -516,92 +518,32 @@ class _HierCall(_collective.PendingCall):
                 self.progress(block=True)  # to the _PAUSE after the growth
 
     def _prepare(self, row):
-        kind, buf = self.kind, self.buf
-        if _dispatch.is_device_array(buf):
-            # the engine's device backend: raises where there are no CUDA
-            # kernels (reported on every rank, like any bad input)
-            self.be = _dispatch.backend(buf)
-            a = self.be.adopt(buf, kind, _comm.resolve(self.lay.comm))
-            contiguous = self.be.is_c_contiguous(buf, a)
-            writable = self.be.is_writable(buf)
-        elif isinstance(buf, np.ndarray):
-            a = buf
-            contiguous, writable = bool(buf.flags.c_contiguous), bool(buf.flags.writeable)
-        else:
-            raise DTypeError(f"{kind}: expected a numpy array or a CUDA device array, got "
-                             f"{type(buf).__name__}")
-        dtype = np.dtype(a.dtype)
-        if dtype not in SUPPORTED_DTYPES or not dtype.isnative:
-            raise DTypeError(f"{kind}: expected float16, float32 or float64 (native byte "
-                             f"order), got {dtype}")
-        if a.size == 0:
-            raise InvalidBufferError(f"{kind}: expected a non-empty array, got shape "
-                                     f"{tuple(a.shape)}")
-        if not contiguous:
-            raise InvalidBufferError(f"{kind}: expected a C-contiguous array; pass a "
-                                     "contiguous copy and copy the result back")
-        if kind == "allreduce" and not writable:
-            raise InvalidBufferError("allreduce: expected a writable array (it reduces in "
-                                     "place), got a read-only one")
+        kind = self.kind
+        # the checks and settings of a flat call (raise DTypeError where there
+        # are no CUDA kernels for a device array: reported on every rank)
+        self.be, a, dtype = _collective.adopt_input(kind, self.buf,
+                                                    _comm.resolve(self.lay.comm))
+        self.dev = self.be.device
         self.flat = a.reshape(a.size)  # the device array itself until _stage()
         self.n = n = a.size
         self.dtype = dtype
         self.wd = np.dtype(work_dtype(dtype))
         row[_N] = n
         row[_DTYPE] = _DTYPE_CODE[dtype]
-        self.comp = comp = get_compressor(self.op, **self.params)
-        if self.gather not in _collective.GATHER_MODES:
-            raise ConfigError(f"gather must be one of {_collective.GATHER_MODES}, got "
-                              f"{self.gather!r}")
-        nonfinite = self.nonfinite
-        if nonfinite is None:
-            nonfinite = _collective.default_nonfinite()
-        if nonfinite not in _collective.NONFINITE_POLICIES:
-            raise ConfigError(f"nonfinite must be one of {_collective.NONFINITE_POLICIES}, "
-                              f"got {nonfinite!r}")
-        self.nonfinite = nonfinite
-        key = self.key
-        if key is not None and not isinstance(key, (str, int)):
-            raise ConfigError(f"key must be a str or int, got {type(key).__name__}")
-        self.key = f"auto/{n}/{dtype.name}" if key is None else str(key)
-        W = self.lay.size
-        if self.recvcounts is None:
-            self.bounds = shard_bounds(n, W)
-        else:
-            counts = [int(c) for c in self.recvcounts]
-            if len(counts) != W or min(counts) < 0 or sum(counts) != n:
-                raise InvalidBufferError(
-                    f"recvcounts: expected {W} non-negative counts summing to {n}, got "
-                    f"{list(self.recvcounts)}")
-            starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
-            self.bounds = list(zip(starts[:-1], starts[1:]))
+        (self.comp, self.average, self.gather, self.nonfinite, self.bounds, self.key,
+         self.plain, flat_settings, _) = _collective.settings_for(
+            kind, dtype, self.lay.size, self.op, self.params, self.key, self.average,
+            self.gather, self.nonfinite, n, self.recvcounts)
         lo, hi = self.bounds[self.lay.rank]
         self.dout = None
-        if self.out is not None and self.be is not None:
+        if self.out is not None:
             self.dout = self.be.adopt_out(self.out, hi - lo, dtype)  # or raises
-        elif self.out is not None:
-            o = self.out
-            if _dispatch.is_device_array(o):
-                raise InvalidBufferError(
-                    "out: expected a numpy array like buf, got a CUDA device array: host "
-                    "and device arrays cannot be mixed in one call")
-            if (not isinstance(o, np.ndarray) or o.dtype != dtype or o.size != hi - lo
-                    or not o.flags.c_contiguous or not o.flags.writeable):
-                raise InvalidBufferError(f"out: expected a writable contiguous numpy array "
-                                         f"of {hi - lo} {dtype} values")
         self.fb = None
         if self.feedback is not False:
             self.fb = get_default_feedback() if self.feedback is None else self.feedback
-        self.plain = comp.codec_id == "none" or \
-            self.flat.nbytes < _collective.min_compress_bytes()
-        settings = {"kind": kind, "comp": comp.get_config(), "key": self.key,
-                    "average": bool(self.average), "gather": self.gather,
-                    "nonfinite": nonfinite,
-                    "bounds": None if self.recvcounts is None else self.bounds,
-                    "layout": self.lay.describe(), "plain": self.plain}
-        self.settings = settings
+        self.settings = settings = dict(flat_settings, layout=self.lay.describe())
         row[_FP] = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
-        if self.be is not None and not self.plain:
+        if self.dev and not self.plain:
             self._stage()
         # no pass over the input for non-finite values: a non-finite input makes
         # its node's sum non-finite (NaN and inf propagate through the sum), which
@@ -708,7 +650,7 @@ class _HierCall(_collective.PendingCall):
             sk = slice_key(self.key, s, lay.L, n)
             saved.append(self._snapshot(sk))
             fill = None if self.alone else node_sum_fill(lay, segs, self.flat, n, wd, slo)
-            if self.be is not None:
+            if self.dev:
                 # a device call: the node's sums now, to the device, where the
                 # engine reduces them between the nodes (its residuals there)
                 if fill is not None:
@@ -763,14 +705,13 @@ class _HierCall(_collective.PendingCall):
             self._release_old(snap)
         # 3.
         parts = [p.result if isinstance(p, _collective._Op) else p for p in parts]
-        if self.be is not None:
+        if self.dev:
             # a device call: the reduced slices back to the host (into the
             # window for allreduce, where the node's ranks read them)
-            sb_all = shard_bounds(n, lay.L)
             if self.kind == "allreduce":
                 for s, p in zip(lay.slices_of(lay.rank), parts):
                     if _dispatch.is_device_array(p):
-                        slo, shi = sb_all[s]
+                        slo, shi = sb[s]
                         _cuda.to_host(p, acc[slo - lo:shi - lo])
             else:
                 parts = [_cuda.to_host(p) if _dispatch.is_device_array(p) else p
@@ -789,7 +730,7 @@ class _HierCall(_collective.PendingCall):
                 # the next call's stores wait for every node rank's reads (a
                 # peer's new values may land where this call's results were)
                 lay.read_fence = lay.node_comm.Ibarrier()
-            if self.be is not None:
+            if self.dev:
                 _cuda.copy(self.dflat, self.flat)  # the result, in place on the device
                 _cuda.sync()
             return self.buf
@@ -802,15 +743,12 @@ class _HierCall(_collective.PendingCall):
     def _shard_result(self, res):
         """reduce_scatter's result ``res`` (host, the input's dtype) where the
         caller wants it: ``out``, or a new array on the side of ``buf``."""
-        if self.be is None:
-            if self.out is not None:
-                self.out.reshape(-1)[...] = res
-                return self.out
-            return res
         if self.out is None:
-            return _cuda.to_device(res)
-        if res.size:
-            _cuda.copy(self.dout, np.ascontiguousarray(res))
+            return _cuda.to_device(res) if self.dev else res
+        if not self.dev:
+            self.dout.reshape(-1)[...] = res
+        elif res.size:
+            _cuda.copy(self.dout, res)
             _cuda.sync()
         return self.out
 
@@ -837,7 +775,7 @@ class _HierCall(_collective.PendingCall):
         if self.fb is not None:
             self.fb.skipped_steps += 1
         if self.kind == "allreduce":
-            if self.be is not None:
+            if self.dev:
                 self.be.fill_nan(self.dflat)
                 _cuda.sync()
             else:

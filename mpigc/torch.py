@@ -339,6 +339,76 @@ def _entries_for_layouts(layouts, state, comm):
     return new
 
 
+# -- hierarchical buckets (hierarchy="node"/"auto") ------------------------------
+def _agree_hierarchy(c, comm, hierarchy, who):
+    """Check ``hierarchy`` and that every rank passed the same (collective
+    over ``c``): ``(layout, hierarchical)``, the node layout of ``comm``
+    (None for ``"flat"``) and whether the buckets' calls are hierarchical."""
+    exc = None
+    if hierarchy not in _hierarchy.HIERARCHY_MODES:
+        exc = ConfigError(f"hierarchy must be one of {_hierarchy.HIERARCHY_MODES}, got "
+                          f"{hierarchy!r}")
+    _raise_everywhere(c, exc, who)
+    modes = c.allgather(hierarchy)
+    if any(m != modes[0] for m in modes):
+        exc = MismatchError(f"{who}: ranks disagree on hierarchy (" + ", ".join(
+            f"rank {r}: {m!r}" for r, m in enumerate(modes)) + ")")
+    _raise_everywhere(c, exc, who)
+    lay = None if hierarchy == "flat" else _hierarchy.layout(comm)
+    return lay, lay is not None and lay.hierarchical(hierarchy)
+
+
+def _residual_keys(lay, hier, key, n):
+    """``[(slice, key)]``: the residual keys of a bucket's calls on this rank:
+    its own (slice None), or, when the calls are hierarchical, those of the
+    slices this rank handles (``mpigc._hierarchy``)."""
+    if not hier:
+        return [(None, key)]
+    return [(sl, _hierarchy.slice_key(key, sl, lay.L, n)) for sl in lay.slices_of(lay.rank)]
+
+
+def _hier_to_flat(c, lay, fbs, size, rank):
+    """``fbs`` (an ``ErrorFeedback.state_dict()``) with each bucket's
+    hierarchical residuals (slice keys) also in the flat layout under the
+    bucket's key (collective), as :func:`mpigc.save_checkpoint` converts them."""
+    from . import checkpoint
+    tmp = ErrorFeedback()
+    tmp.load_state_dict(fbs)
+    hier = {}
+    for k, e in tmp._entries.items():
+        sk = _hierarchy.parse_slice_key(k)
+        if sk is not None:
+            hier.setdefault((sk[0], sk[2], sk[3]), {})[sk[1]] = e
+    rows = checkpoint._hier_rows(c, hier)
+    out = dict(fbs)
+    for k, e in checkpoint._hier_to_flat(c, lay, hier, rows, size, rank).items():
+        out[k[:-len(checkpoint.HIER_SUFFIX)]] = {
+            "worker": e.worker, "owner": e.owner, "config": e.config, "calls": e.calls,
+            "world_size": size, "rank": rank, "n": e.n, "dtype": e.dtype.name}
+    return out
+
+
+def _flat_to_hier(c, comm, new, hierarchy, who):
+    """The per-bucket flat-layout state ``new`` (of
+    :func:`_entries_for_layouts`) as residual entries of hierarchical calls
+    on ``comm`` (collective): each bucket's worker residuals summed per node
+    to its slices' handlers, owner shards moved to the group owners, as
+    ``load_checkpoint(..., hierarchy=)`` does. ``{key: entry}``."""
+    from . import checkpoint
+    exc, tmp = None, ErrorFeedback()
+    try:
+        tmp.load_state_dict(new)
+    except MpigcError as e:
+        exc = e
+    _raise_everywhere(c, exc, who)
+    keys = c.allgather(sorted(tmp._entries))
+    if any(k != keys[0] for k in keys):
+        exc = StateError(f"{who}: ranks' states cover different buckets (" + "; ".join(
+            f"rank {r}: {len(k)} bucket(s)" for r, k in enumerate(keys)) + ")")
+    _raise_everywhere(c, exc, who)
+    return checkpoint._to_layout(c, comm, tmp._entries, hierarchy)
+
+
 # -- broadcast helpers ---------------------------------------------------------
 def _named_tensors(obj):
     if isinstance(obj, torch.nn.Module):
@@ -673,19 +743,9 @@ class GradientSync:
             exc = e
         _raise_everywhere(self._comm, exc, "GradientSync")
         self.hierarchy = hierarchy
-        exc = None
-        if hierarchy not in _hierarchy.HIERARCHY_MODES:
-            exc = ConfigError(f"hierarchy must be one of {_hierarchy.HIERARCHY_MODES}, got "
-                              f"{hierarchy!r}")
-        _raise_everywhere(self._comm, exc, "GradientSync")
-        modes = self._comm.allgather(hierarchy)
-        if any(m != modes[0] for m in modes):
-            exc = MismatchError("GradientSync: ranks disagree on hierarchy (" + ", ".join(
-                f"rank {r}: {m!r}" for r, m in enumerate(modes)) + ")")
-        _raise_everywhere(self._comm, exc, "GradientSync")
         # the node layout (collective): whether the buckets' calls are hierarchical
-        self._lay = None if hierarchy == "flat" else _hierarchy.layout(self.comm)
-        self._hier = self._lay is not None and self._lay.hierarchical(hierarchy)
+        self._lay, self._hier = _agree_hierarchy(self._comm, self.comm, hierarchy,
+                                                 "GradientSync")
         named = [(n, p) for n, p in named if p.requires_grad]
         _check_same(self._comm, _describe(named), "GradientSync")
         taken = [n for n, p in named if _hooked_by(p) is not None]
@@ -1038,14 +1098,7 @@ class GradientSync:
         worker += delivered if self.average else delivered / self.size
 
     def _residual_keys(self, b):
-        """``[(slice, key)]``: the residual keys of bucket ``b``'s calls on
-        this rank: its own (slice None), or those of the slices it handles
-        when its calls are hierarchical (``mpigc._hierarchy``)."""
-        if not self._hier:
-            return [(None, b.key)]
-        lay = self._lay
-        return [(sl, _hierarchy.slice_key(b.key, sl, lay.L, b.n))
-                for sl in lay.slices_of(lay.rank)]
+        return _residual_keys(self._lay, self._hier, b.key, b.n)
 
     def _fold_back_hier(self, b, off, m):
         """:meth:`_fold_back` for hierarchical buckets: a slice's worker
@@ -1088,30 +1141,8 @@ class GradientSync:
             exc, fbs = e, {}
         _raise_everywhere(self._comm, exc, "GradientSync.state_dict")
         if self._hier:
-            fbs = self._hier_to_flat(fbs)
+            fbs = _hier_to_flat(self._comm, self._lay, fbs, self.size, self.rank)
         return _state_from_layouts(self.buckets, fbs, self._comm, self.gather)
-
-    def _hier_to_flat(self, fbs):
-        """``fbs`` with each bucket's hierarchical residuals (slice keys) in
-        the flat layout under the bucket's key (collective), as
-        :func:`mpigc.save_checkpoint` converts them."""
-        from . import checkpoint
-        lay, tmp = self._lay, ErrorFeedback()
-        tmp.load_state_dict(fbs)
-        hier = {}
-        for k, e in tmp._entries.items():
-            sk = _hierarchy.parse_slice_key(k)
-            if sk is not None:
-                hier.setdefault((sk[0], sk[2], sk[3]), {})[sk[1]] = e
-        rows = checkpoint._hier_rows(self._comm, hier)
-        out = dict(fbs)
-        for k, e in checkpoint._hier_to_flat(self._comm, lay, hier, rows, self.size,
-                                             self.rank).items():
-            out[k[:-len(checkpoint.HIER_SUFFIX)]] = {
-                "worker": e.worker, "owner": e.owner, "config": e.config, "calls": e.calls,
-                "world_size": self.size, "rank": self.rank, "n": e.n,
-                "dtype": e.dtype.name}
-        return out
 
     def load_state_dict(self, state, strict=True):
         """Load residuals from :meth:`state_dict` (collective), whatever the
@@ -1146,22 +1177,9 @@ class GradientSync:
             self.feedback.load_state_dict(new)
             return
         # hierarchical buckets: each bucket's flat-layout residuals to its slice
-        # keys on this layout (worker residuals summed per node, owner shards to
-        # the group owners), as load_checkpoint(..., hierarchy=) does
-        from . import checkpoint
-        exc, tmp = None, ErrorFeedback()
-        try:
-            tmp.load_state_dict(new)
-        except MpigcError as e:
-            exc = e
-        _raise_everywhere(self._comm, exc, "GradientSync.load_state_dict")
-        keys = self._comm.allgather(sorted(tmp._entries))
-        if any(k != keys[0] for k in keys):
-            exc = StateError("GradientSync.load_state_dict: ranks' states cover different "
-                             "buckets (" + "; ".join(f"rank {r}: {len(k)} bucket(s)"
-                                                     for r, k in enumerate(keys)) + ")")
-        _raise_everywhere(self._comm, exc, "GradientSync.load_state_dict")
-        entries = checkpoint._to_layout(self._comm, self.comm, tmp._entries, self.hierarchy)
+        # keys on this layout
+        entries = _flat_to_hier(self._comm, self.comm, new, self.hierarchy,
+                                "GradientSync.load_state_dict")
         self.feedback._replace_entries(entries)
 
     def save_checkpoint(self, path, step=None):
@@ -1362,8 +1380,11 @@ class CommHookState:
     ----------
     module : torch.nn.Module or DistributedDataParallel
         The model (a DDP wrapper is unwrapped: names as ``ddp.module``'s).
-    op, comm, average, gather, feedback, **params
-        As for :class:`GradientSync`.
+    op, comm, average, gather, feedback, hierarchy, **params
+        As for :class:`GradientSync`. With ``hierarchy="node"`` (or ``"auto"``
+        on several nodes) each DDP bucket is summed exactly inside the node
+        and compressed only between nodes; the residuals of its slices are
+        kept per parameter across DDP's rebucketing as for flat buckets.
     nonfinite : str, optional
         As for :class:`GradientSync`: default ``"skip"``, so NaN/Inf reach DDP's
         gradients (and ``GradScaler``) as with DDP's own allreduce, and no
@@ -1371,7 +1392,7 @@ class CommHookState:
     """
 
     def __init__(self, module, op="2bit", *, comm=None, average=True, gather="compressed",
-                 nonfinite=None, feedback=None, **params):
+                 nonfinite=None, feedback=None, hierarchy="flat", **params):
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             module = module.module
         self.comm = _resolve_comm(comm)
@@ -1387,6 +1408,9 @@ class CommHookState:
         self._comm = self.comm.Dup()
         _engine_comm.resolve(self.comm)
         _check_same(self._comm, _describe(named), "CommHookState")
+        self.hierarchy = hierarchy
+        self._lay, self._hier = _agree_hierarchy(self._comm, self.comm, hierarchy,
+                                                 "CommHookState")
         self.names = [n for n, _ in named]
         self._numel = {n: p.numel() for n, p in named}
         self._name_of = {id(p): n for n, p in named}
@@ -1413,6 +1437,10 @@ class CommHookState:
         return _Layout(bucket.index(), names, [self._numel[n] for n in names],
                        _NP_OF_TORCH[tensor.dtype])
 
+    def _keys(self, layout):
+        """The residual keys of ``layout``'s calls on this rank."""
+        return [k for _, k in _residual_keys(self._lay, self._hier, layout.key, layout.n)]
+
     def _place(self, layout):
         """A bucket layout seen for the first time takes over the residuals of
         its parameters (collective; every rank has the same buckets)."""
@@ -1425,21 +1453,32 @@ class CommHookState:
             # parameters are this bucket's)
             fbs = {}
             for lay in stale:
-                e = self.feedback._entries.get(lay.key)
-                if e is not None:
-                    fbs[lay.key] = {"worker": _host(e.worker), "owner": _host(e.owner),
-                                    "config": dict(e.config), "calls": e.calls,
-                                    "world_size": e.world_size, "rank": e.rank, "n": e.n,
-                                    "dtype": e.dtype.name}
+                for k in self._keys(lay):
+                    e = self.feedback._entries.get(k)
+                    if e is not None:
+                        fbs[k] = {"worker": _host(e.worker), "owner": _host(e.owner),
+                                  "config": dict(e.config), "calls": e.calls,
+                                  "world_size": e.world_size, "rank": e.rank, "n": e.n,
+                                  "dtype": e.dtype.name}
+            if self._hier:  # the slices' residuals in the flat layout of each bucket
+                fbs = _hier_to_flat(self._comm, self._lay, fbs, self.size, self.rank)
             self._pending.update(_state_from_layouts(stale, fbs, self._comm, self.gather))
             for lay in stale:
-                self.feedback.reset(lay.key)
+                for k in self._keys(lay):
+                    self.feedback.reset(k)
+                self._spare_snapshots.pop(lay.key, None)
                 del self._layouts[lay.index]
         if any(n in self._pending for n in layout.names):
-            tmp = ErrorFeedback()
-            tmp.load_state_dict(_entries_for_layouts([layout], self._pending, self._comm))
+            new = _entries_for_layouts([layout], self._pending, self._comm)
+            if self._hier:
+                entries = _flat_to_hier(self._comm, self.comm, new, self.hierarchy,
+                                        "comm_hook")
+            else:
+                tmp = ErrorFeedback()
+                tmp.load_state_dict(new)
+                entries = tmp._entries
             with self.feedback._lock:
-                self.feedback._entries.update(tmp._entries)
+                self.feedback._entries.update(entries)
             for n in layout.names:
                 self._pending.pop(n, None)
         old = self._layouts.get(layout.index)
@@ -1454,8 +1493,8 @@ class CommHookState:
         if known is None or known.key != layout.key:
             self._place(layout)
         several = not (bucket.is_last() and bucket.index() == 0)
-        snap = (_snapshot(self.feedback, layout.key,
-                          self._spare_snapshots.pop(layout.key, None))
+        snap = (_snapshot_keys(self.feedback, self._keys(layout),
+                               self._spare_snapshots.pop(layout.key, None))
                 if self.nonfinite == "skip" and several else None)
         # DDP's flat bucket is reduced in place: a CUDA tensor as it is (the
         # engine reduces device arrays on the GPU, after what torch queued on
@@ -1466,7 +1505,8 @@ class CommHookState:
         req = iallreduce(_engine_array(flat, _simulating()), op=self.compressor,
                          comm=self.comm,
                          key=layout.key, average=self.average, gather=self.gather,
-                         feedback=self.feedback, nonfinite=self.nonfinite)
+                         feedback=self.feedback, nonfinite=self.nonfinite,
+                         hierarchy=self.hierarchy)
         fut = torch.futures.Future()
         self._inflight.append((layout, fut, req, tensor, snap))
         for _, _, r, _, _ in self._inflight[:-1]:
@@ -1496,7 +1536,7 @@ class CommHookState:
                 self.nonfinite_steps += 1
                 for (layout, _, _, _, snap), b in zip(items, bad):
                     if not b and len(items) > 1:
-                        _restore(self.feedback, layout.key, snap)
+                        _restore_keys(self.feedback, snap)
         for layout, _, _, _, snap in items:  # their arrays serve the next snapshots
             if snap is not None:
                 self._spare_snapshots[layout.key] = snap
@@ -1518,6 +1558,8 @@ class CommHookState:
         except MpigcError as e:
             exc, fbs = e, {}
         _raise_everywhere(self._comm, exc, "CommHookState.state_dict")
+        if self._hier:
+            fbs = _hier_to_flat(self._comm, self._lay, fbs, self.size, self.rank)
         out = {n: dict(s) for n, s in self._pending.items()}
         out.update(_state_from_layouts(list(self._layouts.values()), fbs, self._comm,
                                        self.gather))

@@ -35,8 +35,9 @@ This file has two uses (as ``tests/mpi/test_gpu_path_mpi.py``).
    ``hook``   ``comm_hook`` with stand-ins for DDP's buckets: device (seam) and
               host give the same buckets, residuals and NaN rollback.
    ``hier``   ``hierarchy="node"`` with ``MPIGC_NODE_SPLIT=2``: ``ops``'s 2bit
-              training with an unused layer, then ``skip``, device against host
-              buckets (the intra-node steps staged through the host window).
+              training with an unused layer, then ``skip`` and ``hook``, device
+              against host buckets (the intra-node steps staged through the
+              host window).
 
 Ranks agree on pass/fail before the script exits; rank 0 prints ``ok GROUP``.
 """
@@ -349,13 +350,13 @@ class _FakeBucket:
         return self._last
 
 
-def group_hook(c):
+def group_hook(c, **kw):
     from mpigc._dispatch import is_device_array
     last = c.comm.size - 1
     outs, states, hooks = [], [], []
     for device in (False, True):
         model = make_model()
-        state = mt.CommHookState(model, op="1bit")
+        state = mt.CommHookState(model, op="1bit", **kw)
         p = list(model.parameters())
         layout = [[p[5], p[4]], [p[3], p[2]], [p[1], p[0]]]
         got = []
@@ -387,8 +388,9 @@ def group_hook(c):
 
 def group_hier(c):
     """Hierarchical device buckets (emulated nodes of 2 ranks): the training,
-    the unused layer's fold-back and the NaN rollback of ``ops`` and ``skip``
-    with ``hierarchy="node"``, against host buckets."""
+    the unused layer's fold-back and the NaN rollback of ``ops`` and ``skip``,
+    and the DDP hook of ``hook``, with ``hierarchy="node"``, against host
+    buckets."""
     os.environ["MPIGC_NODE_SPLIT"] = "2"
     kw = {"hierarchy": "node", "find_unused_parameters": True}
     mh, sh, _ = _train(c, "2bit", 3, False, **kw)
@@ -399,6 +401,7 @@ def group_hier(c):
     c.check(any("@hier[" in k for k in sd.feedback.keys()), "hier: no slice residual")
     c.check(spy.sides and all(spy.sides), "hier: the engine took a host backend")
     group_skip(c, hierarchy="node")
+    group_hook(c, hierarchy="node")
 
 
 GROUPS = {"ops": group_ops, "skip": group_skip, "state": group_state, "hook": group_hook,

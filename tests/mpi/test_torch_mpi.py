@@ -733,13 +733,33 @@ def _ddp(model, **kw):
 _HOOK_OP = {"op": "2bit", "threshold": 2.0 ** -6}  # sums of +-t are exact: any layout
 
 
+def _same_hook_state(comm, a, b, hierarchy):
+    """Per-parameter states ``a`` and ``b`` are the same: bit for bit when
+    flat; when hierarchical, where a node's worker residual sits among its
+    ranks depends on the bucket's slices, so the totals over the ranks."""
+    ok = set(a) == set(b) and all(np.array_equal(a[n]["owner"], b[n]["owner"]) for n in b)
+    for n in sorted(b):
+        if hierarchy == "flat":
+            ok &= np.array_equal(a[n]["worker"], b[n]["worker"])
+        else:  # sums of float32 values in float64: exact, in any order
+            ok &= np.array_equal(comm.allreduce(a[n]["worker"].astype(np.float64)),
+                                 comm.allreduce(b[n]["worker"].astype(np.float64)))
+    return ok
+
+
 @pytest.mark.mpi
-def test_comm_hook_equals_gradient_sync_across_ddp_bucket_rebuild(comm, gloo):
+@pytest.mark.parametrize("hierarchy", ["flat", "node"])
+def test_comm_hook_equals_gradient_sync_across_ddp_bucket_rebuild(comm, gloo, monkeypatch,
+                                                                   hierarchy):
+    """DDP with the hook gives GradientSync's gradients and state, across
+    DDP's rebuild of its buckets; with hierarchy="node" (emulated nodes of 2
+    ranks) the hierarchical ones."""
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
     model, ref = make_model(), make_model()
     ddp = _ddp(model)
-    state = mt.CommHookState(ddp, **_HOOK_OP)
+    state = mt.CommHookState(ddp, hierarchy=hierarchy, **_HOOK_OP)
     ddp.register_comm_hook(state, mt.comm_hook)
-    sync = mt.GradientSync(ref, bucket_mb=0.002, **_HOOK_OP)
+    sync = mt.GradientSync(ref, bucket_mb=0.002, hierarchy=hierarchy, **_HOOK_OP)
     ok, layouts = True, []
     for step in range(4):
         ddp.zero_grad()
@@ -752,9 +772,8 @@ def test_comm_hook_equals_gradient_sync_across_ddp_bucket_rebuild(comm, gloo):
         want = grads_of(ref)
         ok &= got.keys() == want.keys() and all(
             got[n].numpy().tobytes() == want[n].numpy().tobytes() for n in want)
-    a, b = state.state_dict(), sync.state_dict()
-    ok &= set(a) == set(b) and all(np.array_equal(a[n][k], b[n][k])
-                                   for n in b for k in ("worker", "owner"))
+    ok &= (hierarchy == "node") == bool(_hier_keys(state)) == bool(_hier_keys(sync))
+    ok &= _same_hook_state(comm, state.state_dict(), sync.state_dict(), hierarchy)
     assert_all(ok and layouts[0] != layouts[-1],
                f"DDP buckets {layouts[0]} -> {layouts[-1]}")
 
@@ -840,11 +859,14 @@ class _FakeBucket:
 
 
 @pytest.mark.mpi
-def test_comm_hook_takes_residuals_over_when_a_later_bucket_changes(comm):
+@pytest.mark.parametrize("hierarchy", ["flat", "node"])
+def test_comm_hook_takes_residuals_over_when_a_later_bucket_changes(comm, monkeypatch,
+                                                                    hierarchy):
     """A layout change at bucket 1 while bucket 0 (unchanged) is in flight."""
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
     model, ref = make_model(), make_model()
-    state = mt.CommHookState(model, **_HOOK_OP)
-    sync = mt.GradientSync(ref, bucket_mb=0.002, **_HOOK_OP)
+    state = mt.CommHookState(model, hierarchy=hierarchy, **_HOOK_OP)
+    sync = mt.GradientSync(ref, bucket_mb=0.002, hierarchy=hierarchy, **_HOOK_OP)
     p = list(model.parameters())  # 0.weight 0.bias 2.weight 2.bias 4.weight 4.bias
     layouts = [[[p[5], p[4]], [p[3], p[2], p[1], p[0]]],       # step 0
                [[p[5], p[4]], [p[3], p[2]], [p[1], p[0]]],     # DDP "rebuilt" bucket 1
@@ -867,10 +889,40 @@ def test_comm_hook_takes_residuals_over_when_a_later_bucket_changes(comm):
         want = grads_of(ref)
         ok &= all(got.numpy().tobytes() == want[n].numpy().tobytes()
                   for n, got in grads_of(model).items())
-    a, b = state.state_dict(), sync.state_dict()
-    ok &= set(a) == set(b) and all(np.array_equal(a[n][k], b[n][k])
-                                   for n in b for k in ("worker", "owner"))
+    ok &= (hierarchy == "node") == bool(_hier_keys(state))
+    ok &= _same_hook_state(comm, state.state_dict(), sync.state_dict(), hierarchy)
     assert_all(ok)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("hierarchy", ["flat", "node"])
+def test_comm_hook_skip_restores_every_residual(comm, monkeypatch, hierarchy):
+    """A step with NaN in one bucket (one rank): the hook hands DDP that bucket
+    as NaN (GradScaler skips the step) and puts back every other bucket's
+    residuals, slice residuals included (key@hier[...])."""
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+    model = make_model()
+    state = mt.CommHookState(model, hierarchy=hierarchy, **_HOOK_OP)
+    p = list(model.parameters())
+    layout = [[p[5], p[4]], [p[3], p[2]], [p[1], p[0]]]
+    ok, raw, outs = True, None, []
+    for step in range(3):
+        model.zero_grad()
+        backward(model, comm.rank, step)
+        if step == 1 and comm.rank == comm.size - 1:
+            p[2].grad[0, 0] = float("nan")
+        buckets = [_FakeBucket(i, ps, i == len(layout) - 1) for i, ps in enumerate(layout)]
+        outs.append([f.wait().clone() for f in [mt.comm_hook(state, b) for b in buckets]])
+        now = {k: (e.worker.copy(), e.calls) for k, e in state.feedback._entries.items()}
+        if step == 1:
+            ok &= sorted(now) == sorted(raw) and all(
+                np.array_equal(now[k][0], raw[k][0]) and now[k][1] == raw[k][1] for k in raw)
+        raw = now
+    ok &= state.nonfinite_steps == 1 and len(raw) > 0
+    ok &= bool(torch.isnan(outs[1][1]).all()) and not torch.isnan(outs[1][0]).any()
+    ok &= all(bool(torch.isfinite(t).all()) for t in outs[2])
+    ok &= (hierarchy == "node") == bool(_hier_keys(state))
+    assert_all(ok, f"skipped {state.nonfinite_steps}, keys {sorted(raw or [])}")
 
 
 # -- hierarchical buckets (hierarchy="node", emulated nodes of 2 ranks) -----------

@@ -844,6 +844,19 @@ def store_for_peers(lay, segs, flat, n, wd):
     seg[hi:] = flat[hi:]
 
 
+def sum_in_order(parts, out):
+    """``out`` = ``parts[0] + parts[1] + ...``, added in that order (a node's
+    local-rank order): every path that sums a node's values (the calls, the
+    checkpoint conversions) rounds alike, bit for bit."""
+    if len(parts) == 1:
+        out[...] = parts[0]
+        return out
+    np.add(parts[0], parts[1], out=out)
+    for p in parts[2:]:
+        out += p
+    return out
+
+
 def node_sum_fill(lay, segs, flat, n, wd, base):
     """``fill(a, b)`` for the inter-node call of the slice that starts at
     element ``base``: elements ``[base + a, base + b)`` summed over the node's
@@ -856,11 +869,8 @@ def node_sum_fill(lay, segs, flat, n, wd, base):
 
     def fill(a, b):
         a, b = base + a, base + b
-        src = [flat[a:b] if k == me else segs_wd[k][a:b] for k in range(L)]
-        out = segs_wd[me][a:b]
-        np.add(src[0], src[1], out=out)
-        for k in range(2, L):
-            out += src[k]
+        sum_in_order([flat[a:b] if k == me else segs_wd[k][a:b] for k in range(L)],
+                     segs_wd[me][a:b])
     return fill
 
 
@@ -881,10 +891,7 @@ def intra_reduce_scatter(lay, x, n):
     node.Alltoallv([x.view(np.uint8), (scounts, sdispl), MPI.BYTE],
                    [recv.view(np.uint8), ([m * isz] * L, [k * m * isz for k in range(L)]),
                     MPI.BYTE])
-    acc = recv[:m].copy()
-    for k in range(1, L):
-        acc += recv[k * m:(k + 1) * m]
-    return acc
+    return sum_in_order([recv[k * m:(k + 1) * m] for k in range(L)], np.empty(m, x.dtype))
 
 
 def redistribute(lay, pieces, bounds, n, dtype):

@@ -17,6 +17,11 @@ schedule is a function of the epoch and ``--epochs``: a resumed run with the
 same ``--epochs`` continues it exactly, one with more epochs follows the
 schedule of the new total from the next epoch on.
 
+``--hierarchy node`` (or ``auto``) sums the gradients exactly inside each node
+and compresses only between the nodes (``docs/cluster.md``); checkpoints are
+per parameter either way, so a run may resume with another ``--hierarchy``,
+number of ranks or ranks per node.
+
 ``--sync ddp-hook`` trains with torch's DistributedDataParallel (gloo process
 group, started from the MPI ranks) and mpigc's compressed allreduce as its
 communication hook (``mpigc.torch.comm_hook``) instead of
@@ -82,6 +87,10 @@ def parse_args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--checkpoint", metavar="DIR", help="save after every epoch")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
+    p.add_argument("--hierarchy", choices=("flat", "auto", "node"), default="flat",
+                   help="flat (default); node: exact sums inside each node, compressed "
+                        "between nodes; auto: node when the job spans several nodes "
+                        "with several ranks on a node (docs/cluster.md)")
     p.add_argument("--sync", choices=("optimizer", "ddp-hook"), default="optimizer",
                    help="mpigc.torch.DistributedOptimizer (default), or DDP with "
                         "mpigc.torch.comm_hook")
@@ -221,7 +230,8 @@ def main():
     if args.sync == "ddp-hook":
         init_gloo(comm)
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
-        residuals = mpigc.torch.CommHookState(net, op=args.op, gather=args.gather, **params)
+        residuals = mpigc.torch.CommHookState(net, op=args.op, gather=args.gather,
+                                              hierarchy=args.hierarchy, **params)
         net.register_comm_hook(residuals, mpigc.torch.comm_hook)
         layout = "DDP's buckets"
     else:
@@ -229,7 +239,7 @@ def main():
         # averaged by the end of backward(), as with DDP
         opt = mpigc.torch.DistributedOptimizer(opt, model, op=args.op,
                                                bucket_mb=args.bucket_mb, gather=args.gather,
-                                               **params)
+                                               hierarchy=args.hierarchy, **params)
         residuals = opt.sync
         layout = f"{len(opt.sync.buckets)} bucket(s)"
 
@@ -246,7 +256,7 @@ def main():
         print(f"{comm.size} rank(s), op={args.op} {params}, "
               f"{sum(p.numel() for p in model.parameters())} parameters in "
               f"{layout}, {len(ytr)} training samples per rank, "
-              f"{args.optimizer}, sync {args.sync}")
+              f"{args.optimizer}, sync {args.sync}, hierarchy {args.hierarchy}")
 
     # every rank runs the same number of steps per epoch
     steps = comm.allreduce(-(-len(ytr) // args.batch_size), op=MPI.MIN)

@@ -529,12 +529,16 @@ def _example():
 @pytest.mark.mpi
 @pytest.mark.skipif(not hasattr(mpigc, "save_checkpoint"),
                     reason="mpigc.save_checkpoint is not in this build")
-@pytest.mark.parametrize("first_run_epochs", [4, 2])
-def test_example_resume_continues_the_schedule(comm, tmp_path_factory, first_run_epochs):
+@pytest.mark.parametrize("first_run_epochs,hierarchy", [(4, "flat"), (2, "flat"),
+                                                      (4, "node")])
+def test_example_resume_continues_the_schedule(comm, tmp_path_factory, monkeypatch,
+                                               first_run_epochs, hierarchy):
     """examples/train_torch.py's save/resume: the same --epochs resumes bit for
-    bit; a longer --epochs (the issue: 2, then 4) follows the new schedule
-    (it trained with lr 0 before)."""
+    bit (with --hierarchy node too: emulated nodes of 2 ranks); a longer
+    --epochs (the issue: 2, then 4) follows the new schedule (it trained with
+    lr 0 before)."""
     import argparse
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
     ex = _example()
     path = comm.bcast(str(tmp_path_factory.mktemp("resume")) if comm.rank == 0 else None)
 
@@ -543,7 +547,7 @@ def test_example_resume_continues_the_schedule(comm, tmp_path_factory, first_run
         model = make_model()
         opt = mt.DistributedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), model, op="2bit",
-            bucket_mb=0.002)
+            bucket_mb=0.002, hierarchy=hierarchy)
         return args, model, opt, ex.make_scheduler(opt, args)
 
     def epoch(model, opt, e):
@@ -571,6 +575,7 @@ def test_example_resume_continues_the_schedule(comm, tmp_path_factory, first_run
         epoch(m2, o2, e)
         s2.step()
     ok = start == 2 and resumed == lrs[2:] and resumed[0] > 0
+    ok &= (hierarchy == "node") == bool(_hier_keys(o2.sync))
     if first_run_epochs == 4:
         ok &= all(torch.equal(a, b) for a, b in zip(_params(model), _params(m2)))
     assert_all(ok, f"start {start}, lrs {resumed} vs {lrs[2:]}")

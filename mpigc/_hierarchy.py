@@ -894,6 +894,10 @@ def intra_reduce_scatter(lay, x, n):
     return sum_in_order([recv[k * m:(k + 1) * m] for k in range(L)], np.empty(m, x.dtype))
 
 
+def _displs(counts):
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+
+
 def redistribute(lay, pieces, bounds, n, dtype):
     """Steps: move ``pieces`` (``[(lo, hi, values)]``: the global element ranges
     this rank owns, ``lay.owned_ranges``) so that world rank r gets
@@ -921,9 +925,8 @@ def redistribute(lay, pieces, bounds, n, dtype):
         rcounts.append(count)
     sbuf = np.concatenate(send).astype(dtype, copy=False) if send else np.empty(0, dtype)
     rbuf = np.empty(sum(rcounts), dtype)
-    sdispl = np.concatenate([[0], np.cumsum(scounts)[:-1]]).astype(int).tolist()
-    rdispl = np.concatenate([[0], np.cumsum(rcounts)[:-1]]).astype(int).tolist()
-    yield lay.comm.Ialltoallv([sbuf, (scounts, sdispl)], [rbuf, (rcounts, rdispl)])
+    yield lay.comm.Ialltoallv([sbuf, (scounts, _displs(scounts))],
+                              [rbuf, (rcounts, _displs(rcounts))])
     out = np.zeros(hi - lo, dtype)
     o = 0
     for p, q in places:
@@ -933,26 +936,40 @@ def redistribute(lay, pieces, bounds, n, dtype):
 
 
 def redistribute_ranges(lay, pieces, targets, dtype):
-    """Like :func:`redistribute`, for several target ranges per rank:
-    ``targets[r]`` is a list of ``(lo, hi)``; returns one array per range of
-    this rank (zeros where no piece covers it)."""
-    send = []
+    """Like :func:`redistribute`, for several target ranges per rank and
+    pieces that may be missing (``values`` None): ``targets[r]`` is a list of
+    ``(lo, hi)``; returns one array per range of this rank (zeros where no
+    piece covers it). Blocking, outside the calls (checkpoint conversions):
+    the ranges travel first (a small all-to-all), then the values as raw
+    bytes (one ``Alltoallv``; nothing large is pickled)."""
+    dtype = np.dtype(dtype)
+    meta, data, counts = [], [], []
     for r in range(lay.size):
-        mine = []
+        mine, count = [], 0
         for tlo, thi in targets[r]:
             for a, b, v in pieces:
                 p, q = max(a, tlo), min(b, thi)
                 if q > p and v is not None:
-                    mine.append((p, q, np.ascontiguousarray(v[p - a:q - a])))
-        send.append(mine)
-    got = lay.comm.alltoall(send)
+                    mine.append((p, q))
+                    data.append(np.asarray(v[p - a:q - a], dtype))
+                    count += q - p
+        meta.append(mine)
+        counts.append(count * dtype.itemsize)
+    got = lay.comm.alltoall(meta)
+    rcounts = [sum(q - p for p, q in g) * dtype.itemsize for g in got]
+    sbuf = np.concatenate(data) if data else np.empty(0, dtype)
+    rbuf = np.empty(sum(rcounts) // dtype.itemsize, dtype)
+    lay.comm.Alltoallv([sbuf.view(np.uint8), (counts, _displs(counts)), MPI.BYTE],
+                       [rbuf.view(np.uint8), (rcounts, _displs(rcounts)), MPI.BYTE])
     outs = [np.zeros(hi - lo, dtype) for lo, hi in targets[lay.rank]]
-    for parts in got:
-        for p, q, v in parts:
-            for (lo, hi), o in zip(targets[lay.rank], outs):
+    o = 0
+    for g in got:
+        for p, q in g:
+            v, o = rbuf[o:o + q - p], o + q - p
+            for (lo, hi), out in zip(targets[lay.rank], outs):
                 a, b = max(p, lo), min(q, hi)
                 if b > a:
-                    o[a - lo:b - lo] = v[a - p:b - p]
+                    out[a - lo:b - lo] = v[a - p:b - p]
     return outs
 
 

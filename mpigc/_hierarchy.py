@@ -316,7 +316,6 @@ _CODE, _N, _DTYPE, _FP, _NCOLS = 0, 1, 2, 3, 4
 _DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
 _NONFINITE_CODE = code_of(NonFiniteError())
 _TEXT_BYTES = 4096  # an error text as the ranks exchange it (longer ones are cut)
-_PAUSE = object()  # what the steps yield where begin() hands back (see begin)
 _call_ids = itertools.count(1)
 
 
@@ -409,9 +408,6 @@ class _HierCall(_collective.PendingCall):
         try:
             while True:
                 w = self.waiting
-                if w is _PAUSE:
-                    self.waiting = None
-                    return False
                 if w is not None and not self._ready(w, block):
                     return False
                 self.waiting = None
@@ -479,7 +475,10 @@ class _HierCall(_collective.PendingCall):
         allocation on the node) completes the earlier hierarchical calls of
         the layout, waits for the agreement and grows the window here: every
         node rank with the same valid input does the same, at the same call.
-        The rest of the call is progressed from the queue."""
+        Meanwhile every other pending call advances (a peer may be waiting
+        for one of them before it starts this call), and this call's own
+        steps wait: none of them runs before the window has grown. The rest
+        of the call is progressed from the queue."""
         lay = self.lay
         lay.ready_for_calls()
         row = np.zeros(_NCOLS, np.int64)
@@ -507,15 +506,31 @@ class _HierCall(_collective.PendingCall):
         with _collective._lock:
             self.row = row  # MPI reads it until the rows are in
             self.agree_req = lay.agree_comm.Iallgather(row, self.table)
-            self.steps = self._steps(pause=grow)
+            self.steps = self._steps()
             _collective._pending.append(self)
             if grow:
-                for op in list(_collective._pending):
-                    if op is self:
-                        break
-                    if op.cs is lay:
-                        _collective.complete(op)
-                self.progress(block=True)  # to the _PAUSE after the growth
+                self.running = True  # held: progress() passes it by
+                try:
+                    for op in list(_collective._pending):
+                        if op is self:
+                            break
+                        if op.cs is lay:
+                            _collective.complete(op)
+                    self._await_rows()
+                    if self._rows_agree():
+                        lay.shared(self.need)  # every node rank, at this call
+                finally:
+                    self.running = False
+
+    def _await_rows(self):
+        """Wait for the agreement rows, advancing every other pending call
+        meanwhile; politely, as :meth:`_ready` (begin() of a call that grows
+        the window)."""
+        t0 = time.perf_counter()
+        while not self.agree_req.Test():
+            _collective._progress_all()
+            if time.perf_counter() - t0 > 200e-6:
+                time.sleep(100e-6)
 
     def _prepare(self, row):
         kind = self.kind
@@ -592,7 +607,7 @@ class _HierCall(_collective.PendingCall):
                   f"{detail}") from exc
 
     # -- the steps ---------------------------------------------------------------------
-    def _steps(self, pause):
+    def _steps(self):
         lay = self.lay
         if lay.read_fence is not None:
             # the node's ranks have read the last call's results out of the window
@@ -604,11 +619,7 @@ class _HierCall(_collective.PendingCall):
         if stored:
             store_for_peers(lay, lay.shared(self.need), self.flat, self.n, self.wd)
         yield self.agree_req
-        agreed = self._rows_agree()
-        if agreed and self.need:
-            lay.shared(self.need)  # grows (collective on the node): from begin() only
-        if pause:
-            yield _PAUSE
+        agreed = self._rows_agree()  # the window is large enough then (begin)
         if not agreed:
             yield from self._disagreement()
         if self.plain:
@@ -851,9 +862,12 @@ def sum_in_order(parts, out):
     if len(parts) == 1:
         out[...] = parts[0]
         return out
-    np.add(parts[0], parts[1], out=out)
-    for p in parts[2:]:
-        out += p
+    # a sum beyond the dtype's range is reported by the call (NonFiniteError,
+    # naming the node sum), not as numpy's RuntimeWarning on each rank
+    with np.errstate(over="ignore", invalid="ignore"):
+        np.add(parts[0], parts[1], out=out)
+        for p in parts[2:]:
+            out += p
     return out
 
 

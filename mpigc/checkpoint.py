@@ -801,9 +801,16 @@ def _normal_config(cfg):
 
 def _mismatches(meta, fb, configs):
     """``{key: reason}`` for the checkpoint's keys that do not fit what is in
-    use: ``configs[key]`` if given, else the store's live entry."""
+    use: ``configs[key]`` if given, else the store's live entries of the key.
+    A key is the user's key for both forms: a hierarchical row (``key@hier``)
+    is checked against ``configs[key]`` and the live slice entries
+    (``key@hier[s/L:n]``, whose buffer size is ``n``) as well as a flat one."""
+    live = {}
     with fb._lock:
-        live = {k: (e.n, e.dtype.name, dict(e.config)) for k, e in fb._entries.items()}
+        for k, e in fb._entries.items():
+            sk = _hierarchy.parse_slice_key(k)
+            base, n = (k, e.n) if sk is None else (sk[0], sk[3])
+            live.setdefault(base, []).append((n, e.dtype.name, dict(e.config)))
     expected = {}
     if configs is not None:
         if not hasattr(configs, "items"):
@@ -812,22 +819,26 @@ def _mismatches(meta, fb, configs):
         expected = {str(k): _normal_config(v) for k, v in configs.items()}
     out = {}
     for key, n, dname, cfg, _ in meta["rows"]:
+        base = key[:-len(HIER_SUFFIX)] if key.endswith(HIER_SUFFIX) else key
         try:
             saved = _normal_config(json.loads(cfg))
         except MpigcError as exc:
             out[key] = f"the saved config {cfg} is not usable here ({exc})"
             continue
-        if key in expected:
-            if expected[key] != saved:
+        want = expected.get(key, expected.get(base))
+        if want is not None:
+            if want != saved:
                 out[key] = f"saved {json.dumps(saved, sort_keys=True)}, configs= gives " \
-                           f"{json.dumps(expected[key], sort_keys=True)}"
-        elif key in live:
-            ln, ld, lc = live[key]
+                           f"{json.dumps(want, sort_keys=True)}"
+            continue
+        for ln, ld, lc in live.get(base, ()):
             if (ln, ld) != (n, dname):
                 out[key] = f"saved {n} values of {dname}, in use {ln} values of {ld}"
             elif _normal_config(lc) != saved:
                 out[key] = f"saved {json.dumps(saved, sort_keys=True)}, in use " \
                            f"{json.dumps(_normal_config(lc), sort_keys=True)}"
+            if key in out:
+                break
     return out
 
 

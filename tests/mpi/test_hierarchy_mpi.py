@@ -245,6 +245,83 @@ def test_many_pending_calls_any_wait_order(comm, split):
     assert_all(why is None, why, comm)
 
 
+def _deadline(seconds=120):
+    """A hang kills this rank (traceback on stderr) instead of the suite."""
+    import faulthandler
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    return faulthandler.cancel_dump_traceback_later
+
+
+@pytest.mark.mpi
+def test_window_growth_behind_a_pending_flat_call(comm, split, monkeypatch):
+    """A nonblocking hierarchical call that grows the node window while a
+    pipelined flat call is pending before it, and earlier hierarchical calls
+    too: the growth must not run the call past its start (review of issue
+    16: begin() finished the earlier calls through the whole queue, which
+    stepped the new call through its growth; begin then ran all of it with
+    waits that advanced nothing else, while the peers had returned and
+    waited in the flat call: a hang within 3 iterations, every run at 3 and
+    4 ranks). Results as the same calls made blocking."""
+    monkeypatch.setenv("MPIGC_CHUNK_BYTES", "4096")
+    cancel = _deadline()
+    why = None
+    try:
+        for it in range(20):
+            c = comm.Dup()  # a layout of its own: its window starts empty
+            xs = [grads(c.rank, n, seed=10 * it + i) for i, n in enumerate((1, 70000, 1, 2))]
+            plan = [("iallreduce", "a", "node"), ("ireduce_scatter", "f", "flat"),
+                    ("iallreduce", "b", "node"), ("ireduce_scatter", "c", "node")]
+            fb1, fb2 = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
+            reqs = [getattr(mpigc, f)(x.copy(), "2bit", comm=c, key=k, feedback=fb2,
+                                      hierarchy=h) for (f, k, h), x in zip(plan, xs)]
+            got = [None] * 4
+            for i in (2, 1, 3, 0):
+                got[i] = reqs[i].wait()
+            for i, ((f, k, h), x) in enumerate(zip(plan, xs)):
+                want = getattr(mpigc, f[1:])(x.copy(), "2bit", comm=c, key=k, feedback=fb1,
+                                             hierarchy=h)
+                if want.tobytes() != got[i].tobytes():
+                    why = why or f"iteration {it}, call {i}: differs from blocking"
+            c.Free()
+    finally:
+        cancel()
+    assert_all(why is None, why, comm)
+
+
+@pytest.mark.mpi
+def test_growing_blocking_call_advances_a_pending_request(comm, split):
+    """Every rank starts a flat iallreduce, then a blocking hierarchical call
+    that grows the window; rank 0 waits for the flat request before it makes
+    that call (completing requests in another order on each rank is allowed).
+    The growing call must keep the flat request going while it waits for its
+    peers' rows (review of issue 16: it tested only its own request, and
+    hung)."""
+    cancel = _deadline()
+    try:
+        c = comm.Dup()
+        mpigc.allreduce(np.ones(10, np.float32), "2bit", comm=c, key="w",
+                        feedback=mpigc.ErrorFeedback(), hierarchy="node")  # a small window
+        big = grads(c.rank, 1 << 20).astype(np.float32)
+        small = np.ones(1000, np.float32)
+        fb = mpigc.ErrorFeedback()
+        req = mpigc.iallreduce(big.copy(), "2bit", comm=c, key="f", feedback=fb)
+        if c.rank == 0:
+            res = req.wait()
+            out = mpigc.allreduce(small.copy(), "2bit", comm=c, key="h", feedback=fb,
+                                  hierarchy="node")
+        else:
+            out = mpigc.allreduce(small.copy(), "2bit", comm=c, key="h", feedback=fb,
+                                  hierarchy="node")
+            res = req.wait()
+        want = mpigc.allreduce(big.copy(), "2bit", comm=c, key="f",
+                               feedback=mpigc.ErrorFeedback())
+        ok = res.tobytes() == want.tobytes() and bool(np.all(np.isfinite(out)))
+        c.Free()
+    finally:
+        cancel()
+    assert_all(ok, "results differ", comm)
+
+
 @pytest.mark.mpi
 def test_auto_decides_by_layout(comm, fb, monkeypatch):
     """auto: hierarchical only with several nodes and several ranks on a node;
@@ -480,6 +557,47 @@ def test_checkpoint_of_fewer_elements_than_slices(comm, fb, split, tmp_path_fact
     r1 = mpigc.allreduce(g.copy(), "1bit", key="s", feedback=fb, hierarchy="node")
     r2 = mpigc.allreduce(g.copy(), "1bit", key="s", feedback=fb2, hierarchy="node")
     assert_all(same and r1.tobytes() == r2.tobytes(), f"keys per rank {held}", comm)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("saved,used", [("node", "node"), ("node", "flat"), ("flat", "node")])
+def test_checkpoint_config_check_covers_hierarchical_keys(comm, split, tmp_path_factory,
+                                                          saved, used):
+    """load_checkpoint(strict=True) refuses a key saved with another
+    compressor than the one it is used with (configs= by the user's key, or
+    the store's live entries), whichever form, flat or hierarchical, it was
+    saved or is used in (review of issue 16: hierarchical rows, "k@hier",
+    matched neither "k" in configs= nor the live "k@hier[s/L:n]" entries,
+    so 2bit residuals loaded silently into a 1bit key); strict=False
+    re-initialises it."""
+    path = comm.bcast(str(tmp_path_factory.mktemp("hcfg")) if comm.rank == 0 else None)
+    n = 1001
+    fb = mpigc.ErrorFeedback()
+    for step in range(2):
+        mpigc.allreduce(grads(comm.rank, n, seed=step), "2bit", key="k", feedback=fb,
+                        hierarchy=saved)
+    mpigc.save_checkpoint(path + "/ck", fb, comm=comm)
+    raises_everywhere(mpigc.MismatchError, lambda: mpigc.load_checkpoint(
+        path + "/ck", mpigc.ErrorFeedback(), comm=comm, hierarchy=used,
+        configs={"k": "1bit"}))
+    live = mpigc.ErrorFeedback()
+    mpigc.allreduce(grads(comm.rank, n, seed=7), "1bit", key="k", feedback=live,
+                    hierarchy=used)
+    before = live.state_dict()
+    raises_everywhere(mpigc.MismatchError, lambda: mpigc.load_checkpoint(
+        path + "/ck", live, comm=comm, hierarchy=used))
+    after = live.state_dict()
+    ok = sorted(before) == sorted(after) and all(
+        np.array_equal(before[k]["worker"], after[k]["worker"]) for k in before)
+    with pytest.warns(UserWarning, match="re-initialising"):
+        info = mpigc.load_checkpoint(path + "/ck", live, comm=comm, hierarchy=used,
+                                     strict=False)
+    ok &= len(info["reinitialised"]) == 1 and live.keys() == []
+    # the matching compressor loads, by the user's key
+    mpigc.load_checkpoint(path + "/ck", mpigc.ErrorFeedback(), comm=comm, hierarchy=used,
+                          configs={"k": "2bit"})
+    assert_all(ok, f"keys {sorted(before)} -> {sorted(after)}, {info['reinitialised']}",
+               comm)
 
 
 @pytest.mark.mpi

@@ -1442,15 +1442,25 @@ class CommHookState:
         return [k for _, k in _residual_keys(self._lay, self._hier, layout.key, layout.n)]
 
     def _place(self, layout):
-        """A bucket layout seen for the first time takes over the residuals of
-        its parameters (collective; every rank has the same buckets)."""
+        """A bucket layout new at its index takes over the residuals of its
+        parameters (collective; every rank has the same buckets). A layout
+        that only moved to another index keeps its residuals; the layouts it
+        replaces (those that held its parameters, and the one it displaces
+        at its index, whose parameters go to other buckets) hand theirs over
+        by parameter name."""
+        for i in [i for i, lay in self._layouts.items()
+                  if lay.key == layout.key and i != layout.index]:
+            del self._layouts[i]  # moved: its old index is free
         mine = set(layout.names)
+        displaced = self._layouts.get(layout.index)
         stale = [lay for lay in self._layouts.values()
-                 if lay.key != layout.key and mine & set(lay.names)]
+                 if lay.key != layout.key and (mine & set(lay.names) or lay is displaced)]
         if stale:
             # not feedback.state_dict(): buckets of this step before this one are
             # in flight (their keys busy); the stale ones are not (their
-            # parameters are this bucket's)
+            # parameters are this bucket's, or, for the displaced one, of buckets
+            # to come: a bucket of this step at another index that had its key
+            # would have freed this index already)
             fbs = {}
             for lay in stale:
                 for k in self._keys(lay):
@@ -1481,9 +1491,6 @@ class CommHookState:
                 self.feedback._entries.update(entries)
             for n in layout.names:
                 self._pending.pop(n, None)
-        old = self._layouts.get(layout.index)
-        if old is not None and old.key != layout.key:
-            del self._layouts[layout.index]
         self._layouts[layout.index] = layout
 
     def _hook(self, bucket):

@@ -867,7 +867,8 @@ class _FakeBucket:
 @pytest.mark.parametrize("hierarchy", ["flat", "node"])
 def test_comm_hook_takes_residuals_over_when_a_later_bucket_changes(comm, monkeypatch,
                                                                     hierarchy):
-    """A layout change at bucket 1 while bucket 0 (unchanged) is in flight."""
+    """Layout changes at later buckets while bucket 0 is in flight, and a
+    bucket that moves to another index, displacing one that is split."""
     monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
     model, ref = make_model(), make_model()
     state = mt.CommHookState(model, hierarchy=hierarchy, **_HOOK_OP)
@@ -875,7 +876,12 @@ def test_comm_hook_takes_residuals_over_when_a_later_bucket_changes(comm, monkey
     p = list(model.parameters())  # 0.weight 0.bias 2.weight 2.bias 4.weight 4.bias
     layouts = [[[p[5], p[4]], [p[3], p[2], p[1], p[0]]],       # step 0
                [[p[5], p[4]], [p[3], p[2]], [p[1], p[0]]],     # DDP "rebuilt" bucket 1
-               [[p[5], p[4]], [p[2], p[3]], [p[0], p[1]]]]     # and again, reordered
+               [[p[5], p[4]], [p[2], p[3]], [p[0], p[1]]],     # and again, reordered
+               # bucket 2 moves to index 0 (its key unchanged) and the bucket it
+               # displaces there is split over indices 2 and 3: the displaced
+               # bucket's residuals were dropped (review of issue 16)
+               [[p[0], p[1]], [p[2], p[3]], [p[5]], [p[4]]],
+               [[p[5], p[4]], [p[3], p[2], p[1], p[0]]]]       # back to step 0's
     ok = True
     for step, layout in enumerate(layouts):
         model.zero_grad()

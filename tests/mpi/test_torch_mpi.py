@@ -786,13 +786,16 @@ def test_comm_hook_equals_gradient_sync_across_ddp_bucket_rebuild(comm, gloo, mo
 @pytest.mark.mpi
 @pytest.mark.skipif(not hasattr(mpigc, "save_checkpoint"),
                     reason="mpigc.save_checkpoint is not in this build")
-def test_comm_hook_checkpoint_and_no_sync(comm, gloo, tmp_path_factory):
+@pytest.mark.parametrize("hierarchy", ["flat", "node"])
+def test_comm_hook_checkpoint_and_no_sync(comm, gloo, tmp_path_factory, monkeypatch,
+                                          hierarchy):
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
     path = comm.bcast(str(tmp_path_factory.mktemp("hook")) if comm.rank == 0 else None)
     model, ref = make_model(), make_model()
     ddp = _ddp(model)
-    state = mt.CommHookState(ddp, **_HOOK_OP)
+    state = mt.CommHookState(ddp, hierarchy=hierarchy, **_HOOK_OP)
     ddp.register_comm_hook(state, mt.comm_hook)
-    sync = mt.GradientSync(ref, bucket_mb=1, **_HOOK_OP)  # another layout
+    sync = mt.GradientSync(ref, bucket_mb=1, hierarchy=hierarchy, **_HOOK_OP)  # another layout
 
     def compare(d):
         got = {n.replace("module.", "", 1): g for n, g in grads_of(d).items()}
@@ -814,7 +817,7 @@ def test_comm_hook_checkpoint_and_no_sync(comm, gloo, tmp_path_factory):
         ok &= compare(ddp)
     state.save_checkpoint(path + "/res", step=3)
     ddp2 = _ddp(copy.deepcopy(model))
-    state2 = mt.CommHookState(ddp2, **_HOOK_OP)
+    state2 = mt.CommHookState(ddp2, hierarchy=hierarchy, **_HOOK_OP)
     state2.load_checkpoint(path + "/res")
     ddp2.register_comm_hook(state2, mt.comm_hook)
     ddp2.zero_grad()
@@ -823,6 +826,7 @@ def test_comm_hook_checkpoint_and_no_sync(comm, gloo, tmp_path_factory):
     backward(ref, comm.rank, 3)
     sync.wait()
     ok &= compare(ddp2)
+    ok &= (hierarchy == "node") == bool(_hier_keys(state2))
     assert_all(ok)
 
 

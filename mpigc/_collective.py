@@ -587,8 +587,8 @@ class _Op(PendingCall):
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
                  recvcounts, out, row):
         be, dbuf, dtype = adopt_input(self.kind, buf, self.cs)
-        self.be, self.dev = be, be.device
         dev = be.device
+        self.be, self.dev = be, dev
         self.buf = buf
         self.flat = dbuf.reshape(dbuf.size)
         self.n = n = self.flat.size

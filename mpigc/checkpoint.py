@@ -300,6 +300,17 @@ def _meta_crc(meta):
     return zlib.crc32(json.dumps(m, sort_keys=True, separators=(",", ":")).encode())
 
 
+def _hier_groups(entries):
+    """``{(key, L, n): {slice: entry}}``: the hierarchical residuals among
+    ``entries`` (``{key: entry}``), grouped by the user's key and layout."""
+    hier = {}
+    for k, e in entries.items():
+        sk = _hierarchy.parse_slice_key(k)
+        if sk is not None:
+            hier.setdefault((sk[0], sk[2], sk[3]), {})[sk[1]] = e
+    return hier
+
+
 def _hier_rows(c, hier):
     """``{(key, L, n): (dtype name, config json, calls)}`` of every
     hierarchical key held by any rank (collective), and ``hier`` completed
@@ -455,12 +466,10 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None):
                 step, (int, np.integer))):
             raise ConfigError(f"step: expected an int or None, got {step!r}")
         held = fb._hold_entries()
-        hier = {}  # (key, L, n) -> {slice: entry}: hierarchical residuals
+        hier = _hier_groups(held)
         for key in sorted(held):
             e = held[key]
-            sk = _hierarchy.parse_slice_key(key)
-            if sk is not None:
-                hier.setdefault((sk[0], sk[2], sk[3]), {})[sk[1]] = e
+            if _hierarchy.parse_slice_key(key) is not None:
                 continue
             if (e.world_size, e.rank) != (size, rank):
                 raise StateError(
@@ -468,11 +477,10 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None):
                     f"this is rank {rank} of {size}: save with the communicator the key "
                     "was used on")
             rows.append((key, *_layout_of(e)))
-        bases = [b for b, _, _ in hier]
-        for b in bases:
-            if bases.count(b) > 1 or b + HIER_SUFFIX in held:
-                raise StateError(f"key {b!r} holds hierarchical residuals of several layouts "
-                                 f"(nodes or sizes); reset({b!r}) the stale ones")
+        for b, _, _ in hier:  # several layouts of one key: _hier_rows, on every rank
+            if b + HIER_SUFFIX in held:
+                raise StateError(f"key {b!r} clashes with the row of its hierarchical "
+                                 f"residuals ({b + HIER_SUFFIX!r} is a key too)")
     except Exception as e:  # noqa: BLE001 - raised collectively
         exc = e
     token, datadir, committed = None, None, False

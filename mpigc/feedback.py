@@ -90,6 +90,13 @@ class _Entry:
         return (f"{self.n} values of {self.dtype} on {self.world_size} rank(s)")
 
 
+def _entry_state(e):
+    """One entry as :meth:`ErrorFeedback.state_dict` gives it (host copies)."""
+    return {"worker": _host(e.worker), "owner": _host(e.owner), "config": dict(e.config),
+            "calls": e.calls, "world_size": e.world_size, "rank": e.rank, "n": e.n,
+            "dtype": e.dtype.name}
+
+
 def _host(a):
     """A host copy of residual ``a`` (host or device), or None."""
     if a is None:
@@ -149,16 +156,7 @@ class ErrorFeedback:
                 raise StateError(f"key(s) {sorted(self._busy)} in use by a pending "
                                  "collective; wait for it before taking the state")
             for key, e in self._entries.items():
-                out[key] = {
-                    "worker": _host(e.worker),
-                    "owner": _host(e.owner),
-                    "config": dict(e.config),
-                    "calls": e.calls,
-                    "world_size": e.world_size,
-                    "rank": e.rank,
-                    "n": e.n,
-                    "dtype": e.dtype.name,
-                }
+                out[key] = _entry_state(e)
         return out
 
     def load_state_dict(self, state):

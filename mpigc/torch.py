@@ -46,7 +46,7 @@ from ._errors import (ConfigError, DTypeError, MismatchError, MpigcError, NonFin
 from .allreduce import iallreduce
 from .compressors import get_compressor
 from . import _dispatch, _hierarchy
-from .feedback import ErrorFeedback, _host, shard_bounds
+from .feedback import ErrorFeedback, _entry_state, shard_bounds
 from ._adam import CompressedAdamW
 
 __all__ = ["GradientSync", "DistributedOptimizer", "CommHookState", "comm_hook",
@@ -374,11 +374,7 @@ def _hier_to_flat(c, lay, fbs, size, rank):
     from . import checkpoint
     tmp = ErrorFeedback()
     tmp.load_state_dict(fbs)
-    hier = {}
-    for k, e in tmp._entries.items():
-        sk = _hierarchy.parse_slice_key(k)
-        if sk is not None:
-            hier.setdefault((sk[0], sk[2], sk[3]), {})[sk[1]] = e
+    hier = checkpoint._hier_groups(tmp._entries)
     rows = checkpoint._hier_rows(c, hier)
     out = dict(fbs)
     for k, e in checkpoint._hier_to_flat(c, lay, hier, rows, size, rank).items():
@@ -1466,10 +1462,7 @@ class CommHookState:
                 for k in self._keys(lay):
                     e = self.feedback._entries.get(k)
                     if e is not None:
-                        fbs[k] = {"worker": _host(e.worker), "owner": _host(e.owner),
-                                  "config": dict(e.config), "calls": e.calls,
-                                  "world_size": e.world_size, "rank": e.rank, "n": e.n,
-                                  "dtype": e.dtype.name}
+                        fbs[k] = _entry_state(e)
             if self._hier:  # the slices' residuals in the flat layout of each bucket
                 fbs = _hier_to_flat(self._comm, self._lay, fbs, self.size, self.rank)
             self._pending.update(_state_from_layouts(stale, fbs, self._comm, self.gather))

@@ -560,6 +560,25 @@ def test_checkpoint_of_fewer_elements_than_slices(comm, fb, split, tmp_path_fact
 
 
 @pytest.mark.mpi
+def test_checkpoint_refuses_a_key_of_two_hierarchical_layouts(comm, fb, split,
+                                                             tmp_path_factory):
+    """A key used hierarchically at two sizes holds residuals of two layouts:
+    save_checkpoint raises StateError on every rank (one row per key), and
+    saves once the stale ones are reset."""
+    path = comm.bcast(str(tmp_path_factory.mktemp("h2lay")) if comm.rank == 0 else None)
+    for n in (100, 200):
+        mpigc.allreduce(grads(comm.rank, n), "2bit", key="k", feedback=fb, hierarchy="node")
+    raises_everywhere(mpigc.StateError,
+                      lambda: mpigc.save_checkpoint(path + "/ck", fb, comm=comm))
+    for k in fb.keys():
+        if ":100]" in k:
+            fb.reset(k)
+    mpigc.save_checkpoint(path + "/ck", fb, comm=comm)
+    info = mpigc.load_checkpoint(path + "/ck", mpigc.ErrorFeedback(), comm=comm)
+    assert_all(info["keys"] == ["k@hier"], f"keys {info['keys']}", comm)
+
+
+@pytest.mark.mpi
 @pytest.mark.parametrize("saved,used", [("node", "node"), ("node", "flat"), ("flat", "node")])
 def test_checkpoint_config_check_covers_hierarchical_keys(comm, split, tmp_path_factory,
                                                           saved, used):

@@ -21,7 +21,7 @@ import zlib
 import torch
 
 from .allreduce import allreduce
-from ._errors import ConfigError, InvalidBufferError, MismatchError
+from ._errors import ConfigError, InvalidBufferError, MismatchError, MpigcError
 from .feedback import ErrorFeedback
 
 __all__ = ["CompressedAdamW"]
@@ -73,19 +73,52 @@ class CompressedAdamW(torch.optim.Optimizer):
                  op="1bit", freeze_steps=100, comm=None, key="adamw", gather="compressed",
                  nonfinite="skip", **op_params):
         from mpi4py import MPI
-        if lr < 0 or eps < 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ConfigError(f"CompressedAdamW: invalid lr={lr}, betas={betas}, eps={eps} "
-                              f"or weight_decay={weight_decay}")
-        if int(freeze_steps) != freeze_steps or freeze_steps < 1:
-            raise ConfigError("freeze_steps must be an integer >= 1 (the variance to freeze "
-                              f"comes from the exact warm-up), got {freeze_steps!r}")
-        if nonfinite not in ("skip", "raise"):
-            raise ConfigError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
-        super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
-                                      weight_decay=weight_decay))
+        from .torch import agree_construction
         import mpigc
         self.comm = MPI.COMM_WORLD if comm is None else comm
-        self.compressor = mpigc.get_compressor(op, **op_params)
+        # every argument is checked before the first collective, and the
+        # checks are agreed on there (a rank that raised alone would leave the
+        # others waiting in it)
+        exc, settings, ps = None, None, []
+        try:
+            if not isinstance(self.comm, MPI.Intracomm):
+                raise ConfigError(f"comm: expected an mpi4py Intracomm, got "
+                                  f"{type(self.comm).__name__}")
+            if (lr < 0 or eps < 0 or weight_decay < 0
+                    or not all(0 <= b < 1 for b in betas)):
+                raise ConfigError(f"CompressedAdamW: invalid lr={lr}, betas={betas}, "
+                                  f"eps={eps} or weight_decay={weight_decay}")
+            if int(freeze_steps) != freeze_steps or freeze_steps < 1:
+                raise ConfigError("freeze_steps must be an integer >= 1 (the variance to "
+                                  "freeze comes from the exact warm-up), got "
+                                  f"{freeze_steps!r}")
+            if nonfinite not in ("skip", "raise"):
+                raise ConfigError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+            super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
+                                          weight_decay=weight_decay))
+            self.compressor = mpigc.get_compressor(op, **op_params)
+            ps = [p for g in self.param_groups for p in g["params"]]
+            if not ps:
+                raise ConfigError("CompressedAdamW: no parameters")
+            dtypes = {p.dtype for p in ps}
+            devices = {p.device for p in ps}
+            if len(dtypes) > 1 or len(devices) > 1 or next(iter(dtypes)) not in (
+                    torch.float32, torch.float64):
+                raise InvalidBufferError(
+                    "CompressedAdamW: parameters must all be float32 or all float64, on "
+                    f"one device; got dtypes {sorted(map(str, dtypes))} on "
+                    f"{sorted(map(str, devices))}")
+            settings = {"op": self.compressor.get_config(), "freeze_steps": int(freeze_steps),
+                        "key": str(key), "gather": gather, "nonfinite": nonfinite,
+                        "groups": [{k: (list(v) if isinstance(v, tuple) else v)
+                                    for k, v in g.items() if k != "params"}
+                                   for g in self.param_groups]}
+        except (MpigcError, TypeError, ValueError) as e:
+            exc = e
+        if not isinstance(self.comm, MPI.Intracomm):
+            raise exc  # no communicator to tell the others on
+        self._comm = self.comm.Dup()  # this optimizer's own small collectives
+        agree_construction(self._comm, exc, settings, "CompressedAdamW")
         self.freeze_steps = int(freeze_steps)
         self.key = str(key)
         self.gather = gather
@@ -94,16 +127,6 @@ class CompressedAdamW(torch.optim.Optimizer):
         #: steps skipped because exchanged values were not finite
         self.skipped_steps = 0
         self._steps = 0
-        ps = [p for g in self.param_groups for p in g["params"]]
-        if not ps:
-            raise ConfigError("CompressedAdamW: no parameters")
-        dtypes = {p.dtype for p in ps}
-        devices = {p.device for p in ps}
-        if len(dtypes) > 1 or len(devices) > 1 or next(iter(dtypes)) not in (torch.float32,
-                                                                             torch.float64):
-            raise InvalidBufferError(
-                "CompressedAdamW: parameters must all be float32 or all float64, on one "
-                f"device; got dtypes {sorted(map(str, dtypes))} on {sorted(map(str, devices))}")
         self._check_same([(tuple(p.shape), str(p.dtype)) for p in ps], "the parameters")
         n = sum(p.numel() for p in ps)
         dev, dt = ps[0].device, ps[0].dtype
@@ -120,7 +143,7 @@ class CompressedAdamW(torch.optim.Optimizer):
     # -- helpers -----------------------------------------------------------------
     def _check_same(self, items, what):
         mine = zlib.crc32(repr(items).encode())
-        if len(set(self.comm.allgather(mine))) > 1:
+        if len(set(self._comm.allgather(mine))) > 1:
             raise MismatchError(f"CompressedAdamW: the ranks disagree on {what}")
 
     def _wire(self, t):

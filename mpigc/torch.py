@@ -41,16 +41,18 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 
 from . import _comm as _engine_comm
 from . import _comm
-from ._errors import (ConfigError, DTypeError, MismatchError, MpigcError, NonFiniteError,
-                      StateError)
+from ._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError,
+                      MpigcError, NonFiniteError, StateError)
 from .allreduce import iallreduce
 from .compressors import get_compressor
 from . import _dispatch, _hierarchy
+from ._collective import GATHER_MODES, NONFINITE_POLICIES
 from .feedback import ErrorFeedback, _entry_state, shard_bounds
 from ._adam import CompressedAdamW
 
 __all__ = ["GradientSync", "DistributedOptimizer", "CommHookState", "comm_hook",
-           "broadcast_parameters", "broadcast_optimizer_state", "Bucket", "CompressedAdamW"]
+           "broadcast_parameters", "broadcast_optimizer_state", "Bucket", "CompressedAdamW",
+           "init_process_group"]
 
 
 def _hooked_by(p):
@@ -68,7 +70,33 @@ _BUCKET_DTYPES = {torch.float16: np.float32, torch.bfloat16: np.float32,
 def _raise_everywhere(comm, exc, what):
     """Raise on every rank if ``exc`` is not None on some rank (collective)."""
     _comm.agree(comm, exc, what, default=StateError, classes={c.__name__: c for c in (
-        ConfigError, DTypeError, MismatchError, MpigcError, StateError)})
+        ConfigError, DTypeError, InvalidBufferError, MismatchError, MpigcError, StateError,
+        TypeError, ValueError)})
+
+
+def agree_construction(comm, exc, settings, what):
+    """The first collective of a constructor (collective over ``comm``).
+
+    Raises on every rank when the arguments were refused on some rank
+    (``exc``: a rank that raised alone before its first collective would
+    leave the others waiting in it), then :class:`MismatchError` on every
+    rank when ``settings`` (a dict of JSON values) differ between ranks,
+    naming the settings and the ranks.
+    """
+    _raise_everywhere(comm, exc, what)
+    rows = comm.allgather(json.dumps(settings, sort_keys=True, default=repr))
+    if all(r == rows[0] for r in rows):
+        return
+    ref = json.loads(rows[0])
+    differ = []
+    for r, row in enumerate(rows[1:], 1):
+        mine = json.loads(row)
+        for k in sorted(set(ref) | set(mine)):
+            if ref.get(k) != mine.get(k):
+                differ.append(f"{k}={mine.get(k)!r} on rank {r} but {ref.get(k)!r} on rank 0")
+    raise MismatchError(f"{what}: the ranks were given different settings: "
+                        + "; ".join(differ[:5]) + (" ..." if len(differ) > 5 else "")
+                        + " (every rank must pass the same arguments)")
 
 
 def _check_same(comm, items, what):
@@ -119,7 +147,11 @@ def _resolve_comm(comm):
 def _torch_nonfinite(nonfinite):
     """The torch layer's default policy for NaN/Inf gradients: ``"skip"``
     (``$MPIGC_NONFINITE`` overrides it), so that a loss scaler sees them."""
-    return nonfinite if nonfinite is not None else os.environ.get("MPIGC_NONFINITE", "skip")
+    policy = nonfinite if nonfinite is not None else os.environ.get("MPIGC_NONFINITE", "skip")
+    if policy not in NONFINITE_POLICIES:
+        raise ConfigError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}"
+                          + ("" if nonfinite is not None else " (from $MPIGC_NONFINITE)"))
+    return policy
 
 
 def _resolve_timeout(timeout):
@@ -138,23 +170,69 @@ def _resolve_timeout(timeout):
     return timeout or None
 
 
-def _wait_request(req, timeout, progress, what):
-    """Complete an mpi4py request, calling ``progress()`` while polling;
-    :class:`StateError` (on this rank) after ``timeout`` seconds."""
+def _check_feedback(feedback):
+    """``feedback`` as a store: a new one for None."""
+    if feedback is None:
+        return ErrorFeedback()
+    if not isinstance(feedback, ErrorFeedback):
+        raise ConfigError(f"feedback: expected an ErrorFeedback, got {type(feedback).__name__}")
+    return feedback
+
+
+def _positive(x):
+    try:
+        return float(x) > 0
+    except (TypeError, ValueError):
+        return False
+
+
+def _check_gather(gather):
+    if gather not in GATHER_MODES:
+        raise ConfigError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
+
+
+_UNEVEN = ("the other ranks did not reach this step's gradient synchronisation within "
+           "{timeout:g} s. A rank that ran out of batches (uneven inputs)? Wrap the training "
+           "loop in `with sync.join():` (`opt.join()`, DistributedOptimizer) on every rank. "
+           "The step stays pending (timeout=, $MPIGC_TORCH_TIMEOUT)")
+
+
+def _wait_request(test, timeout, progress, what, why=_UNEVEN):
+    """Poll ``test()`` (a request's) until it is true, calling ``progress()``
+    meanwhile; :class:`StateError` (on this rank) after ``timeout`` seconds,
+    its message ``what: why``."""
     deadline = None if timeout is None else time.monotonic() + timeout
     spins = 0
-    while not req.Test():
+    while not test():
         progress()
         spins += 1
         if spins > 200:
             if deadline is not None and time.monotonic() > deadline:
-                raise StateError(
-                    f"{what}: the other ranks did not reach this step's gradient "
-                    f"synchronisation within {timeout:g} s. A rank that ran out of batches "
-                    "(uneven inputs)? Wrap the training loop in `with sync.join():` "
-                    "(`opt.join()`, DistributedOptimizer) on every rank. The step stays "
-                    "pending (timeout=, $MPIGC_TORCH_TIMEOUT)")
+                raise StateError(f"{what}: " + why.format(timeout=timeout))
             time.sleep(0.0002)
+
+
+class _Rendezvous:
+    """Every rank's arrival at a collective method of this layer (a state
+    dict, a checkpoint), within a timeout. A checkpoint saved inside ``if
+    rank == 0:`` then ends on that rank with an error that says what to do,
+    instead of waiting forever in the method's first collective."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.req = None  # a barrier posted by a call that timed out
+
+    def __call__(self, timeout, what):
+        if self.req is None:
+            self.req = self.comm.Ibarrier()
+        _wait_request(self.req.Test, timeout, lambda: None, what,
+                      "the other ranks did not call it within {timeout:g} s. It is "
+                      "collective: call it on every rank, not only on the one that writes "
+                      "the model's checkpoint (not inside `if rank == 0:` / `if "
+                      "master_process:`). Its barrier stays posted: call it on every rank "
+                      "before any other collective use of this object (timeout=, "
+                      "$MPIGC_TORCH_TIMEOUT)")
+        self.req = None
 
 
 def _copy_of(a, into=None):
@@ -406,6 +484,49 @@ def _flat_to_hier(c, comm, new, hierarchy, who):
 
 
 # -- broadcast helpers ---------------------------------------------------------
+def init_process_group(backend=None, *, comm=None, master_addr=None, master_port=None,
+                       **kwargs):
+    """``torch.distributed.init_process_group`` over the ranks of an MPI job
+    (``mpirun``, ``srun``: any launcher MPI runs under), as under ``torchrun``
+    (collective over ``comm``).
+
+    Sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR`` and ``MASTER_PORT`` from the MPI job
+    (:func:`mpigc.launch.torchrun_env`: the address and a free port are agreed
+    over MPI), then initialises the default process group from them. A script
+    written for ``torchrun`` calls this instead of
+    ``torch.distributed.init_process_group`` and reads the variables as
+    before; or it stays unchanged under ``python -m mpigc.launch``.
+
+    Parameters
+    ----------
+    backend : str, optional
+        ``"nccl"`` when CUDA is available, else ``"gloo"`` (default).
+    comm, master_addr, master_port
+        As for :func:`mpigc.launch.torchrun_env`.
+    **kwargs
+        Passed on (``timeout=``, ``device_id=``, ...).
+
+    Returns
+    -------
+    dict
+        The variables set.
+
+    Examples
+    --------
+    >>> env = mpigc.torch.init_process_group()               # doctest: +SKIP
+    >>> model = DDP(model.to(device), device_ids=[int(env["LOCAL_RANK"])])  # doctest: +SKIP
+    """
+    from .launch import torchrun_env
+    env = torchrun_env(comm, master_addr=master_addr, master_port=master_port)
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    torch.distributed.init_process_group(backend, init_method="env://",
+                                         rank=int(env["RANK"]),
+                                         world_size=int(env["WORLD_SIZE"]), **kwargs)
+    return env
+
+
 def _named_tensors(obj):
     if isinstance(obj, torch.nn.Module):
         return list(obj.named_parameters()) + list(obj.named_buffers())
@@ -615,7 +736,10 @@ class GradientSync:
     bucket starts a nonblocking compressed allreduce (:func:`mpigc.iallreduce`)
     while the rest of the backward pass runs. :meth:`wait` completes them and
     writes the averaged gradients back into ``param.grad``. Construction is
-    collective over ``comm``.
+    collective over ``comm``: the arguments are checked on every rank before
+    the first collective and must be the same on every rank
+    (:class:`mpigc.ConfigError` or :class:`mpigc.MismatchError` on every rank
+    otherwise).
 
     Parameters
     ----------
@@ -644,10 +768,13 @@ class GradientSync:
         before the step). ``"raise"``: :class:`mpigc.NonFiniteError` on every
         rank. See :attr:`nonfinite_steps`.
     timeout : float, optional
-        Seconds a rank waits in a step's synchronisation for the others
-        before it raises :class:`mpigc.StateError` (uneven inputs without
-        :meth:`join`); default ``$MPIGC_TORCH_TIMEOUT`` or 1800 (as
-        torch.distributed); 0 waits forever.
+        Seconds a rank waits for the others in a step's synchronisation
+        (uneven inputs without :meth:`join`) and in the collective methods
+        (:meth:`state_dict`, :meth:`save_checkpoint` and the loads: called on
+        one rank only, e.g. inside ``if rank == 0:``) before it raises
+        :class:`mpigc.StateError` on that rank; default
+        ``$MPIGC_TORCH_TIMEOUT`` or 1800 (as torch.distributed); 0 waits
+        forever.
     sync_on_backward : bool
         Complete the synchronisation at the end of every ``backward()``, as
         DDP does, so ``param.grad`` holds the averages when ``backward()``
@@ -705,11 +832,8 @@ class GradientSync:
                  hierarchy="flat", **params):
         self.comm = _resolve_comm(comm)
         self.device_buckets = bool(device_buckets)
-        self.compressor = get_compressor(op, **params)
         self.average = bool(average)
         self.gather = gather
-        self.nonfinite = _torch_nonfinite(nonfinite)
-        self.timeout = _resolve_timeout(timeout)
         self.sync_on_backward = bool(sync_on_backward)
         #: steps whose gradients were non-finite on some rank (``nonfinite="skip"``)
         self.nonfinite_steps = 0
@@ -719,25 +843,35 @@ class GradientSync:
         self.steps = 0
         self.find_unused_parameters = bool(find_unused_parameters)
         self.gradient_as_bucket_view = bool(gradient_as_bucket_view)
-        self.feedback = ErrorFeedback() if feedback is None else feedback
-        if not isinstance(self.feedback, ErrorFeedback):
-            raise ConfigError(f"feedback: expected an ErrorFeedback, got "
-                              f"{type(self.feedback).__name__}")
-        if not bucket_mb > 0:
-            raise ConfigError(f"bucket_mb: expected a positive number, got {bucket_mb!r}")
-        named = (list(module.named_parameters()) if isinstance(module, torch.nn.Module)
-                 else list(module))
-        self._comm = self.comm.Dup()  # this object's own small collectives
-        _engine_comm.resolve(self.comm)  # the engine's duplicate, now rather than in a hook
-        exc = None
+        # every argument is checked before the first collective, and the
+        # checks are agreed on there: a rank that raised alone would leave the
+        # others waiting in it
+        exc, settings, named = None, None, []
         try:
+            self.compressor = get_compressor(op, **params)
+            self.nonfinite = _torch_nonfinite(nonfinite)
+            self.timeout = _resolve_timeout(timeout)
+            self.feedback = _check_feedback(feedback)
+            if not _positive(bucket_mb):
+                raise ConfigError(f"bucket_mb: expected a positive number, got {bucket_mb!r}")
+            _check_gather(gather)
+            named = (list(module.named_parameters()) if isinstance(module, torch.nn.Module)
+                     else list(module))
             for n, p in named:
                 if p.requires_grad and p.dtype not in _BUCKET_DTYPES:
                     raise DTypeError(f"parameter {n!r}: expected a float16, bfloat16, "
                                      f"float32 or float64 parameter, got {p.dtype}")
-        except MpigcError as e:
+            settings = {"op": self.compressor.get_config(), "bucket_mb": float(bucket_mb),
+                        "average": self.average, "gather": gather,
+                        "nonfinite": self.nonfinite,
+                        "find_unused_parameters": bool(find_unused_parameters),
+                        "hierarchy": str(hierarchy)}
+        except (MpigcError, TypeError, ValueError) as e:
             exc = e
-        _raise_everywhere(self._comm, exc, "GradientSync")
+        self._comm = self.comm.Dup()  # this object's own small collectives
+        _engine_comm.resolve(self.comm)  # the engine's duplicate, now rather than in a hook
+        agree_construction(self._comm, exc, settings, "GradientSync")
+        self._arrive = _Rendezvous(self._comm)
         self.hierarchy = hierarchy
         # the node layout (collective): whether the buckets' calls are hierarchical
         self._lay, self._hier = _agree_hierarchy(self._comm, self.comm, hierarchy,
@@ -768,9 +902,11 @@ class GradientSync:
         self._dirty = False
         self._no_sync = 0
         self._versions = {}  # param index -> (grad, its _version) when its bucket started
-        # nonfinite="skip" with several buckets: residuals before the step, put
-        # back when another bucket of the step was skipped
-        self._keep_snapshots = self.nonfinite == "skip" and len(self.buckets) > 1
+        # several buckets: residuals before the step, put back when another
+        # bucket of the step was skipped (nonfinite="skip") or failed (an
+        # error, e.g. NaN/Inf with nonfinite="raise"), so a step changes the
+        # residuals of all its buckets or of none
+        self._keep_snapshots = len(self.buckets) > 1
         self._snapshots = {}
         self._spare_snapshots = {}  # key -> an old snapshot whose arrays are reused
         self._agree_req = None
@@ -951,7 +1087,7 @@ class GradientSync:
             self._launch_ready()
             changed = [self.names[i] for i, (g, v) in self._versions.items()
                        if self._params[i].grad is not g or g._version != v]
-            self._post_agreement(active=True, changed=len(changed),
+            self._post_agreement(active=True, changed=bool(changed),
                                  used=self._ready if self.find_unused_parameters else None)
             self._changed = changed
         buf = self._agreement()
@@ -971,7 +1107,7 @@ class GradientSync:
         self._agree_req = self._comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
     def _agreement(self):
-        _wait_request(self._agree_req, self.timeout, self._poke,
+        _wait_request(self._agree_req.Test, self.timeout, self._poke,
                       f"GradientSync (rank {self.rank} of {self.size})")
         self._agree_req = None
         return self._agree_buf
@@ -990,8 +1126,15 @@ class GradientSync:
                 errors.append(b.error)
         snapshots, self._snapshots = self._snapshots, {}
         changed, self._changed = self._changed, []
+        failed = {b.key for b in self.buckets if b.error is not None}
         self._reset_step()
         if errors:
+            # a failed call changed no residual; those of this step's other
+            # buckets go back to what they were before it
+            for key, snaps in snapshots.items():
+                if key not in failed:
+                    _restore_keys(self.feedback, snaps)
+            self._spare_snapshots.update(snapshots)
             raise errors[0]
         if buf[1]:
             raise StateError(
@@ -1129,6 +1272,7 @@ class GradientSync:
         owner residuals, gathered from the ranks that own those elements in
         the current bucketing. So the state does not depend on the buckets.
         """
+        self._arrive(self.timeout, "GradientSync.state_dict")
         exc = None
         try:
             self._idle("state_dict")
@@ -1152,6 +1296,7 @@ class GradientSync:
         :class:`mpigc.StateError` on every rank; otherwise they are ignored
         and the missing residuals start at zero.
         """
+        self._arrive(self.timeout, "GradientSync.load_state_dict")
         exc = None
         try:
             self._idle("load_state_dict")
@@ -1190,6 +1335,7 @@ class GradientSync:
         """Load residuals saved by :meth:`save_checkpoint` (collective), on any
         world size and bucketing; returns :func:`mpigc.load_checkpoint`'s info."""
         import mpigc
+        self._arrive(self.timeout, "GradientSync.load_checkpoint")
         fb = ErrorFeedback()
         info = mpigc.load_checkpoint(path, fb, comm=self.comm)
         self.load_state_dict(fb.state_dict(), strict=strict)
@@ -1384,25 +1530,43 @@ class CommHookState:
     nonfinite : str, optional
         As for :class:`GradientSync`: default ``"skip"``, so NaN/Inf reach DDP's
         gradients (and ``GradScaler``) as with DDP's own allreduce, and no
-        residual changes in that step.
+        residual changes in that step. ``"raise"``: the step's futures fail
+        with :class:`mpigc.NonFiniteError` on every rank, and no residual
+        changes either.
+    timeout : float, optional
+        As for :class:`GradientSync`: the seconds a rank waits for the others
+        in a step and in :meth:`state_dict`, :meth:`save_checkpoint` and the
+        loads before it raises :class:`mpigc.StateError` on that rank.
+
+    The arguments are checked on every rank before the first collective and
+    must be the same on every rank (:class:`mpigc.ConfigError` or
+    :class:`mpigc.MismatchError` on every rank otherwise).
     """
 
     def __init__(self, module, op="2bit", *, comm=None, average=True, gather="compressed",
-                 nonfinite=None, feedback=None, hierarchy="flat", **params):
+                 nonfinite=None, feedback=None, hierarchy="flat", timeout=None, **params):
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             module = module.module
         self.comm = _resolve_comm(comm)
-        self.compressor = get_compressor(op, **params)
         self.average = bool(average)
         self.gather = gather
-        self.nonfinite = _torch_nonfinite(nonfinite)
-        self.feedback = ErrorFeedback() if feedback is None else feedback
-        if not isinstance(self.feedback, ErrorFeedback):
-            raise ConfigError(f"feedback: expected an ErrorFeedback, got "
-                              f"{type(self.feedback).__name__}")
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        exc, settings, named = None, None, []
+        try:  # agreed on at the first collective, as GradientSync's
+            self.compressor = get_compressor(op, **params)
+            self.nonfinite = _torch_nonfinite(nonfinite)
+            self.timeout = _resolve_timeout(timeout)
+            self.feedback = _check_feedback(feedback)
+            _check_gather(gather)
+            named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+            settings = {"op": self.compressor.get_config(), "average": self.average,
+                        "gather": gather, "nonfinite": self.nonfinite,
+                        "hierarchy": str(hierarchy)}
+        except (MpigcError, TypeError, ValueError) as e:
+            exc = e
         self._comm = self.comm.Dup()
         _engine_comm.resolve(self.comm)
+        agree_construction(self._comm, exc, settings, "CommHookState")
+        self._arrive = _Rendezvous(self._comm)
         _check_same(self._comm, _describe(named), "CommHookState")
         self.hierarchy = hierarchy
         self._lay, self._hier = _agree_hierarchy(self._comm, self.comm, hierarchy,
@@ -1492,10 +1656,12 @@ class CommHookState:
         known = self._layouts.get(layout.index)
         if known is None or known.key != layout.key:
             self._place(layout)
+        # several buckets: a step changes the residuals of all or of none (see
+        # _complete)
         several = not (bucket.is_last() and bucket.index() == 0)
         snap = (_snapshot_keys(self.feedback, self._keys(layout),
                                self._spare_snapshots.pop(layout.key, None))
-                if self.nonfinite == "skip" and several else None)
+                if several else None)
         # DDP's flat bucket is reduced in place: a CUDA tensor as it is (the
         # engine reduces device arrays on the GPU, after what torch queued on
         # its current stream), a CPU one as numpy
@@ -1522,15 +1688,29 @@ class CommHookState:
         """The last bucket of the step: complete every bucket's allreduce and
         its future (DDP waits for them when backward ends)."""
         items, self._inflight = self._inflight, []
-        error = None
+        error, failed = None, []
         for _, _, req, _, _ in items:
             try:
+                _wait_request(req.test, self.timeout, lambda: None,
+                              f"comm_hook (rank {self.rank} of {self.size})",
+                              "the other ranks did not reach this step's gradient "
+                              "synchronisation within {timeout:g} s (uneven inputs? DDP's "
+                              "`join()` context manager on every rank; timeout=, "
+                              "$MPIGC_TORCH_TIMEOUT)")
                 req.wait()
+                failed.append(False)
             except Exception as e:  # noqa: BLE001
                 error = error or e
+                failed.append(True)
         for dev in {t.device for _, _, _, t, _ in items if t.is_cuda}:
             _torch_after_engine(dev)
-        if error is None and self.nonfinite == "skip":
+        if error is not None:
+            # a failed call changed no residual: put back those of the step's
+            # other buckets, so the failed step changes none
+            for (_, _, _, _, snap), bad in zip(items, failed):
+                if snap is not None and not bad:
+                    _restore_keys(self.feedback, snap)
+        elif self.nonfinite == "skip":
             bad = _first_is_nan([t for _, _, _, t, _ in items])
             if any(bad):  # a step GradScaler skips: put the other residuals back
                 self.nonfinite_steps += 1
@@ -1550,6 +1730,7 @@ class CommHookState:
     def state_dict(self):
         """Residuals per parameter name (collective), as
         :meth:`GradientSync.state_dict`."""
+        self._arrive(self.timeout, "CommHookState.state_dict")
         exc = None
         try:
             if self._inflight:
@@ -1569,6 +1750,7 @@ class CommHookState:
         """Load :meth:`state_dict` (or :meth:`GradientSync.state_dict`) output
         of this world size (collective); each bucket takes its parameters'
         residuals at its next step. ``strict`` as for GradientSync."""
+        self._arrive(self.timeout, "CommHookState.load_state_dict")
         exc = None
         try:
             if self._inflight:
@@ -1599,6 +1781,7 @@ class CommHookState:
         """Load a checkpoint of :meth:`save_checkpoint` or
         :meth:`GradientSync.save_checkpoint`, of any world size (collective)."""
         import mpigc
+        self._arrive(self.timeout, "CommHookState.load_checkpoint")
         fb = ErrorFeedback()
         info = mpigc.load_checkpoint(path, fb, comm=self.comm)
         self.load_state_dict(fb.state_dict(), strict=strict)

@@ -1014,3 +1014,112 @@ def test_hierarchy_must_agree_and_be_known(comm):
     if comm.size > 1:
         raises_everywhere(mpigc.MismatchError, lambda: mt.GradientSync(
             model, op="2bit", hierarchy="node" if comm.rank == 0 else "flat"))
+
+
+@pytest.mark.mpi
+def test_constructor_arguments_refused_on_one_rank_raise_everywhere(comm):
+    """A rank whose arguments are refused says so to the others at the
+    constructor's first collective (before, it raised alone and the others
+    waited forever in it); settings that differ between ranks raise too."""
+    last = comm.rank == comm.size - 1
+    model = make_model()
+    raises_everywhere(mpigc.ConfigError, lambda: mt.GradientSync(
+        model, op="2bit", bucket_mb=0 if last else 25), match="bucket_mb")
+    raises_everywhere(mpigc.ConfigError, lambda: mt.CommHookState(
+        model, op="2bit", nonfinite="bogus" if last else "skip"), match="nonfinite")
+    raises_everywhere(mpigc.ConfigError, lambda: mt.CompressedAdamW(
+        model.parameters(), freeze_steps=0 if last else 10), match="freeze_steps")
+    raises_everywhere(mpigc.ConfigError, lambda: mt.GradientSync(
+        model, op="2bit" if not last else "3bit"), match="3bit")
+    if comm.size > 1:
+        raises_everywhere(mpigc.MismatchError, lambda: mt.GradientSync(
+            model, op="2bit", bucket_mb=1 if last else 25), match="bucket_mb=1")
+        raises_everywhere(mpigc.MismatchError, lambda: mt.CompressedAdamW(
+            model.parameters(), lr=0.1 if last else 0.01), match="lr")
+    sync = mt.GradientSync(model, op="2bit")  # and a good one still builds
+    backward(model, comm.rank, 0)
+    sync.wait()
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("hook", [False, True])
+def test_raise_keeps_the_residuals_of_every_bucket(comm, gloo, hook):
+    """nonfinite="raise" with a NaN in one bucket on one rank: NonFiniteError
+    on every rank, and the residuals of the other (finite) buckets stay as
+    they were too, as wait()'s docstring promises (before, only the failed
+    bucket's call left its residuals alone)."""
+    model = make_model()
+    if hook:
+        ddp = _ddp(model)
+        state = mt.CommHookState(ddp, op="2bit", nonfinite="raise")
+        ddp.register_comm_hook(state, mt.comm_hook)
+        net, holder = ddp, state
+    else:
+        holder = mt.GradientSync(model, op="2bit", bucket_mb=0.002, nonfinite="raise")
+        net = model
+
+    def step(s):
+        net.zero_grad()
+        x, y = batch(comm.rank, s)
+        ((net(x) - y) ** 2).mean().backward()
+        if not hook:
+            holder.wait()
+
+    for s in range(3):  # DDP rebuilds its buckets after the first step
+        step(s)
+    before = holder.state_dict()
+    bias = model[4].bias  # the last layer: its own bucket (the first one sent)
+    h = bias.register_hook(lambda g: g * float("nan")) if comm.rank == comm.size - 1 else None
+    # through DDP, the hook's NonFiniteError reaches backward() as a RuntimeError
+    raises_everywhere(RuntimeError if hook else mpigc.NonFiniteError, lambda: step(3),
+                      match="non-finite")
+    if h is not None:
+        h.remove()
+    after = holder.state_dict()
+    same = set(before) == set(after)
+    for n in before:
+        for part in ("worker", "owner"):
+            a, b = before[n][part], after[n][part]
+            same &= (a is None and b is None) or np.array_equal(a, b)
+    assert_all(same, "a residual changed in the failed step")
+
+
+@pytest.mark.mpi
+def test_changed_after_backward_counts_ranks(comm):
+    """The "changed after backward" error counts the ranks that changed a
+    gradient (it summed the changed parameters over the ranks)."""
+    model = make_model()
+    sync = mt.GradientSync(model, op="2bit", bucket_mb=0.002)
+    backward(model, comm.rank, 0)
+    with torch.no_grad():
+        for p in list(model.parameters())[:3]:  # three parameters on every rank
+            p.grad.mul_(0.5)
+    raises_everywhere(mpigc.StateError, sync.wait, match=rf"on {comm.size} rank\(s\)")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("hook", [False, True])
+def test_state_dict_on_one_rank_fails_there_within_the_timeout(comm, gloo, hook):
+    """A DDP script saves inside `if master_process:`: the hook's (or
+    GradientSync's) state_dict called on rank 0 only ends there with a
+    StateError that says what to do, within the timeout (it hung every rank);
+    called again on every rank, it completes."""
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    model = make_model()
+    if hook:
+        holder = mt.CommHookState(_ddp(model), op="2bit", timeout=2)
+    else:
+        holder = mt.GradientSync(model, op="2bit", timeout=2)
+    err, took = None, None
+    if comm.rank == 0:
+        t0 = time.monotonic()
+        try:
+            holder.state_dict()
+        except mpigc.StateError as e:
+            err, took = e, time.monotonic() - t0
+    comm.Barrier()
+    ok = comm.rank != 0 or (err is not None and "every rank" in str(err)
+                            and "if rank == 0" in str(err) and took < 30)
+    state = holder.state_dict()  # every rank now: rank 0's barrier completes
+    assert_all(ok and isinstance(state, dict), f"{err!r} after {took} s")

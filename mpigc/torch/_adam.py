@@ -20,9 +20,10 @@ import zlib
 
 import torch
 
-from .allreduce import allreduce
-from ._errors import ConfigError, InvalidBufferError, MismatchError, MpigcError
-from .feedback import ErrorFeedback
+from ..allreduce import allreduce
+from .._errors import ConfigError, InvalidBufferError, MismatchError, MpigcError
+from ..feedback import ErrorFeedback
+from ._common import agree_construction
 
 __all__ = ["CompressedAdamW"]
 
@@ -73,7 +74,7 @@ class CompressedAdamW(torch.optim.Optimizer):
                  op="1bit", freeze_steps=100, comm=None, key="adamw", gather="compressed",
                  nonfinite="skip", **op_params):
         from mpi4py import MPI
-        from .torch import agree_construction
+
         import mpigc
         self.comm = MPI.COMM_WORLD if comm is None else comm
         # every argument is checked before the first collective, and the

@@ -1,0 +1,270 @@
+"""The torch layer's shared helpers: collective agreement of arguments,
+timed waits, and the glue between torch tensors and the engine's arrays."""
+import json
+import os
+import time
+import zlib
+
+import numpy as np
+import torch
+from mpi4py import MPI
+
+from .. import _comm
+from .._collective import GATHER_MODES, NONFINITE_POLICIES
+from .._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError,
+                       MpigcError, StateError)
+from ..feedback import ErrorFeedback
+
+
+
+BUCKET_DTYPES = {torch.float16: np.float32, torch.bfloat16: np.float32,
+                  torch.float32: np.float32, torch.float64: np.float64}
+
+# -- agreement helpers ---------------------------------------------------------
+def raise_everywhere(comm, exc, what):
+    """Raise on every rank if ``exc`` is not None on some rank (collective)."""
+    _comm.agree(comm, exc, what, default=StateError, classes={c.__name__: c for c in (
+        ConfigError, DTypeError, InvalidBufferError, MismatchError, MpigcError, StateError,
+        TypeError, ValueError)})
+
+
+def agree_construction(comm, exc, settings, what):
+    """The first collective of a constructor (collective over ``comm``).
+
+    Raises on every rank when the arguments were refused on some rank
+    (``exc``: a rank that raised alone before its first collective would
+    leave the others waiting in it), then :class:`MismatchError` on every
+    rank when ``settings`` (a dict of JSON values) differ between ranks,
+    naming the settings and the ranks.
+    """
+    raise_everywhere(comm, exc, what)
+    rows = comm.allgather(json.dumps(settings, sort_keys=True, default=repr))
+    if all(r == rows[0] for r in rows):
+        return
+    ref = json.loads(rows[0])
+    differ = []
+    for r, row in enumerate(rows[1:], 1):
+        mine = json.loads(row)
+        for k in sorted(set(ref) | set(mine)):
+            if ref.get(k) != mine.get(k):
+                differ.append(f"{k}={mine.get(k)!r} on rank {r} but {ref.get(k)!r} on rank 0")
+    raise MismatchError(f"{what}: the ranks were given different settings: "
+                        + "; ".join(differ[:5]) + (" ..." if len(differ) > 5 else "")
+                        + " (every rank must pass the same arguments)")
+
+
+def check_same(comm, items, what):
+    """Raise :class:`MismatchError` on every rank unless ``items`` (a list of
+    ``(name, shape, dtype)``) is the same on every rank."""
+    blob = json.dumps(items).encode()
+    fps = comm.allgather(zlib.crc32(blob))
+    if all(f == fps[0] for f in fps):
+        return
+    lists = comm.allgather(items)
+    ref = {n: (s, d) for n, s, d in lists[0]}
+    details = []
+    for r in range(1, comm.size):
+        if lists[r] == lists[0]:
+            continue
+        mine = {n: (s, d) for n, s, d in lists[r]}
+        missing = [n for n in ref if n not in mine]
+        extra = [n for n in mine if n not in ref]
+        differ = [f"{n} {list(ref[n][0])} {ref[n][1]} vs {list(mine[n][0])} {mine[n][1]}"
+                  for n in ref if n in mine and mine[n] != ref[n]]
+        parts = []
+        if missing:
+            parts.append(f"lacks {missing[:5]}" + (" ..." if len(missing) > 5 else ""))
+        if extra:
+            parts.append(f"has extra {extra[:5]}" + (" ..." if len(extra) > 5 else ""))
+        if differ:
+            parts.append("differs in " + "; ".join(differ[:5]))
+        if not parts:
+            parts.append("has them in another order")
+        details.append(f"rank {r} " + ", ".join(parts))
+    raise MismatchError(f"{what}: ranks have different parameters (compared with rank 0: "
+                        + "; ".join(details) + "); every rank must build the same model "
+                        "and freeze the same parameters")
+
+
+def describe(named):
+    return [(n, list(p.shape), str(p.dtype).replace("torch.", "")) for n, p in named]
+
+
+def resolve_comm(comm):
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if not isinstance(comm, MPI.Intracomm):
+        raise TypeError(f"comm: expected an mpi4py Intracomm, got {type(comm).__name__}")
+    return comm
+
+
+def torch_nonfinite(nonfinite):
+    """The torch layer's default policy for NaN/Inf gradients: ``"skip"``
+    (``$MPIGC_NONFINITE`` overrides it), so that a loss scaler sees them."""
+    policy = nonfinite if nonfinite is not None else os.environ.get("MPIGC_NONFINITE", "skip")
+    if policy not in NONFINITE_POLICIES:
+        raise ConfigError(f"nonfinite must be one of {NONFINITE_POLICIES}, got {policy!r}"
+                          + ("" if nonfinite is not None else " (from $MPIGC_NONFINITE)"))
+    return policy
+
+
+def resolve_timeout(timeout):
+    """Seconds a rank waits for the others to reach a step's synchronisation
+    (``$MPIGC_TORCH_TIMEOUT``, default 1800 as torch.distributed's); None or
+    0: forever."""
+    if timeout is None:
+        env = os.environ.get("MPIGC_TORCH_TIMEOUT", "1800")
+        try:
+            timeout = float(env)
+        except ValueError:
+            raise ConfigError(f"MPIGC_TORCH_TIMEOUT: expected seconds, got {env!r}") from None
+    timeout = float(timeout)
+    if timeout < 0:
+        raise ConfigError(f"timeout: expected seconds >= 0, got {timeout!r}")
+    return timeout or None
+
+
+def check_feedback(feedback):
+    """``feedback`` as a store: a new one for None."""
+    if feedback is None:
+        return ErrorFeedback()
+    if not isinstance(feedback, ErrorFeedback):
+        raise ConfigError(f"feedback: expected an ErrorFeedback, got {type(feedback).__name__}")
+    return feedback
+
+
+def positive(x):
+    try:
+        return float(x) > 0
+    except (TypeError, ValueError):
+        return False
+
+
+def check_gather(gather):
+    if gather not in GATHER_MODES:
+        raise ConfigError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
+
+
+_UNEVEN = ("the other ranks did not reach this step's gradient synchronisation within "
+           "{timeout:g} s. A rank that ran out of batches (uneven inputs)? Wrap the training "
+           "loop in `with sync.join():` (`opt.join()`, DistributedOptimizer) on every rank. "
+           "The step stays pending (timeout=, $MPIGC_TORCH_TIMEOUT)")
+
+
+def wait_request(test, timeout, progress, what, why=_UNEVEN):
+    """Poll ``test()`` (a request's) until it is true, calling ``progress()``
+    meanwhile; :class:`StateError` (on this rank) after ``timeout`` seconds,
+    its message ``what: why``."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    spins = 0
+    while not test():
+        progress()
+        spins += 1
+        if spins > 200:
+            if deadline is not None and time.monotonic() > deadline:
+                raise StateError(f"{what}: " + why.format(timeout=timeout))
+            time.sleep(0.0002)
+
+
+class Rendezvous:
+    """Every rank's arrival at a collective method of this layer (a state
+    dict, a checkpoint), within a timeout. A checkpoint saved inside ``if
+    rank == 0:`` then ends on that rank with an error that says what to do,
+    instead of waiting forever in the method's first collective."""
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.req = None  # a barrier posted by a call that timed out
+
+    def __call__(self, timeout, what):
+        if self.req is None:
+            self.req = self.comm.Ibarrier()
+        wait_request(self.req.Test, timeout, lambda: None, what,
+                      "the other ranks did not call it within {timeout:g} s. It is "
+                      "collective: call it on every rank, not only on the one that writes "
+                      "the model's checkpoint (not inside `if rank == 0:` / `if "
+                      "master_process:`). Its barrier stays posted: call it on every rank "
+                      "before any other collective use of this object (timeout=, "
+                      "$MPIGC_TORCH_TIMEOUT)")
+        self.req = None
+
+# -- device buckets ------------------------------------------------------------
+def simulating():
+    """True when the test seam ``mpigc.torch._sim_device_buckets`` is set
+    (under Numba's CUDA simulator only)."""
+    from .. import torch as package  # the seam is an attribute of the package
+    if not package._sim_device_buckets:
+        return False
+    from .. import _cuda
+    if not _cuda.simulator():
+        raise ConfigError("mpigc.torch._sim_device_buckets is a test seam of Numba's CUDA "
+                          "simulator: set NUMBA_ENABLE_CUDASIM=1")
+    return True
+
+
+def _sim_device_array(t):
+    """The seam: a simulated device array over CPU tensor ``t``'s memory."""
+    from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+    return FakeCUDAArray(t.detach().numpy())
+
+
+def engine_array(t, device):
+    """What the engine reduces for a contiguous 1-D bucket tensor ``t``: a CUDA
+    tensor itself (through ``__cuda_array_interface__``: the engine's device
+    path), under the test seam a simulated device array over it, else its
+    numpy view (the host path)."""
+    if t.is_cuda:
+        return t
+    if device:
+        return _sim_device_array(t)
+    return t.detach().numpy()
+
+
+def as_tensor(a, like):
+    """A torch view (no copy) of residual array ``a`` (numpy, Numba device or
+    simulated device array) for arithmetic next to tensor ``like``."""
+    if isinstance(a, np.ndarray):
+        return torch.from_numpy(a)
+    if like.is_cuda:
+        return torch.as_tensor(a, device=like.device)  # __cuda_array_interface__
+    return torch.from_numpy(a._ary)  # the simulator's array wraps a numpy array
+
+
+def engine_after_torch(device):
+    """Order the engine's kernels after what torch queued so far on its
+    current stream of ``device``. The engine launches on the default stream
+    (the legacy one, which is torch's default stream too): when torch's
+    current stream is another one, the default stream waits for an event
+    recorded on it (no host wait, no device-wide synchronisation)."""
+    cur = torch.cuda.current_stream(device)
+    engine = torch.cuda.default_stream(device)
+    if cur != engine:
+        engine.wait_stream(cur)
+
+
+def torch_after_engine(device):
+    """Order what torch queues next on its current stream after the engine's
+    kernels (the engine waits for them on the host before a call completes;
+    this event keeps the order should it ever return earlier)."""
+    cur = torch.cuda.current_stream(device)
+    engine = torch.cuda.default_stream(device)
+    if cur != engine:
+        cur.wait_stream(engine)
+
+
+def first_is_nan(tensors):
+    """``[isnan(t[0])]`` of 1-D tensors (False for empty ones) with one read
+    back per device, not one per tensor (a read waits for the stream)."""
+    out = [False] * len(tensors)
+    by_device = {}
+    for i, t in enumerate(tensors):
+        if t.numel():
+            by_device.setdefault(t.device, []).append(i)
+    for idx in by_device.values():
+        flags = torch.stack([torch.isnan(tensors[i][0]) for i in idx]).tolist()
+        for i, f in zip(idx, flags):
+            out[i] = bool(f)
+    return out
+
+NP_OF_TORCH = {torch.float16: np.float16, torch.float32: np.float32,
+                torch.float64: np.float64}

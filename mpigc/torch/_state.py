@@ -1,0 +1,262 @@
+"""Residual state of bucketed gradients, per parameter: snapshots of a
+bucket's residuals, the per-parameter state of a set of bucket layouts and its
+conversions (across bucketings, world sizes and hierarchical slices)."""
+import hashlib
+import json
+
+import numpy as np
+
+from .. import _dispatch, _hierarchy
+from .._errors import ConfigError, MismatchError, MpigcError, StateError
+from ..compressors import get_compressor
+from ..feedback import ErrorFeedback, shard_bounds
+
+from ._common import raise_everywhere
+
+
+def _copy_of(a, into=None):
+    """A copy of residual ``a`` on its own side (a device residual stays in
+    device memory), written into ``into`` when that fits; None for None."""
+    if a is None:
+        return None
+    if _dispatch.is_device_array(a):
+        from .. import _cuda
+        if (into is None or not _dispatch.is_device_array(into) or into.size != a.size
+                or np.dtype(into.dtype) != np.dtype(a.dtype)):
+            into = _cuda.empty(a.size, a.dtype)
+        if a.size:
+            _cuda.copy(into, a)
+        return into
+    if (into is None or not isinstance(into, np.ndarray) or into.shape != a.shape
+            or into.dtype != a.dtype):
+        return np.array(a, copy=True)
+    into[...] = a
+    return into
+
+
+def _snapshot(fb, key, reuse=None):
+    """A copy of ``key``'s residuals (None if the key has none yet), on their
+    side: device residuals are copied on the device, never to the host. The
+    arrays of ``reuse`` (an older snapshot of the key, no longer needed) are
+    written over when they fit, so a step allocates nothing."""
+    e = fb._entries.get(key)
+    if e is None:
+        return None
+    old_w, old_o = (reuse[0], reuse[1]) if reuse is not None else (None, None)
+    return _copy_of(e.worker, old_w), _copy_of(e.owner, old_o), e.calls
+
+
+def _restore(fb, key, snap):
+    """Put back what :func:`_snapshot` took (copied: the snapshot's arrays
+    stay the snapshot's)."""
+    if snap is None:
+        fb.reset(key)
+        return
+    e = fb._entries[key]
+    worker, owner, calls = snap
+    for name, old in (("worker", worker), ("owner", owner)):
+        cur = getattr(e, name)
+        if old is None or cur is None or cur.size != old.size:
+            setattr(e, name, _copy_of(old))
+        elif _dispatch.is_device_array(cur) or _dispatch.is_device_array(old):
+            from .. import _cuda
+            if cur.size:
+                _cuda.copy(cur, old)
+        else:
+            cur[...] = old
+    e.calls = calls
+
+
+def snapshot_keys(fb, keys, reuse=None):
+    """:func:`_snapshot` of each of ``keys`` (a bucket's residual keys):
+    ``{key: snapshot}``; ``reuse``: an older such dict whose arrays are
+    written over."""
+    reuse = reuse or {}
+    return {k: _snapshot(fb, k, reuse.get(k)) for k in keys}
+
+
+def restore_keys(fb, snaps):
+    """Put back :func:`snapshot_keys`'s ``snaps`` (keys without residuals
+    then are forgotten)."""
+    for k, snap in snaps.items():
+        _restore(fb, k, snap)
+
+
+class Layout:
+    """Where parameters sit in one flat buffer (a bucket of GradientSync or
+    of DDP): ``index``, ``key``, ``names``, ``offsets``, ``numels``, ``n``,
+    ``dtype`` (numpy)."""
+
+    def __init__(self, index, names, numels, dtype):
+        self.index = index
+        self.names = list(names)
+        self.numels = [int(m) for m in numels]
+        self.offsets = np.concatenate([[0], np.cumsum(self.numels)])[:-1].astype(int).tolist()
+        self.n = int(sum(self.numels))
+        self.dtype = np.dtype(dtype)
+        desc = json.dumps([[n, m] for n, m in zip(self.names, self.numels)]).encode()
+        digest = hashlib.sha1(desc).hexdigest()[:12]
+        self.key = f"torch/{self.names[0]}..{self.names[-1]}/{digest}"
+
+
+def _uses_owner(gather, config):
+    return gather == "compressed" and get_compressor(dict(config)).uses_feedback
+
+
+def state_from_layouts(layouts, fbs, comm, gather):
+    """Per-parameter residual state (see :meth:`GradientSync.state_dict`)
+    from the per-bucket ``fbs`` (an ``ErrorFeedback.state_dict()``) of
+    ``layouts`` (collective: one alltoall moves owner shards)."""
+    N, r = comm.size, comm.rank
+    out, sends = {}, [[] for _ in range(N)]
+    for b in layouts:
+        s = fbs.get(b.key)
+        if s is None:
+            continue
+        has_owner = _uses_owner(gather, s["config"])
+        lo, hi = shard_bounds(b.n, N)[r]
+        for name, off, m in zip(b.names, b.offsets, b.numels):
+            qlo, qhi = shard_bounds(m, N)[r]
+            out[name] = {
+                "worker": None if s["worker"] is None else s["worker"][off:off + m].copy(),
+                "owner": np.zeros(qhi - qlo, s["dtype"]) if has_owner else None,
+                "config": dict(s["config"]), "calls": s["calls"], "world_size": N,
+                "rank": r, "n": m, "dtype": s["dtype"]}
+            if s["owner"] is None:
+                continue
+            plo, phi = max(lo - off, 0), min(hi - off, m)  # my owned elements of it
+            for j, (jlo, jhi) in enumerate(shard_bounds(m, N)):
+                a, z = max(plo, jlo), min(phi, jhi)
+                if a < z:
+                    sends[j].append((name, a - jlo, s["owner"][off + a - lo:off + z - lo]))
+    for pieces in comm.alltoall(sends):
+        for name, start, vals in pieces:
+            out[name]["owner"][start:start + vals.size] = vals
+    return out
+
+
+def check_state(state, numel_of, N, r):
+    """Validate a per-parameter state against ``{name: numel}`` (local)."""
+    for name, s in state.items():
+        if name not in numel_of:
+            continue
+        m = numel_of[name]
+        if (int(s["world_size"]), int(s["rank"])) != (N, r):
+            raise StateError(
+                f"{name!r}: residuals of rank {s['rank']} of {s['world_size']}, this "
+                f"is rank {r} of {N}; reshard with mpigc.load_checkpoint first")
+        if int(s["n"]) != m:
+            raise StateError(f"{name!r}: residuals of {s['n']} values, the "
+                             f"parameter has {m}")
+        qlo, qhi = shard_bounds(m, N)[r]
+        if s.get("owner") is not None and np.asarray(s["owner"]).size != qhi - qlo:
+            raise StateError(f"{name!r}: owner residual of {np.asarray(s['owner']).size}"
+                             f" values, expected {qhi - qlo}")
+
+
+def entries_for_layouts(layouts, state, comm):
+    """The per-bucket ``ErrorFeedback`` state of ``layouts`` built from a
+    per-parameter ``state`` (collective: one alltoall moves owner shards)."""
+    N, r = comm.size, comm.rank
+    new, sends = {}, [[] for _ in range(N)]
+    by_index = {b.index: b for b in layouts}
+    for b in layouts:
+        saved = [(name, off, m, state[name]) for name, off, m
+                 in zip(b.names, b.offsets, b.numels) if name in state]
+        if not saved:
+            continue
+        dtype = b.dtype
+        worker = None
+        if any(s.get("worker") is not None for *_, s in saved):
+            worker = np.zeros(b.n, dtype)
+            for name, off, m, s in saved:
+                if s.get("worker") is not None:
+                    worker[off:off + m] = np.asarray(s["worker"]).reshape(-1)
+        has_owner = any(s.get("owner") is not None for *_, s in saved)
+        bounds = shard_bounds(b.n, N)
+        lo, hi = bounds[r]
+        new[b.key] = {"worker": worker,
+                      "owner": np.zeros(hi - lo, dtype) if has_owner else None,
+                      "config": dict(saved[0][3]["config"]),
+                      "calls": max(int(s.get("calls", 0)) for *_, s in saved),
+                      "world_size": N, "rank": r, "n": b.n, "dtype": dtype.name}
+        for name, off, m, s in saved:
+            if s.get("owner") is None:
+                continue
+            vals = np.asarray(s["owner"]).reshape(-1)
+            qlo, qhi = shard_bounds(m, N)[r]  # bucket positions off+qlo .. off+qhi
+            for j, (jlo, jhi) in enumerate(bounds):
+                a, z = max(off + qlo, jlo), min(off + qhi, jhi)
+                if a < z:
+                    sends[j].append((b.index, a - jlo, vals[a - off - qlo:z - off - qlo]))
+    for pieces in comm.alltoall(sends):
+        for index, start, vals in pieces:
+            owner = new[by_index[index].key]["owner"]
+            owner[start:start + vals.size] = vals
+    return new
+
+
+# -- hierarchical buckets (hierarchy="node"/"auto") ------------------------------
+def agree_hierarchy(c, comm, hierarchy, who):
+    """Check ``hierarchy`` and that every rank passed the same (collective
+    over ``c``): ``(layout, hierarchical)``, the node layout of ``comm``
+    (None for ``"flat"``) and whether the buckets' calls are hierarchical."""
+    exc = None
+    if hierarchy not in _hierarchy.HIERARCHY_MODES:
+        exc = ConfigError(f"hierarchy must be one of {_hierarchy.HIERARCHY_MODES}, got "
+                          f"{hierarchy!r}")
+    raise_everywhere(c, exc, who)
+    modes = c.allgather(hierarchy)
+    if any(m != modes[0] for m in modes):
+        exc = MismatchError(f"{who}: ranks disagree on hierarchy (" + ", ".join(
+            f"rank {r}: {m!r}" for r, m in enumerate(modes)) + ")")
+    raise_everywhere(c, exc, who)
+    lay = None if hierarchy == "flat" else _hierarchy.layout(comm)
+    return lay, lay is not None and lay.hierarchical(hierarchy)
+
+
+def residual_keys(lay, hier, key, n):
+    """``[(slice, key)]``: the residual keys of a bucket's calls on this rank:
+    its own (slice None), or, when the calls are hierarchical, those of the
+    slices this rank handles (``mpigc._hierarchy``)."""
+    if not hier:
+        return [(None, key)]
+    return [(sl, _hierarchy.slice_key(key, sl, lay.L, n)) for sl in lay.slices_of(lay.rank)]
+
+
+def hier_to_flat(c, lay, fbs, size, rank):
+    """``fbs`` (an ``ErrorFeedback.state_dict()``) with each bucket's
+    hierarchical residuals (slice keys) also in the flat layout under the
+    bucket's key (collective), as :func:`mpigc.save_checkpoint` converts them."""
+    from .. import checkpoint
+    tmp = ErrorFeedback()
+    tmp.load_state_dict(fbs)
+    hier = checkpoint._hier_groups(tmp._entries)
+    rows = checkpoint._hier_rows(c, hier)
+    out = dict(fbs)
+    for k, e in checkpoint._hier_to_flat(c, lay, hier, rows, size, rank).items():
+        out[k[:-len(checkpoint.HIER_SUFFIX)]] = {
+            "worker": e.worker, "owner": e.owner, "config": e.config, "calls": e.calls,
+            "world_size": size, "rank": rank, "n": e.n, "dtype": e.dtype.name}
+    return out
+
+
+def flat_to_hier(c, comm, new, hierarchy, who):
+    """The per-bucket flat-layout state ``new`` (of
+    :func:`entries_for_layouts`) as residual entries of hierarchical calls
+    on ``comm`` (collective): each bucket's worker residuals summed per node
+    to its slices' handlers, owner shards moved to the group owners, as
+    ``load_checkpoint(..., hierarchy=)`` does. ``{key: entry}``."""
+    from .. import checkpoint
+    exc, tmp = None, ErrorFeedback()
+    try:
+        tmp.load_state_dict(new)
+    except MpigcError as e:
+        exc = e
+    raise_everywhere(c, exc, who)
+    keys = c.allgather(sorted(tmp._entries))
+    if any(k != keys[0] for k in keys):
+        exc = StateError(f"{who}: ranks' states cover different buckets (" + "; ".join(
+            f"rank {r}: {len(k)} bucket(s)" for r, k in enumerate(keys)) + ")")
+    raise_everywhere(c, exc, who)
+    return checkpoint._to_layout(c, comm, tmp._entries, hierarchy)

@@ -7,8 +7,9 @@ upgrade or of ``pip install -e``) leaves them behind, and the folder left,
 without ``__init__.py``, then shadows another install of mpigc as an empty
 namespace package. A read-only or shared site-packages has its own trouble.
 
-mpigc's own jitted functions (those defined in ``mpigc.*``) therefore cache
-in a per-user folder, chosen in this order:
+mpigc's own jitted functions (those defined in ``mpigc.*``, also when a module
+runs as ``python -m mpigc.checkpoint``) therefore cache in a per-user folder,
+chosen in this order:
 
 1. ``MPIGC_CACHE_DIR`` (``off``, ``0`` or ``none``: no disk cache at all, every
    process compiles again);
@@ -31,7 +32,7 @@ import os
 import sys
 import tempfile
 
-__all__ = ["cache_dir", "enabled"]
+__all__ = ["cache_dir", "enabled", "enabled_for_cuda"]
 
 _OFF = ("off", "0", "none", "false", "no")
 _log = logging.getLogger("mpigc")
@@ -79,8 +80,19 @@ def enabled():
     return _state["dir"] is not None
 
 
+def _module_name(py_func):
+    """The name of the module that defined ``py_func``: for a module run with
+    ``python -m mpigc.x`` (whose ``__name__`` is ``__main__``), the name it
+    was run as (``mpigc.x``, from its ``__spec__``)."""
+    name = getattr(py_func, "__module__", None) or ""
+    if name == "__main__":
+        spec = getattr(py_func, "__globals__", {}).get("__spec__")
+        name = getattr(spec, "name", None) or name
+    return name
+
+
 def _is_mpigc(py_func):
-    return (getattr(py_func, "__module__", None) or "").split(".")[0] == "mpigc"
+    return _module_name(py_func).split(".")[0] == "mpigc"
 
 
 def _install_locator():
@@ -118,11 +130,34 @@ def _install_locator():
                 self._cache_path = _state["tmp"]
             return self
 
+    _state["locator"] = _MpigcCacheLocator
+    _add_locator(caching)
+
+
+def _add_locator(caching):
+    """Put mpigc's locator first in a caching module (Numba's, or numba-cuda's
+    copy of it), with the one-process-compiles lock."""
     impl = getattr(caching, "CacheImpl", None) or caching._CacheImpl
     if not any(getattr(c, "__name__", "") == "_MpigcCacheLocator"
                for c in impl._locator_classes):
-        impl._locator_classes = [_MpigcCacheLocator] + list(impl._locator_classes)
-        _serialise_compiles(caching.Cache, _MpigcCacheLocator)
+        impl._locator_classes = [_state["locator"]] + list(impl._locator_classes)
+        _serialise_compiles(caching.Cache, _state["locator"])
+
+
+def enabled_for_cuda():
+    """:func:`enabled` for numba-cuda's kernels (``@cuda.jit(cache=...)``):
+    numba-cuda caches through its own copy of Numba's caching module
+    (``numba.cuda.core.caching``), so mpigc's locator and lock go there
+    too: the CUDA kernels are cached in the same folder as the CPU ones, and
+    the ranks of a node compile each kernel once."""
+    if not enabled():
+        return False
+    try:
+        from numba.cuda.core import caching
+    except ImportError:  # Numba's built-in CUDA target: Numba's caching module
+        return True
+    _add_locator(caching)
+    return True
 
 
 def _serialise_compiles(cache_cls, locator_cls):

@@ -371,6 +371,80 @@ def _hier_to_flat(c, lay, hier, rows, size, rank):
     return out
 
 
+def check_hierarchy_mode(mode):
+    """Raise :class:`ConfigError` unless ``mode`` is a ``hierarchy=`` value
+    of the checkpoint functions: a mode, or None ("as saved" for a load,
+    "not recorded" for a save)."""
+    if mode is not None and mode not in _hierarchy.HIERARCHY_MODES:
+        raise ConfigError(f"hierarchy must be one of {_hierarchy.HIERARCHY_MODES} or None, "
+                          f"got {mode!r}")
+
+
+def _same_mode(modes, what):
+    """Raise MismatchError (on every rank: ``modes`` is every rank's
+    ``hierarchy=``, gathered) unless the ranks passed the same value."""
+    if any(m != modes[0] for m in modes):
+        raise MismatchError(f"{what}: ranks pass different hierarchy= (" + ", ".join(
+            f"rank {r}: {m!r}" for r, m in enumerate(modes)) + "); it must be the same "
+            "on every rank")
+
+
+def _auto_is_hierarchical(nodes, node_sizes):
+    """Whether ``hierarchy="auto"`` is hierarchical on a layout of ``nodes``
+    nodes of ``node_sizes`` ranks (as ``Layout.hierarchical("auto")``)."""
+    return nodes > 1 and max(node_sizes, default=0) > 1
+
+
+def _saved_hierarchy(meta, comm, skip=()):
+    """The ``hierarchy=`` mode :func:`load_checkpoint` installs the
+    checkpoint ``meta`` (a manifest) for by default, on ``comm``
+    (collective where it must look at the node layout; the same on every
+    rank).
+
+    1. The mode recorded by ``save_checkpoint(..., hierarchy=)``, if any.
+    2. ``"flat"`` when no key (other than those of ``skip``) holds
+       hierarchical residuals.
+    3. ``"node"`` when the saving layout is not hierarchical under
+       ``"auto"`` (one node, or one rank per node): only ``"node"`` made
+       hierarchical residuals there.
+    4. ``"auto"`` when the loading layout is hierarchical under ``"auto"``
+       (``"auto"`` and ``"node"`` install the same residuals there).
+
+    Otherwise ``"auto"`` and ``"node"`` would install the residuals
+    differently (flat and hierarchical) and nothing says which the
+    collectives will use: ConfigError (the caller raises it on every rank).
+    """
+    a = meta["attrs"]
+    mode = a.get("hierarchy_mode")
+    if mode is not None:
+        if mode not in _hierarchy.HIERARCHY_MODES:
+            raise CheckpointError(f"{meta.get('path')}: unknown hierarchy_mode {mode!r}")
+        return mode
+    hier = sorted(r[0][:-len(HIER_SUFFIX)] for r in meta["rows"]
+                  if r[0].endswith(HIER_SUFFIX) and r[0] not in skip)
+    if not hier or "hierarchy" not in a:  # a save records the layout of any it holds
+        return "flat"
+    try:
+        saved = json.loads(a["hierarchy"])
+        nodes, sizes = int(saved["nodes"]), [int(x) for x in saved["node_sizes"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{meta.get('path')}: the node layout of its hierarchical "
+                              f"rows (manifest attribute hierarchy) is unreadable: "
+                              f"{exc!r}") from exc
+    if not _auto_is_hierarchical(nodes, sizes):
+        return "node"
+    lay = _hierarchy.layout(comm)
+    if lay.hierarchical("auto"):
+        return "auto"
+    raise ConfigError(
+        f"the checkpoint holds hierarchical residuals of key(s) {hier}, saved on "
+        f"{nodes} nodes of {sizes} ranks; on this communicator's layout "
+        f"({lay.M} node(s) of {list(lay.node_sizes)} ranks) hierarchy='auto' would use "
+        "them flat and hierarchy='node' hierarchical, and the checkpoint does not say "
+        "which: pass load_checkpoint(..., hierarchy=) (load_training_state(..., "
+        "hierarchy=)) the value the collectives are called with")
+
+
 def _to_layout(c, comm, entries, mode):
     """The loaded entries (flat layout) in the form the collectives will use
     on ``comm`` with ``hierarchy=mode``: hierarchical residuals (keys
@@ -414,7 +488,8 @@ def _to_layout(c, comm, entries, mode):
     return out
 
 
-def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None):
+def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None,
+                    hierarchy=None):
     """Save the residuals of ``feedback`` to the checkpoint ``path`` (collective).
 
     Every rank writes its own residuals to its own HDF5 file (in parallel,
@@ -437,6 +512,11 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None):
     fsync : bool, optional
         Flush files and directories to stable storage (default: true, or
         ``$MPIGC_CHECKPOINT_FSYNC``).
+    hierarchy : {"flat", "auto", "node"}, optional
+        The ``hierarchy=`` the collectives were called with on ``comm``.
+        Recorded in the manifest (attribute ``hierarchy_mode``), so that
+        :func:`load_checkpoint` installs the residuals for the same mode by
+        default. Default: not recorded.
 
     Returns
     -------
@@ -449,7 +529,10 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None):
         On every rank, when a key is in use by a pending collective or was
         used on another communicator.
     MismatchError
-        When ranks hold different keys (or configs, sizes, call counts).
+        When ranks hold different keys (or configs, sizes, call counts), or
+        pass different ``hierarchy=``.
+    ConfigError
+        On every rank, for a ``hierarchy`` that is not one of the modes.
     CheckpointError
         When a file cannot be written; the previous checkpoint is kept.
     """
@@ -465,6 +548,7 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None):
         if step is not None and (isinstance(step, bool) or not isinstance(
                 step, (int, np.integer))):
             raise ConfigError(f"step: expected an int or None, got {step!r}")
+        check_hierarchy_mode(hierarchy)
         held = fb._hold_entries()
         hier = _hier_groups(held)
         for key in sorted(held):
@@ -490,12 +574,15 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None):
         hrows = _hier_rows(c, hier)
         for (b, L, n), (dtype, config, calls) in sorted(hrows.items()):
             rows.append((b + HIER_SUFFIX, n, dtype, config, calls))
-        digests = c.allgather((_digest(rows), len(rows)))
-        if any(d != digests[0] for d in digests):
+        digests = c.allgather((_digest(rows), len(rows), hierarchy))
+        if any(d[:2] != digests[0][:2] for d in digests):
             detail = ", ".join(f"rank {r}: {n} key(s), crc {d:08x}"
-                               for r, (d, n) in enumerate(digests))
+                               for r, (d, n, _) in enumerate(digests))
             raise MismatchError(f"save_checkpoint: ranks hold different keys, configs, sizes "
                                 f"or call counts ({detail})")
+        _same_mode([d[2] for d in digests], "save_checkpoint")
+        if hierarchy is not None:
+            extra["hierarchy_mode"] = hierarchy
         if any(r[0].endswith(HIER_SUFFIX) for r in rows):
             # every rank has the same rows: the hierarchical residuals go to the
             # flat layout (collective), with the node layout recorded
@@ -851,7 +938,7 @@ def _mismatches(meta, fb, configs):
 
 
 def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None,
-                    hierarchy="flat"):
+                    hierarchy=None):
     """Load the checkpoint ``path`` into ``feedback`` (collective).
 
     The store's content is replaced by the checkpoint's. On the world size
@@ -879,19 +966,27 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
         ``{key: compressor}`` (id, dict or Compressor) the keys will be used
         with. Without it, a key is compared with the store's live entry of
         that key, if any (so a fresh store accepts any checkpoint).
-    hierarchy : {"flat", "auto", "node"}
-        The ``hierarchy=`` the collectives will be called with on ``comm``
-        (default ``"flat"``, as theirs).
+    hierarchy : {"flat", "auto", "node"}, optional
+        The ``hierarchy=`` the collectives will be called with on ``comm``.
         Where it makes them hierarchical (``docs/cluster.md``), every key's
         residuals (saved flat or hierarchical, on any node layout) are
         installed as hierarchical residuals of this layout (worker residuals
         summed per node and slice, owner residuals moved to the group
         owners); otherwise as flat ones. The totals are kept either way.
+        Default: as saved. That is the mode recorded by
+        ``save_checkpoint(..., hierarchy=)``; without one, ``"flat"`` for a
+        checkpoint without hierarchical residuals, and for one with them
+        the mode that made them where that is certain (``"node"`` when the
+        saving layout is not hierarchical under ``"auto"``; ``"auto"``, the
+        same as ``"node"`` there, when the loading layout is hierarchical
+        under ``"auto"``). Otherwise :class:`ConfigError` on every rank asks
+        for ``hierarchy=``: hierarchical residuals are never left unused.
 
     Returns
     -------
     dict
         ``{"step", "world_size" (saved), "keys", "reinitialised",
+        "hierarchy" (the mode the residuals were installed for),
         "mpigc_version", "format_version"}``.
 
     Raises
@@ -900,7 +995,11 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
         On every rank, for a missing, foreign, truncated or corrupted
         checkpoint; the store is unchanged.
     MismatchError
-        On every rank, for a config mismatch with ``strict=True``.
+        On every rank, for a config mismatch with ``strict=True``, or when
+        the ranks pass different ``hierarchy=``.
+    ConfigError
+        On every rank, for a ``hierarchy`` that is not a mode, or none given
+        where the checkpoint cannot say which (see ``hierarchy``).
     """
     cs = _comm.resolve(comm)
     c, size, rank = cs.comm, cs.size, cs.rank
@@ -916,9 +1015,11 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
     except Exception as e:  # noqa: BLE001
         exc = e
     _agree(c, exc, "load_checkpoint")
-    union = {}
-    for part in c.allgather(sorted(mism.items())):
+    union, modes = {}, []
+    for part, mode in c.allgather((sorted(mism.items()), hierarchy)):
         union.update(part)
+        modes.append(mode)
+    _same_mode(modes, "load_checkpoint")
     if union:
         detail = "; ".join(f"{k!r}: {v}" for k, v in sorted(union.items()))
         if strict:
@@ -929,9 +1030,9 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
                       f"config does not match ({detail})", stacklevel=2)
     exc, entries = None, None
     try:
-        if hierarchy not in _hierarchy.HIERARCHY_MODES:
-            raise ConfigError(f"hierarchy must be one of {_hierarchy.HIERARCHY_MODES}, got "
-                              f"{hierarchy!r}")
+        check_hierarchy_mode(hierarchy)
+        if hierarchy is None:  # decided from the manifest: the same on every rank
+            hierarchy = _saved_hierarchy(meta, comm, union)
         entries = _read_entries(meta, union, size, rank)
     except Exception as e:  # noqa: BLE001
         exc = e if isinstance(e, MpigcError) else CheckpointError(f"{type(e).__name__}: {e}")
@@ -947,7 +1048,8 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
     a = meta["attrs"]
     return {"step": a.get("step"), "world_size": a["world_size"],
             "keys": [r[0] for r in meta["rows"]], "reinitialised": sorted(union),
-            "mpigc_version": a["mpigc_version"], "format_version": a["format_version"]}
+            "hierarchy": hierarchy, "mpigc_version": a["mpigc_version"],
+            "format_version": a["format_version"]}
 
 
 # -- command line ----------------------------------------------------------------------
@@ -1095,4 +1197,8 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m mpigc.checkpoint`` runs this file as ``__main__``: run the
+    # imported module's command, so its kernel and classes are the ones of
+    # ``mpigc.checkpoint`` (one compile, cached with every other use of them)
+    from mpigc.checkpoint import main as _main
+    sys.exit(_main())

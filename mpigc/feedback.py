@@ -124,6 +124,7 @@ class ErrorFeedback:
         self._entries = {}
         self._spares = {}
         self._busy = set()  # keys used by a call in progress
+        self._first = set()  # those of them whose call is their first (new keys)
         self._lock = threading.Lock()
         #: how many calls were skipped because of non-finite gradients
         self.skipped_steps = 0
@@ -149,14 +150,25 @@ class ErrorFeedback:
             {"worker": ndarray | None, "owner": ndarray | None,
              "config": dict, "calls": int, "world_size": int, "rank": int,
              "n": int, "dtype": str}
+
+        A key whose first call is pending is not in the state yet.
+
+        Raises
+        ------
+        StateError
+            While a call on a key of the state is pending (its residuals are
+            being replaced: the state never holds a half-updated one), or a
+            hierarchical call of this store is.
         """
         out = {}
         with self._lock:
-            if self._busy:
-                raise StateError(f"key(s) {sorted(self._busy)} in use by a pending "
-                                 "collective; wait for it before taking the state")
+            busy = sorted(self._busy - self._first)
+            if busy:
+                raise StateError(f"key(s) {busy} in use by a pending collective; wait "
+                                 "for it before taking the state")
             for key, e in self._entries.items():
-                out[key] = _entry_state(e)
+                if key not in self._first:
+                    out[key] = _entry_state(e)
         return out
 
     def load_state_dict(self, state):
@@ -259,12 +271,15 @@ class ErrorFeedback:
                     "(load_state_dict(state_dict()) places them on the next call)")
             if e is not None:
                 e.place(device)
+            else:
+                self._first.add(key)
             self._busy.add(key)
             return e
 
     def _release(self, key):
         with self._lock:
             self._busy.discard(key)
+            self._first.discard(key)
 
     def _commit(self, key, entry, n, dtype, world_size, rank, config, device=False):
         """Install a new entry for ``key`` (first call) or update ``config``;

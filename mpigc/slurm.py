@@ -25,7 +25,10 @@ every rank decides at the same step boundary and saves the same step.
 :func:`save_training_state` writes the residuals (:func:`mpigc.save_checkpoint`),
 the model/optimizer arrays and a ``latest`` pointer that is replaced
 atomically last, so a job killed during a save resumes from the previous
-complete save, never from a mix of two steps.
+complete save, never from a mix of two steps. A training whose collectives
+are hierarchical passes their ``hierarchy=`` to :func:`save_training_state`
+too: it is recorded with the residuals, and :func:`load_training_state`
+installs them for that mode (the keys the collectives will use).
 
 Nothing here calls MPI at import; the functions that talk are collective over
 ``comm`` (default ``COMM_WORLD``, on a private duplicate).
@@ -341,7 +344,8 @@ def _check_arrays(arrays, what):
 def save_training_state(path: Union[str, os.PathLike], arrays: Mapping[str, np.ndarray], *,
                         step: int, feedback=None, comm: Optional[MPI.Intracomm] = None,
                         rank_arrays: Optional[Mapping[str, np.ndarray]] = None,
-                        keep: int = 1, fsync: Optional[bool] = None) -> str:
+                        keep: int = 1, fsync: Optional[bool] = None,
+                        hierarchy: Optional[str] = None) -> str:
     """Save model/optimizer arrays and the residuals at ``step`` (collective).
 
     Layout of ``path``::
@@ -360,9 +364,15 @@ def save_training_state(path: Union[str, os.PathLike], arrays: Mapping[str, np.n
     ``path`` must be on a file system all ranks share. An error on any rank
     is raised on every rank.
 
+    ``hierarchy`` is the ``hierarchy=`` (``"flat"``, ``"auto"`` or
+    ``"node"``) the training's collectives are called with: it is recorded
+    with the residuals (``mpigc.save_checkpoint(..., hierarchy=)``), so that
+    :func:`load_training_state` installs them for the same mode by default.
+    Pass it whenever the collectives are not flat.
+
     Returns the directory of this save.
     """
-    from .checkpoint import _default_fsync, save_checkpoint
+    from .checkpoint import _default_fsync, check_hierarchy_mode, save_checkpoint
     c = _private(comm)
     rank, size = c.Get_rank(), c.Get_size()
     fsync = _default_fsync() if fsync is None else bool(fsync)
@@ -378,6 +388,7 @@ def save_training_state(path: Union[str, os.PathLike], arrays: Mapping[str, np.n
         _check_arrays(arrays, "arrays")
         if rank_arrays is not None:
             _check_arrays(rank_arrays, "rank_arrays")
+        check_hierarchy_mode(hierarchy)
         if rank == 0:
             os.makedirs(path, exist_ok=True)
             if os.path.exists(sdir):  # an earlier, unfinished (or repeated) save of this step
@@ -390,7 +401,7 @@ def save_training_state(path: Union[str, os.PathLike], arrays: Mapping[str, np.n
         exc = e
     _agree(c, exc, "save_training_state")
     save_checkpoint(os.path.join(sdir, RESIDUALS), feedback=feedback, comm=c,
-                    step=int(step), fsync=fsync)
+                    step=int(step), fsync=fsync, hierarchy=hierarchy)
     exc = None
     try:
         if rank == 0:
@@ -434,7 +445,8 @@ def _read_latest(path):
 
 def load_training_state(path: Union[str, os.PathLike], *, feedback=None,
                         comm: Optional[MPI.Intracomm] = None, strict: bool = True,
-                        configs=None) -> Optional[TrainingState]:
+                        configs=None,
+                        hierarchy: Optional[str] = None) -> Optional[TrainingState]:
     """Load the newest complete save of ``path`` (collective), or return None.
 
     ``None`` (on every rank) when ``path`` holds no committed save yet: a
@@ -442,6 +454,16 @@ def load_training_state(path: Union[str, os.PathLike], *, feedback=None,
     :func:`mpigc.load_checkpoint`; on another world size they are re-sharded
     and their totals kept) and every rank gets the arrays. ``rank_arrays`` is
     None unless the save had them and the world size is unchanged.
+
+    ``hierarchy`` is the ``hierarchy=`` the collectives will be called with
+    from now on: the residuals are installed for it (hierarchical residuals
+    of this communicator's node layout, or flat ones; a change of mode or of
+    layout keeps their totals). Default: the mode recorded by
+    :func:`save_training_state`; for a save without one, what
+    :func:`mpigc.load_checkpoint` decides by default (flat residuals stay
+    flat; hierarchical ones are installed hierarchically where the saving
+    mode is certain, else :class:`mpigc.ConfigError` on every rank asks for
+    ``hierarchy=``). ``checkpoint_info["hierarchy"]`` is the mode used.
     """
     from .checkpoint import load_checkpoint
     c = _private(comm)
@@ -453,7 +475,7 @@ def load_training_state(path: Union[str, os.PathLike], *, feedback=None,
         return None
     sdir = os.path.join(path, name)
     info = load_checkpoint(os.path.join(sdir, RESIDUALS), feedback=feedback, comm=c,
-                           strict=strict, configs=configs)
+                           strict=strict, configs=configs, hierarchy=hierarchy)
     exc, arrays, mine = None, None, None
     try:
         with np.load(os.path.join(sdir, STATE_FILE)) as z:

@@ -53,6 +53,12 @@ def _files(top):
                   for d, _, fs in os.walk(top) for f in fs)
 
 
+def _tree(top):
+    """Files and folders (an empty ``__pycache__`` left behind counts too)."""
+    return sorted(os.path.relpath(os.path.join(d, f), top) + ("/" if f in ds else "")
+                  for d, ds, fs in os.walk(top) for f in ds + fs)
+
+
 def _install_copy(site):
     """What ``pip install .`` puts in site-packages, without pip: the two
     packages' sources (setup.cfg maps kernels/ to mpigc.kernels)."""
@@ -92,6 +98,83 @@ def test_running_writes_nothing_into_the_installed_package(tmp_path, setting):
         assert any(n.startswith("kernels_") and n.endswith(".nbi") for n in names), names
         assert any(n.startswith("mpigc_") and n.endswith(".nbi") for n in names), names
         assert str(cache) in p.stdout
+
+
+# A real checkpoint with residuals (its checksums run the Fletcher kernel).
+SAVER = """
+import numpy as np, mpigc
+from mpi4py import MPI
+fb = mpigc.ErrorFeedback()
+mpigc.allreduce(np.linspace(-1, 1, 50, dtype=np.float32), "2bit", key="w", feedback=fb,
+                comm=MPI.COMM_SELF)
+mpigc.save_checkpoint("ck", fb, comm=MPI.COMM_SELF, fsync=False)
+"""
+
+
+def test_checkpoint_info_command_writes_nothing_into_the_installed_package(tmp_path):
+    """``python -m mpigc.checkpoint info`` runs the module as ``__main__``:
+    its checksum kernel must cache in the per-user folder too, not in
+    ``site-packages/mpigc/__pycache__`` (issue 32)."""
+    site = str(tmp_path / "site")
+    _install_copy(site)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MPIGC_CACHE_DIR", "NUMBA_CACHE_DIR", "XDG_CACHE_HOME")}
+    env.update(PYTHONPATH=site, PYTHONDONTWRITEBYTECODE="1", MPIGC_MIN_COMPRESS_BYTES="0")
+
+    def run(args, home):
+        return subprocess.run([sys.executable, *args], env=dict(env, HOME=str(home)),
+                              cwd=str(tmp_path), stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, timeout=600)
+
+    p = run(["-c", SAVER], tmp_path / "home-save")
+    assert p.returncode == 0, p.stdout
+    before = _tree(site)
+    # another HOME: the command's own compile must land in its per-user folder
+    home = tmp_path / "home-info"
+    p = run(["-m", "mpigc.checkpoint", "info", "ck"], home)
+    assert p.returncode == 0, p.stdout
+    assert "'w': shape (50,)" in p.stdout and "checksums    OK" in p.stdout, p.stdout
+    assert _tree(site) == before, sorted(set(_tree(site)) ^ set(before))
+    names = _files(str(home / ".cache" / "mpigc"))
+    assert any(n.startswith("mpigc_") and "_fletcher64_kernel" in n and n.endswith(".nbi")
+               for n in names), names
+
+
+# A module of the package with a kernel of its own, run as ``python -m``.
+PROBE = """
+import numba
+from mpigc import _jitcache
+
+
+@numba.njit(cache=_jitcache.enabled())
+def _twice(x):
+    return 2 * x
+
+
+if __name__ == "__main__":
+    print("twice", _twice(21))
+"""
+
+
+def test_a_kernel_of_a_module_run_as_main_caches_in_the_user_folder(tmp_path):
+    """The cache locator knows mpigc's code by the name it runs as: a kernel
+    defined in ``python -m mpigc.<module>`` (module ``__main__``) is cached in
+    the per-user folder, not next to its source."""
+    site, home = str(tmp_path / "site"), tmp_path / "home"
+    _install_copy(site)
+    with open(os.path.join(site, "mpigc", "_probe_main.py"), "w") as f:
+        f.write(PROBE)
+    before = _tree(site)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MPIGC_CACHE_DIR", "NUMBA_CACHE_DIR", "XDG_CACHE_HOME")}
+    env.update(PYTHONPATH=site, HOME=str(home), PYTHONDONTWRITEBYTECODE="1")
+    p = subprocess.run([sys.executable, "-m", "mpigc._probe_main"], env=env,
+                       cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=600)
+    assert p.returncode == 0 and "twice 42" in p.stdout, p.stdout
+    assert _tree(site) == before, sorted(set(_tree(site)) ^ set(before))
+    names = _files(str(home / ".cache" / "mpigc"))
+    assert any("_probe_main._twice" in n and n.endswith(".nbi") for n in names), names
 
 
 # Several processes that need the same kernel at once (the ranks of a job on a

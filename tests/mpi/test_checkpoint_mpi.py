@@ -392,3 +392,121 @@ def test_killed_save_keeps_previous_checkpoint(shared_dir, point):
     left = on_root(lambda: sorted(os.listdir(path)), WORLD)
     agree(len(left) == 2 and "manifest.h5" in left, f"stale files removed: {left}")
     agree(mpigc.load_checkpoint(path, feedback=mpigc.ErrorFeedback())["step"] == 9, "reload")
+
+
+# -- hierarchical jobs resumed through mpigc.slurm (issue 32) ---------------------------
+# Nodes emulated with MPIGC_NODE_SPLIT=2: 1 and 2 ranks are one node (not
+# hierarchical under "auto"), 3 ranks are 2 + 1 and 4 ranks 2 + 2 (hierarchical).
+HIER_KEYS = [("h/2bit", "2bit", 1001), ("h/1bit", "1bit", 77)]
+
+
+def hier_steps(fb, comm, steps, mode):
+    """Outputs (bytes) of allreduce(hierarchy=mode) over ``steps``."""
+    outs = []
+    for s in steps:
+        for i, (key, op, n) in enumerate(HIER_KEYS):
+            g = grad(comm.Get_rank(), s, n, np.float32, 50 + i)
+            mpigc.allreduce(g, op, key=key, feedback=fb, comm=comm, hierarchy=mode)
+            outs.append(g.tobytes())
+    return outs
+
+
+@pytest.fixture
+def split_nodes(monkeypatch):
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+
+
+def hier_store(steps, mode):
+    """A store after ``steps`` steps of :func:`hier_steps`."""
+    fb = mpigc.ErrorFeedback()
+    hier_steps(fb, WORLD, steps, mode)
+    return fb
+
+
+@pytest.mark.parametrize("mode", ["node", "auto"])
+@pytest.mark.parametrize("record", [True, False], ids=["recorded", "not-recorded"])
+def test_slurm_resume_of_a_hierarchical_job_is_bit_identical(shared_dir, split_nodes, mode,
+                                                            record):
+    """A job whose collectives use hierarchy=mode saves with
+    slurm.save_training_state (hierarchy= passed or not) and resumes with
+    slurm.load_training_state without hierarchy=: its residuals are installed
+    as the keys its collectives use, so it continues bit for bit (before
+    issue 32 they came back as flat keys the collectives never read)."""
+    from mpigc import slurm
+    path = os.path.join(shared_dir, "train")
+    fb = hier_store(range(3), mode)
+    slurm.save_training_state(path, {"w": np.zeros(3)}, step=3, feedback=fb, comm=WORLD,
+                              fsync=False, **({"hierarchy": mode} if record else {}))
+    expected = hier_steps(fb, WORLD, range(3, 5), mode)
+    fb2 = mpigc.ErrorFeedback()
+    st = slurm.load_training_state(path, feedback=fb2, comm=WORLD)
+    keys = WORLD.allgather(sorted(fb2.keys()))
+    agree(st.step == 3, "step")
+    got = hier_steps(fb2, WORLD, range(3, 5), mode)
+    agree(got == expected, f"continuation bit-identical (mode {mode}, loaded as "
+                           f"{st.checkpoint_info.get('hierarchy')}, keys {keys})")
+    agree(same_state(fb, fb2), "final states identical")
+
+
+def test_hierarchical_checkpoint_that_cannot_say_its_mode_raises(shared_dir, split_nodes):
+    """Saved on a layout where "auto" is hierarchical (2 nodes), without the
+    mode; loaded on one node of 2 ranks, where "auto" would install the
+    residuals flat and "node" hierarchical: ConfigError on every rank (the
+    store unchanged) rather than a guess; with hierarchy= given, or the mode
+    recorded at the save, it loads, totals kept."""
+    if SIZE < 3:
+        pytest.skip("needs 2 emulated nodes (3 ranks or more)")
+    from mpigc import slurm
+    path = os.path.join(shared_dir, "train")
+    fb = hier_store(range(2), "auto")
+    agree(all("@hier[" in k for k in fb.keys()), "hierarchical on 2 nodes")
+    slurm.save_training_state(path, {"w": np.zeros(3)}, step=2, feedback=fb, comm=WORLD,
+                              fsync=False)
+    sub = WORLD.Split(0 if RANK < 2 else MPI.UNDEFINED, key=RANK)
+    why = None
+    if sub != MPI.COMM_NULL:
+        live = mpigc.ErrorFeedback()
+        mpigc.allreduce(np.ones(5, np.float32), "2bit", key="x", feedback=live, comm=sub)
+        try:
+            slurm.load_training_state(path, feedback=live, comm=sub)
+            why = "loaded without hierarchy= where 'auto' and 'node' differ"
+        except mpigc.ConfigError as exc:
+            if "hierarchy=" not in str(exc) or live.keys() != ["x"]:
+                why = f"{exc}; keys {live.keys()}"
+        if not sub.allreduce(why is not None, op=MPI.LOR):  # all of sub may go on
+            st = slurm.load_training_state(path, feedback=live, comm=sub, hierarchy="auto")
+            if (st.checkpoint_info["hierarchy"] != "auto"
+                    or sorted(live.keys()) != sorted(k for k, _, _ in HIER_KEYS)):
+                why = f"hierarchy='auto' on one node: keys {sorted(live.keys())}"
+        sub.Free()
+    agree(why is None, why)
+    # recorded at the save: loads with that mode, nothing to guess
+    slurm.save_training_state(path, {"w": np.zeros(3)}, step=4, feedback=fb, comm=WORLD,
+                              fsync=False, hierarchy="node")
+    sub = WORLD.Split(0 if RANK < 2 else MPI.UNDEFINED, key=RANK)
+    if sub != MPI.COMM_NULL:
+        live = mpigc.ErrorFeedback()
+        st = slurm.load_training_state(path, feedback=live, comm=sub)
+        if st.checkpoint_info["hierarchy"] != "node" or not all(
+                "@hier[" in k for k in live.keys()):
+            why = f"recorded 'node': loaded as {st.checkpoint_info['hierarchy']}, keys " \
+                  f"{sorted(live.keys())}"
+        sub.Free()
+    agree(why is None, why)
+
+
+def test_ranks_must_agree_on_the_hierarchy_of_a_checkpoint(shared_dir, split_nodes):
+    """hierarchy= decides collective work: ranks that pass different values
+    get MismatchError on every rank (save and load), not a hang."""
+    if SIZE < 2:
+        pytest.skip("needs 2 ranks")
+    path = os.path.join(shared_dir, "ck")
+    fb = hier_store(range(1), "node")
+    mine = "node" if RANK else "auto"
+    raises_everywhere(mpigc.MismatchError, lambda: mpigc.save_checkpoint(
+        path, fb, hierarchy=mine), WORLD, match="different hierarchy")
+    mpigc.save_checkpoint(path, fb, hierarchy="node")
+    raises_everywhere(mpigc.MismatchError, lambda: mpigc.load_checkpoint(
+        path, mpigc.ErrorFeedback(), hierarchy=mine), WORLD, match="different hierarchy")
+    raises_everywhere(mpigc.ConfigError, lambda: mpigc.load_checkpoint(
+        path, mpigc.ErrorFeedback(), hierarchy="nodes"), WORLD, match="hierarchy must be")

@@ -102,6 +102,45 @@ def test_training_state_round_trip(tmp_path):
         slurm.save_training_state(path, {"a/b": np.zeros(1)}, step=6, feedback=fb)
 
 
+def _hier_steps(fb, steps):
+    outs = []
+    for s in steps:
+        g = np.random.default_rng([s]).standard_normal(101).astype(np.float32)
+        outs.append(mpigc.allreduce(g, op="2bit", key="w", feedback=fb, threshold=0.3,
+                                    hierarchy="node").tobytes())
+    return outs
+
+
+@pytest.mark.parametrize("record", [True, False], ids=["recorded", "not-recorded"])
+def test_training_state_of_a_hierarchical_job(tmp_path, monkeypatch, record):
+    """A job whose collectives are hierarchical (one emulated node here)
+    resumes bit for bit through load_training_state without hierarchy=: the
+    mode recorded by save_training_state(hierarchy=), or, not recorded, the
+    only mode that made hierarchical residuals on one node (issue 32: they
+    came back as a flat key 'w' that the collectives never read)."""
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "1")
+    path = tmp_path / "ckpt"
+    fb = mpigc.ErrorFeedback()
+    _hier_steps(fb, range(3))
+    assert all("@hier[" in k for k in fb.keys())
+    slurm.save_training_state(path, {"w": np.zeros(3)}, step=3, feedback=fb, fsync=False,
+                              **({"hierarchy": "node"} if record else {}))
+    expected = _hier_steps(fb, range(3, 5))
+    fb2 = mpigc.ErrorFeedback()
+    st = slurm.load_training_state(path, feedback=fb2)
+    assert sorted(fb2.keys()) == sorted(fb.keys())
+    assert _hier_steps(fb2, range(3, 5)) == expected
+    assert st.checkpoint_info["hierarchy"] == "node"
+    # given explicitly, another mode installs them its way: flat here
+    fb3 = mpigc.ErrorFeedback()
+    st = slurm.load_training_state(path, feedback=fb3, hierarchy="flat")
+    assert st.checkpoint_info["hierarchy"] == "flat" and fb3.keys() == ["w"]
+    with pytest.raises(mpigc.ConfigError, match="hierarchy"):
+        slurm.save_training_state(path, {"w": np.zeros(3)}, step=9, feedback=fb,
+                                  hierarchy="nodes")
+    assert not (path / "step-000000009").exists()
+
+
 def test_unfinished_save_is_not_loaded(tmp_path):
     path = tmp_path / "ckpt"
     fb = _store(2)

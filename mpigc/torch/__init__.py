@@ -33,7 +33,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 # per-parameter state of bucket layouts), _sync (GradientSync), _optimizer
 # (DistributedOptimizer), _hook (the DDP communication hook), _adam
 # (CompressedAdamW), _launch (process group and broadcasts).
-from ._adam import CompressedAdamW
+from ._adam import CompressedAdamW, local_gradients_hook
 from ._hook import CommHookState, comm_hook
 from ._launch import broadcast_optimizer_state, broadcast_parameters, init_process_group
 from ._optimizer import DistributedOptimizer
@@ -41,7 +41,7 @@ from ._sync import Bucket, GradientSync
 
 __all__ = ["GradientSync", "DistributedOptimizer", "CommHookState", "comm_hook",
            "broadcast_parameters", "broadcast_optimizer_state", "Bucket", "CompressedAdamW",
-           "init_process_group"]
+           "init_process_group", "local_gradients_hook"]
 
 #: Test seam (private). Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)
 #: only: buckets of CPU parameters become device buckets whose engine array is a

@@ -25,7 +25,7 @@ from .._errors import ConfigError, InvalidBufferError, MismatchError, MpigcError
 from ..feedback import ErrorFeedback
 from ._common import agree_construction
 
-__all__ = ["CompressedAdamW"]
+__all__ = ["CompressedAdamW", "local_gradients_hook"]
 
 
 class CompressedAdamW(torch.optim.Optimizer):
@@ -66,6 +66,13 @@ class CompressedAdamW(torch.optim.Optimizer):
     own gradient clipping, if any, acts on its local gradient. ``GradScaler``
     is not supported (use float32 or bfloat16 autocast): its per-rank skip
     decision would let ranks diverge, so it is refused on every rank.
+
+    Under DDP (to keep its buffer broadcast, ``no_sync`` and ``join``),
+    register :func:`local_gradients_hook` so that DDP leaves the gradients
+    local and this optimizer's exchange is the only one::
+
+        ddp.register_comm_hook(None, mpigc.torch.local_gradients_hook)
+        opt = mpigc.torch.CompressedAdamW(ddp.parameters(), op="1bit")
     """
 
     _step_supports_amp_scaling = True  # so GradScaler calls step() on every rank
@@ -271,3 +278,20 @@ class CompressedAdamW(torch.optim.Optimizer):
         return (f"CompressedAdamW(op={self.compressor!r}, freeze_steps={self.freeze_steps}, "
                 f"values={self._m.numel()}, ranks={self.comm.size})")
 
+
+
+def local_gradients_hook(state, bucket):
+    """A DDP communication hook that leaves the gradients local (no
+    communication): for :class:`CompressedAdamW` under DDP, whose own
+    exchange of the momentum then is the only one.
+
+    ``ddp.register_comm_hook(None, mpigc.torch.local_gradients_hook)``. DDP
+    keeps the rest of what it does (broadcasting buffers at each forward,
+    ``no_sync`` accumulation, ``join``); ``param.grad`` after ``backward()``
+    is this rank's own gradient, so ``clip_grad_norm_`` clips each rank's
+    local gradient by its own norm (as for :class:`CompressedAdamW` without
+    DDP). ``state`` is unused.
+    """
+    fut = torch.futures.Future()
+    fut.set_result(bucket.buffer())
+    return fut

@@ -232,3 +232,54 @@ def test_mixed_dtypes_refused(comm):
 
 def test_world_is_used():
     assert MPI.COMM_WORLD.size >= 1
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    """torch.distributed's gloo group on the MPI ranks, as a user sets it up
+    (mpigc.torch.init_process_group)."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    saved = dict(os.environ)
+    mt.init_process_group("gloo")
+    yield dist
+    dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("clip", [False, True])
+def test_under_ddp_with_local_gradients_hook(comm, gloo, clip):
+    """CompressedAdamW under DDP: with local_gradients_hook DDP leaves the
+    gradients local, so the optimizer's exchange is the only one and training
+    is bit for bit that of CompressedAdamW on the bare model (also with
+    clip_grad_norm_, which then clips each rank's local gradient)."""
+    def model():
+        torch.manual_seed(3)
+        return torch.nn.Sequential(torch.nn.Linear(20, 64), torch.nn.Tanh(),
+                                   torch.nn.Linear(64, 4))
+
+    bare, wrapped = model(), model()
+    ddp = torch.nn.parallel.DistributedDataParallel(wrapped, bucket_cap_mb=0.002)
+    ddp.register_comm_hook(None, mt.local_gradients_hook)
+    kw = dict(lr=LR, betas=BETAS, weight_decay=WD, op="1bit", block_size=256,
+              freeze_steps=2)
+    opts = [mt.CompressedAdamW(bare.parameters(), **kw),
+            mt.CompressedAdamW(ddp.parameters(), **kw)]
+    before = mpigc.traffic()["calls"]
+    ok = True
+    for step in range(6):
+        g = torch.Generator().manual_seed(100 * step + comm.rank)
+        x, y = torch.randn(8, 20, generator=g), torch.randn(8, 4, generator=g)
+        for net, opt in zip((bare, ddp), opts):
+            opt.zero_grad()
+            ((net(x) - y) ** 2).mean().backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 0.05)
+            opt.step()
+        ok &= all(torch.equal(a, b) for a, b in zip(bare.parameters(), wrapped.parameters()))
+    calls = mpigc.traffic()["calls"] - before
+    assert_all(ok and calls == 2 * 6, f"differs from the bare model, or {calls} calls")

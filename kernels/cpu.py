@@ -39,6 +39,7 @@ __all__ = [
 ]
 
 from .. import _jitcache  # noqa: E402  (the on-disk cache lives per user, not in site-packages)
+from .._errors import ConfigError  # noqa: E402
 
 _JIT = dict(cache=_jitcache.enabled(), nogil=True, boundscheck=False)
 
@@ -47,6 +48,20 @@ _JIT = dict(cache=_jitcache.enabled(), nogil=True, boundscheck=False)
 PARALLEL_MIN_ELEMENTS = 1 << 18
 
 LANES = 32  # canonical summation order of the 1bit block sums (see _block_sums)
+
+
+def check_block_size(block_size, multiple, what):
+    """``block_size`` as an int, or a ``ConfigError`` before anything runs:
+    a 1bit block must be a positive multiple of 8 and a relative 2bit block
+    one of 4, so that no byte of codes holds values of two blocks (on a GPU,
+    two warps would write that byte, and its bits would depend on timing).
+    The CPU kernels refuse it too: both sides accept the same inputs."""
+    if (isinstance(block_size, (bool, np.bool_))
+            or not isinstance(block_size, (int, np.integer))
+            or block_size <= 0 or block_size % multiple):
+        raise ConfigError(f"{what}: block_size must be a positive multiple of {multiple}, "
+                          f"got {block_size!r}")
+    return int(block_size)
 
 
 _max_threads = None
@@ -574,6 +589,7 @@ def pack_1bit(x, e_in, e_out, bits, means, block_size):
     means (0 to 2) that are not finite in float32 (values beyond the wire
     format's range).
     """
+    block_size = check_block_size(block_size, 8, "pack_1bit")
     nch = _nchunks(x.size)
     if nch == 1:
         return int(_pack_1bit_range(x, e_in, e_out, bits, means, block_size, 0,
@@ -815,6 +831,7 @@ def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size):
     Returns the non-finite count of ``v``, plus one per block of finite
     values whose ``t_b`` or ``r_b`` is not finite.
     """
+    block_size = check_block_size(block_size, 4, "pack_2bit_rel")
     rel = float(rel_threshold)
     nch = _nchunks(x.size)
     if nch == 1:
@@ -1251,6 +1268,7 @@ def pack_1bit_shards(x, e_in, e_out, payload, starts, offs, block_size):
     """:func:`pack_1bit` of every shard into ``payload[offs[j]:]``: its bits,
     then its reconstruction pairs as little-endian float32 (the wire
     format). Returns the bad count of all shards."""
+    block_size = check_block_size(block_size, 8, "pack_1bit_shards")
     nbad = 0
     for _, lo, hi, o in _shards(starts, offs):
         nb = (hi - lo + 7) // 8
@@ -1277,6 +1295,7 @@ def pack_2bit_rel_shards(x, e_in, e_out, payload, starts, offs, rel_threshold, b
     """:func:`pack_2bit_rel` of every shard into ``payload[offs[j]:]``: its
     codes, then its block magnitudes as little-endian float32. Returns the
     bad count of all shards."""
+    block_size = check_block_size(block_size, 4, "pack_2bit_rel_shards")
     nbad = 0
     for _, lo, hi, o in _shards(starts, offs):
         nb = (hi - lo + 3) // 4

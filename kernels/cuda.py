@@ -55,22 +55,49 @@ Bit-identity with the CPU kernels
   nor ptxas contracts it into an fma, which rounds once where the CPU
   rounds twice. Decoding sums the senders in rank order in the output's
   dtype, as the CPU's ``accumulate`` calls do one after the other.
+- No float ``min``/``max``: numba-cuda lowers them to ``min.f64``/``max.f64``
+  (libdevice ``fmin``/``fmax``), which return the non-NaN operand, where the
+  CPU's (Numba's, Python's rule) keep a NaN that comes first. terngrad's clip
+  is two explicit compares, as the CPU's ``min(max(v, -c), c)`` evaluates:
+  a NaN stays NaN (code ``00``), also under ``nonfinite="ignore"``.
+- Non-finite values: the same codes, counts and residuals as the CPU
+  (checked in the simulator with the GPU's float min/max, group
+  ``gpu_semantics`` of ``tests/test_cuda_sim.py``).
 - ``stats``: ``max |v|`` and the non-finite count are exact; the float64 sum
   and sum of squares are summed in a different order (per thread, then a
   tree per CUDA block, then the blocks by a tree), deterministic
-  for a given device. TernGrad with ``clip`` derives its clip bound from them,
-  so in rare last-bit cases the bound (and then a code) can differ from the
-  CPU's. Without ``clip`` the scale is ``max |v|``: exact.
+  for a given device, but the grid depends on its SM count (132 on H100
+  SXM and H200, 114 on H100 PCIe, fewer under MIG): ``tests/device_order.py``
+  computes the device's bits on a host for any SM count. TernGrad with
+  ``clip`` derives its clip bound from them, so in rare last-bit cases the
+  bound (and then a code) can differ from the CPU's, and between GPU
+  models. Without ``clip`` the scale is ``max |v|``: exact.
+
+Preconditions
+-------------
+A 1bit ``block_size`` must be a positive multiple of 8 and a relative 2bit
+one a multiple of 4 (one warp per block writes whole bytes; else two warps
+would write one byte, and its bits would depend on timing): the pack
+functions raise ``mpigc.ConfigError`` before any launch (the CPU kernels
+too). A call's shards are ``gridDim.y``, at most :data:`MAX_GRID_Y` (65535)
+per launch: more shards take one launch per 65535.
 
 Execution
 ---------
 Nothing happens at import: no CUDA context, no compilation. Kernels compile
-on first launch. Launch geometry: integer ceil-division of the work by the
+on first launch, once per signature and compute capability, and are cached
+on disk (``cache=True``) next to the CPU kernels (``mpigc/_jitcache.py``):
+a later process loads PTX and cubin instead of running NVVM and ptxas, and
+the ranks of a node compile each kernel once (a lock per kernel and
+signature). Launch geometry: integer ceil-division of the work by the
 block size, capped at a multiple of the SM count; every kernel loops
-grid-stride, warp-uniformly where it shuffles. No ``fastmath``. Kernels run on
-``cuda_stream`` (default: the default stream). Functions that return a value
-(counts, stats) read it back once (a synchronisation); the others are
-asynchronous: synchronise the stream before MPI reads ``out``.
+grid-stride, warp-uniformly where it shuffles, and none returns early where
+lanes must meet. No ``fastmath``. Kernels and copies run on ``cuda_stream``,
+by default the legacy default stream named explicitly (:func:`_stream`:
+not Numba's ``0``, which is a different stream in every thread when
+per-thread default streams are on). Functions that return a value (counts,
+stats) read it back once (a synchronisation); the others are asynchronous:
+synchronise the stream before MPI reads ``out``.
 
 The simulator
 -------------
@@ -87,6 +114,8 @@ import threading
 import numpy as np
 from numba import cuda
 
+from .. import _jitcache
+from .cpu import check_block_size  # the same preconditions as the CPU kernels
 from .cpu import ternary_stream  # the host-side stream hash (pure Python), shared
 
 try:  # numba-cuda
@@ -107,6 +136,12 @@ __all__ = [
 
 #: Whether Numba's CUDA simulator runs these kernels (NUMBA_ENABLE_CUDASIM=1).
 SIMULATOR = bool(getattr(_config, "ENABLE_CUDASIM", 0))
+
+#: The kernels are cached on disk (``cache=True``) in the folder of the CPU
+#: kernels (``mpigc/_jitcache.py``): PTX and cubin per signature and compute
+#: capability, compiled by one rank of a node while the others wait and load
+#: it. Off in the simulator (nothing to compile) and with MPIGC_CACHE_DIR=off.
+_CACHE = False if SIMULATOR else _jitcache.enabled_for_cuda()
 
 #: Kept for symmetry with the CPU module (the dispatch layer may read it);
 #: the device kernels are always parallel.
@@ -147,6 +182,34 @@ def _grid2(work, nshard, per_block=THREADS):
     return (max(1, min((work + per_block - 1) // per_block, cap)), nshard)
 
 
+#: CUDA's limit on ``gridDim.y``, the shards of one launch. A call with more
+#: shards (a communicator of more ranks) takes one launch per this many.
+MAX_GRID_Y = 65535
+_STARTS, _OFFS = object(), object()  # placeholders of _launch_shards' arguments
+
+
+def _launch_shards(kernel, starts, offs, stream, *args, block=0):
+    """Launch ``kernel`` over the shards ``starts`` / ``offs`` (shard j is
+    ``blockIdx.y``), ``args`` with ``_STARTS`` and ``_OFFS`` standing for the
+    bounds as device arrays. ``block``: one warp per quantization block of
+    that many elements (1bit, relative 2bit); else one thread per value. One
+    launch per :data:`MAX_GRID_Y` shards (one launch below that); none for
+    empty shards."""
+    m = len(starts) - 1
+    for j0 in range(0, m, MAX_GRID_Y):
+        st, of = starts[j0:j0 + MAX_GRID_Y + 1], offs[j0:j0 + MAX_GRID_Y]
+        big = _max_shard(st)
+        if not big:
+            continue
+        if block:
+            blocks = _grid2((big + block - 1) // block, len(st) - 1, WARPS)
+        else:
+            blocks = _grid2(big, len(st) - 1)
+        _launch(kernel, blocks, stream,
+                *[_index(st) if a is _STARTS else _index(of) if a is _OFFS else a
+                  for a in args])
+
+
 def _dev(a, what):
     """``a`` as a Numba device array (no copy); ``None`` stays ``None``."""
     if a is None:
@@ -175,16 +238,42 @@ def _opt(a, like):
     return a, True
 
 
+_legacy = []
+
+
+def _stream(stream):
+    """The stream of a launch or a copy: ``stream`` (a ``cuda_stream=``
+    argument) when given, else the legacy default stream, named explicitly
+    (``CU_STREAM_LEGACY``). Not Numba's ``0``: with per-thread default
+    streams on (``CUDA_PYTHON_CUDA_PER_THREAD_DEFAULT_STREAM=1``, which
+    numba-cuda's ``NUMBA_CUDA_PER_THREAD_DEFAULT_STREAM`` asks for), ``0``
+    is a different stream in every thread, and a call's kernels, launched
+    from the caller's thread and from the progress thread, would not be in
+    one order, nor waited for by one synchronisation. The legacy stream is
+    one per device, and torch's default stream."""
+    if stream:
+        return stream
+    if not _legacy:
+        _legacy.append(cuda.legacy_default_stream())
+    return _legacy[0]
+
+
+def default_stream():
+    """The stream of ``cuda_stream=0``: the legacy default stream (see
+    :func:`_stream`). ``mpigc._cuda`` copies and synchronises on it."""
+    return _stream(0)
+
+
 def _launch(kernel, blocks, stream, *args):
     """Launch ``kernel`` on ``blocks`` CUDA blocks (an int, or ``(blocks per
-    shard, shards)``) of ``THREADS`` threads.
+    shard, shards)``) of ``THREADS`` threads, on ``_stream(stream)``.
 
     Every launch of this module goes through here, with device arrays and
     numeric scalars only (no ``None``, no host arrays): what a real launch
     accepts. The simulator tests wrap this function to check that contract,
     count the launches and record the argument types that
     ``tests/test_cuda_sim.py`` compiles to PTX."""
-    kernel[blocks, THREADS, stream](*args)
+    kernel[blocks, THREADS, _stream(stream)](*args)
 
 
 # -- small device buffers: layouts (cached) and counters (pooled) -------------
@@ -237,13 +326,15 @@ def _counter(stream):
         c = free.pop() if free else None
     if c is None:
         c = cuda.device_array(1, np.int64)
-    c.copy_to_device(_host_zero(), stream=stream or cuda.default_stream())
+    c.copy_to_device(_host_zero(), stream=_stream(stream))
     return c
 
 
 def _read_count(counter, stream):
-    """The counter's value: the one device-to-host read (and wait) of a pack."""
-    host = counter.copy_to_host(stream=stream)
+    """The counter's value: the one device-to-host read (and wait) of a pack.
+    (A copy to pageable host memory returns when it is done; the caller's
+    own stream is synchronised as well.)"""
+    host = counter.copy_to_host(stream=_stream(stream))
     if stream:
         stream.synchronize()
     with _lock:
@@ -514,7 +605,7 @@ def _byte_of_codes(code, sh):
     return c
 
 
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _pack_2bit_kernel(x, e_in, has_e_in, e_out, has_e_out, out, starts, offs, t, nbad_out):
     j = cuda.blockIdx.y
     lo = starts[j]
@@ -541,7 +632,7 @@ def _pack_2bit_kernel(x, e_in, has_e_in, e_out, has_e_out, out, starts, offs, t,
         cuda.atomic.add(nbad_out, 0, nbad)
 
 
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _unpack_2bit_kernel(payload, stride, nsrc, starts, offs, out, t, accumulate):
     j = cuda.blockIdx.y
     lo = starts[j]
@@ -581,14 +672,11 @@ def pack_2bit_shards(x, e_in, e_out, payload, starts, offs, threshold, *, cuda_s
     payload = _dev(payload, "payload")
     starts, offs = _layout(starts, offs)
     t = x.dtype.type(threshold)
-    big = _max_shard(starts)
-    if not big:
+    if not _max_shard(starts):
         return 0
     cnt = _counter(cuda_stream)
-    if big:
-        _launch(_pack_2bit_kernel, _grid2(big, len(starts) - 1), cuda_stream,
-                x, *_opt(e_in, x), *_opt(e_out, x), payload, _index(starts), _index(offs),
-                t, cnt)
+    _launch_shards(_pack_2bit_kernel, starts, offs, cuda_stream,
+                   x, *_opt(e_in, x), *_opt(e_out, x), payload, _STARTS, _OFFS, t, cnt)
     return _read_count(cnt, cuda_stream)
 
 
@@ -601,11 +689,10 @@ def unpack_2bit_shards(payload, stride, nsrc, starts, offs, out, threshold, accu
     payload, out = _dev(payload, "payload"), _dev(out, "out")
     starts, offs = _layout(starts, offs)
     t = out.dtype.type(threshold)
-    big = _max_shard(starts)
-    if big and nsrc:
-        _launch(_unpack_2bit_kernel, _grid2(big, len(starts) - 1), cuda_stream,
-                payload, int(stride), int(nsrc), _index(starts), _index(offs), out, t,
-                bool(accumulate))
+    if nsrc:
+        _launch_shards(_unpack_2bit_kernel, starts, offs, cuda_stream,
+                       payload, int(stride), int(nsrc), _STARTS, _OFFS, out, t,
+                       bool(accumulate))
 
 
 def pack_2bit(x, e_in, e_out, out, threshold, *, cuda_stream=0):
@@ -632,7 +719,7 @@ def unpack_2bit(payload, out, threshold, accumulate, *, cuda_stream=0):
 # ----------------------------------------------------------------------------
 # 1bit (Seide et al.): one warp per quantization block
 # ----------------------------------------------------------------------------
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _pack_1bit_kernel(x, e_in, has_e_in, e_out, has_e_out, bits, tail, inline, starts, offs,
                       block, nbad_out):
     j = cuda.blockIdx.y
@@ -710,7 +797,7 @@ def _pack_1bit_kernel(x, e_in, has_e_in, e_out, has_e_out, bits, tail, inline, s
         cuda.atomic.add(nbad_out, 0, nbad)
 
 
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _unpack_1bit_kernel(bits, tail, inline, stride, nsrc, starts, offs, out, block,
                         accumulate):
     j = cuda.blockIdx.y
@@ -737,6 +824,7 @@ def pack_1bit_shards(x, e_in, e_out, payload, starts, offs, block_size, *, cuda_
     """:func:`pack_1bit` of every shard into ``payload[offs[j]:]``: its bits,
     then its reconstruction pairs as little-endian float32 (the wire
     format), in one launch. Returns the bad count of all shards."""
+    block_size = check_block_size(block_size, 8, "pack_1bit_shards")
     x, e_in, e_out = _dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out")
     payload = _dev(payload, "payload")
     starts, offs = _layout(starts, offs)
@@ -745,15 +833,12 @@ def pack_1bit_shards(x, e_in, e_out, payload, starts, offs, block_size, *, cuda_
 
 
 def _pack_1bit(x, e_in, e_out, bits, tail, inline, starts, offs, block, stream):
-    big = _max_shard(starts)
-    if not big:
+    if not _max_shard(starts):
         return 0
     cnt = _counter(stream)
-    if big:
-        nblk = (big + block - 1) // block
-        _launch(_pack_1bit_kernel, _grid2(nblk, len(starts) - 1, WARPS), stream,
-                x, *_opt(e_in, x), *_opt(e_out, x), bits, tail, bool(inline),
-                _index(starts), _index(offs), int(block), cnt)
+    _launch_shards(_pack_1bit_kernel, starts, offs, stream,
+                   x, *_opt(e_in, x), *_opt(e_out, x), bits, tail, bool(inline),
+                   _STARTS, _OFFS, int(block), cnt, block=block)
     return _read_count(cnt, stream)
 
 
@@ -763,38 +848,39 @@ def unpack_1bit_shards(payload, stride, nsrc, starts, offs, out, block_size, acc
     (as :func:`unpack_2bit_shards`), one launch. Asynchronous."""
     payload, out = _dev(payload, "payload"), _dev(out, "out")
     starts, offs = _layout(starts, offs)
-    big = _max_shard(starts)
-    if big and nsrc:
-        _launch(_unpack_1bit_kernel, _grid2(big, len(starts) - 1), cuda_stream,
-                payload, payload, True, int(stride), int(nsrc), _index(starts),
-                _index(offs), out, int(block_size), bool(accumulate))
+    if nsrc:
+        _launch_shards(_unpack_1bit_kernel, starts, offs, cuda_stream,
+                       payload, payload, True, int(stride), int(nsrc), _STARTS, _OFFS, out,
+                       int(block_size), bool(accumulate))
 
 
 def pack_1bit(x, e_in, e_out, bits, means, block_size, *, cuda_stream=0):
     """Sign bits of ``x + e_in`` into ``bits`` (uint8, ``ceil(n/8)``) and the
     per-block reconstruction pairs into ``means`` (float32, 2 per block).
 
-    ``block_size`` must be a multiple of 8. Returns the non-finite count.
+    ``block_size`` must be a positive multiple of 8 (else a ``ConfigError``,
+    before any launch: two warps would write one byte). Returns the
+    non-finite count.
     """
+    block_size = check_block_size(block_size, 8, "pack_1bit")
     x, e_in, e_out = _dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out")
     bits, means = _dev(bits, "bits"), _dev(means, "means")
     return _pack_1bit(x, e_in, e_out, bits, _payload_bytes(means), False, (0, x.size), (0,),
-                      int(block_size), cuda_stream)
+                      block_size, cuda_stream)
 
 
 def unpack_1bit(bits, means, out, block_size, accumulate, *, cuda_stream=0):
     """Decode ``out.size`` 1-bit values with their block pairs (asynchronous)."""
     bits, means, out = _dev(bits, "bits"), _dev(means, "means"), _dev(out, "out")
-    if out.size:
-        _launch(_unpack_1bit_kernel, _grid2(out.size, 1), cuda_stream,
-                bits, _payload_bytes(means), False, 0, 1, _index((0, out.size)), _index((0,)),
-                out, int(block_size), bool(accumulate))
+    _launch_shards(_unpack_1bit_kernel, (0, out.size), (0,), cuda_stream,
+                   bits, _payload_bytes(means), False, 0, 1, _STARTS, _OFFS, out,
+                   int(block_size), bool(accumulate))
 
 
 # ----------------------------------------------------------------------------
 # 2bit, relative mode: one warp per quantization block (as 1bit)
 # ----------------------------------------------------------------------------
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _pack_2bit_rel_kernel(x, e_in, has_e_in, e_out, has_e_out, out, tail, inline, starts,
                           offs, rel, block, nbad_out):
     j = cuda.blockIdx.y
@@ -878,7 +964,7 @@ def _pack_2bit_rel_kernel(x, e_in, has_e_in, e_out, has_e_out, out, tail, inline
         cuda.atomic.add(nbad_out, 0, nbad)
 
 
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _unpack_2bit_rel_kernel(payload, tail, inline, stride, nsrc, starts, offs, out, block,
                             accumulate):
     j = cuda.blockIdx.y
@@ -903,15 +989,12 @@ def _unpack_2bit_rel_kernel(payload, tail, inline, stride, nsrc, starts, offs, o
 
 
 def _pack_2bit_rel(x, e_in, e_out, out, tail, inline, starts, offs, rel, block, stream):
-    big = _max_shard(starts)
-    if not big:
+    if not _max_shard(starts):
         return 0
     cnt = _counter(stream)
-    if big:
-        nblk = (big + block - 1) // block
-        _launch(_pack_2bit_rel_kernel, _grid2(nblk, len(starts) - 1, WARPS), stream,
-                x, *_opt(e_in, x), *_opt(e_out, x), out, tail, bool(inline),
-                _index(starts), _index(offs), float(rel), int(block), cnt)
+    _launch_shards(_pack_2bit_rel_kernel, starts, offs, stream,
+                   x, *_opt(e_in, x), *_opt(e_out, x), out, tail, bool(inline),
+                   _STARTS, _OFFS, float(rel), int(block), cnt, block=block)
     return _read_count(cnt, stream)
 
 
@@ -920,11 +1003,12 @@ def pack_2bit_rel_shards(x, e_in, e_out, payload, starts, offs, rel_threshold, b
     """:func:`pack_2bit_rel` of every shard into ``payload[offs[j]:]``: its
     codes, then its block magnitudes as little-endian float32, one launch.
     Returns the bad count of all shards."""
+    block_size = check_block_size(block_size, 4, "pack_2bit_rel_shards")
     x, e_in, e_out = _dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out")
     payload = _dev(payload, "payload")
     starts, offs = _layout(starts, offs)
     return _pack_2bit_rel(x, e_in, e_out, payload, payload, True, starts, offs,
-                          rel_threshold, int(block_size), cuda_stream)
+                          rel_threshold, block_size, cuda_stream)
 
 
 def unpack_2bit_rel_shards(payload, stride, nsrc, starts, offs, out, block_size, accumulate,
@@ -933,11 +1017,10 @@ def unpack_2bit_rel_shards(payload, stride, nsrc, starts, offs, out, block_size,
     payloads onto ``out`` (as :func:`unpack_2bit_shards`). Asynchronous."""
     payload, out = _dev(payload, "payload"), _dev(out, "out")
     starts, offs = _layout(starts, offs)
-    big = _max_shard(starts)
-    if big and nsrc:
-        _launch(_unpack_2bit_rel_kernel, _grid2(big, len(starts) - 1), cuda_stream,
-                payload, payload, True, int(stride), int(nsrc), _index(starts),
-                _index(offs), out, int(block_size), bool(accumulate))
+    if nsrc:
+        _launch_shards(_unpack_2bit_rel_kernel, starts, offs, cuda_stream,
+                       payload, payload, True, int(stride), int(nsrc), _STARTS, _OFFS, out,
+                       int(block_size), bool(accumulate))
 
 
 def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size, *,
@@ -947,28 +1030,29 @@ def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size, *,
     into ``scales`` (float32, one per block): as
     ``kernels.cpu.pack_2bit_rel``, bit for bit.
 
-    ``block_size`` must be a multiple of 4. Returns the non-finite count.
+    ``block_size`` must be a positive multiple of 4 (else a ``ConfigError``,
+    before any launch). Returns the non-finite count.
     """
+    block_size = check_block_size(block_size, 4, "pack_2bit_rel")
     x, e_in, e_out = _dev(x, "x"), _dev(e_in, "e_in"), _dev(e_out, "e_out")
     out, scales = _dev(out, "out"), _dev(scales, "scales")
     return _pack_2bit_rel(x, e_in, e_out, out, _payload_bytes(scales), False, (0, x.size),
-                          (0,), rel_threshold, int(block_size), cuda_stream)
+                          (0,), rel_threshold, block_size, cuda_stream)
 
 
 def unpack_2bit_rel(payload, scales, out, block_size, accumulate, *, cuda_stream=0):
     """Decode ``out.size`` 2bit codes with their block magnitudes r_b
     (asynchronous)."""
     payload, scales, out = _dev(payload, "payload"), _dev(scales, "scales"), _dev(out, "out")
-    if out.size:
-        _launch(_unpack_2bit_rel_kernel, _grid2(out.size, 1), cuda_stream,
-                payload, _payload_bytes(scales), False, 0, 1, _index((0, out.size)),
-                _index((0,)), out, int(block_size), bool(accumulate))
+    _launch_shards(_unpack_2bit_rel_kernel, (0, out.size), (0,), cuda_stream,
+                   payload, _payload_bytes(scales), False, 0, 1, _STARTS, _OFFS, out,
+                   int(block_size), bool(accumulate))
 
 
 # ----------------------------------------------------------------------------
 # terngrad: statistics (a two-level reduction), then stochastic ternary codes
 # ----------------------------------------------------------------------------
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _stats_kernel(x, e_in, has_e_in, partial):
     ssum = cuda.shared.array(THREADS, np.float64)
     ssq = cuda.shared.array(THREADS, np.float64)
@@ -1012,7 +1096,7 @@ def _stats_kernel(x, e_in, has_e_in, partial):
         partial[b, 3] = np.float64(sbad[0])
 
 
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _stats_combine_kernel(partial, result):
     """The second level: one CUDA block folds the per-block partials (thread
     t the rows t, t + THREADS, ... in order, then a tree)."""
@@ -1065,7 +1149,7 @@ def stats(x, e_in, *, cuda_stream=0):
     result = cuda.device_array(4, np.float64, stream=cuda_stream)
     _launch(_stats_kernel, nb, cuda_stream, x, *_opt(e_in, x), partial)
     _launch(_stats_combine_kernel, 1, cuda_stream, partial, result)
-    p = result.copy_to_host(stream=cuda_stream)
+    p = result.copy_to_host(stream=_stream(cuda_stream))
     if cuda_stream:
         cuda_stream.synchronize()
     return float(p[0]), float(p[1]), float(p[2]), int(p[3])
@@ -1079,7 +1163,7 @@ def _splitmix64(z):
     return np.uint64(z ^ (z >> np.uint64(31)))
 
 
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _pack_ternary_kernel(x, e_in, has_e_in, e_out, has_e_out, out, inline, starts, offs, s,
                          scale, clip, stream_id, offset, nbad_out):
     j = cuda.blockIdx.y
@@ -1088,6 +1172,7 @@ def _pack_ternary_kernel(x, e_in, has_e_in, e_out, has_e_out, out, inline, start
     ob = offs[j]
     nv = (n + 3) // 4 * 4
     neg_s = -s
+    neg_clip = -clip
     zero = s - s
     lane = cuda.threadIdx.x % LANES
     sh = 6 - 2 * (lane & 3)
@@ -1102,7 +1187,12 @@ def _pack_ternary_kernel(x, e_in, has_e_in, e_out, has_e_out, out, inline, start
             val = x[i]
             if has_e_in:
                 val = val + e_in[i]
-            f = min(max(np.float64(val), -clip), clip)
+            # clip as the CPU's min(max(v, -clip), clip): explicit compares,
+            # so a NaN stays NaN (a float min/max on the GPU is fmin/fmax,
+            # which returns the other operand: NaN would become -clip)
+            f = np.float64(val)
+            f = neg_clip if neg_clip > f else f
+            f = clip if clip < f else f
             ctr = np.uint64(offset + np.uint64(i))
             h = _splitmix64(stream_id ^ np.uint64(ctr * np.uint64(0x9E3779B97F4A7C15)))
             u = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
@@ -1121,7 +1211,7 @@ def _pack_ternary_kernel(x, e_in, has_e_in, e_out, has_e_out, out, inline, start
         cuda.atomic.add(nbad_out, 0, nbad)
 
 
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _unpack_ternary_kernel(payload, stride, nsrc, starts, offs, out, accumulate):
     j = cuda.blockIdx.y
     lo = starts[j]
@@ -1147,15 +1237,12 @@ def _pack_ternary(x, e_in, e_out, out, inline, starts, offs, scale, clip, stream
                   cuda_stream):
     scale = float(np.float32(scale))
     s = x.dtype.type(scale)
-    big = _max_shard(starts)
-    if not big:
+    if not _max_shard(starts):
         return 0
     cnt = _counter(cuda_stream)
-    if big:
-        _launch(_pack_ternary_kernel, _grid2(big, len(starts) - 1), cuda_stream,
-                x, *_opt(e_in, x), *_opt(e_out, x), out, bool(inline), _index(starts),
-                _index(offs), s, scale, float(clip), np.uint64(stream), np.uint64(offset),
-                cnt)
+    _launch_shards(_pack_ternary_kernel, starts, offs, cuda_stream,
+                   x, *_opt(e_in, x), *_opt(e_out, x), out, bool(inline), _STARTS, _OFFS,
+                   s, scale, float(clip), np.uint64(stream), np.uint64(offset), cnt)
     return _read_count(cnt, cuda_stream)
 
 
@@ -1177,11 +1264,10 @@ def unpack_ternary_shards(payload, stride, nsrc, starts, offs, out, accumulate, 
     onto ``out`` (as :func:`unpack_2bit_shards`). Asynchronous."""
     payload, out = _dev(payload, "payload"), _dev(out, "out")
     starts, offs = _layout(starts, offs)
-    big = _max_shard(starts)
-    if big and nsrc:
-        _launch(_unpack_ternary_kernel, _grid2(big, len(starts) - 1), cuda_stream,
-                payload, int(stride), int(nsrc), _index(starts), _index(offs), out,
-                bool(accumulate))
+    if nsrc:
+        _launch_shards(_unpack_ternary_kernel, starts, offs, cuda_stream,
+                       payload, int(stride), int(nsrc), _STARTS, _OFFS, out,
+                       bool(accumulate))
 
 
 def pack_ternary(x, e_in, e_out, out, scale, clip, stream, offset, *, cuda_stream=0):
@@ -1206,7 +1292,7 @@ def _make_half_kernels(to_bits, from_bits, inf_mask):
     uint16 bits), ``from_bits`` (bits -> float32, exact), ``inf_mask`` (the
     exponent bits: all set means inf or NaN on the wire)."""
     def make_pack(mul_rn):
-        @cuda.jit
+        @cuda.jit(cache=_CACHE)
         def pack(x, e_in, has_e_in, e_out, has_e_out, out, dv, nbad_out):
             zero = dv - dv
             nbad = 0
@@ -1224,7 +1310,7 @@ def _make_half_kernels(to_bits, from_bits, inf_mask):
                 cuda.atomic.add(nbad_out, 0, nbad)
         return pack
 
-    @cuda.jit
+    @cuda.jit(cache=_CACHE)
     def unpack(payload, stride, nsrc, out, accumulate):
         zero = out.dtype.type(0)
         for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
@@ -1331,7 +1417,7 @@ def unpack_bf16_shards(payload, stride, nsrc, starts, offs, out, accumulate, *,
 
 
 # ----------------------------------------------------------------------------
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _count_nonfinite_kernel(x, nbad_out):
     zero = x.dtype.type(0)
     nbad = 0
@@ -1356,19 +1442,19 @@ def count_nonfinite(x, *, cuda_stream=0):
 # in __all__ and not in kernels/cpu.py, where numpy does the same (astype,
 # divide) bit for bit
 # ----------------------------------------------------------------------------
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _f16_to_f32_kernel(src, dst):
     for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
         dst[i] = _f16_bits_to_f32(src[i])
 
 
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _f32_to_f16_kernel(src, dst):
     for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
         dst[i] = _f32_to_f16_bits(src[i])
 
 
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _convert_kernel(src, dst):
     for i in range(cuda.grid(1), dst.size, cuda.gridsize(1)):
         dst[i] = dst.dtype.type(src[i])
@@ -1386,7 +1472,7 @@ def convert(src, dst, *, cuda_stream=0):
         return
     f16 = np.dtype(np.float16)
     if src.dtype == f16 and dst.dtype == f16:
-        dst.copy_to_device(src, stream=cuda_stream)
+        dst.copy_to_device(src, stream=_stream(cuda_stream))
         return
     if src.dtype == f16:
         if dst.dtype != np.float32:
@@ -1397,12 +1483,12 @@ def convert(src, dst, *, cuda_stream=0):
             raise TypeError(f"convert: float16 is made from float32, not {src.dtype}")
         _launch(_f32_to_f16_kernel, _grid(dst.size), cuda_stream, src, dst.view(np.uint16))
     elif src.dtype == dst.dtype:
-        dst.copy_to_device(src, stream=cuda_stream)
+        dst.copy_to_device(src, stream=_stream(cuda_stream))
     else:
         _launch(_convert_kernel, _grid(dst.size), cuda_stream, src, dst)
 
 
-@cuda.jit
+@cuda.jit(cache=_CACHE)
 def _divide_kernel(a, d):
     for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
         a[i] = a[i] / d

@@ -7,10 +7,11 @@ called. See ``docs/gpu.md``.
 CUDA-aware MPI
     :func:`cuda_aware_mpi` decides, per communicator and once, whether MPI may
     be given device pointers: ``$MPIGC_CUDA_AWARE`` (``1`` / ``0``) wins;
-    otherwise the MPI-4.1 info key ``mpi_memory_alloc_kinds`` (of the
-    communicator, then ``MPI_INFO_ENV``) when the library sets it; otherwise
-    Open MPI's ``MPIX_Query_cuda_support()`` (looked up with ctypes in the
-    loaded libmpi); otherwise "no". Without CUDA-aware MPI the packed payloads
+    otherwise "yes" when the MPI-4.1 info key ``mpi_memory_alloc_kinds`` (of
+    the communicator, then ``MPI_INFO_ENV``) lists CUDA memory; otherwise
+    (no key, or a key without cuda: it lists only what was requested) Open
+    MPI's ``MPIX_Query_cuda_support()`` (looked up with ctypes in the loaded
+    libmpi); otherwise "no". Without CUDA-aware MPI the packed payloads
     are staged through reusable pinned host buffers (:class:`_StagingPool`),
     and a warning says so once per process.
 
@@ -20,6 +21,15 @@ Device selection
     a collective first sees a device array and ``$MPIGC_DEVICE`` is set, it
     calls ``select_device`` itself; otherwise the kernels run on the GPU that
     holds the array (as torch and CuPy report it), or Numba's current one.
+
+Streams
+    The engine's kernels and copies run on :func:`engine_stream`, the legacy
+    default stream named explicitly (the same stream in every thread, also
+    with per-thread default streams on, and torch's default stream). Before a
+    foreign array is used, the engine's stream waits for the stream that
+    produced it (:func:`wait_for_producer`: the interface's ``stream``, or
+    torch's current stream for a torch tensor); :func:`sync` waits for the
+    engine's stream before MPI or the caller reads.
 
 Simulator test seam
     Under ``NUMBA_ENABLE_CUDASIM=1`` a "device array" is a numpy array in a
@@ -31,6 +41,7 @@ Simulator test seam
 import collections
 import ctypes
 import os
+import sys
 import threading
 
 import numpy as np
@@ -64,20 +75,60 @@ def _numba_cuda():
 
 # -- arrays ------------------------------------------------------------------
 def as_device(a):
-    """``a`` as a Numba device array (no copy), after synchronising the
-    stream that produced it (CUDA array interface v3 ``stream``; Numba
-    arrays: their own stream)."""
+    """``a`` as a Numba device array (no copy), after the work of the stream
+    that produced it (:func:`wait_for_producer`; Numba arrays: their own
+    stream, synchronised): the engine's kernels run on another stream
+    (:func:`engine_stream`)."""
     cuda = _numba_cuda()
     if getattr(type(a), "__cuda_ndarray__", False):  # Numba's own (or the simulator's)
         stream = getattr(a, "stream", 0)
         if stream:
             stream.synchronize()
         return a
+    wait_for_producer(a)
     if simulator():
         return _simulated_from_interface(a)
     # dtype, shape, strides and the pointer come from the interface (a torch
-    # tensor's own .dtype is a torch dtype, not a numpy one)
-    return cuda.as_cuda_array(a, sync=True)
+    # tensor's own .dtype is a torch dtype, not a numpy one); the producer's
+    # stream was taken care of above
+    return cuda.as_cuda_array(a, sync=False)
+
+
+def producer_stream(a):
+    """The stream whose queued work on foreign device array ``a`` must come
+    before the engine's, as an int: the ``stream`` of its
+    ``__cuda_array_interface__`` (version 3: ``None`` for none, ``1`` the
+    legacy default stream, ``2`` the per-thread default stream, else a
+    ``cudaStream_t``); for a torch tensor, whose interface (version 2) has
+    no stream, torch's current stream on the tensor's device (torch's rule:
+    a tensor is used on the current stream), ``1`` for torch's default
+    stream (the legacy stream). ``None`` when there is nothing to wait for."""
+    ptr = a.__cuda_array_interface__.get("stream")
+    torch = sys.modules.get("torch")
+    if ptr is None and torch is not None and isinstance(a, torch.Tensor):
+        return torch.cuda.current_stream(a.device).cuda_stream or 1
+    if ptr is not None and (isinstance(ptr, bool) or not isinstance(ptr, int) or ptr == 0):
+        raise DTypeError(f"__cuda_array_interface__: expected a stream of None, 1, 2 or a "
+                         f"cudaStream_t, got {ptr!r} (version 3 does not allow 0)")
+    return ptr
+
+
+def wait_for_producer(a):
+    """Order the engine's stream after the work queued so far on the stream
+    that produced ``a`` (:func:`producer_stream`), without a host wait: an
+    event recorded there, waited for on the engine's stream. Nothing to do
+    for the legacy stream (the engine's own) and for a per-thread default
+    stream (a blocking stream: the legacy stream waits for it by CUDA's
+    rules). An array made on another stream than the one its interface
+    names (CuPy, torch: the current one) is not covered: make that stream
+    current, or synchronise it, before the call."""
+    ptr = producer_stream(a)
+    if ptr is None or ptr in (1, 2) or simulator():
+        return  # (the simulator runs every launch and copy to its end at once)
+    cuda = _numba_cuda()
+    ev = cuda.event(timing=False)
+    ev.record(cuda.external_stream(ptr))
+    ev.wait(engine_stream())
 
 
 def _simulated_from_interface(a):
@@ -132,28 +183,39 @@ def to_host(d, out=None):
     return out
 
 
+def engine_stream():
+    """The stream of the engine's kernels and copies: the legacy default
+    stream, named explicitly (``mpigc.kernels.cuda.default_stream``), one
+    stream per device in every thread whatever the per-thread default
+    stream setting, and torch's default stream."""
+    from .kernels import cuda as kc
+    return kc.default_stream()
+
+
 def copy(dst, src):
     """``dst[:] = src`` for same-dtype arrays; either side may be host or
     device (``dst`` device unless ``src`` is).
 
-    To the host: synchronous (MPI or the caller reads ``dst`` next). To the
-    device: in stream order on the default stream, without blocking the host
-    (the kernels that read ``dst`` follow on that stream; a pinned source
-    buffer stays the call's until its final synchronisation, a pageable one
-    is taken by the driver before this returns)."""
+    To the host: synchronous (MPI or the caller reads ``dst`` next); a
+    synchronous copy waits for the legacy stream's earlier work, also when
+    it runs on a per-thread default stream (a blocking stream). To the
+    device: in order on the engine's stream, without blocking the host (the
+    kernels that read ``dst`` follow on that stream; a pinned source buffer
+    stays the call's until its final synchronisation, a pageable one is
+    taken by the driver before this returns)."""
     if isinstance(dst, np.ndarray):
         src.copy_to_host(dst)
     else:
-        dst.copy_to_device(src, stream=_numba_cuda().default_stream())
+        dst.copy_to_device(src, stream=engine_stream())
 
 
 def sync():
-    """Wait for the engine's work: its kernels and copies run on the default
-    (legacy) stream, so that stream is synchronised, not the whole device
-    (work of other non-blocking streams, e.g. torch's side streams or the
-    rest of a backward pass queued there, goes on); MPI and the caller may
-    read the results afterwards."""
-    _numba_cuda().default_stream().synchronize()
+    """Wait for the engine's work: its kernels and copies run on the legacy
+    default stream (:func:`engine_stream`), so that stream is synchronised,
+    not the whole device (work of other non-blocking streams, e.g. torch's
+    side streams or the rest of a backward pass queued there, goes on); MPI
+    and the caller may read the results afterwards."""
+    engine_stream().synchronize()
 
 
 def mpi_buffer(d):
@@ -283,21 +345,31 @@ def _probe(comm):
         info = comm.Get_info()
     except Exception:  # noqa: BLE001
         info = None
+    # MPI 4.1: the key lists the kinds the application requested that the
+    # library supports; a library that was asked for none reports "mpi,system"
+    # although it may take device memory. So a value without cuda is no
+    # answer: the next source is asked, and the source says both.
+    kinds = []
     try:
         for where, inf in (("communicator info", info), ("MPI_INFO_ENV", MPI.INFO_ENV)):
             v = _info_get(inf, "mpi_memory_alloc_kinds")
             if v:
-                return CudaAwareness(_alloc_kinds_aware(v),
-                                     f"mpi_memory_alloc_kinds={v!r} ({where})")
+                src = f"mpi_memory_alloc_kinds={v!r} ({where})"
+                if _alloc_kinds_aware(v):
+                    return CudaAwareness(True, src)
+                kinds.append(src)
     finally:
         if info is not None:
             try:
                 info.Free()
             except Exception:  # noqa: BLE001
                 pass
+    seen = "".join(f"{k} without cuda; " for k in kinds)
     q = _query_ompi_cuda_support()
     if q is not None:
-        return CudaAwareness(bool(q), f"MPIX_Query_cuda_support()={q}")
+        return CudaAwareness(bool(q), f"{seen}MPIX_Query_cuda_support()={q}")
+    if kinds:
+        return CudaAwareness(False, f"{seen}no MPIX_Query_cuda_support")
     return CudaAwareness(False, "not detected (no mpi_memory_alloc_kinds, no "
                                 "MPIX_Query_cuda_support)")
 
@@ -313,9 +385,11 @@ def cuda_aware_mpi(comm=None):
     """Whether mpigc hands device memory to MPI on ``comm``, and why.
 
     Decided once per communicator: ``$MPIGC_CUDA_AWARE`` (``1`` or ``0``)
-    wins; otherwise what the MPI library reports: the MPI-4.1 info key
-    ``mpi_memory_alloc_kinds`` (``cuda`` or ``cuda:device`` among the kinds),
-    then Open MPI's ``MPIX_Query_cuda_support()``; otherwise no. When no,
+    wins; otherwise what the MPI library reports: yes when the MPI-4.1 info
+    key ``mpi_memory_alloc_kinds`` has ``cuda`` or ``cuda:device`` among the
+    kinds; else (no key, or kinds without cuda, which may only mean that
+    nobody requested them) Open MPI's ``MPIX_Query_cuda_support()``;
+    otherwise no. When no,
     device collectives stage their packed payloads through pinned host
     buffers. Touches no GPU. Collective the first time mpigc sees ``comm``
     (it is duplicated then), like every mpigc call.
@@ -379,7 +453,6 @@ def select_device(comm=None, device=None):
     >>> grad = torch.zeros(1000, device=f"cuda:{dev}")  # doctest: +SKIP
     """
     global _selected
-    import sys
     from . import _comm
     if device is None:
         device = _env_device()

@@ -422,3 +422,109 @@ def test_device_allreduce_foreign_arrays(gpu):
         tried += 1
     if not tried:
         pytest.skip("neither CuPy nor torch is installed")
+
+
+# ----------------------------------------------------------------------------
+# issue 29: what only a GPU shows
+# ----------------------------------------------------------------------------
+def _tests_dir():
+    import sys
+    d = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if d not in sys.path:
+        sys.path.insert(0, d)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_terngrad_nonfinite_like_cpu(gpu, dtype):
+    """NaN and infinite values with the hardware's float min/max: the same
+    codes and residuals as the CPU, with and without a clip (a NaN became
+    -clip, code 10, with ``min(max(v, -c), c)`` on a GPU)."""
+    cuda, cpu, kc = gpu
+    n = BIG
+    x, e = _data(n, dtype, 31)
+    x[:: 97] = np.nan
+    x[5:: 101] = np.inf
+    x[7:: 103] = -np.inf
+    v = (x + e).astype(np.float64)
+    amax = float(np.abs(v[np.isfinite(v)]).max())
+    stream = cpu.ternary_stream(3, 0, 1, 0)
+    for clip in (np.inf, 0.5 * amax):
+        for inplace in (True, False):
+            _both(gpu, "pack_ternary", x, e, [np.zeros((n + 3) // 4, np.uint8)],
+                  (np.float32(amax), clip, stream, 0), inplace)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_stats_order_matches_model(gpu, dtype):
+    """The device's float64 sums follow the numpy model of
+    ``tests/device_order.py`` for this GPU's SM count, bit for bit (132 on
+    H100 SXM / H200, 114 on H100 PCIe: the sums, and so terngrad's clip
+    bound, may differ between them)."""
+    cuda, cpu, kc = gpu
+    _tests_dir()
+    import device_order
+    n = BIG
+    x, e = _data(n, dtype, 37, scale=1e3)
+    got = kc.stats(cuda.to_device(x), cuda.to_device(e))
+    want = device_order.stats_model(x, e, max_blocks=kc._max_blocks(), threads=kc.THREADS)
+    assert got[2:] == want[2:], (got, want)
+    _same("stats sums against the model", np.array(got[:2]), np.array(want[:2]))
+
+
+def test_torch_side_stream_is_waited_for(gpu):
+    """A CUDA torch tensor written on a side stream that is current at the
+    call: the engine's stream waits for it (torch's interface has no stream;
+    mpigc orders after torch's current stream)."""
+    if SIM:
+        pytest.skip("no CUDA torch in the simulator (tests/test_cuda_host.py mocks it)")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no GPU")
+    import mpigc
+    n = 1 << 20
+    g = np.random.default_rng(2).standard_normal(n).astype(np.float32)
+    want = g.copy()
+    mpigc.allreduce(want, "2bit", key="side-host", feedback=False)
+    src = torch.from_numpy(g).cuda()
+    torch.cuda.synchronize()
+    t = torch.zeros(n, device="cuda")
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # keeps the side stream busy for a while
+        t.copy_(src)
+        assert mpigc.allreduce(t, "2bit", key="side-dev", feedback=False) is t
+    _same("2bit of a tensor written on a side stream", t.cpu().numpy(), want)
+
+
+def test_kernels_load_from_the_disk_cache(gpu, tmp_path):
+    """A second process loads the kernels it launches from the disk cache
+    (``MPIGC_CACHE_DIR``) instead of compiling them, and prints the time of
+    its first launches."""
+    if SIM:
+        pytest.skip("the simulator compiles nothing")
+    import json
+    import subprocess
+    import sys
+    code = """
+import json, time, numpy as np
+from numba import cuda
+from mpigc.kernels import cuda as kc
+t = time.perf_counter()
+x = cuda.to_device(np.linspace(-1, 1, 4099).astype(np.float32))
+kc.pack_2bit(x, None, None, cuda.device_array(1025, np.uint8), 0.5)
+kc.pack_1bit(x, x, x, cuda.device_array(513, np.uint8), cuda.device_array(10, np.float32), 1024)
+s = time.perf_counter() - t
+ks = [kc._pack_2bit_kernel, kc._pack_1bit_kernel]
+print(json.dumps({"hits": sum(sum(k._cache_hits.values()) for k in ks),
+                  "misses": sum(sum(k._cache_misses.values()) for k in ks), "seconds": s}))
+"""
+    env = dict(os.environ, MPIGC_CACHE_DIR=str(tmp_path))
+    runs = []
+    for _ in range(2):
+        r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                           text=True, timeout=600)
+        assert r.returncode == 0, r.stdout + r.stderr
+        runs.append(json.loads(r.stdout.strip().splitlines()[-1]))
+    assert runs[0]["misses"] == 2 and (runs[1]["hits"], runs[1]["misses"]) == (2, 0), runs
+    print(f"first launches: {runs[0]['seconds']:.2f} s compiled, "
+          f"{runs[1]['seconds']:.2f} s from the cache")

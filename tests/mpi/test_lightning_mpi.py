@@ -1,0 +1,315 @@
+"""mpigc.torch.lightning under mpirun: the hook registered by MpigcCommHook
+trains a Lightning DDP model on CPU (where DDPStrategy's own ddp_comm_hook is
+skipped), as DDP with the hook does without Lightning; its residuals travel
+in Lightning's checkpoints and a resume continues bit for bit; they reshard
+as mpigc.load_checkpoint does; strategies that are not DDP are refused.
+
+Lightning is optional (``pip install 'mpigc[lightning]'``): without it these
+tests skip. Lightning runs on the MPI ranks through its ``MPIEnvironment``,
+one CPU process per rank, at any rank count."""
+import os
+import re
+import warnings
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpigc
+
+from conftest import assert_all, raises_everywhere
+
+torch = pytest.importorskip("torch")
+L = pytest.importorskip("lightning")
+from lightning.fabric.plugins.environments import MPIEnvironment  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy  # noqa: E402
+
+import mpigc.torch as mt  # noqa: E402
+from mpigc.compressors import get_compressor  # noqa: E402
+from mpigc.feedback import shard_bounds  # noqa: E402
+from mpigc.torch.lightning import CHECKPOINT_KEY, MpigcCommHook, residuals_for_rank  # noqa: E402
+
+OP = {"op": "2bit", "threshold": 2.0 ** -6}  # sums of +-t are exact: any bucket layout
+BATCHES, BATCH = 2, 8                        # per epoch and rank
+
+
+class Net(L.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(),
+                                       torch.nn.Linear(16, 3))
+
+    def forward(self, x):
+        return self.net(x)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return ((self(x) - y) ** 2).mean()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader(rank):
+    """This rank's own shard, the same batches in every epoch."""
+    g = torch.Generator().manual_seed(100 + rank)
+    x = torch.randn(BATCHES * BATCH, 12, generator=g)
+    y = torch.randn(BATCHES * BATCH, 3, generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
+                                       batch_size=BATCH, shuffle=False)
+
+
+def trainer(root, callbacks=(), strategy=None, **kw):
+    comm = MPI.COMM_WORLD
+    kw.setdefault("enable_checkpointing", False)
+    return L.Trainer(accelerator="cpu", devices=comm.size, num_nodes=1,
+                     strategy=strategy or DDPStrategy(cluster_environment=MPIEnvironment()),
+                     callbacks=list(callbacks), logger=False, enable_progress_bar=False,
+                     enable_model_summary=False, use_distributed_sampler=False,
+                     default_root_dir=root, **kw)
+
+
+def checkpointing(root):
+    """A checkpoint at the end of every epoch: ``{root}/ckpt/epoch=K.ckpt``."""
+    return ModelCheckpoint(dirpath=f"{root}/ckpt", filename="{epoch}", save_top_k=-1,
+                           every_n_epochs=1)
+
+
+def params(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def same_params(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def same_state(a, b):
+    """Per-parameter residual states ``a`` and ``b`` are equal, bit for bit."""
+    def eq(x, y):
+        if x is None or y is None:
+            return x is None and y is None
+        return np.asarray(x).tobytes() == np.asarray(y).tobytes()
+    return a.keys() == b.keys() and all(
+        eq(a[n]["worker"], b[n]["worker"]) and eq(a[n]["owner"], b[n]["owner"])
+        and int(a[n]["calls"]) == int(b[n]["calls"]) for n in a)
+
+
+@pytest.fixture
+def root(comm, tmp_path_factory):
+    return comm.bcast(str(tmp_path_factory.mktemp("lightning")) if comm.rank == 0 else None)
+
+
+@pytest.fixture(autouse=True)
+def isolated():
+    """Lightning leaves its process group, environment variables (MASTER_PORT,
+    ...) and warnings behind: the other tests of the session must not see them."""
+    env, threads = dict(os.environ), torch.get_num_threads()
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+        warnings.filterwarnings("ignore", message="Checkpoint directory .* not empty")
+        yield
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.mpi
+def test_lightning_skips_its_own_ddp_comm_hook_on_cpu(comm, root):
+    """Why MpigcCommHook exists (Lightning 2.x): DDPStrategy registers its
+    ddp_comm_hook only on CUDA; on CPU training runs without it, silently."""
+    model = Net()
+    state = mt.CommHookState(model, **OP)
+    mpigc.reset_traffic()
+    strategy = DDPStrategy(cluster_environment=MPIEnvironment(), ddp_comm_state=state,
+                           ddp_comm_hook=mt.comm_hook)
+    trainer(root, strategy=strategy, max_steps=2).fit(model, loader(comm.rank))
+    assert_all(mpigc.traffic()["calls"] == 0, f"traffic {mpigc.traffic()}: Lightning now "
+               "registers ddp_comm_hook on CPU; docs/torch.md says it does not")
+
+
+@pytest.mark.mpi
+def test_hook_trains_on_cpu_as_ddp_with_the_hook_does(comm, root):
+    """Every step goes through the hook (traffic), and the parameters and
+    residuals are those of DDP with the hook, driven by hand on the same
+    batches."""
+    steps = 3
+    model, hook = Net(), MpigcCommHook(**OP)
+    mpigc.reset_traffic()
+    trainer(root, [hook], max_steps=steps).fit(model, loader(comm.rank))
+    calls = mpigc.traffic()["calls"]
+    got, got_state = params(model), hook.state.state_dict()
+
+    ref = Net()
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)  # Lightning's process group
+    state = mt.CommHookState(ddp, **OP)
+    ddp.register_comm_hook(state, mt.comm_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    mpigc.reset_traffic()
+    batches = [b for _ in range(2) for b in loader(comm.rank)][:steps]
+    for x, y in batches:
+        opt.zero_grad()
+        ((ddp(x) - y) ** 2).mean().backward()
+        opt.step()
+    want_calls = mpigc.traffic()["calls"]
+    assert_all(calls >= steps and calls == want_calls,
+               f"{calls} hook calls under Lightning, {want_calls} without, {steps} steps")
+    assert_all(same_params(got, params(ref)), "parameters differ from DDP with the hook")
+    assert_all(same_state(got_state, state.state_dict()), "residuals differ")
+    assert_all(any(np.any(s["worker"]) for s in got_state.values() if s["worker"] is not None),
+               "no residual: the test would not see them lost")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["2bit", "none"])
+def test_checkpoint_resume_continues_bit_for_bit(comm, root, op):
+    """ModelCheckpoint after epoch 0; trainer.fit(ckpt_path=...) in a new
+    trainer with a new callback ends where the uninterrupted run ends:
+    parameters and residuals bit for bit."""
+    kw = OP if op == "2bit" else {"op": "none"}
+    model, hook = Net(), MpigcCommHook(**kw)
+    trainer(root, [hook, checkpointing(root)], max_epochs=2,
+            enable_checkpointing=True).fit(model, loader(comm.rank))
+    want, want_state = params(model), hook.state.state_dict()
+
+    path = f"{root}/ckpt/epoch=0.ckpt"
+    record = torch.load(path, weights_only=True)[CHECKPOINT_KEY]  # as Lightning loads it
+    ok = record["world_size"] == comm.size and len(record["residuals"]) == comm.size
+    if op == "2bit":
+        ok &= any(bool(s["worker"].any()) for s in record["residuals"][comm.rank].values())
+    assert_all(ok, f"checkpoint record: world_size {record['world_size']}")
+
+    model2, hook2 = Net(), MpigcCommHook(**kw)  # a new trainer, as in a new job
+    trainer(root, [hook2, checkpointing(root)], max_epochs=2,
+            enable_checkpointing=True).fit(model2, loader(comm.rank), ckpt_path=path)
+    assert_all(same_params(want, params(model2)), "resumed parameters differ")
+    assert_all(same_state(want_state, hook2.state.state_dict()), "resumed residuals differ")
+    if op != "2bit":
+        return
+    # residuals of another compressor config are refused
+    other = MpigcCommHook(op="2bit", threshold=2.0 ** -5)
+    t = trainer(root, [other, checkpointing(root)], max_epochs=2, enable_checkpointing=True)
+    raises_everywhere(mpigc.MismatchError,
+                      lambda: t.fit(Net(), loader(comm.rank), ckpt_path=path),
+                      match="another compressor config")
+
+    # a second fit with the same callback goes on with the first one's residuals
+    model3, hook3 = Net(), MpigcCommHook(**kw)
+    for _ in range(2):
+        trainer(root, [hook3], max_epochs=1).fit(model3, loader(comm.rank))
+    assert_all(same_params(want, params(model3)), "second fit: parameters differ")
+    assert_all(same_state(want_state, hook3.state.state_dict()), "second fit: residuals")
+
+    # a checkpoint without residuals: a warning, and they start from zero
+    bare = f"{root}/bare.ckpt"
+    if comm.rank == 0:
+        c = torch.load(path, weights_only=True)
+        del c[CHECKPOINT_KEY]
+        torch.save(c, bare)
+    comm.Barrier()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer(root, [MpigcCommHook(**kw)], max_epochs=2).fit(Net(), loader(comm.rank),
+                                                                ckpt_path=bare)
+    warned = any("holds no mpigc residuals" in str(w.message) for w in seen)
+    assert_all(warned == (comm.rank == 0), f"warned: {warned}")
+
+
+def _synthetic_record(names_numel, size, config):
+    """A checkpoint record of ``size`` ranks with random residuals (every
+    rank builds the same one)."""
+    ranks = []
+    for r in range(size):
+        rng = np.random.default_rng([7, r])
+        state = {}
+        for name, n in names_numel.items():
+            lo, hi = shard_bounds(n, size)[r]
+            state[name] = {
+                "worker": torch.from_numpy(rng.standard_normal(n).astype(np.float32)),
+                "owner": torch.from_numpy(rng.standard_normal(hi - lo).astype(np.float32)),
+                "config": config, "calls": 3, "n": n, "dtype": "float32"}
+        ranks.append(state)
+    return {"format": "mpigc.torch.lightning", "version": 1, "world_size": size,
+            "mpigc_version": mpigc.__version__, "residuals": ranks}
+
+
+@pytest.mark.mpi
+def test_residuals_reshard_as_load_checkpoint_does(comm, root):
+    """On its own world size a record gives each rank its state exactly; on a
+    smaller one (a sub-communicator), exactly what mpigc.load_checkpoint of
+    the same residuals gives; on a larger one the totals are kept."""
+    model = Net()
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    config = get_compressor(OP["op"], threshold=OP["threshold"]).get_config()
+    record = _synthetic_record(numel, comm.size, config)
+    mine = residuals_for_rank(record, comm.size, comm.rank)
+    ok = all(np.array_equal(mine[n]["worker"], record["residuals"][comm.rank][n]["worker"])
+             and np.array_equal(mine[n]["owner"], record["residuals"][comm.rank][n]["owner"])
+             for n in numel)
+    state = mt.CommHookState(model, **OP)
+    state.load_state_dict(mine)
+    state.save_checkpoint(f"{root}/res")
+    for m in range(1, comm.size):
+        sub = comm.Split(0 if comm.rank < m else MPI.UNDEFINED, comm.rank)
+        if sub != MPI.COMM_NULL:
+            st = mt.CommHookState(model, comm=sub, **OP)
+            st.load_checkpoint(f"{root}/res")
+            ok &= same_state(st.state_dict(), residuals_for_rank(record, m, sub.rank))
+            sub.Free()
+    for m in (comm.size + 1, 2 * comm.size + 1):  # more ranks: totals kept
+        new = [residuals_for_rank(record, m, j) for j in range(m)]
+        for n in numel:
+            worker = sum(s[n]["worker"].astype(np.float64) for s in new if
+                         s[n]["worker"] is not None)
+            old = sum(s[n]["worker"].numpy().astype(np.float64) for s in record["residuals"])
+            ok &= np.array_equal(worker, old)
+            ok &= np.array_equal(np.concatenate([s[n]["owner"] for s in new]),
+                                 np.concatenate([s[n]["owner"].numpy()
+                                                 for s in record["residuals"]]))
+    assert_all(ok)
+
+
+@pytest.mark.mpi
+def test_refuses_a_strategy_that_is_not_ddp(comm, root):
+    hook = MpigcCommHook(**OP)
+    t = L.Trainer(accelerator="cpu", devices=1, strategy=SingleDeviceStrategy("cpu"),
+                  callbacks=[hook], logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, enable_checkpointing=False,
+                  default_root_dir=root, max_steps=1)
+    raises_everywhere(mpigc.ConfigError, lambda: t.fit(Net(), loader(comm.rank)),
+                      match="expected a DDPStrategy.*SingleDeviceStrategy")
+    assert_all(hook.state is None)
+
+
+@pytest.mark.mpi
+def test_refuses_a_ddp_strategy_with_its_own_hook(comm, root):
+    strategy = DDPStrategy(cluster_environment=MPIEnvironment(), ddp_comm_hook=mt.comm_hook)
+    t = trainer(root, [MpigcCommHook(**OP)], strategy=strategy, max_steps=1)
+    raises_everywhere(mpigc.ConfigError, lambda: t.fit(Net(), loader(comm.rank)),
+                      match="ddp_comm_hook of its own")
+
+
+def _doc_recipe():
+    """The python block of docs/torch.md's "## PyTorch Lightning" section (not
+    run by tests/test_docs.py, whose environment may have no Lightning)."""
+    doc = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "torch.md")
+    with open(doc) as f:
+        text = f.read()
+    section = text[text.index("\n## PyTorch Lightning\n"):]
+    return re.search(r"```python\n(.*?)```", section, re.S).group(1)
+
+
+@pytest.mark.mpi
+def test_doc_recipe_runs(comm, root, monkeypatch, capsys):
+    """The doc's program, as written: trains, checkpoints, resumes."""
+    monkeypatch.chdir(root)
+    mpigc.reset_traffic()
+    exec(compile(_doc_recipe(), "docs/torch.md", "exec"), {"__name__": "__main__"})
+    out = capsys.readouterr().out
+    assert_all(re.search(rf"rank {comm.rank}: [1-9][0-9]* compressed allreduces, "
+                         r"resumed from .*epoch=1", out), out[-500:])

@@ -15,6 +15,10 @@ or, Horovod style, ``opt = mpigc.torch.DistributedOptimizer(opt, model, op="2bit
 an optimizer of the wrapped class whose gradients are averaged by the end of
 ``backward()`` (as with DDP); or, keeping DDP, its communication hook:
 ``ddp.register_comm_hook(mpigc.torch.CommHookState(ddp, op="2bit"), mpigc.torch.comm_hook)``.
+With AdamW, :class:`CompressedAdamW` compresses the momentum instead (under DDP with
+:func:`local_gradients_hook`); Lightning takes the hook through
+:class:`mpigc.torch.lightning.MpigcCommHook`; :func:`init_process_group` (or
+``python -m mpigc.launch``) sets up a ``torchrun`` script's process group under ``mpirun``.
 
 A thin layer by composition over :func:`mpigc.iallreduce` and
 :class:`mpigc.ErrorFeedback`; see ``docs/torch.md`` for the design (bucket order, keys,

@@ -18,6 +18,7 @@ from ._common import (BUCKET_DTYPES, Rendezvous, agree_construction, as_tensor, 
                       first_is_nan, positive, raise_everywhere, resolve_comm, resolve_timeout,
                       simulating, torch_after_engine, torch_nonfinite, wait_request)
 from ._launch import broadcast_parameters
+from ._record import gather_record, is_record, state_for_rank
 from ._state import (Layout, agree_hierarchy, check_state, entries_for_layouts, flat_to_hier,
                      hier_to_flat, residual_keys, restore_keys, snapshot_keys,
                      state_from_layouts)
@@ -622,7 +623,7 @@ class GradientSync:
             raise StateError(f"{what}: a gradient synchronisation is in progress; call "
                              "wait() first")
 
-    def state_dict(self):
+    def state_dict(self, gather=False):
         """The residuals keyed by parameter name (collective).
 
         The format is :meth:`mpigc.ErrorFeedback.state_dict`'s, one key per
@@ -632,6 +633,17 @@ class GradientSync:
         rank's shard (``numpy.array_split`` of the parameter's elements) of the
         owner residuals, gathered from the ranks that own those elements in
         the current bucketing. So the state does not depend on the buckets.
+
+        Parameters
+        ----------
+        gather : bool
+            True: every rank's state as one record on rank 0 (``None`` on the
+            others), for the checkpoint rank 0 writes with ``torch.save``:
+            call it on every rank, then save it inside ``if rank == 0:``.
+            :meth:`load_state_dict` takes the record on every rank, on any
+            world size. Rank 0 holds ``N + 1`` times the parameters' float32
+            bytes meanwhile (``N`` ranks); large models use
+            :meth:`save_checkpoint`.
         """
         self._arrive(self.timeout, "GradientSync.state_dict")
         exc = None
@@ -643,15 +655,18 @@ class GradientSync:
         raise_everywhere(self._comm, exc, "GradientSync.state_dict")
         if self._hier:
             fbs = hier_to_flat(self._comm, self._lay, fbs, self.size, self.rank)
-        return state_from_layouts(self.buckets, fbs, self._comm, self.gather)
+        state = state_from_layouts(self.buckets, fbs, self._comm, self.gather)
+        return gather_record(self._comm, state) if gather else state
 
     def load_state_dict(self, state, strict=True):
         """Load residuals from :meth:`state_dict` (collective), whatever the
         bucketing was when they were saved.
 
-        ``state`` must come from a job with this world size (load a checkpoint
-        saved at another size with :func:`mpigc.load_checkpoint`, which
-        reshards it, then pass ``store.state_dict()``). With ``strict`` (the
+        ``state`` is a per-rank state from a job with this world size (load a
+        checkpoint saved at another size with :func:`mpigc.load_checkpoint`,
+        which reshards it, then pass ``store.state_dict()``), or the record of
+        ``state_dict(gather=True)`` from any world size, passed on every rank
+        (resharded as :func:`mpigc.load_checkpoint` does). With ``strict`` (the
         default) names that are not trainable parameters here, or trainable
         parameters missing from a non-empty state, raise
         :class:`mpigc.StateError` on every rank; otherwise they are ignored
@@ -661,6 +676,8 @@ class GradientSync:
         exc = None
         try:
             self._idle("load_state_dict")
+            if is_record(state):
+                state = state_for_rank(state, self.size, self.rank)
             state = dict(state)
             known = set(self.names)
             extra = sorted(set(state) - known)

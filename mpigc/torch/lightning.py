@@ -22,9 +22,6 @@ Importing this module imports Lightning (``pip install 'mpigc[lightning]'``);
 import sys
 import warnings
 
-import numpy as np
-import torch
-from mpi4py.util import pkl5
 
 try:
     from lightning.pytorch import Callback
@@ -37,19 +34,16 @@ except ImportError as _exc:
 
 from .. import _comm as _engine_comm
 from .._errors import ConfigError, DTypeError, MismatchError, MpigcError, StateError
-from .._version import __version__
-from ..checkpoint import CheckpointError, owner_sources, worker_sources
+from ..checkpoint import CheckpointError
 from ..compressors import get_compressor
-from ..feedback import shard_bounds
 from ._common import resolve_comm
 from ._hook import CommHookState, comm_hook
+from ._record import gather_record, state_for_rank
 
 __all__ = ["MpigcCommHook", "CHECKPOINT_KEY"]
 
 #: The key of Lightning's checkpoint dict that holds the residuals.
 CHECKPOINT_KEY = "mpigc"
-_FORMAT = "mpigc.torch.lightning"
-_VERSION = 1
 _CLASSES = {c.__name__: c for c in (CheckpointError, ConfigError, DTypeError, MismatchError,
                                      MpigcError, StateError)}
 
@@ -215,30 +209,18 @@ class MpigcCommHook(Callback):
         Returns
         -------
         dict or None
-            ``{"format": "mpigc.torch.lightning", "version": 1,
-            "world_size": N, "mpigc_version": str, "residuals": [state of
-            rank 0, ..., state of rank N-1]}``, each state as
-            :meth:`CommHookState.state_dict`'s per parameter name, its arrays
-            as CPU tensors (Lightning loads checkpoints with
-            ``torch.load(weights_only=True)``) and without ``world_size`` and
-            ``rank``.
+            A residual record (``mpigc/torch/_record.py``: every rank's
+            :meth:`CommHookState.state_dict`, its arrays as CPU tensors, which
+            Lightning's ``torch.load(weights_only=True)`` reads, and the
+            world size).
         """
-        mine = {}
-        for name, s in self.state.state_dict().items():
-            mine[name] = {"worker": _tensor(s.get("worker")), "owner": _tensor(s.get("owner")),
-                          "config": dict(s["config"]), "calls": int(s.get("calls", 0)),
-                          "n": int(s["n"]), "dtype": np.dtype(s["dtype"]).name}
-        every = pkl5.Intracomm(self._comm).gather(mine, root=self._root)
-        if self._comm.rank != self._root:
-            return None
-        return {"format": _FORMAT, "version": _VERSION, "world_size": self._comm.size,
-                "mpigc_version": __version__, "residuals": every}
+        return gather_record(self._comm, self.state.state_dict(), root=self._root)
 
     def _load(self, record):
         """This rank's residuals from ``record`` into :attr:`state` (collective)."""
         exc, state = None, {}
         try:
-            state = residuals_for_rank(record, self._comm.size, self._comm.rank)
+            state = state_for_rank(record, self._comm.size, self._comm.rank)
             want = self.state.compressor.get_config()
             bad = {}
             for name, s in state.items():
@@ -266,72 +248,6 @@ class MpigcCommHook(Callback):
         self.state.load_state_dict(state, strict=self.strict)
 
 
-def _tensor(a):
-    return None if a is None else torch.from_numpy(np.ascontiguousarray(a))
-
-
-def _array(t, dtype):
-    if t is None:
-        return None
-    return (t.numpy() if torch.is_tensor(t) else np.asarray(t)).astype(dtype, copy=False)
-
-
-def residuals_for_rank(record, size, rank):
-    """Rank ``rank`` of ``size``'s per-parameter state (the format of
-    :meth:`CommHookState.state_dict`) from the checkpoint record ``record``
-    (``checkpoint["mpigc"]``), made on any world size.
-
-    On the world size of the record it is that rank's state, exactly. On
-    another one, as :func:`mpigc.load_checkpoint` reshards: new rank ``j``
-    gets the sum of the worker residuals of the old ranks ``i`` with
-    ``i % size == j`` (the total over the ranks is kept) and its shard of the
-    owner residuals (``numpy.array_split`` of each parameter's elements over
-    the new ranks).
-
-    Raises
-    ------
-    mpigc.CheckpointError
-        A record of another format or version, or one that does not hold the
-        residuals of its world size.
-    """
-    if not isinstance(record, dict) or record.get("format") != _FORMAT:
-        raise CheckpointError(f"checkpoint[{CHECKPOINT_KEY!r}]: expected a record of "
-                              f"format {_FORMAT!r}, got {_describe(record)}")
-    if record.get("version") != _VERSION:
-        raise CheckpointError(f"checkpoint[{CHECKPOINT_KEY!r}]: expected version "
-                              f"{_VERSION}, got {record.get('version')!r} (written by mpigc "
-                              f"{record.get('mpigc_version')}, this is {__version__})")
-    old = int(record["world_size"])
-    ranks = record["residuals"]
-    if len(ranks) != old:
-        raise CheckpointError(f"checkpoint[{CHECKPOINT_KEY!r}]: expected the residuals of "
-                              f"{old} ranks, got {len(ranks)}")
-    if not 0 <= rank < size:
-        raise StateError(f"rank {rank} of {size}: expected 0 <= rank < size")
-    out = {}
-    for name, first in ranks[0].items():
-        n, dtype = int(first["n"]), np.dtype(first["dtype"])
-        worker = None
-        for i in worker_sources(old, size, rank):
-            w = _array(ranks[i][name]["worker"], dtype)
-            if w is not None:
-                worker = w.copy() if worker is None else worker + w  # as load_checkpoint
-        owner = None
-        if any(r[name]["owner"] is not None for r in ranks):
-            nlo, nhi = shard_bounds(n, size)[rank]
-            owner = np.zeros(nhi - nlo, dtype)
-            for i, a, z in owner_sources(n, old, size, rank):
-                o = _array(ranks[i][name]["owner"], dtype)
-                if o is not None:
-                    olo = shard_bounds(n, old)[i][0]
-                    owner[a - nlo:z - nlo] = o[a - olo:z - olo]
-        out[name] = {"worker": worker, "owner": owner, "config": dict(first["config"]),
-                     "calls": max(int(r[name]["calls"]) for r in ranks),
-                     "world_size": size, "rank": rank, "n": n, "dtype": dtype.name}
-    return out
-
-
-def _describe(record):
-    if isinstance(record, dict):
-        return f"a dict with format {record.get('format')!r}"
-    return type(record).__name__
+#: :func:`mpigc.torch._record.state_for_rank`, under the name the tests and
+#: earlier docs use
+residuals_for_rank = state_for_rank

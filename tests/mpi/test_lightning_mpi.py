@@ -234,7 +234,7 @@ def _synthetic_record(names_numel, size, config):
                 "owner": torch.from_numpy(rng.standard_normal(hi - lo).astype(np.float32)),
                 "config": config, "calls": 3, "n": n, "dtype": "float32"}
         ranks.append(state)
-    return {"format": "mpigc.torch.lightning", "version": 1, "world_size": size,
+    return {"format": "mpigc.torch.residuals", "version": 1, "world_size": size,
             "mpigc_version": mpigc.__version__, "residuals": ranks}
 
 

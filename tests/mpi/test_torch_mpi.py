@@ -1123,3 +1123,49 @@ def test_state_dict_on_one_rank_fails_there_within_the_timeout(comm, gloo, hook)
                             and "if rank == 0" in str(err) and took < 30)
     state = holder.state_dict()  # every rank now: rank 0's barrier completes
     assert_all(ok and isinstance(state, dict), f"{err!r} after {took} s")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["2bit", "1bit"])
+def test_gathered_state_in_a_rank_0_torch_save_resumes_bit_exact(comm, op, tmp_path_factory):
+    """The residuals go where a DDP script's checkpoint goes: state_dict(gather=True)
+    on every rank, torch.save by rank 0 only, torch.load(weights_only=True) on
+    every rank, load_state_dict of the record: the next step is that of an
+    uninterrupted run, bit for bit (1bit keeps owner residuals too); on a
+    sub-communicator of fewer ranks the record loads as mpigc.load_checkpoint
+    of the same residuals does."""
+    d = comm.bcast(str(tmp_path_factory.mktemp("rec")) if comm.rank == 0 else None)
+    path = os.path.join(d, "ckpt.pt")
+    model = make_model()
+    sync = mt.GradientSync(model, op=op, bucket_mb=0.002)
+    _steps(sync, model, comm.rank, range(3))
+    record = sync.state_dict(gather=True)
+    sync.save_checkpoint(os.path.join(d, "residuals"))  # the same residuals, HDF5
+    ok = (record is None) == (comm.rank != 0)
+    if comm.rank == 0:
+        torch.save({"model": model.state_dict(), "mpigc": record}, path)
+    comm.Barrier()
+    ck = torch.load(path, weights_only=True)
+    m2 = make_model()
+    m2.load_state_dict(ck["model"])
+    s2 = mt.GradientSync(m2, op=op, bucket_mb=0.002)
+    s2.load_state_dict(ck["mpigc"])
+    g1 = _steps(sync, model, comm.rank, [3])
+    g2 = _steps(s2, m2, comm.rank, [3])
+    ok &= all(g1[n].numpy().tobytes() == g2[n].numpy().tobytes() for n in g1)
+    # fewer ranks (a sub-communicator): as mpigc.load_checkpoint reshards them
+    m = max(1, comm.size - 1)
+    sub = comm.Split(int(comm.rank < m), comm.rank)
+    if comm.rank < m:
+        a = mt.GradientSync(make_model(), op=op, bucket_mb=0.002, comm=sub)
+        a.load_state_dict(ck["mpigc"])
+        b = mt.GradientSync(make_model(), op=op, bucket_mb=0.002, comm=sub)
+        b.load_checkpoint(os.path.join(d, "residuals"))
+        sa, sb = a.state_dict(), b.state_dict()
+        ok &= set(sa) == set(sb)
+        for n in sa:
+            for part in ("worker", "owner"):
+                x, y = sa[n][part], sb[n][part]
+                ok &= (x is None and y is None) or np.array_equal(x, y)
+    sub.Free()
+    assert_all(ok)

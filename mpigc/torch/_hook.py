@@ -1,19 +1,48 @@
 """mpigc's compressed allreduce as a DDP communication hook."""
+import weakref
+
+import numpy as np
 import torch
+from mpi4py import MPI
 
 from .. import _comm as _engine_comm
-from .._errors import DTypeError, MpigcError, StateError
+from .._errors import ConfigError, DTypeError, MpigcError, StateError
 from ..allreduce import iallreduce
-from ..compressors import get_compressor
-from ..feedback import ErrorFeedback, _entry_state
+from ..feedback import ErrorFeedback, _entry_state, shard_bounds
 
-from ._common import (NP_OF_TORCH, Rendezvous, agree_construction, check_feedback,
+from ._common import (NP_OF_TORCH, Rendezvous, agree_construction, as_tensor, check_feedback,
                       check_gather, check_same, describe, engine_after_torch, engine_array,
-                      first_is_nan, raise_everywhere, resolve_comm, resolve_timeout,
-                      simulating, torch_after_engine, torch_nonfinite, wait_request)
-from ._state import (Layout, agree_hierarchy, check_state, entries_for_layouts, flat_to_hier,
-                     hier_to_flat, residual_keys, restore_keys, snapshot_keys,
-                     state_from_layouts)
+                      first_is_nan, positive, raise_everywhere, resolve_comm,
+                      resolve_timeout, simulating, torch_after_engine, torch_compressor,
+                      torch_nonfinite, wait_request)
+from ._record import gather_record, is_record, state_for_rank
+from ._state import (Layout, agree_hierarchy, bucket_assignment, check_state,
+                     entries_for_layouts, flat_to_hier, hier_to_flat, residual_keys,
+                     restore_keys, snapshot_keys, state_from_layouts)
+
+
+def layout_independent(compressor):
+    """Whether each element's result of ``compressor`` depends only on that
+    element on every rank (and its residuals), not on where it sits in the
+    buffer or what shares the buffer: ``none``, ``fp16``, ``bf16`` and
+    ``2bit`` with an absolute threshold. Not so: the blocks of ``1bit`` and
+    of relative ``2bit`` (their reconstruction values and thresholds are per
+    block of the shard), ``terngrad`` (one scale per call, random streams by
+    position) and compressors mpigc does not know."""
+    config = compressor.get_config()
+    return (config["id"] in ("none", "fp16", "bf16")
+            or (config["id"] == "2bit" and config.get("rel_threshold") is None))
+
+
+def _mark_used(ref, i):
+    """A gradient hook of parameter ``i``: backward computed its gradient on
+    this rank (it runs before the gradient is accumulated, so before DDP marks
+    the parameter ready and hands its bucket to the hook)."""
+    def hook(grad):
+        state = ref()
+        if state is not None:
+            state._used[i] = 1
+    return hook
 
 
 # -- DDP communication hook ----------------------------------------------------
@@ -27,10 +56,25 @@ class CommHookState:
     ``Join``); the buckets' gradients travel over MPI, compressed. Build it on
     every rank (collective over ``comm``).
 
-    DDP builds its buckets anew after the first iteration (and whenever it
-    rebuilds them); each bucket's residuals are kept per parameter, so a new
-    bucketing takes over the residuals of the old one (one ``alltoall`` when
-    it first appears). :meth:`state_dict` is per parameter name, in
+    What one compressed call reduces depends on the compressor.
+    Element-wise ones (``none``, ``fp16``, ``bf16``, ``2bit`` with an
+    absolute threshold) reduce DDP's bucket in place. DDP builds its buckets
+    anew after the first iteration (and whenever it rebuilds them); each
+    bucket's residuals are kept per parameter, so a new bucketing takes over
+    the residuals of the old one (one ``alltoall`` when it first appears).
+    For the others (``1bit`` and relative ``2bit``, whose reconstruction
+    values and thresholds are per block of ``block_size`` values of a
+    shard, and ``terngrad``), where a parameter sits in the call changes its
+    result, so they compress fixed groups of parameters instead:
+    :class:`GradientSync`'s buckets of ``bucket_mb`` (DDP's
+    ``bucket_cap_mb`` by default). DDP's buckets are copied into them and
+    the results back, and a group starts when DDP has handed over all its
+    parameters. So the result does not depend on DDP's bucketing, which
+    differs between a job's first step and the later ones, and a resumed
+    run continues bit for bit; with the same bucket size it is
+    :class:`GradientSync`'s bit for bit.
+
+    :meth:`state_dict` is per parameter name, in
     :meth:`GradientSync.state_dict`'s format: a checkpoint of either loads
     into the other. Under ``ddp.no_sync()`` DDP calls no hook.
 
@@ -40,9 +84,23 @@ class CommHookState:
         The model (a DDP wrapper is unwrapped: names as ``ddp.module``'s).
     op, comm, average, gather, feedback, hierarchy, **params
         As for :class:`GradientSync`. With ``hierarchy="node"`` (or ``"auto"``
-        on several nodes) each DDP bucket is summed exactly inside the node
-        and compressed only between nodes; the residuals of its slices are
+        on several nodes) each bucket is summed exactly inside the node and
+        compressed only between nodes; the residuals of its slices are
         kept per parameter across DDP's rebucketing as for flat buckets.
+    bucket_mb : float, optional
+        The size of the fixed groups of the compressors that are not
+        element-wise (see above), in MiB of the parameters' dtype. Default:
+        DDP's ``bucket_cap_mb`` when ``module`` is the DDP wrapper, else 25.
+    find_unused_parameters : bool, optional
+        As DDP's; default True when ``module`` is a DDP wrapper built with
+        ``find_unused_parameters=True`` or a static graph (the modes in which
+        DDP leaves the ``.grad`` of a parameter that no rank used alone),
+        else False. True: what the elements of a parameter that no rank used
+        in a step delivered goes back into its residuals, as
+        :class:`GradientSync` does, so nothing is lost; its result in DDP's
+        bucket is zero, as with DDP's own allreduce. It costs a gradient hook
+        per parameter (which tells that backward computed its gradient on
+        this rank) and one small allreduce over MPI per step.
     nonfinite : str, optional
         As for :class:`GradientSync`: default ``"skip"``, so NaN/Inf reach DDP's
         gradients (and ``GradScaler``) as with DDP's own allreduce, and no
@@ -57,26 +115,49 @@ class CommHookState:
     The arguments are checked on every rank before the first collective and
     must be the same on every rank (:class:`mpigc.ConfigError` or
     :class:`mpigc.MismatchError` on every rank otherwise).
+
+    Attributes
+    ----------
+    groups : list of Layout or None
+        The fixed groups the calls reduce (``names``, ``offsets``,
+        ``numels``, ``key``: their residual keys in :attr:`feedback`), or
+        None for an element-wise compressor (DDP's buckets in place).
+    feedback : ErrorFeedback
+        The residuals, keyed as the calls are.
+    nonfinite_steps : int
+        Steps skipped for NaN/Inf gradients (``nonfinite="skip"``).
     """
 
     def __init__(self, module, op="2bit", *, comm=None, average=True, gather="compressed",
-                 nonfinite=None, feedback=None, hierarchy="flat", timeout=None, **params):
+                 nonfinite=None, feedback=None, hierarchy="flat", timeout=None,
+                 bucket_mb=None, find_unused_parameters=None, **params):
+        ddp = None
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
-            module = module.module
+            ddp, module = module, module.module
+        if bucket_mb is None:
+            bucket_mb = (getattr(ddp, "bucket_bytes_cap", 25 << 20) / (1 << 20)
+                         if ddp is not None else 25.0)
+        if find_unused_parameters is None:  # DDP leaves unused .grad alone in both modes
+            find_unused_parameters = ddp is not None and bool(
+                ddp.find_unused_parameters or getattr(ddp, "static_graph", False))
         self.comm = resolve_comm(comm)
         self.average = bool(average)
         self.gather = gather
+        self.find_unused_parameters = bool(find_unused_parameters)
         exc, settings, named = None, None, []
         try:  # agreed on at the first collective, as GradientSync's
-            self.compressor = get_compressor(op, **params)
+            self.compressor = torch_compressor(op, params)
             self.nonfinite = torch_nonfinite(nonfinite)
             self.timeout = resolve_timeout(timeout)
             self.feedback = check_feedback(feedback)
             check_gather(gather)
+            if not positive(bucket_mb):
+                raise ConfigError(f"bucket_mb: expected a positive number, got {bucket_mb!r}")
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
             settings = {"op": self.compressor.get_config(), "average": self.average,
                         "gather": gather, "nonfinite": self.nonfinite,
-                        "hierarchy": str(hierarchy)}
+                        "hierarchy": str(hierarchy), "bucket_mb": float(bucket_mb),
+                        "find_unused_parameters": self.find_unused_parameters}
         except (MpigcError, TypeError, ValueError) as e:
             exc = e
         self._comm = self.comm.Dup()
@@ -91,13 +172,50 @@ class CommHookState:
         self._numel = {n: p.numel() for n, p in named}
         self._name_of = {id(p): n for n, p in named}
         self._params = [p for _, p in named]  # keeps the ids valid
-        self._layouts = {}   # bucket index -> Layout in use
+        self.bucket_mb = float(bucket_mb)
+        #: the fixed groups that the calls reduce (None: DDP's buckets in place)
+        self.groups, self._group_dtypes = ((None, None)
+                                           if layout_independent(self.compressor)
+                                           else self._make_groups(named, self.bucket_mb))
+        self._place_of = {}  # name -> (group, offset in it)
+        for g in self.groups or ():
+            for n, off in zip(g.names, g.offsets):
+                self._place_of[n] = (g, off)
+        self._group_buffers = {}  # group index -> its tensor
+        self._layouts = {}   # index -> Layout in use (DDP's buckets, or the groups)
         self._pending = {}   # per-parameter state waiting for its bucket
-        self._inflight = []  # (layout, future, request, tensor, snapshot)
+        self._reset_step()
         self._spare_snapshots = {}  # key -> an old snapshot whose arrays are reused
         #: steps whose gradients were non-finite on some rank (``nonfinite="skip"``)
         self.nonfinite_steps = 0
         self.size, self.rank = self._comm.size, self._comm.rank
+        self._used = np.zeros(len(named), np.int64)  # since the last step, this rank
+        self._unfinished = []  # agreements of failed steps, posted, not waited for
+        if self.find_unused_parameters:
+            ref = weakref.ref(self)
+            self._used_handles = [p.register_hook(_mark_used(ref, i))
+                                  for i, p in enumerate(self._params)]
+
+    @staticmethod
+    def _make_groups(named, bucket_mb):
+        """GradientSync's buckets of ``bucket_mb`` MiB, each in the dtype of
+        its parameters (as DDP's buckets): ``(layouts, torch dtypes)``."""
+        sizes = [(p.numel() * p.element_size(), p.dtype) for _, p in named]
+        groups, dtypes = [], []
+        for k, members in enumerate(bucket_assignment(sizes, bucket_mb * (1 << 20))):
+            dtypes.append(named[members[0]][1].dtype)
+            groups.append(Layout(k, [named[i][0] for i in members],
+                                 [named[i][1].numel() for i in members],
+                                 NP_OF_TORCH.get(dtypes[-1], np.float32)))
+        return groups, dtypes
+
+    def _reset_step(self):
+        self._calls = []     # (layout, request, buffer, snapshot): this step's calls
+        self._futures = []   # (future, DDP's bucket tensor, its layout)
+        self._result_at = {}  # name -> (buffer, offset) of its result (groups)
+        self._waiting = ([len(g.names) for g in self.groups]
+                         if self.groups is not None else [])
+        self._next_group = 0
 
     # -- in the hook -------------------------------------------------------------
     def _layout_of(self, bucket, tensor):
@@ -166,22 +284,21 @@ class CommHookState:
                 self._pending.pop(n, None)
         self._layouts[layout.index] = layout
 
-    def _hook(self, bucket):
-        tensor = bucket.buffer()
-        layout = self._layout_of(bucket, tensor)
+    def _start(self, layout, buffer, several):
+        """Start the compressed allreduce of ``buffer`` (a 1-D tensor in
+        ``layout``: a DDP bucket or a group)."""
         known = self._layouts.get(layout.index)
         if known is None or known.key != layout.key:
             self._place(layout)
-        # several buckets: a step changes the residuals of all or of none (see
+        # several calls: a step changes the residuals of all or of none (see
         # _complete)
-        several = not (bucket.is_last() and bucket.index() == 0)
         snap = (snapshot_keys(self.feedback, self._keys(layout),
                                self._spare_snapshots.pop(layout.key, None))
                 if several else None)
-        # DDP's flat bucket is reduced in place: a CUDA tensor as it is (the
-        # engine reduces device arrays on the GPU, after what torch queued on
-        # its current stream), a CPU one as numpy
-        flat = tensor.detach()
+        # reduced in place: a CUDA tensor as it is (the engine reduces device
+        # arrays on the GPU, after what torch queued on its current stream), a
+        # CPU one as numpy
+        flat = buffer.detach()
         if flat.is_cuda:
             engine_after_torch(flat.device)
         req = iallreduce(engine_array(flat, simulating()), op=self.compressor,
@@ -189,68 +306,188 @@ class CommHookState:
                          key=layout.key, average=self.average, gather=self.gather,
                          feedback=self.feedback, nonfinite=self.nonfinite,
                          hierarchy=self.hierarchy)
-        fut = torch.futures.Future()
-        self._inflight.append((layout, fut, req, tensor, snap))
-        for _, _, r, _, _ in self._inflight[:-1]:
+        for _, r, _, _ in self._calls:
             try:
                 r.test()  # progress; errors come from wait()
             except Exception:  # noqa: BLE001
                 pass
+        self._calls.append((layout, req, buffer, snap))
+
+    def _group_buffer(self, g, like):
+        """Group ``g``'s tensor, on the device of ``like`` (allocated once)."""
+        buf = self._group_buffers.get(g.index)
+        if buf is None or buf.device != like.device:
+            buf = torch.zeros(g.n, dtype=self._group_dtypes[g.index], device=like.device)
+            self._group_buffers[g.index] = buf
+        return buf
+
+    def _start_groups(self, like, force=False):
+        """Start the groups whose parameters DDP handed over, in group order
+        (the same on every rank); ``force``: all the others too, the
+        parameters that DDP did not hand over as zeros (buffers on the
+        device of tensor ``like``)."""
+        several = len(self.groups) > 1
+        while self._next_group < len(self.groups):
+            g = self.groups[self._next_group]
+            if self._waiting[self._next_group] and not force:
+                return
+            buf = self._group_buffer(g, like)
+            for n, off, m in zip(g.names, g.offsets, g.numels):
+                if n not in self._result_at:
+                    buf[off:off + m].zero_()
+                self._result_at[n] = (buf, off)
+            self._start(g, buf, several)
+            self._next_group += 1
+
+    def _hook(self, bucket):
+        tensor = bucket.buffer()
+        layout = self._layout_of(bucket, tensor)
+        if self.groups is None:  # DDP's bucket in place
+            self._start(layout, tensor, not (bucket.is_last() and bucket.index() == 0))
+        else:  # copied into the groups
+            for n, off, m in zip(layout.names, layout.offsets, layout.numels):
+                g, goff = self._place_of[n]
+                if n in self._result_at:
+                    raise StateError(f"comm_hook: DDP handed over parameter {n!r} twice "
+                                     "in one step")
+                buf = self._group_buffer(g, tensor)
+                with torch.no_grad():
+                    buf[goff:goff + m].copy_(tensor[off:off + m])
+                self._result_at[n] = (buf, goff)
+                self._waiting[g.index] -= 1
+            self._start_groups(tensor, force=bucket.is_last())
+        fut = torch.futures.Future()
+        self._futures.append((fut, tensor, layout))
         if bucket.is_last():
             self._complete()
         return fut
 
+    def _agree_used(self):
+        """Post the step's sum over the ranks of the parameters each used."""
+        used, self._used = self._used, np.zeros(len(self.names), np.int64)
+        return used, self._comm.Iallreduce(MPI.IN_PLACE, used, op=MPI.SUM)
+
+    def _wait(self, test):
+        wait_request(test, self.timeout, lambda: None,
+                      f"comm_hook (rank {self.rank} of {self.size})",
+                      "the other ranks did not reach this step's gradient "
+                      "synchronisation within {timeout:g} s (uneven inputs? DDP's "
+                      "`join()` context manager on every rank; timeout=, "
+                      "$MPIGC_TORCH_TIMEOUT)")
+
     def _complete(self):
-        """The last bucket of the step: complete every bucket's allreduce and
-        its future (DDP waits for them when backward ends)."""
-        items, self._inflight = self._inflight, []
+        """The last bucket of the step: complete every call and every DDP
+        bucket's future (DDP waits for them when backward ends)."""
+        calls, futures, result_at = self._calls, self._futures, self._result_at
+        self._reset_step()
+        used, used_req = self._agree_used() if self.find_unused_parameters else (None, None)
         error, failed = None, []
-        for _, _, req, _, _ in items:
+        for _, req, _, _ in calls:
             try:
-                wait_request(req.test, self.timeout, lambda: None,
-                              f"comm_hook (rank {self.rank} of {self.size})",
-                              "the other ranks did not reach this step's gradient "
-                              "synchronisation within {timeout:g} s (uneven inputs? DDP's "
-                              "`join()` context manager on every rank; timeout=, "
-                              "$MPIGC_TORCH_TIMEOUT)")
+                self._wait(req.test)
                 req.wait()
                 failed.append(False)
             except Exception as e:  # noqa: BLE001
                 error = error or e
                 failed.append(True)
-        for dev in {t.device for _, _, _, t, _ in items if t.is_cuda}:
+        if used_req is not None and error is None:
+            try:
+                self._wait(used_req.Test)
+            except MpigcError as e:
+                error = e
+        elif used_req is not None:  # kept alive: it completes when the others post theirs
+            self._unfinished = [r for r in self._unfinished if not r.Test()] + [used_req]
+        for dev in {b.device for _, _, b, _ in calls if b.is_cuda}:
             torch_after_engine(dev)
+        skipped = False
         if error is not None:
             # a failed call changed no residual: put back those of the step's
-            # other buckets, so the failed step changes none
-            for (_, _, _, _, snap), bad in zip(items, failed):
+            # other calls, so the failed step changes none
+            for (_, _, _, snap), bad in zip(calls, failed):
                 if snap is not None and not bad:
                     restore_keys(self.feedback, snap)
         elif self.nonfinite == "skip":
-            bad = first_is_nan([t for _, _, _, t, _ in items])
+            bad = first_is_nan([b for _, _, b, _ in calls])
             if any(bad):  # a step GradScaler skips: put the other residuals back
+                skipped = True
                 self.nonfinite_steps += 1
-                for (layout, _, _, _, snap), b in zip(items, bad):
-                    if not b and len(items) > 1:
+                for (_, _, _, snap), b in zip(calls, bad):
+                    if not b and len(calls) > 1:
                         restore_keys(self.feedback, snap)
-        for layout, _, _, _, snap in items:  # their arrays serve the next snapshots
+        for layout, _, _, snap in calls:  # their arrays serve the next snapshots
             if snap is not None:
                 self._spare_snapshots[layout.key] = snap
-        for _, fut, _, tensor, _ in items:
+        if error is None:
+            unused = (set() if used is None else
+                      {n for n, u in zip(self.names, used) if u == 0})
+            with torch.no_grad():
+                if unused and not skipped:
+                    for layout, _, buf, _ in calls:
+                        self._fold_back(layout, buf, unused)
+                for _, tensor, layout in futures:
+                    self._deliver(tensor, layout, result_at, unused)
+        for fut, tensor, _ in futures:
             if error is None:
                 fut.set_result(tensor)
             else:
                 fut.set_exception(error)
 
+    def _deliver(self, tensor, layout, result_at, unused):
+        """The results of DDP's bucket ``tensor`` into it (from the groups),
+        zero for the parameters no rank used (as DDP's own allreduce: a
+        ``.grad`` that is a view of the bucket reads zeros)."""
+        for n, off, m in zip(layout.names, layout.offsets, layout.numels):
+            if n in unused:
+                tensor[off:off + m].zero_()
+            elif n in result_at:
+                buf, goff = result_at[n]
+                tensor[off:off + m].copy_(buf[goff:goff + m])
+
+    def _fold_back(self, layout, buf, unused):
+        """What the elements of parameters that no rank used delivered goes
+        back into the worker residuals of ``layout``'s call, as
+        :meth:`GradientSync._fold_back` does (hierarchical calls: each of a
+        slice's M handlers takes 1/M of it). Through a snapshot of the key's
+        residuals (mpigc.feedback has no in-place operation on a worker
+        residual yet)."""
+        spans = [(off, m) for n, off, m in zip(layout.names, layout.offsets, layout.numels)
+                 if n in unused]
+        if not spans:
+            return
+        for sl, key in residual_keys(self._lay, self._hier, layout.key, layout.n):
+            snaps = snapshot_keys(self.feedback, [key], self._spare_snapshots.get(layout.key))
+            snap = snaps[key]
+            if snap is None or snap[0] is None:
+                continue
+            worker = as_tensor(snap[0], buf)
+            if sl is None:
+                for off, m in spans:
+                    delivered = buf[off:off + m]
+                    worker[off:off + m] += delivered if self.average else delivered / self.size
+            else:
+                total = self.size if self.average else 1  # delivered = total sum / this
+                slo, shi = shard_bounds(layout.n, self._lay.L)[sl]
+                for off, m in spans:
+                    lo, hi = max(off, slo), min(off + m, shi)
+                    if lo < hi:
+                        worker[lo - slo:hi - slo] += buf[lo:hi] * (total / self._lay.M)
+            restore_keys(self.feedback, snaps)
+
     # -- state -------------------------------------------------------------------
-    def state_dict(self):
+    def _idle(self, what):
+        if self._calls or self._futures:
+            raise StateError(f"CommHookState.{what}: a step is in progress")
+
+    def state_dict(self, gather=False):
         """Residuals per parameter name (collective), as
-        :meth:`GradientSync.state_dict`."""
+        :meth:`GradientSync.state_dict`; ``gather=True``: every rank's as one
+        record on rank 0 (``None`` on the others) for the checkpoint rank 0
+        writes, which :meth:`load_state_dict` takes on every rank, on any
+        world size."""
         self._arrive(self.timeout, "CommHookState.state_dict")
         exc = None
         try:
-            if self._inflight:
-                raise StateError("CommHookState.state_dict: a step is in progress")
+            self._idle("state_dict")
             fbs = self.feedback.state_dict()
         except MpigcError as e:
             exc, fbs = e, {}
@@ -260,17 +497,19 @@ class CommHookState:
         out = {n: dict(s) for n, s in self._pending.items()}
         out.update(state_from_layouts(list(self._layouts.values()), fbs, self._comm,
                                        self.gather))
-        return out
+        return gather_record(self._comm, out) if gather else out
 
     def load_state_dict(self, state, strict=True):
         """Load :meth:`state_dict` (or :meth:`GradientSync.state_dict`) output
-        of this world size (collective); each bucket takes its parameters'
+        of this world size, or the record of ``state_dict(gather=True)`` of
+        any world size (collective); each bucket takes its parameters'
         residuals at its next step. ``strict`` as for GradientSync."""
         self._arrive(self.timeout, "CommHookState.load_state_dict")
         exc = None
         try:
-            if self._inflight:
-                raise StateError("CommHookState.load_state_dict: a step is in progress")
+            self._idle("load_state_dict")
+            if is_record(state):
+                state = state_for_rank(state, self.size, self.rank)
             state = dict(state)
             extra = sorted(set(state) - set(self.names))
             missing = [n for n in self.names if n not in state] if state else []

@@ -99,6 +99,25 @@ class Layout:
         self.key = f"torch/{self.names[0]}..{self.names[-1]}/{digest}"
 
 
+def bucket_assignment(sizes, cap):
+    """GradientSync's bucketing of parameters, by index: ``sizes`` holds
+    ``(nbytes, dtype)`` per parameter in registration order. Filled in the
+    reverse of that order (roughly backward's), one dtype per bucket, a
+    bucket closed once it holds ``cap`` bytes or more; the buckets come in
+    backward order (by their first index, descending). Depends on the sizes
+    and ``cap`` alone, so it is the same on every rank and in every run."""
+    groups, filling, held = [], {}, {}
+    for i in range(len(sizes) - 1, -1, -1):
+        nbytes, dt = sizes[i]
+        filling.setdefault(dt, []).append(i)
+        held[dt] = held.get(dt, 0) + nbytes
+        if held[dt] >= cap:
+            groups.append(filling.pop(dt))
+            held[dt] = 0
+    groups.extend(g for g in filling.values() if g)
+    return sorted(groups, key=lambda g: -g[0])
+
+
 def _uses_owner(gather, config):
     return gather == "compressed" and get_compressor(dict(config)).uses_feedback
 

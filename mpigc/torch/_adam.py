@@ -23,7 +23,7 @@ import torch
 from ..allreduce import allreduce
 from .._errors import ConfigError, InvalidBufferError, MismatchError, MpigcError
 from ..feedback import ErrorFeedback
-from ._common import agree_construction
+from ._common import agree_construction, torch_compressor
 
 __all__ = ["CompressedAdamW", "local_gradients_hook"]
 
@@ -82,7 +82,6 @@ class CompressedAdamW(torch.optim.Optimizer):
                  nonfinite="skip", **op_params):
         from mpi4py import MPI
 
-        import mpigc
         self.comm = MPI.COMM_WORLD if comm is None else comm
         # every argument is checked before the first collective, and the
         # checks are agreed on there (a rank that raised alone would leave the
@@ -104,7 +103,7 @@ class CompressedAdamW(torch.optim.Optimizer):
                 raise ConfigError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
             super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                           weight_decay=weight_decay))
-            self.compressor = mpigc.get_compressor(op, **op_params)
+            self.compressor = torch_compressor(op, op_params)
             ps = [p for g in self.param_groups for p in g["params"]]
             if not ps:
                 raise ConfigError("CompressedAdamW: no parameters")

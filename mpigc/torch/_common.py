@@ -13,6 +13,7 @@ from .. import _comm
 from .._collective import GATHER_MODES, NONFINITE_POLICIES
 from .._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError,
                        MpigcError, StateError)
+from ..compressors import get_compressor
 from ..feedback import ErrorFeedback
 
 
@@ -122,6 +123,26 @@ def resolve_timeout(timeout):
     if timeout < 0:
         raise ConfigError(f"timeout: expected seconds >= 0, got {timeout!r}")
     return timeout or None
+
+
+#: What ``op="2bit"`` means in the torch layer when neither ``threshold=`` nor
+#: ``rel_threshold=`` is given: 2bit's relative mode (a threshold per block of
+#: 1024 values, 1.5 times the block's RMS), not MXNet's absolute threshold 0.5,
+#: which lets almost nothing through on gradients of a typical scale
+#: (docs/torch.md, "Accuracy and the 2bit threshold"). ``threshold=`` gives the
+#: absolute mode, as in :func:`mpigc.allreduce`.
+TORCH_2BIT_DEFAULT = {"rel_threshold": 1.5}
+
+
+def torch_compressor(op, params):
+    """:func:`mpigc.get_compressor` for the torch layer: ``"2bit"`` without a
+    threshold is the relative mode (:data:`TORCH_2BIT_DEFAULT`)."""
+    name = op.get("type", op.get("id")) if isinstance(op, dict) else op
+    given = set(params) | (set(op) if isinstance(op, dict) else set())
+    if (isinstance(name, str) and name.lower() == "2bit"
+            and not {"threshold", "rel_threshold"} & given):
+        params = {**TORCH_2BIT_DEFAULT, **params}
+    return get_compressor(op, **params)
 
 
 def check_feedback(feedback):

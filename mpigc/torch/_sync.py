@@ -10,13 +10,13 @@ from mpi4py import MPI
 from .. import _comm as _engine_comm
 from .._errors import ConfigError, DTypeError, MpigcError, StateError
 from ..allreduce import iallreduce
-from ..compressors import get_compressor
 from ..feedback import ErrorFeedback, shard_bounds
 
 from ._common import (BUCKET_DTYPES, Rendezvous, agree_construction, as_tensor, check_feedback,
                       check_gather, check_same, describe, engine_after_torch, engine_array,
                       first_is_nan, positive, raise_everywhere, resolve_comm, resolve_timeout,
-                      simulating, torch_after_engine, torch_nonfinite, wait_request)
+                      simulating, torch_after_engine, torch_compressor, torch_nonfinite,
+                      wait_request)
 from ._launch import broadcast_parameters
 from ._record import gather_record, is_record, state_for_rank
 from ._state import (Layout, agree_hierarchy, check_state, entries_for_layouts, flat_to_hier,
@@ -210,7 +210,7 @@ class GradientSync:
         # others waiting in it
         exc, settings, named = None, None, []
         try:
-            self.compressor = get_compressor(op, **params)
+            self.compressor = torch_compressor(op, params)
             self.nonfinite = torch_nonfinite(nonfinite)
             self.timeout = resolve_timeout(timeout)
             self.feedback = check_feedback(feedback)

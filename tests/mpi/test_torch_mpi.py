@@ -78,7 +78,7 @@ def test_gradients_equal_compressed_allreduce_reference(comm, monkeypatch, op, h
         backward(model, comm.rank, step)
         backward(ref, comm.rank, step)
         sync.wait()
-        reference_sync(sync, ref, op, fb, hierarchy=hierarchy)
+        reference_sync(sync, ref, sync.compressor, fb, hierarchy=hierarchy)
         got, want = grads_of(model), grads_of(ref)
         ok &= got.keys() == want.keys() and all(
             got[n].numpy().tobytes() == want[n].numpy().tobytes() for n in want)
@@ -1169,3 +1169,21 @@ def test_gathered_state_in_a_rank_0_torch_save_resumes_bit_exact(comm, op, tmp_p
                 ok &= (x is None and y is None) or np.array_equal(x, y)
     sub.Free()
     assert_all(ok)
+
+
+@pytest.mark.mpi
+def test_2bit_means_the_relative_mode_in_the_torch_layer(comm):
+    """op="2bit" without a threshold is 2bit's relative mode (rel_threshold=1.5)
+    in GradientSync, the DDP hook and CompressedAdamW; threshold= gives MXNet's
+    absolute mode, as mpigc.allreduce's "2bit" is."""
+    rel = {"id": "2bit", "rel_threshold": 1.5, "block_size": 1024, "error_feedback": True}
+    got = [mt.GradientSync(make_model(), op="2bit").compressor.get_config(),
+           mt.CommHookState(make_model(), op="2bit").compressor.get_config(),
+           mt.CompressedAdamW(make_model().parameters(), op="2bit").compressor.get_config(),
+           mt.GradientSync(make_model(), op={"type": "2bit"},
+                           block_size=256).compressor.get_config()]
+    want = [rel, rel, rel, dict(rel, block_size=256)]
+    absolute = mt.GradientSync(make_model(), op="2bit",
+                               threshold=0.5).compressor.get_config()
+    ok = got == want and absolute == mpigc.get_compressor("2bit").get_config()
+    assert_all(ok, f"{got} {absolute}")

@@ -3,6 +3,7 @@ timed waits, and the glue between torch tensors and the engine's arrays."""
 import json
 import os
 import time
+import warnings
 import zlib
 
 import numpy as np
@@ -143,6 +144,46 @@ def torch_compressor(op, params):
             and not {"threshold", "rel_threshold"} & given):
         params = {**TORCH_2BIT_DEFAULT, **params}
     return get_compressor(op, **params)
+
+
+class ThresholdWatch:
+    """Warns (once, on each rank) when 2bit's absolute threshold lets almost
+    nothing through: over the first :attr:`STEPS` synchronised steps (after
+    :attr:`SETTLE`, while the residuals grow), fewer than :attr:`FRACTION` of
+    the averaged gradients' elements were non-zero. Only for 2bit with an
+    absolute ``threshold=``; free for every other compressor, and after those
+    steps (one ``count_nonzero`` per bucket per watched step)."""
+
+    SETTLE, STEPS, FRACTION = 5, 50, 1e-3
+
+    def __init__(self, compressor, who):
+        cfg = compressor.get_config()
+        self.active = cfg.get("id") == "2bit" and cfg.get("rel_threshold") is None
+        self.threshold = cfg.get("threshold")
+        self.who = who
+        self.step = self.nonzero = self.total = 0
+
+    def observe(self, tensors):
+        """One synchronised step's averaged gradients (the results)."""
+        if not self.active:
+            return
+        self.step += 1
+        if self.step <= self.SETTLE:
+            return
+        for t in tensors:
+            self.nonzero += int(torch.count_nonzero(t))
+            self.total += t.numel()
+        if self.step < self.SETTLE + self.STEPS:
+            return
+        self.active = False
+        if self.total and self.nonzero < self.FRACTION * self.total:
+            warnings.warn(
+                f"{self.who}: 2bit's absolute threshold {self.threshold:g} let through "
+                f"{self.nonzero / self.total:.2e} of the gradient elements over "
+                f"{self.STEPS} steps: these gradients are far below it, so the residuals "
+                "hold almost everything and the model barely trains. Use the relative "
+                "mode (leave threshold= out, or rel_threshold=1.5), or a threshold of "
+                "your gradients' scale", RuntimeWarning, stacklevel=3)
 
 
 def check_feedback(feedback):

@@ -1,4 +1,5 @@
 """mpigc's compressed allreduce as a DDP communication hook."""
+import warnings
 import weakref
 
 import numpy as np
@@ -10,9 +11,9 @@ from .._errors import ConfigError, DTypeError, MpigcError, StateError
 from ..allreduce import iallreduce
 from ..feedback import ErrorFeedback, _entry_state, shard_bounds
 
-from ._common import (NP_OF_TORCH, Rendezvous, agree_construction, as_tensor, check_feedback,
-                      check_gather, check_same, describe, engine_after_torch, engine_array,
-                      first_is_nan, positive, raise_everywhere, resolve_comm,
+from ._common import (NP_OF_TORCH, Rendezvous, ThresholdWatch, agree_construction, as_tensor,
+                      check_feedback, check_gather, check_same, describe, engine_after_torch,
+                      engine_array, first_is_nan, positive, raise_everywhere, resolve_comm,
                       resolve_timeout, simulating, torch_after_engine, torch_compressor,
                       torch_nonfinite, wait_request)
 from ._record import gather_record, is_record, state_for_rank
@@ -42,6 +43,16 @@ def _mark_used(ref, i):
         state = ref()
         if state is not None:
             state._used[i] = 1
+    return hook
+
+
+def _count_backward(ref):
+    """A gradient hook of the first parameter: one more backward pass since
+    DDP last called the hook (see :attr:`CommHookState.UNCALLED`)."""
+    def hook(grad):
+        state = ref()
+        if state is not None:
+            state._note_backward()
     return hook
 
 
@@ -191,10 +202,32 @@ class CommHookState:
         self.size, self.rank = self._comm.size, self._comm.rank
         self._used = np.zeros(len(named), np.int64)  # since the last step, this rank
         self._unfinished = []  # agreements of failed steps, posted, not waited for
+        ref = weakref.ref(self)
         if self.find_unused_parameters:
-            ref = weakref.ref(self)
             self._used_handles = [p.register_hook(_mark_used(ref, i))
                                   for i, p in enumerate(self._params)]
+        # a hook that DDP never calls (not registered, or a framework that
+        # registers it only on CUDA, as Lightning's DDPStrategy): warn
+        self._backwards = 0
+        self._watch = ThresholdWatch(self.compressor, "CommHookState")
+        self._count_handle = (self._params[0].register_hook(_count_backward(ref))
+                              if self._params else None)
+
+    #: Backward passes without a hook call after which :class:`CommHookState`
+    #: warns that DDP does not call it (more than any gradient accumulation
+    #: under ``no_sync`` runs without a synchronising pass).
+    UNCALLED = 64
+
+    def _note_backward(self):
+        self._backwards += 1
+        if self._backwards == self.UNCALLED:
+            warnings.warn(
+                f"CommHookState: {self.UNCALLED} backward passes and DDP has not called "
+                "mpigc.torch.comm_hook: is it registered (ddp.register_comm_hook(state, "
+                "mpigc.torch.comm_hook))? Lightning's DDPStrategy registers ddp_comm_hook "
+                "only on CUDA: use mpigc.torch.lightning.MpigcCommHook. Until it is "
+                "called, the gradients are DDP's own allreduce, uncompressed",
+                RuntimeWarning, stacklevel=2)
 
     @staticmethod
     def _make_groups(named, bucket_mb):
@@ -340,6 +373,10 @@ class CommHookState:
             self._next_group += 1
 
     def _hook(self, bucket):
+        self._backwards = 0
+        if self._count_handle is not None:  # DDP calls the hook: no more counting
+            self._count_handle.remove()
+            self._count_handle = None
         tensor = bucket.buffer()
         layout = self._layout_of(bucket, tensor)
         if self.groups is None:  # DDP's bucket in place
@@ -426,6 +463,8 @@ class CommHookState:
                         self._fold_back(layout, buf, unused)
                 for _, tensor, layout in futures:
                     self._deliver(tensor, layout, result_at, unused)
+            if not skipped:
+                self._watch.observe([t for _, t, _ in futures])
         for fut, tensor, _ in futures:
             if error is None:
                 fut.set_result(tensor)

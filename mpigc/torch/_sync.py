@@ -12,11 +12,11 @@ from .._errors import ConfigError, DTypeError, MpigcError, StateError
 from ..allreduce import iallreduce
 from ..feedback import ErrorFeedback, shard_bounds
 
-from ._common import (BUCKET_DTYPES, Rendezvous, agree_construction, as_tensor, check_feedback,
-                      check_gather, check_same, describe, engine_after_torch, engine_array,
-                      first_is_nan, positive, raise_everywhere, resolve_comm, resolve_timeout,
-                      simulating, torch_after_engine, torch_compressor, torch_nonfinite,
-                      wait_request)
+from ._common import (BUCKET_DTYPES, Rendezvous, ThresholdWatch, agree_construction,
+                      as_tensor, check_feedback, check_gather, check_same, describe,
+                      engine_after_torch, engine_array, first_is_nan, positive,
+                      raise_everywhere, resolve_comm, resolve_timeout, simulating,
+                      torch_after_engine, torch_compressor, torch_nonfinite, wait_request)
 from ._launch import broadcast_parameters
 from ._record import gather_record, is_record, state_for_rank
 from ._state import (Layout, agree_hierarchy, check_state, entries_for_layouts, flat_to_hier,
@@ -233,6 +233,7 @@ class GradientSync:
         self._comm = self.comm.Dup()  # this object's own small collectives
         _engine_comm.resolve(self.comm)  # the engine's duplicate, now rather than in a hook
         agree_construction(self._comm, exc, settings, "GradientSync")
+        self._watch = ThresholdWatch(self.compressor, "GradientSync")
         self._arrive = Rendezvous(self._comm)
         self.hierarchy = hierarchy
         # the node layout (collective): whether the buckets' calls are hierarchical
@@ -534,6 +535,8 @@ class GradientSync:
                 if p.grad is None:
                     p.grad = torch.empty_like(p, memory_format=torch.contiguous_format)
                 p.grad.copy_(src)
+        if write and not skipped:
+            self._watch.observe([b.tensor for b in self.buckets])
 
     @contextlib.contextmanager
     def join(self):

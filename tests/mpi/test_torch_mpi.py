@@ -5,6 +5,7 @@ import copy
 import os
 import socket
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -1187,3 +1188,59 @@ def test_2bit_means_the_relative_mode_in_the_torch_layer(comm):
                                threshold=0.5).compressor.get_config()
     ok = got == want and absolute == mpigc.get_compressor("2bit").get_config()
     assert_all(ok, f"{got} {absolute}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("hook", [False, True])
+def test_warns_when_the_absolute_threshold_lets_nothing_through(comm, gloo, monkeypatch, hook):
+    """2bit with MXNet's absolute threshold 0.5 on gradients far below it: a
+    RuntimeWarning (once, every rank) pointing to the relative mode; none in
+    the relative mode."""
+    from mpigc.torch._common import ThresholdWatch
+    monkeypatch.setattr(ThresholdWatch, "SETTLE", 1)
+    monkeypatch.setattr(ThresholdWatch, "STEPS", 3)
+    got = {}
+    for name, params in (("absolute", {"threshold": 0.5}), ("relative", {})):
+        model = make_model()
+        if hook:
+            net = _ddp(model)
+            net.register_comm_hook(mt.CommHookState(net, op="2bit", **params), mt.comm_hook)
+        else:
+            net = model
+            sync = mt.GradientSync(model, op="2bit", **params)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for step in range(6):
+                net.zero_grad()
+                x, y = batch(comm.rank, step)
+                ((net(x) - y) ** 2).mean().mul(1e-3).backward()
+                if not hook:
+                    sync.wait()
+        got[name] = [str(m.message) for m in w if "absolute threshold" in str(m.message)]
+    ok = len(got["absolute"]) == 1 and "rel_threshold" in got["absolute"][0]
+    assert_all(ok and not got["relative"], str(got))
+
+
+@pytest.mark.mpi
+def test_warns_when_ddp_never_calls_the_hook(comm, gloo, monkeypatch):
+    """A CommHookState whose hook DDP never calls (not registered; Lightning's
+    DDPStrategy on CPU) warns after UNCALLED backward passes; a registered one
+    does not."""
+    monkeypatch.setattr(mt.CommHookState, "UNCALLED", 3)
+    got = {}
+    for registered in (False, True):
+        model = make_model()
+        ddp = _ddp(model)
+        state = mt.CommHookState(ddp, op="none")
+        if registered:
+            ddp.register_comm_hook(state, mt.comm_hook)
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            for step in range(5):
+                ddp.zero_grad()
+                x, y = batch(comm.rank, step)
+                ((ddp(x) - y) ** 2).mean().backward()
+        got[registered] = [str(m.message) for m in w if "has not called" in str(m.message)]
+    ok = len(got[False]) == 1 and "register_comm_hook" in got[False][0] and not got[True]
+    assert_all(ok, str(got))
+

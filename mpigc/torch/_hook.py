@@ -13,13 +13,13 @@ from ..feedback import ErrorFeedback, _entry_state, shard_bounds
 
 from ._common import (NP_OF_TORCH, Rendezvous, ThresholdWatch, agree_construction, as_tensor,
                       check_feedback, check_gather, check_same, describe, engine_after_torch,
-                      engine_array, first_is_nan, positive, raise_everywhere, resolve_comm,
-                      resolve_timeout, simulating, torch_after_engine, torch_compressor,
-                      torch_nonfinite, wait_request)
-from ._record import gather_record, is_record, state_for_rank
-from ._state import (Layout, agree_hierarchy, bucket_assignment, check_state,
-                     entries_for_layouts, flat_to_hier, hier_to_flat, residual_keys,
-                     restore_keys, snapshot_keys, state_from_layouts)
+                      engine_array, first_is_nan, positive, resolve_comm, resolve_timeout,
+                      simulating, torch_after_engine, torch_compressor, torch_nonfinite,
+                      wait_request)
+from ._record import gather_record
+from ._state import (Layout, agree_hierarchy, bucket_assignment, entries_for_layouts,
+                     flat_to_hier, hier_to_flat, incoming_state, residual_keys, restore_keys,
+                     snapshot_keys, state_from_layouts, store_state)
 
 
 def layout_independent(compressor):
@@ -524,15 +524,8 @@ class CommHookState:
         writes, which :meth:`load_state_dict` takes on every rank, on any
         world size."""
         self._arrive(self.timeout, "CommHookState.state_dict")
-        exc = None
-        try:
-            self._idle("state_dict")
-            fbs = self.feedback.state_dict()
-        except MpigcError as e:
-            exc, fbs = e, {}
-        raise_everywhere(self._comm, exc, "CommHookState.state_dict")
-        if self._hier:
-            fbs = hier_to_flat(self._comm, self._lay, fbs, self.size, self.rank)
+        fbs = store_state(self._comm, self.feedback, lambda: self._idle("state_dict"),
+                          "CommHookState.state_dict", self._lay, self._hier)
         out = {n: dict(s) for n, s in self._pending.items()}
         out.update(state_from_layouts(list(self._layouts.values()), fbs, self._comm,
                                        self.gather))
@@ -544,22 +537,9 @@ class CommHookState:
         any world size (collective); each bucket takes its parameters'
         residuals at its next step. ``strict`` as for GradientSync."""
         self._arrive(self.timeout, "CommHookState.load_state_dict")
-        exc = None
-        try:
-            self._idle("load_state_dict")
-            if is_record(state):
-                state = state_for_rank(state, self.size, self.rank)
-            state = dict(state)
-            extra = sorted(set(state) - set(self.names))
-            missing = [n for n in self.names if n not in state] if state else []
-            if strict and (extra or missing):
-                raise StateError(f"state names do not match the parameters: unexpected "
-                                 f"{extra[:5]}, missing {missing[:5]} (strict=False "
-                                 "ignores them)")
-            check_state(state, self._numel, self.size, self.rank)
-        except MpigcError as e:
-            exc = e
-        raise_everywhere(self._comm, exc, "CommHookState.load_state_dict")
+        state = incoming_state(self._comm, state, self._numel, strict,
+                               lambda: self._idle("load_state_dict"),
+                               "CommHookState.load_state_dict")
         self.feedback.reset()
         self._layouts = {}
         self._pending = {n: s for n, s in state.items() if n in self._numel}

@@ -12,6 +12,7 @@ from ..compressors import get_compressor
 from ..feedback import ErrorFeedback, shard_bounds
 
 from ._common import raise_everywhere
+from ._record import is_record, state_for_rank
 
 
 def _copy_of(a, into=None):
@@ -171,6 +172,47 @@ def check_state(state, numel_of, N, r):
         if s.get("owner") is not None and np.asarray(s["owner"]).size != qhi - qlo:
             raise StateError(f"{name!r}: owner residual of {np.asarray(s['owner']).size}"
                              f" values, expected {qhi - qlo}")
+
+
+def store_state(c, feedback, idle, what, lay=None, hier=False):
+    """``feedback.state_dict()`` agreed on over ``c`` (collective: a step in
+    progress, ``idle()`` raising, or a pending call raises on every rank),
+    hierarchical slice keys in the flat form of each bucket."""
+    exc = None
+    try:
+        idle()
+        fbs = feedback.state_dict()
+    except MpigcError as e:
+        exc, fbs = e, {}
+    raise_everywhere(c, exc, what)
+    if hier:
+        fbs = hier_to_flat(c, lay, fbs, c.Get_size(), c.Get_rank())
+    return fbs
+
+
+def incoming_state(c, state, numel_of, strict, idle, what):
+    """This rank's per-parameter state from what a ``load_state_dict`` got
+    (a per-rank state, or a gathered record of any world size), checked
+    against ``{name: numel}`` of the trainable parameters (collective: an
+    error on any rank raises on every rank). ``strict``: names that are not
+    parameters here, or parameters missing from a non-empty state, raise."""
+    exc = None
+    try:
+        idle()
+        if is_record(state):
+            state = state_for_rank(state, c.Get_size(), c.Get_rank())
+        state = dict(state)
+        extra = sorted(set(state) - set(numel_of))
+        missing = [n for n in numel_of if n not in state] if state else []
+        if strict and (extra or missing):
+            raise StateError(f"state names do not match the parameters: unexpected "
+                             f"{extra[:5]}, missing {missing[:5]} (strict=False "
+                             "ignores them)")
+        check_state(state, numel_of, c.Get_size(), c.Get_rank())
+    except MpigcError as e:
+        exc = e
+    raise_everywhere(c, exc, what)
+    return state
 
 
 def entries_for_layouts(layouts, state, comm):

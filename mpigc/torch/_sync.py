@@ -12,16 +12,16 @@ from .._errors import ConfigError, DTypeError, MpigcError, StateError
 from ..allreduce import iallreduce
 from ..feedback import ErrorFeedback, shard_bounds
 
-from ._common import (BUCKET_DTYPES, Rendezvous, ThresholdWatch, agree_construction,
-                      as_tensor, check_feedback, check_gather, check_same, describe,
-                      engine_after_torch, engine_array, first_is_nan, positive,
-                      raise_everywhere, resolve_comm, resolve_timeout, simulating,
-                      torch_after_engine, torch_compressor, torch_nonfinite, wait_request)
+from ._common import (BUCKET_DTYPES, Rendezvous, ThresholdWatch, agree_construction, as_tensor,
+                      check_feedback, check_gather, check_same, describe, engine_after_torch,
+                      engine_array, first_is_nan, positive, raise_everywhere, resolve_comm,
+                      resolve_timeout, simulating, torch_after_engine, torch_compressor,
+                      torch_nonfinite, wait_request)
 from ._launch import broadcast_parameters
-from ._record import gather_record, is_record, state_for_rank
-from ._state import (Layout, agree_hierarchy, check_state, entries_for_layouts, flat_to_hier,
-                     hier_to_flat, residual_keys, restore_keys, snapshot_keys,
-                     state_from_layouts)
+from ._record import gather_record
+from ._state import (Layout, agree_hierarchy, entries_for_layouts, flat_to_hier,
+                     incoming_state, residual_keys, restore_keys, snapshot_keys,
+                     state_from_layouts, store_state)
 
 
 def _hooked_by(p):
@@ -649,15 +649,8 @@ class GradientSync:
             :meth:`save_checkpoint`.
         """
         self._arrive(self.timeout, "GradientSync.state_dict")
-        exc = None
-        try:
-            self._idle("state_dict")
-            fbs = self.feedback.state_dict()
-        except MpigcError as e:
-            exc, fbs = e, {}
-        raise_everywhere(self._comm, exc, "GradientSync.state_dict")
-        if self._hier:
-            fbs = hier_to_flat(self._comm, self._lay, fbs, self.size, self.rank)
+        fbs = store_state(self._comm, self.feedback, lambda: self._idle("state_dict"),
+                          "GradientSync.state_dict", self._lay, self._hier)
         state = state_from_layouts(self.buckets, fbs, self._comm, self.gather)
         return gather_record(self._comm, state) if gather else state
 
@@ -676,24 +669,10 @@ class GradientSync:
         and the missing residuals start at zero.
         """
         self._arrive(self.timeout, "GradientSync.load_state_dict")
-        exc = None
-        try:
-            self._idle("load_state_dict")
-            if is_record(state):
-                state = state_for_rank(state, self.size, self.rank)
-            state = dict(state)
-            known = set(self.names)
-            extra = sorted(set(state) - known)
-            missing = [n for n in self.names if n not in state] if state else []
-            if strict and (extra or missing):
-                raise StateError(f"state names do not match the parameters: unexpected "
-                                 f"{extra[:5]}, missing {missing[:5]} (strict=False "
-                                 "ignores them)")
-            check_state(state, {n: p.numel() for n, p in zip(self.names, self._params)},
-                         self.size, self.rank)
-        except MpigcError as e:
-            exc = e
-        raise_everywhere(self._comm, exc, "GradientSync.load_state_dict")
+        state = incoming_state(self._comm, state,
+                               {n: p.numel() for n, p in zip(self.names, self._params)},
+                               strict, lambda: self._idle("load_state_dict"),
+                               "GradientSync.load_state_dict")
         new = entries_for_layouts(self.buckets, state, self._comm)
         if not self._hier:
             self.feedback.load_state_dict(new)

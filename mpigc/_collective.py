@@ -23,7 +23,8 @@ blocking functions call it at once) or step by step by ``test()``:
    as it is (``gather="exact"``), and each rank decodes it into place.
 
 ``op="none"`` skips compression and is exactly MPI_Allreduce /
-MPI_Reduce_scatter with MPI.SUM after the agreement (on 2 ranks, up to
+MPI_Reduce_scatter with MPI.SUM after the agreement, nonblocking calls too
+(a thread per communicator runs their sums: ``_Reducer``; on 2 ranks, up to
 1 MiB, each rank adds the values that came with its peer's row: a + b is
 b + a, the same bits). So do compressed ops on
 buffers smaller than ``$MPIGC_MIN_COMPRESS_BYTES`` (default 8192 bytes; see
@@ -101,6 +102,13 @@ _INLINE_PLAIN_MAX = 1 << 20
 # than this; larger ones go after the agreement into receives posted before
 # the sends, so big transfers start at once instead of at the receiver's probe
 _INLINE_PAYLOAD_MAX = 256 << 10
+# MPI-3 counts are C ints (Open MPI 5.0 has no MPI-4 large-count routines:
+# mpi4py hands a larger count to MPI, which fails with MPI_ERR_ARG). The
+# largest count the engine hands to MPI in one argument: a message of more
+# bytes travels as one element of a derived datatype (_bytes_msg), op="none"'s
+# reductions of more elements in several reductions (_Op._none_reduce). Tests
+# lower it to exercise both on small calls.
+_MAX_COUNT = (1 << 31) - 1
 _FAST_AGREE = np.array([_CODE, _NBAD, _RANGE])
 _SAME_COLS = np.array([_N, _DTYPE, _FP, _CHUNK])
 _DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
@@ -112,6 +120,39 @@ def _f64_bits(x):
 
 def _bits_f64(i):
     return struct.unpack("<d", struct.pack("<q", int(i)))[0]
+
+
+def _bytes_msg(buf):
+    """``(message, datatype)``: the mpi4py message of the bytes of ``buf`` (a
+    1-d uint8 array, host or device), ``[buf, MPI.BYTE]`` up to
+    ``_MAX_COUNT`` bytes; beyond, ``[buf, 1, datatype]``, one element of a
+    datatype of ``len(buf)`` bytes made of blocks of ``_MAX_COUNT`` bytes and
+    the rest (BigMPI's construction), which the caller frees once the
+    communication is posted (MPI completes the ones that use it). One
+    message and one request either way, the same bytes on the wire, so a
+    receive matches a send whatever grouping either uses."""
+    nbytes = len(buf)
+    if nbytes <= _MAX_COUNT:
+        return [buf, MPI.BYTE], None
+    q, rem = divmod(nbytes, _MAX_COUNT)
+    block = MPI.BYTE.Create_contiguous(_MAX_COUNT)
+    if rem:
+        t = MPI.Datatype.Create_struct([q, rem], [0, q * _MAX_COUNT], [block, MPI.BYTE])
+    else:
+        t = block.Create_contiguous(q)
+    t.Commit()
+    block.Free()
+    return [buf, 1, t], t
+
+
+def _post(start, buf, peer, tag):
+    """``start(message, peer, tag)``, a communicator's ``Isend`` or ``Irecv``,
+    of the bytes of ``buf``, of any size (:func:`_bytes_msg`); its request."""
+    msg, t = _bytes_msg(buf)
+    req = start(msg, peer, tag)
+    if t is not None:
+        t.Free()
+    return req
 
 
 def default_nonfinite():
@@ -914,46 +955,86 @@ class _Op(PendingCall):
 
     # -- 3./4. data movement -------------------------------------------------
     def _start_none(self, block):
-        """op="none" (or the small-buffer fallback): MPI's own sum. A
-        nonblocking call starts MPI's nonblocking sum at once; a blocking call
-        starts MPI's blocking sum (``MPI_Allreduce``'s bits, which
-        ``MPI_Iallreduce`` need not give), and only from a blocking wait on
-        this very call once every earlier call of this rank is done (it is
-        then first in ``_pending``); until then it stays in state
-        "none-ready" (False). Never from a progress step: blocking there, with
-        the engine lock held, would keep an earlier call from advancing while
-        the peers wait for it; and the choice is the same on every rank
+        """op="none" (or the small-buffer fallback): MPI's own blocking sum,
+        ``MPI_Allreduce`` / ``MPI_Reduce_scatter`` (whose bits
+        ``MPI_Iallreduce`` / ``MPI_Ireduce_scatter`` need not give: Open MPI
+        5.0's differ in the last bits on 3 ranks), for blocking and
+        nonblocking calls alike.
+
+        A nonblocking call hands it to its communicator's reduction thread
+        (:class:`_Reducer`) at once and returns: the caller computes while
+        that thread waits in MPI. A blocking call runs it itself, and only
+        from a blocking wait on this very call once every earlier call of
+        this rank is done (it is then first in ``_pending``); until then it
+        stays in state "none-ready" (False). Never from a progress step:
+        blocking there, with the engine lock held, would keep an earlier call
+        from advancing while the peers wait for it. Without
+        ``MPI_THREAD_MULTIPLE`` there is no reduction thread: a nonblocking
+        call starts MPI's nonblocking sum instead (other bits; see
+        :func:`_Reducer.available`). The choice is the same on every rank
         (blocking and nonblocking collectives do not match, MPI-3.1 5.12)."""
         blocking = self.blocking
         if blocking and not (block and _pending and _pending[0] is self):
             return False
-        comm = self.cs.post
         sendbuf = self.none_buf
         self.be.sync()
         # staged: the full-precision values cross to the host
-        wire = self.be.wire(sendbuf, send=True)
-        self.none_wire = wire
+        self.none_wire = self.be.wire(sendbuf, send=True)
         if self.kind == "allreduce":
-            if blocking:
-                comm.Allreduce(MPI.IN_PLACE, wire, op=MPI.SUM)
-                self.reqs = []
-            else:
-                self.reqs = [comm.Iallreduce(MPI.IN_PLACE, wire, op=MPI.SUM)]
             self.none_out = sendbuf
         else:
             lo, hi = self.bounds[self.rank]
-            counts = [h - l for l, h in self.bounds]
             recv = self._empty(hi - lo, sendbuf.dtype)
-            rwire = self.be.wire(recv)
-            self.none_rwire = rwire
-            if blocking:
-                comm.Reduce_scatter(wire, rwire, counts, op=MPI.SUM)
-                self.reqs = []
-            else:
-                self.reqs = [comm.Ireduce_scatter(wire, rwire, counts, op=MPI.SUM)]
+            self.none_rwire = self.be.wire(recv)
             self.none_out = recv
+        self.reqs, self.none_job = [], None
+        if blocking:
+            self._none_reduce(self.cs.post, blocking=True)
+        elif _Reducer.available():
+            dev = self.be.device_id if self.be.device else None
+            self.none_job = _Reducer.of(self.cs).submit(
+                lambda: self._none_reduce(self.cs.reduce, blocking=True), dev)
+        else:
+            self.reqs = self._none_reduce(self.cs.post, blocking=False)
         self.state = "none"
         return True
+
+    def _none_reduce(self, comm, blocking):
+        """MPI's sum of ``none_wire`` on ``comm`` (reduce_scatter: this rank's
+        shard into ``none_rwire``), blocking or not (then it returns the
+        requests). A call of more than ``_MAX_COUNT`` elements is summed in
+        pieces of at most that many: an allreduce slice by slice, a
+        reduce_scatter by one reduction to its owner per piece of each
+        shard (MPI's counts are C ints)."""
+        wire, reqs = self.none_wire, []
+        n = len(wire)
+        npieces = -(-n // _MAX_COUNT)
+        if self.kind == "allreduce":
+            for a, b in shard_bounds(n, npieces):
+                if blocking:
+                    comm.Allreduce(MPI.IN_PLACE, wire[a:b], op=MPI.SUM)
+                else:
+                    reqs.append(comm.Iallreduce(MPI.IN_PLACE, wire[a:b], op=MPI.SUM))
+            return reqs
+        rwire = self.none_rwire
+        if npieces == 1:
+            counts = [h - l for l, h in self.bounds]
+            if blocking:
+                comm.Reduce_scatter(wire, rwire, counts, op=MPI.SUM)
+            else:
+                reqs.append(comm.Ireduce_scatter(wire, rwire, counts, op=MPI.SUM))
+            return reqs
+        for j, (lo, hi) in enumerate(self.bounds):
+            for a, b in shard_bounds(hi - lo, npieces):
+                if b == a:
+                    continue
+                recv = rwire[a:b] if j == self.rank else None
+                if blocking:
+                    comm.Reduce(wire[lo + a:lo + b], recv, op=MPI.SUM, root=j)
+                else:
+                    reqs.append(comm.Ireduce(wire[lo + a:lo + b], recv, op=MPI.SUM,
+                                             root=j))
+        return reqs
 
     def _finish_none(self):
         v = self.none_out
@@ -1031,13 +1112,12 @@ class _Op(PendingCall):
         for k in range(1, self.size):  # post receives first, then sends
             j = (r - k) % self.size
             if m:
-                self.recvreqs[j] = comm.Irecv([recv[j * m:(j + 1) * m], MPI.BYTE],
-                                              source=j, tag=tag)
+                self.recvreqs[j] = _post(comm.Irecv, recv[j * m:(j + 1) * m], j, tag)
         for k in range(1, self.size):
             j = (r + k) % self.size
             if self.sizes[j]:
-                self.sendreqs.append(comm.Isend(
-                    [send[self.offs[j]:self.offs[j + 1]], MPI.BYTE], dest=j, tag=tag))
+                self.sendreqs.append(_post(comm.Isend, send[self.offs[j]:self.offs[j + 1]],
+                                           j, tag))
         acc_dtype = np.float64 if self.dtype == np.float64 else np.float32
         self.acc = self._empty(hi - lo, acc_dtype)
         self.next_src = 0
@@ -1121,13 +1201,11 @@ class _Op(PendingCall):
                 j = (r - k) % self.size
                 jlo, jhi = self.bounds[j]
                 if jhi > jlo:
-                    self.recvreqs2[j] = comm.Irecv(
-                        [wire[jlo * isz:jhi * isz], MPI.BYTE], source=j, tag=tag)
+                    self.recvreqs2[j] = _post(comm.Irecv, wire[jlo * isz:jhi * isz], j, tag)
             if hi > lo:
                 for k in range(1, self.size):
                     j = (r + k) % self.size
-                    self.sendreqs.append(comm.Isend([wire[lo * isz:hi * isz], MPI.BYTE],
-                                                    dest=j, tag=tag))
+                    self.sendreqs.append(_post(comm.Isend, wire[lo * isz:hi * isz], j, tag))
             self.state = "phase2"
             return
         # compressed gather: requantize the owned shard with the owner residual
@@ -1166,13 +1244,11 @@ class _Op(PendingCall):
         for k in range(1, self.size):
             j = (r - k) % self.size
             if sizes[j]:
-                self.recvreqs2[j] = comm.Irecv([wire[offs[j]:offs[j + 1]], MPI.BYTE],
-                                               source=j, tag=tag)
+                self.recvreqs2[j] = _post(comm.Irecv, wire[offs[j]:offs[j + 1]], j, tag)
         if sizes[r]:
             for k in range(1, self.size):
                 j = (r + k) % self.size
-                self.sendreqs.append(comm.Isend([wire[offs[r]:offs[r + 1]], MPI.BYTE],
-                                                dest=j, tag=tag))
+                self.sendreqs.append(_post(comm.Isend, wire[offs[r]:offs[r + 1]], j, tag))
         self._decode_into_place(r)
         self.state = "phase2"
 
@@ -1299,8 +1375,7 @@ class _Op(PendingCall):
                 for k in range(1, size):
                     j = (r - k) % size
                     b = self.rbase[c] + j * m
-                    self.rreq1[c][j] = comm.Irecv([self.recvbuf[b:b + m], MPI.BYTE],
-                                                  source=j, tag=tag)
+                    self.rreq1[c][j] = _post(comm.Irecv, self.recvbuf[b:b + m], j, tag)
         self.trail = np.zeros((size, 2), np.int64)
         self.treq = [comm.Irecv(self.trail[j], source=j, tag=self.tags[2] + 1)
                      for j in range(size) if j != r]
@@ -1336,8 +1411,8 @@ class _Op(PendingCall):
             m = self.psz[c][j]
             if m:
                 o = self.poff[c][j]
-                self.sendreqs.append(comm.Isend([self.sendbuf[o:o + m], MPI.BYTE], dest=j,
-                                                tag=self.tags[0]))
+                self.sendreqs.append(_post(comm.Isend, self.sendbuf[o:o + m], j,
+                                           self.tags[0]))
         self.cpack += 1
         if self.cpack == len(self.chunks):
             row = np.zeros(_NCOLS, np.int64)
@@ -1403,8 +1478,7 @@ class _Op(PendingCall):
                     a, b = self.chunks[c][j]
                     if b > a:
                         self.meta2.append((c, j))
-                        self.rreq2.append(comm.Irecv([flat8[a * isz:b * isz], MPI.BYTE],
-                                                     source=j, tag=tag))
+                        self.rreq2.append(_post(comm.Irecv, flat8[a * isz:b * isz], j, tag))
             self.left2 = len(self.rreq2)
             return
         adt = self.acc.dtype
@@ -1420,8 +1494,7 @@ class _Op(PendingCall):
                 if m:
                     o = self.poff2[c][j]
                     self.meta2.append((c, j))
-                    self.rreq2.append(comm.Irecv([self.recvbuf2[o:o + m], MPI.BYTE],
-                                                 source=j, tag=tag))
+                    self.rreq2.append(_post(comm.Irecv, self.recvbuf2[o:o + m], j, tag))
         self.left2 = len(self.rreq2)
         if self.use_ef:
             if self.entry.owner is None:
@@ -1456,7 +1529,7 @@ class _Op(PendingCall):
                 self.comp._mark_out_of_range(send, b - a)
                 self.obad = True
         for k in range(1, size):
-            self.sendreqs.append(comm.Isend([send, MPI.BYTE], dest=(r + k) % size, tag=tag))
+            self.sendreqs.append(_post(comm.Isend, send, (r + k) % size, tag))
         if self.gather != "exact":
             self._decode_piece(send, a, b)
 
@@ -1619,6 +1692,15 @@ class _Op(PendingCall):
         if self.state == "none-ready" and not self._start_none(block):
             return False
         if self.state == "none":
+            job = self.none_job
+            if job is not None:
+                if block:
+                    job.done.wait()
+                elif not job.done.is_set():
+                    return False
+                self.none_job = None
+                if job.error is not None:
+                    raise job.error
             if self.reqs:
                 if block:
                     MPI.Request.Waitall(self.reqs)
@@ -1760,3 +1842,107 @@ class _ProgressThread:
 
 
 _progress_thread = _ProgressThread()
+
+
+class _Job:
+    """A reduction handed to a :class:`_Reducer`: ``done`` (an Event) is set
+    once it ran; ``error``: what it raised, or None."""
+
+    __slots__ = ("fn", "device", "done", "error")
+
+    def __init__(self, fn, device):
+        self.fn, self.device = fn, device
+        self.done = threading.Event()
+        self.error = None
+
+
+class _Reducer:
+    """The reduction thread of one communicator (its :class:`CommState`):
+    it runs the MPI sums of nonblocking ``op="none"`` calls (and of the
+    small-buffer fallback) with the blocking ``MPI_Allreduce`` /
+    ``MPI_Reduce_scatter``, so that they give the bits of the blocking calls,
+    while the caller computes and the engine advances other calls (the
+    engine lock is not held while it waits in MPI).
+
+    One thread per communicator, on a duplicate of its own
+    (``CommState.reduce``, nothing else uses it): it runs the sums in the
+    order they were handed over, which is the order in which the calls acted
+    on their agreements, their start order on the communicator, the same on
+    every rank. A daemon thread, started by the first such call; it ends
+    once it has had nothing to run for ``IDLE_S`` seconds (a communicator
+    that is no longer used keeps no thread) and the next sum starts it
+    again. At exit it is stopped and joined when it is idle (every request
+    completed, as the rules ask), before mpi4py finalizes MPI."""
+
+    IDLE_S = 5.0
+
+    def __init__(self):
+        self.jobs = []
+        self.cond = threading.Condition()
+        self.stopping = False
+        self.busy = False
+        self.thread = None
+        atexit.register(self.stop)
+
+    @staticmethod
+    def available():
+        """Whether nonblocking sums run in a reduction thread: it calls MPI
+        while other threads may, so MPI must grant ``MPI_THREAD_MULTIPLE``
+        (below that, nonblocking calls use MPI's nonblocking sums)."""
+        return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+    @classmethod
+    def of(cls, cs):
+        """The reduction thread of ``cs`` (made on first use; under the
+        engine lock)."""
+        if cs.reducer is None:
+            cs.reducer = cls()
+        return cs.reducer
+
+    def submit(self, fn, device=None):
+        """Run ``fn()`` after the sums handed over before it; returns its
+        :class:`_Job`. ``device``: the GPU to make current first (a device
+        buffer given to CUDA-aware MPI)."""
+        job = _Job(fn, device)
+        with self.cond:
+            self.jobs.append(job)
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="mpigc-reduce",
+                                               daemon=True)
+                self.thread.start()
+            self.cond.notify()
+        return job
+
+    def _run(self):
+        while True:
+            with self.cond:
+                while not self.jobs and not self.stopping:
+                    if not self.cond.wait(self.IDLE_S) and not self.jobs:
+                        self.thread = None  # idle: the next submit starts another
+                        return
+                if not self.jobs:
+                    return
+                job = self.jobs.pop(0)
+                self.busy = True
+            try:
+                if job.device is not None:
+                    _cuda.make_current(job.device)
+                job.fn()
+            except BaseException as exc:  # noqa: BLE001 - raised by the call
+                job.error = exc
+            finally:
+                with self.cond:
+                    self.busy = False
+                job.done.set()
+
+    def stop(self):
+        """Stop the thread and wait for it if it is idle (at exit; idempotent).
+        One still inside a sum (a request never completed) is left alone: a
+        daemon thread, it cannot hold the interpreter's exit."""
+        with self.cond:
+            self.stopping = True
+            t = self.thread
+            idle = not self.jobs and not self.busy
+            self.cond.notify()
+        if t is not None and idle:
+            t.join()

@@ -7,14 +7,19 @@ the next sequence number of that duplicate; its messages use tags derived from
 it, so concurrent nonblocking calls never match each other's messages.
 """
 import os
+import threading
 
 from mpi4py import MPI
 
 from ._errors import DTypeError, warn_caller
 
-__all__ = ["CommState", "resolve", "agree", "on_root"]
+__all__ = ["CommState", "resolve", "creation_lock", "agree", "on_root"]
 
 _KEYVAL = None
+# per user communicator (by handle), a lock held while its private state is
+# made: see creation_lock
+_creation_locks = {}
+_creation_locks_lock = threading.Lock()
 _SEQ_MOD = 8000  # tags stay below 32767, the smallest MPI_TAG_UB allowed
 _threads_set = False
 
@@ -22,19 +27,25 @@ _threads_set = False
 class CommState:
     """The private duplicate of a communicator and its call counter."""
 
-    __slots__ = ("comm", "post", "size", "rank", "seq", "local_size", "local_rank",
-                 "cuda_aware")
+    __slots__ = ("comm", "post", "reduce", "reducer", "size", "rank", "seq", "local_size",
+                 "local_rank", "cuda_aware")
 
     def __init__(self, comm):
-        # Two duplicates. Collectives must start in the same order on every
+        # Three duplicates. Collectives must start in the same order on every
         # rank. ``comm`` carries what a call starts when it is made (its
         # agreement) and the point-to-point data (tags keep calls apart);
         # ``post`` what calls start once their agreement is in, which happens
-        # in start order but at times that differ between ranks (op="none"'s
-        # reduction, the error reports). On one communicator the two kinds
-        # could interleave differently on different ranks.
+        # in start order but at times that differ between ranks (a blocking
+        # op="none" call's reduction, the error reports). On one
+        # communicator the two kinds could interleave differently on
+        # different ranks. ``reduce`` carries the reductions of nonblocking
+        # op="none" calls, which a thread of their own runs in start order
+        # (``reducer``: mpigc._collective._Reducer, made on first use) while
+        # other threads issue the collectives of ``post``.
         self.comm = comm.Dup()
         self.post = comm.Dup()
+        self.reduce = comm.Dup()
+        self.reducer = None
         self.size = self.comm.Get_size()
         self.rank = self.comm.Get_rank()
         self.seq = 0
@@ -88,10 +99,36 @@ def _limit_threads(local_size):
     cpu.set_max_threads(max(1, (cores or 1) // max(1, local_size)))
 
 
+def creation_lock(comm):
+    """The lock (re-entrant) under which mpigc makes its private state of the
+    user communicator ``comm`` (the duplicates of :class:`CommState`, the
+    hierarchical layout), so that two threads whose first calls on ``comm``
+    start at once do not both make it: MPI does not allow two threads to
+    duplicate one communicator at once, and two duplicates would pair up
+    across threads (a hang or an abort). One lock per communicator, not one
+    for all: two threads may make the private state of two communicators at
+    once, in any order on any rank (MPI allows concurrent collectives on
+    distinct communicators), and a single lock could make a rank wait for
+    one communicator while its peer waits in the other's duplication. A
+    handle that MPI reuses after a communicator was freed gets the old
+    lock, which is harmless."""
+    h = comm.handle
+    with _creation_locks_lock:
+        lock = _creation_locks.get(h)
+        if lock is None:
+            lock = _creation_locks[h] = threading.RLock()
+        return lock
+
+
+_keyval_lock = threading.Lock()  # _KEYVAL is made once, by one thread
+
+
 def resolve(comm=None):
     """The :class:`CommState` of ``comm`` (default: ``MPI.COMM_WORLD``).
 
-    Collective on first use of a communicator (it is duplicated then).
+    Collective on first use of a communicator (it is duplicated then), by one
+    thread of the process: a thread that comes while another makes it waits
+    for it (:func:`creation_lock`).
     """
     global _KEYVAL
     if comm is None:
@@ -99,12 +136,17 @@ def resolve(comm=None):
     if not isinstance(comm, MPI.Intracomm):
         raise DTypeError(f"comm: expected an mpi4py Intracomm, got {type(comm).__name__}")
     if _KEYVAL is None:
-        _KEYVAL = MPI.Comm.Create_keyval()
+        with _keyval_lock:
+            if _KEYVAL is None:
+                _KEYVAL = MPI.Comm.Create_keyval()
     state = comm.Get_attr(_KEYVAL)
     if state is None:
-        state = CommState(comm)
-        comm.Set_attr(_KEYVAL, state)
-        _limit_threads(state.local_size)
+        with creation_lock(comm):
+            state = comm.Get_attr(_KEYVAL)  # made meanwhile by another thread?
+            if state is None:
+                state = CommState(comm)
+                comm.Set_attr(_KEYVAL, state)
+                _limit_threads(state.local_size)
     return state
 
 

@@ -76,6 +76,7 @@ import itertools
 import json
 import os
 import re
+import threading
 import time
 import zlib
 
@@ -84,7 +85,7 @@ from mpi4py import MPI
 
 from . import _collective, _comm, _cuda, _dispatch
 from ._errors import (CODES, ConfigError, DTypeError, MismatchError, MpigcError,
-                      NonFiniteError, code_of)
+                      NonFiniteError, StateError, code_of)
 from .compressors import work_dtype
 from .feedback import get_default_feedback, shard_bounds
 
@@ -92,6 +93,7 @@ __all__ = ["HIERARCHY_MODES", "Layout", "layout", "start", "slice_key", "parse_s
 
 HIERARCHY_MODES = ("auto", "flat", "node")
 _KEYVAL = None
+_keyval_lock = threading.Lock()  # _KEYVAL is made once, by one thread
 _SLICE_KEY = re.compile(r"^(.*)@hier\[(\d+)/(\d+):(\d+)\]$", re.S)
 
 
@@ -203,10 +205,13 @@ class Layout:
         group and of ``comm`` (the plain route), so that no call creates a
         communicator while it advances."""
         if not self._calls_ready:
-            for g in self.groups.values():
-                _comm.resolve(g)
-            _comm.resolve(self.comm)
-            self._calls_ready = True
+            # by one thread: another one's first call on the layout waits here
+            with _comm.creation_lock(self.comm):
+                if not self._calls_ready:
+                    for g in self.groups.values():
+                        _comm.resolve(g)
+                    _comm.resolve(self.comm)
+                    self._calls_ready = True
 
     def quiesce(self):
         """Complete the pending hierarchical calls of this layout (before
@@ -297,18 +302,26 @@ def layout(comm=None):
     except ConfigError as e:
         exc = e
     if _KEYVAL is None:
-        _KEYVAL = MPI.Comm.Create_keyval()
+        with _keyval_lock:
+            if _KEYVAL is None:
+                _KEYVAL = MPI.Comm.Create_keyval()
     cache = comm.Get_attr(_KEYVAL)
-    if cache is None:
-        cache = {}
-        comm.Set_attr(_KEYVAL, cache)
-    if exc is not None or split not in cache:
-        # the user's communicator first: its node-local size caps the kernels'
-        # threads (cores / ranks per node), not that of a group spanning nodes
-        _comm.resolve(comm)
-        lay = Layout(comm, split, exc)  # raises on every rank if any rank failed
-        cache[split] = lay
-    return cache[split]
+    if cache is not None and exc is None and split in cache:
+        return cache[split]
+    # made by one thread: another one's first call on comm waits for it
+    with _comm.creation_lock(comm):
+        cache = comm.Get_attr(_KEYVAL)
+        if cache is None:
+            cache = {}
+            comm.Set_attr(_KEYVAL, cache)
+        if exc is not None or split not in cache:
+            # the user's communicator first: its node-local size caps the
+            # kernels' threads (cores / ranks per node), not that of a group
+            # spanning nodes
+            _comm.resolve(comm)
+            lay = Layout(comm, split, exc)  # raises on every rank if any rank failed
+            cache[split] = lay
+        return cache[split]
 
 
 # -- the call ----------------------------------------------------------------------
@@ -379,13 +392,13 @@ class _HierCall(_collective.PendingCall):
         # while the call runs
         self.be = self.dflat = self.staging = None
         self.dev = False
+        self.busy = None  # this call's name in the store's keys in use (_hold_key)
 
     # -- the engine's protocol (PendingCall) -------------------------------------------
     def _settle(self):
         """The caller saw the call done: its key is no longer in use."""
         if self.busy is not None:
-            with self.fb._lock:
-                self.fb._busy.discard(self.busy)
+            self.fb._release(self.busy)
             self.busy = None
 
     def _head(self):
@@ -494,14 +507,6 @@ class _HierCall(_collective.PendingCall):
         if self.exc is None and not self.plain and not self.alone:
             self.need = self.n * self.wd.itemsize
         self.table = np.zeros((lay.size, _NCOLS), np.int64)
-        # the residual store reports the call as a pending user of its key (a
-        # checkpoint raises StateError until it is done, as for a flat call,
-        # whose own keys are busy from its start)
-        self.busy = None
-        if self.exc is None and self.fb is not None:
-            self.busy = f"{self.key}@hier (call {next(_call_ids)})"
-            with self.fb._lock:
-                self.fb._busy.add(self.busy)
         grow = self.need > lay.window_bytes()
         with _collective._lock:
             self.row = row  # MPI reads it until the rows are in
@@ -560,10 +565,31 @@ class _HierCall(_collective.PendingCall):
         row[_FP] = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
         if self.dev and not self.plain:
             self._stage()
+        if self.fb is not None and not self.plain:
+            # (a plain call, op="none" or a small buffer, uses no residual: as
+            # on the flat path, it does not hold the key)
+            self._hold_key()  # last: nothing after it can fail
         # no pass over the input for non-finite values: a non-finite input makes
         # its node's sum non-finite (NaN and inf propagate through the sum), which
         # the inter-node call detects before any residual changes; the ranks
         # that hold them are named then (_input_nonfinite)
+
+    def _hold_key(self):
+        """Report the call to the residual store as a pending user of its key
+        (a checkpoint raises StateError until it is done, as for a flat call,
+        whose own keys are busy from its start), under a name of its own,
+        ``"{key}@hier (call N)"``; StateError if a pending hierarchical call
+        of the same store holds the key already (rule 3 of the nonblocking
+        calls: raised in ``_prepare``, its code travels in the row, so every
+        rank raises it)."""
+        prefix = f"{self.key}@hier (call "
+        with self.fb._lock:
+            if any(b.startswith(prefix) for b in self.fb._busy):
+                raise StateError(f"key {self.key!r} is already used by a pending "
+                                 "hierarchical collective; wait for it, or use distinct "
+                                 "keys")
+            self.busy = f"{prefix}{next(_call_ids)})"
+            self.fb._busy.add(self.busy)
 
     def _stage(self):
         """A device call: the input's values into a pinned host buffer, now
@@ -896,16 +922,25 @@ def intra_reduce_scatter(lay, x, n):
     lo, hi = lay.element_range(lay.rank, n)
     if L == 1:
         return x[lo:hi].copy()
-    isz = x.dtype.itemsize
     ranges = [lay.element_range(r, n) for r in lay.members[lay.node]]
-    scounts = [(b - a) * isz for a, b in ranges]
-    sdispl = [a * isz for a, _ in ranges]
+    scounts = [b - a for a, b in ranges]
+    sdispl = [a for a, _ in ranges]
     m = hi - lo
     recv = np.empty(L * m, x.dtype)
-    node.Alltoallv([x.view(np.uint8), (scounts, sdispl), MPI.BYTE],
-                   [recv.view(np.uint8), ([m * isz] * L, [k * m * isz for k in range(L)]),
-                    MPI.BYTE])
+    el = _raw_elements(x.dtype)
+    node.Alltoallv([x.view(np.uint8), (scounts, sdispl), el],
+                   [recv.view(np.uint8), ([m] * L, [k * m for k in range(L)]), el])
+    el.Free()
     return sum_in_order([recv[k * m:(k + 1) * m] for k in range(L)], np.empty(m, x.dtype))
+
+
+def _raw_elements(dtype):
+    """A committed MPI datatype of one ``dtype`` value as raw bytes (free it
+    after use): counts and displacements in values, not bytes, so that
+    they stay within MPI's C ints up to 2**31 - 1 values, not bytes."""
+    t = MPI.BYTE.Create_contiguous(np.dtype(dtype).itemsize)
+    t.Commit()
+    return t
 
 
 def _displs(counts):
@@ -955,7 +990,8 @@ def redistribute_ranges(lay, pieces, targets, dtype):
     ``(lo, hi)``; returns one array per range of this rank (zeros where no
     piece covers it). Blocking, outside the calls (checkpoint conversions):
     the ranges travel first (a small all-to-all), then the values as raw
-    bytes (one ``Alltoallv``; nothing large is pickled)."""
+    bytes (one ``Alltoallv`` counted in values: :func:`_raw_elements`;
+    nothing large is pickled)."""
     dtype = np.dtype(dtype)
     meta, data, counts = [], [], []
     for r in range(lay.size):
@@ -968,13 +1004,15 @@ def redistribute_ranges(lay, pieces, targets, dtype):
                     data.append(np.asarray(v[p - a:q - a], dtype))
                     count += q - p
         meta.append(mine)
-        counts.append(count * dtype.itemsize)
+        counts.append(count)
     got = lay.comm.alltoall(meta)
-    rcounts = [sum(q - p for p, q in g) * dtype.itemsize for g in got]
+    rcounts = [sum(q - p for p, q in g) for g in got]
     sbuf = np.concatenate(data) if data else np.empty(0, dtype)
-    rbuf = np.empty(sum(rcounts) // dtype.itemsize, dtype)
-    lay.comm.Alltoallv([sbuf.view(np.uint8), (counts, _displs(counts)), MPI.BYTE],
-                       [rbuf.view(np.uint8), (rcounts, _displs(rcounts)), MPI.BYTE])
+    rbuf = np.empty(sum(rcounts), dtype)
+    el = _raw_elements(dtype)
+    lay.comm.Alltoallv([sbuf.view(np.uint8), (counts, _displs(counts)), el],
+                       [rbuf.view(np.uint8), (rcounts, _displs(rcounts)), el])
+    el.Free()
     outs = [np.zeros(hi - lo, dtype) for lo, hi in targets[lay.rank]]
     o = 0
     for g in got:

@@ -9,7 +9,6 @@ exercised by ``tests/cluster_test.sh``.
 """
 import os
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ import mpigc
 from mpigc import _hierarchy
 
 from conftest import assert_all, grads, raises_everywhere
+from peers import await_word
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import reference  # noqa: E402  (tests/reference.py)
@@ -185,12 +185,7 @@ def test_nonblocking_call_returns_before_peers_start(comm, fb, split):
                 pass
             comm.send("started", dest=last, tag=77)
     else:
-        token = comm.irecv(source=0, tag=77)
-        deadline = time.monotonic() + 60
-        got, _ = token.test()
-        while not got and time.monotonic() < deadline:
-            time.sleep(0.01)
-            got, _ = token.test()
+        token, got = await_word(comm, 0, 77)
         if not got:
             why = "rank 0 did not return from iallreduce before this rank started"
         req = mpigc.iallreduce(g.copy(), "2bit", key="k", feedback=fb, hierarchy="node")
@@ -419,6 +414,74 @@ def test_bad_input_on_one_rank_raises_everywhere_and_changes_nothing(comm, fb, s
              for k, v in fb.state_dict().items()}
     ok = bool(np.all(np.isnan(res))) and after == before
     assert_all(ok, "skip: expected NaN and no change", comm)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kinds", [("iallreduce", "iallreduce"),
+                                   ("iallreduce", "ireduce_scatter"),
+                                   ("ireduce_scatter", "iallreduce")])
+def test_two_pending_calls_on_one_key_raise_state_error(comm, fb, split, kinds):
+    """Rule 3 of the nonblocking calls (docs/user-guide.md): a call on a key
+    that a pending call of the same store uses raises StateError on every
+    rank, as on the flat path. Two nonblocking hierarchical calls on the key
+    "k", started one after the other: the first completes as it would
+    alone, the second raises StateError everywhere and changes nothing
+    (issue 27, item 7: both ran, each marking the key busy under a name of
+    its own). A third call, once the first is done, runs."""
+    n = 600
+    g = grads(comm.rank, n)
+    ref = mpigc.ErrorFeedback()
+    first, second = (getattr(mpigc, k) for k in kinds)
+    want = getattr(mpigc, kinds[0][1:])(g.copy(), "2bit", key="k", feedback=ref,
+                                         hierarchy="node")
+    x, y = g.copy(), g.copy()
+    req1 = first(x, "2bit", key="k", feedback=fb, hierarchy="node")
+    req2 = second(y, "2bit", key="k", feedback=fb, hierarchy="node")
+    got2 = None
+    try:
+        req2.wait()
+    except Exception as e:  # noqa: BLE001 - compared across ranks
+        got2 = e
+    res = req1.wait()
+    why = None
+    if not isinstance(got2, mpigc.StateError) or "already used" not in str(got2):
+        why = f"second call: expected StateError, got {type(got2).__name__}: {got2}"
+    elif res.tobytes() != want.tobytes():
+        why = "the first call differs from the same call made alone"
+    elif kinds[1] == "iallreduce" and y.tobytes() != g.tobytes():
+        why = "the failed call changed its buffer"
+    else:
+        s1, s2 = ref.state_dict(), fb.state_dict()
+        if set(s1) != set(s2) or any(
+                (s1[k][p] is None) != (s2[k][p] is None)
+                or (s1[k][p] is not None and s1[k][p].tobytes() != s2[k][p].tobytes())
+                for k in s1 for p in ("worker", "owner")):
+            why = "residuals differ from those of the first call alone"
+    assert_all(why is None, why, comm)
+    # the key is free again: the next call on it runs (and equals the reference's)
+    a = mpigc.iallreduce(g.copy(), "2bit", key="k", feedback=fb, hierarchy="node").wait()
+    b = mpigc.allreduce(g.copy(), "2bit", key="k", feedback=ref, hierarchy="node")
+    assert_all(a.tobytes() == b.tobytes(), "the next call on the key differs", comm)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter"])
+def test_none_takes_the_flat_path_bit_for_bit(comm, split, kind):
+    """op="none" takes the flat path (a plain MPI sum, module docstring):
+    blocking and nonblocking hierarchical calls give the bits of the flat
+    blocking call, MPI_Allreduce / MPI_Reduce_scatter (they gave those of
+    MPI_Iallreduce, which differ on 3 ranks: their sum runs as a nonblocking
+    call of the layout's communicator)."""
+    f, fi = getattr(mpigc, kind), getattr(mpigc, "i" + kind)
+    bad = []
+    for n in (10, 1000, 3000, 10000, 30000, 100000):
+        x = grads(comm.rank, n, np.float64)
+        want = np.asarray(f(x.copy(), "none")).tobytes()
+        if np.asarray(f(x.copy(), "none", hierarchy="node")).tobytes() != want:
+            bad.append((n, "blocking"))
+        if np.asarray(fi(x.copy(), "none", hierarchy="node").wait()).tobytes() != want:
+            bad.append((n, "nonblocking"))
+    assert_all(not bad, f"hierarchical none differs from flat at {bad}", comm)
 
 
 @pytest.mark.mpi

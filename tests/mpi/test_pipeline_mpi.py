@@ -22,19 +22,12 @@ import mpigc
 from mpigc import _collective
 
 from conftest import assert_all, grads, raises_everywhere
+from peers import state_bytes
 
 CHUNK = 1024  # bytes: every buffer below is cut into many chunks
 OPS = {"2bit": "2bit", "1bit": {"id": "1bit", "block_size": 64},
        "2bit_rel": {"id": "2bit", "rel_threshold": 1.5, "block_size": 64},
        "fp16": "fp16", "bf16": "bf16"}
-
-
-def _state(fb):
-    out = {}
-    for key, st in fb.state_dict().items():
-        out[key] = (st["calls"],) + tuple(
-            None if st[p] is None else st[p].tobytes() for p in ("worker", "owner"))
-    return out
 
 
 def _steps(comm, op, kind, dtype, n, gather="compressed", average=False, steps=3):
@@ -48,7 +41,7 @@ def _steps(comm, op, kind, dtype, n, gather="compressed", average=False, steps=3
         else:
             outs.append(np.asarray(mpigc.reduce_scatter(x, op, key="k", feedback=fb,
                                                         average=average)).tobytes())
-    return outs, _state(fb)
+    return outs, state_bytes(fb)
 
 
 @pytest.mark.mpi
@@ -90,7 +83,7 @@ def test_nonfinite_in_the_last_chunk(comm, monkeypatch, starts, policy):
     fb = mpigc.ErrorFeedback()
     n = 5000
     mpigc.allreduce(grads(comm.rank, n), "2bit", key="k", feedback=fb)
-    before = _state(fb)
+    before = state_bytes(fb)
     x = grads(comm.rank, n, seed=1)
     if comm.rank == comm.size - 1:
         x[-1] = np.nan
@@ -106,7 +99,7 @@ def test_nonfinite_in_the_last_chunk(comm, monkeypatch, starts, policy):
         mpigc.allreduce(x, "2bit", key="k", feedback=fb, nonfinite="skip")
         assert_all(np.isnan(x).all(), "a skipped call's result is not NaN")
         assert_all(fb.skipped_steps == 1, f"skipped_steps {fb.skipped_steps}")
-    assert_all(_state(fb) == before, "a residual or a call count changed")
+    assert_all(state_bytes(fb) == before, "a residual or a call count changed")
     assert_all(starts[0] == 2, f"{starts[0]} of 2 calls pipelined")
     # the next call goes ahead as if the failed one had not happened
     y = grads(comm.rank, n, seed=2)

@@ -46,7 +46,6 @@ The 2bit threshold, three ways (give at most one):
 import argparse
 import math
 import os
-import socket
 import time
 
 import numpy as np
@@ -180,18 +179,6 @@ def resume(args, comm, model, opt, sched, residuals):
     return ck["epoch"] + 1
 
 
-def init_gloo(comm):
-    """torch.distributed's gloo process group on the MPI ranks (one host)."""
-    port = None
-    if comm.rank == 0:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-    port = comm.bcast(port)
-    torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                                         rank=comm.rank, world_size=comm.size)
-
-
 def first_gradient_rms(model, x, y, comm):
     """RMS of the first batch's gradient averaged over the ranks (plain MPI)."""
     loss = torch.nn.functional.cross_entropy(model(x), y)
@@ -228,12 +215,13 @@ def main():
         opt = torch.optim.Adam(model.parameters(), lr=args.lr or 1e-3)
     net = model
     if args.sync == "ddp-hook":
-        init_gloo(comm)
+        mpigc.torch.init_process_group("gloo")  # DDP's process group, from the MPI job
         net = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=args.bucket_mb)
         residuals = mpigc.torch.CommHookState(net, op=args.op, gather=args.gather,
                                               hierarchy=args.hierarchy, **params)
         net.register_comm_hook(residuals, mpigc.torch.comm_hook)
-        layout = "DDP's buckets"
+        layout = ("DDP's buckets" if residuals.groups is None
+                  else f"{len(residuals.groups)} group(s) of parameters")
     else:
         # an optimizer whose step() applies the averaged gradients; they are
         # averaged by the end of backward(), as with DDP

@@ -60,6 +60,10 @@ import mpigc
 import mpigc.torch
 
 
+def freeze_steps(text):
+    return text if text == "auto" else int(text)
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--op", default="2bit",
@@ -90,8 +94,21 @@ def parse_args(argv=None):
                    help="adamw: torch's AdamW behind mpigc.torch.GradientSync (gradients "
                         "compressed); compressed-adamw: mpigc.torch.CompressedAdamW "
                         "(exact warm-up, then the momentum compressed, variance frozen)")
-    p.add_argument("--freeze-steps", type=int, default=None,
-                   help="compressed-adamw: exact warm-up steps (default: 20%% of --steps)")
+    p.add_argument("--freeze-steps", type=freeze_steps, default=None,
+                   help="compressed-adamw: warm-up steps, or 'auto' (the variance's own "
+                        "stability decides; default: 20%% of --steps)")
+    p.add_argument("--warmup-op", choices=("none", "bf16", "fp16"), default="none",
+                   help="compressed-adamw: the warm-up's exchange (default none: exact)")
+    p.add_argument("--freeze-threshold", type=float, default=None,
+                   help="compressed-adamw, --freeze-steps auto: relative change of the "
+                        "variance over --freeze-window steps that counts as stable")
+    p.add_argument("--freeze-window", type=int, default=None)
+    p.add_argument("--sync-every", type=int, default=1,
+                   help="compressed-adamw: after the freeze, local steps between "
+                        "exchanges (0/1 Adam; default 1: every step)")
+    p.add_argument("--var-refresh", type=int, default=0,
+                   help="compressed-adamw: refresh the frozen variance after N, 2N, 4N, "
+                        "... more steps (0/1 Adam; default 0: never)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
@@ -273,6 +290,11 @@ def main(argv=None):
         sync = None  # the optimizer exchanges the momentum itself
         freeze = args.freeze_steps if args.freeze_steps is not None else max(1, args.steps // 5)
         params = dict(params, freeze_steps=freeze)
+        if args.warmup_op != "none":
+            params["warmup_op"] = args.warmup_op
+        for name in ("freeze_threshold", "freeze_window", "var_refresh", "sync_every"):
+            if getattr(args, name) not in (None, 0, 1):
+                params[name] = getattr(args, name)
         opt = mpigc.torch.CompressedAdamW(groups, lr=args.lr, betas=(0.9, 0.95),
                                           op=args.op, gather=args.gather, **params)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, args))
@@ -300,6 +322,8 @@ def main(argv=None):
         sched.step()
         last = step + 1 == args.steps
         if (step + 1) % args.eval_every == 0 or last:
+            if sync is None:
+                opt.synchronize()  # local steps (--sync-every): end the window first
             val_loss = evaluate(model, val, args, device, comm)
             curve.append((step + 1, val_loss))
             if comm.rank == 0:
@@ -320,7 +344,8 @@ def main(argv=None):
                           else val_loss / math.log(2),
                           "bytes_sent_per_rank": sent, "val_curve": curve,
                           "seconds": time.perf_counter() - t0,
-                          "parameters_equal": all(v == same[0] for v in same)}))
+                          "parameters_equal": all(v == same[0] for v in same),
+                          "frozen_at": getattr(opt, "frozen_at", None)}))
 
 
 if __name__ == "__main__":

@@ -14,6 +14,12 @@ cut. Here the ranks exchange exactly (``op="none"``) for ``freeze_steps``
 steps of plain AdamW; then ``v`` is frozen and what is compressed, with error
 feedback, is each rank's *momentum* ``beta1 * m + (1 - beta1) * g_local``.
 The averaged momentum is the same on every rank and replaces ``m``.
+
+From 0/1 Adam (Lu et al. 2022) it takes two optional ideas: the frozen
+variance refreshed at growing intervals (``var_refresh``), and local steps
+between exchanges (``sync_every``). The warm-up's exchange may be ``bf16``
+(``warmup_op``) and its length chosen by the variance itself
+(``freeze_steps="auto"``).
 """
 import warnings
 import zlib
@@ -26,6 +32,8 @@ from ..feedback import ErrorFeedback
 from ._common import agree_construction, torch_compressor
 
 __all__ = ["CompressedAdamW", "local_gradients_hook"]
+
+_WARMUP_OPS = ("none", "bf16", "fp16")
 
 
 class CompressedAdamW(torch.optim.Optimizer):
@@ -52,6 +60,29 @@ class CompressedAdamW(torch.optim.Optimizer):
         the variance is frozen and the compressed exchange starts. DeepSpeed
         advises 15-25% of the training for 1-bit Adam; ``docs/torch.md``
         gives what was measured here.
+        ``"auto"`` freezes when the variance has settled: after the first
+        warm-up step at which the sum over the parameters of the
+        bias-corrected ``sqrt(v)`` is within ``freeze_threshold`` (relative)
+        of its value ``freeze_window`` steps before.
+    warmup_op : ``"none"`` (default), ``"bf16"`` or ``"fp16"``
+        The exchange of the warm-up's gradients (and of the refreshes):
+        ``bf16`` halves the warm-up's bytes.
+    freeze_threshold, freeze_window : float, int
+        The criterion of ``freeze_steps="auto"`` (defaults 0.02 and 10).
+    var_refresh : int
+        0/1 Adam's variance refresh (default 0: never): after the freeze the
+        variance takes the ``warmup_op``-averaged gradient of the step
+        ``var_refresh`` steps later, then ``2 * var_refresh`` steps after
+        that, and so on (one more exchange of the gradient at those steps).
+    sync_every : int
+        0/1 Adam's local steps (default 1: none): after the freeze each rank
+        updates its parameters with its own momentum, and every
+        ``sync_every`` steps the ranks exchange (compressed, with error
+        feedback) the sum of their ``(lr / c1) * momentum`` over those steps
+        and restart from the same parameters: the exchange's bytes divided
+        by ``sync_every``. Between exchanges the ranks' parameters differ;
+        :meth:`synchronize` ends a window early (before an evaluation or a
+        checkpoint), :attr:`in_sync` says whether one is open.
     comm : mpi4py communicator (default ``MPI.COMM_WORLD``).
     gather : ``"compressed"`` (default) or ``"exact"``, as :func:`mpigc.allreduce`.
     key : str
@@ -79,7 +110,8 @@ class CompressedAdamW(torch.optim.Optimizer):
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, *,
                  op="1bit", freeze_steps=100, comm=None, key="adamw", gather="compressed",
-                 nonfinite="skip", **op_params):
+                 nonfinite="skip", warmup_op="none", freeze_threshold=0.02, freeze_window=10,
+                 var_refresh=0, sync_every=1, **op_params):
         from mpi4py import MPI
 
         self.comm = MPI.COMM_WORLD if comm is None else comm
@@ -95,10 +127,25 @@ class CompressedAdamW(torch.optim.Optimizer):
                     or not all(0 <= b < 1 for b in betas)):
                 raise ConfigError(f"CompressedAdamW: invalid lr={lr}, betas={betas}, "
                                   f"eps={eps} or weight_decay={weight_decay}")
-            if int(freeze_steps) != freeze_steps or freeze_steps < 1:
-                raise ConfigError("freeze_steps must be an integer >= 1 (the variance to "
-                                  "freeze comes from the exact warm-up), got "
+            if freeze_steps != "auto" and (
+                    isinstance(freeze_steps, str) or int(freeze_steps) != freeze_steps
+                    or freeze_steps < 1):
+                raise ConfigError("freeze_steps must be 'auto' or an integer >= 1 (the "
+                                  "variance to freeze comes from the exact warm-up), got "
                                   f"{freeze_steps!r}")
+            if warmup_op not in _WARMUP_OPS:
+                raise ConfigError(f"warmup_op must be one of {', '.join(_WARMUP_OPS)} (an "
+                                  f"exchange without error feedback), got {warmup_op!r}")
+            if not (isinstance(freeze_window, int) and freeze_window >= 1
+                    and 0 < freeze_threshold < 1):
+                raise ConfigError("freeze_window must be an integer >= 1 and "
+                                  "freeze_threshold in (0, 1), got "
+                                  f"{freeze_window!r}, {freeze_threshold!r}")
+            if not (isinstance(sync_every, int) and sync_every >= 1):
+                raise ConfigError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+            if not (isinstance(var_refresh, int) and var_refresh >= 0):
+                raise ConfigError("var_refresh must be an integer >= 0 (0: never), got "
+                                  f"{var_refresh!r}")
             if nonfinite not in ("skip", "raise"):
                 raise ConfigError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
             super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
@@ -115,7 +162,12 @@ class CompressedAdamW(torch.optim.Optimizer):
                     "CompressedAdamW: parameters must all be float32 or all float64, on "
                     f"one device; got dtypes {sorted(map(str, dtypes))} on "
                     f"{sorted(map(str, devices))}")
-            settings = {"op": self.compressor.get_config(), "freeze_steps": int(freeze_steps),
+            settings = {"op": self.compressor.get_config(),
+                        "freeze_steps": freeze_steps if freeze_steps == "auto"
+                        else int(freeze_steps), "warmup_op": warmup_op,
+                        "freeze_threshold": float(freeze_threshold),
+                        "freeze_window": freeze_window, "var_refresh": var_refresh,
+                        "sync_every": sync_every,
                         "key": str(key), "gather": gather, "nonfinite": nonfinite,
                         "groups": [{k: (list(v) if isinstance(v, tuple) else v)
                                     for k, v in g.items() if k != "params"}
@@ -126,7 +178,20 @@ class CompressedAdamW(torch.optim.Optimizer):
             raise exc  # no communicator to tell the others on
         self._comm = self.comm.Dup()  # this optimizer's own small collectives
         agree_construction(self._comm, exc, settings, "CompressedAdamW")
-        self.freeze_steps = int(freeze_steps)
+        self.freeze_steps = freeze_steps if freeze_steps == "auto" else int(freeze_steps)
+        self.warmup_op = warmup_op
+        self.freeze_threshold = float(freeze_threshold)
+        self.freeze_window = freeze_window
+        self.var_refresh = var_refresh
+        self.sync_every = sync_every
+        #: the step after which the variance was frozen (None during the warm-up)
+        self.frozen_at = None
+        #: updates of the variance so far (warm-up steps and refreshes)
+        self.variance_updates = 0
+        #: refreshes of the frozen variance so far
+        self.refreshes = 0
+        self._next_refresh = None   # step of the next refresh once frozen
+        self._spread = []           # auto freeze: sum of sqrt(v_hat) over the window
         self.key = str(key)
         self.gather = gather
         self.nonfinite = nonfinite
@@ -140,6 +205,18 @@ class CompressedAdamW(torch.optim.Optimizer):
         self._flat_g = torch.zeros(n, dtype=dt, device=dev)   # exchanged buffer
         self._m = torch.zeros(n, dtype=dt, device=dev)
         self._v = torch.zeros(n, dtype=dt, device=dev)
+        # the local gradient kept for a refresh of the variance
+        self._flat_r = torch.zeros(n, dtype=dt, device=dev) if var_refresh else None
+        # local steps (sync_every > 1): the parameters at the window's start,
+        # this rank's momentum, the sum of its (lr / c1) * momentum, and per
+        # group the sum of lr / c1 and the product of the weight decays
+        self._window = 0
+        if sync_every > 1:
+            self._x0 = torch.zeros(n, dtype=dt, device=dev)
+            self._m_local = torch.zeros(n, dtype=dt, device=dev)
+            self._acc = torch.zeros(n, dtype=dt, device=dev)
+        self._lr_sum = [0.0] * len(self.param_groups)
+        self._decay = [1.0] * len(self.param_groups)
         self._slices, off = [], 0
         for g in self.param_groups:
             lo = off
@@ -156,17 +233,17 @@ class CompressedAdamW(torch.optim.Optimizer):
     def _wire(self, t):
         return t.numpy() if t.device.type == "cpu" else t
 
-    def _exchange(self, op, **kw):
-        """Average the exchanged buffer over the ranks; True if the result is
-        finite (the same answer on every rank: the result is the same)."""
-        allreduce(self._wire(self._flat_g), op, comm=self.comm, average=True,
+    def _exchange(self, buf, op, **kw):
+        """Average ``buf`` over the ranks; True if the result is finite (the
+        same answer on every rank: the result is the same)."""
+        allreduce(self._wire(buf), op, comm=self.comm, average=True,
                   gather=self.gather, nonfinite=self.nonfinite, **kw)
-        return bool(torch.isfinite(self._flat_g).all())
+        return bool(torch.isfinite(buf).all())
 
     @property
     def frozen(self):
         """True once the variance is frozen and the momentum is compressed."""
-        return self._steps >= self.freeze_steps
+        return self.frozen_at is not None
 
     # -- the step -------------------------------------------------------------
     @torch.no_grad()
@@ -190,41 +267,160 @@ class CompressedAdamW(torch.optim.Optimizer):
                 off += k
         t = self._steps + 1
         if not self.frozen:
-            # exact warm-up: plain AdamW on the averaged gradient
-            if not self._exchange("none"):
+            # the warm-up: plain AdamW on the averaged gradient
+            if not self._exchange(g, self.warmup_op):
                 return self._skip(loss)
-            for group, (lo, hi) in zip(self.param_groups, self._slices):
-                b1, b2 = group["betas"]
-                # no fused multiply-adds (alpha=, addcmul): every element is rounded
-                # as the documented formula says, on every device and in numpy
-                self._m[lo:hi].mul_(b1).add_(g[lo:hi] * (1 - b1))
-                self._v[lo:hi].mul_(b2).add_(g[lo:hi] * g[lo:hi] * (1 - b2))
-            self._apply(lambda b1, b2: (1 - b1 ** t, 1 - b2 ** t))
-        else:
-            # compressed momentum, frozen variance
-            for group, (lo, hi) in zip(self.param_groups, self._slices):
-                b1 = group["betas"][0]
-                g[lo:hi].mul_(1 - b1).add_(self._m[lo:hi] * b1)
-            if not self._exchange(self.compressor, key=self.key, feedback=self.feedback):
-                return self._skip(loss)
-            self._m.copy_(g)
-            tf = self.freeze_steps
-            self._apply(lambda b1, b2: (1 - b1 ** t, 1 - b2 ** tf))
+            self._update_moments(g)
+            self._apply(t)
+            self._steps = t
+            if self._freeze_now():
+                self.frozen_at = t
+                self._next_refresh = t + self.var_refresh if self.var_refresh else None
+            return loss
+        end = self._window + 1 == self.sync_every   # the window's last step
+        refresh = end and self._next_refresh is not None and t >= self._next_refresh
+        if refresh:
+            self._flat_r.copy_(g)
+        if self.sync_every > 1:
+            return self._local_step(t, g, refresh, loss)
+        # compressed momentum, frozen variance
+        for group, (lo, hi) in zip(self.param_groups, self._slices):
+            b1 = group["betas"][0]
+            g[lo:hi].mul_(1 - b1).add_(self._m[lo:hi] * b1)
+        if not self._exchange(g, self.compressor, key=self.key, feedback=self.feedback):
+            return self._skip(loss)
+        self._m.copy_(g)
+        self._apply(t)
         self._steps = t
+        if refresh:
+            self._refresh(t)
         return loss
+
+    def _local_step(self, t, g, refresh, loss):
+        """0/1 Adam's local steps: each rank updates its own parameters with
+        its own momentum; every ``sync_every`` steps the ranks exchange the
+        sum of their ``(lr / c1) * momentum`` (compressed, error feedback) and
+        all restart from the same parameters."""
+        if self._window == 0:
+            self._flatten_params(self._x0)
+            self._m_local.copy_(self._m)
+        for i, (group, (lo, hi)) in enumerate(zip(self.param_groups, self._slices)):
+            b1 = group["betas"][0]
+            g[lo:hi].mul_(1 - b1).add_(self._m_local[lo:hi] * b1)
+            scale = group["lr"] / (1 - b1 ** t)
+            self._acc[lo:hi].add_(g[lo:hi] * scale)
+            self._lr_sum[i] += scale
+            self._decay[i] *= 1 - group["lr"] * group["weight_decay"]
+        self._m_local.copy_(g)
+        self._apply(t, self._m_local)
+        self._steps = t
+        self._window += 1
+        if self._window == self.sync_every:
+            self._end_window(loss)
+            if refresh and self._window == 0 and self._steps == t:
+                self._refresh(t)
+        return loss
+
+    @torch.no_grad()
+    def synchronize(self):
+        """End the current window of local steps now (collective: call it
+        on every rank, e.g. before an evaluation or a checkpoint). Nothing
+        to do without ``sync_every`` or between windows."""
+        if self._window:
+            self._end_window(None)
+
+    @property
+    def in_sync(self):
+        """True when every rank holds the same parameters (no local steps
+        pending)."""
+        return self._window == 0
+
+    def _end_window(self, loss):
+        acc = self._acc
+        ok = self._exchange(acc, self.compressor, key=self.key, feedback=self.feedback)
+        if ok:
+            for i, (group, (lo, hi)) in enumerate(zip(self.param_groups, self._slices)):
+                c2 = 1 - group["betas"][1] ** self.variance_updates
+                denom = self._v[lo:hi].div(c2).sqrt_().add_(group["eps"])
+                if group["weight_decay"]:
+                    self._x0[lo:hi].mul_(self._decay[i])
+                self._x0[lo:hi].sub_(acc[lo:hi].div(denom))
+                self._m[lo:hi].copy_(acc[lo:hi].div(self._lr_sum[i]))
+        else:  # the window is dropped on every rank
+            self._steps -= self._window
+            self._skip(loss)
+        self._m_local.copy_(self._m)
+        self._unflatten_params(self._x0)
+        acc.zero_()
+        self._lr_sum = [0.0] * len(self.param_groups)
+        self._decay = [1.0] * len(self.param_groups)
+        self._window = 0
+
+    def _flatten_params(self, out):
+        off = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                out[off:off + p.numel()].copy_(p.reshape(-1))
+                off += p.numel()
+
+    def _unflatten_params(self, src):
+        off = 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.copy_(src[off:off + p.numel()].view_as(p))
+                off += p.numel()
+
+    def _update_moments(self, g, m=True):
+        for group, (lo, hi) in zip(self.param_groups, self._slices):
+            b1, b2 = group["betas"]
+            # no fused multiply-adds (alpha=, addcmul): every element is rounded
+            # as the documented formula says, on every device and in numpy
+            if m:
+                self._m[lo:hi].mul_(b1).add_(g[lo:hi] * (1 - b1))
+            self._v[lo:hi].mul_(b2).add_(g[lo:hi] * g[lo:hi] * (1 - b2))
+        self.variance_updates += 1
+
+    def _refresh(self, t):
+        """0/1 Adam's variance refresh: the local gradients of this step
+        averaged with ``warmup_op`` update the frozen variance (after this
+        step's update); the next refresh comes twice as many steps later."""
+        if not self._exchange(self._flat_r, self.warmup_op):
+            return  # tried again at the next step
+        self._update_moments(self._flat_r, m=False)
+        self.refreshes += 1
+        self._next_refresh = t + self.var_refresh * 2 ** self.refreshes
+
+    def _freeze_now(self):
+        """Freeze after this warm-up step? A step count, or 'auto': the sum of
+        the bias-corrected sqrt(v) moved by at most ``freeze_threshold``
+        (relative) over the last ``freeze_window`` steps. Rank 0 decides and
+        the others follow (their variances are equal; their float sums might
+        not be)."""
+        if self.freeze_steps != "auto":
+            return self._steps >= self.freeze_steps
+        total = 0.0
+        for group, (lo, hi) in zip(self.param_groups, self._slices):
+            c2 = 1 - group["betas"][1] ** self.variance_updates
+            total += float(self._v[lo:hi].double().div(c2).sqrt().sum())
+        self._spread.append(total)
+        self._spread = self._spread[-(self.freeze_window + 1):]
+        ok = (len(self._spread) > self.freeze_window
+              and abs(total / self._spread[0] - 1) <= self.freeze_threshold)
+        return bool(self._comm.bcast(ok, root=0))
 
     def _skip(self, loss):
         self.skipped_steps += 1
         return loss
 
-    def _apply(self, corrections):
+    def _apply(self, t, m=None):
+        m = self._m if m is None else m
         off = 0
         for group, (lo, hi) in zip(self.param_groups, self._slices):
             b1, b2 = group["betas"]
-            c1, c2 = corrections(b1, b2)
+            c1, c2 = 1 - b1 ** t, 1 - b2 ** self.variance_updates
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
             denom = self._v[lo:hi].div(c2).sqrt_().add_(eps)
-            upd = self._m[lo:hi].div(denom).mul_(lr / c1)
+            upd = m[lo:hi].div(denom).mul_(lr / c1)
             for p in group["params"]:
                 k = p.numel()
                 if wd:
@@ -236,8 +432,16 @@ class CompressedAdamW(torch.optim.Optimizer):
     def state_dict(self):
         sd = super().state_dict()
         sd["mpigc"] = {"steps": self._steps, "freeze_steps": self.freeze_steps,
-                       "skipped_steps": self.skipped_steps,
-                       "exp_avg": self._m.clone(), "exp_avg_sq": self._v.clone()}
+                       "frozen_at": self.frozen_at, "variance_updates": self.variance_updates,
+                       "refreshes": self.refreshes, "next_refresh": self._next_refresh,
+                       "spread": list(self._spread), "skipped_steps": self.skipped_steps,
+                       "exp_avg": self._m.clone(), "exp_avg_sq": self._v.clone(),
+                       "window": None}
+        if self._window:  # this rank's local steps since the last exchange
+            sd["mpigc"]["window"] = {
+                "steps": self._window, "params": self._x0.clone(),
+                "momentum": self._m_local.clone(), "sum": self._acc.clone(),
+                "lr_sum": list(self._lr_sum), "decay": list(self._decay)}
         return sd
 
     def load_state_dict(self, state_dict):
@@ -251,17 +455,52 @@ class CompressedAdamW(torch.optim.Optimizer):
                 f"CompressedAdamW.load_state_dict: the state holds {own['exp_avg'].numel()} "
                 f"values, the parameters {self._m.numel()}")
         super().load_state_dict(state_dict)
-        saved_freeze = int(own["freeze_steps"])
-        if int(own["steps"]) >= saved_freeze and saved_freeze != self.freeze_steps:
+        steps = int(own["steps"])
+        if "frozen_at" in own:
+            frozen_at, updates = own["frozen_at"], int(own["variance_updates"])
+        else:  # saved before 'auto' and the refreshes: frozen after freeze_steps
+            saved = int(own["freeze_steps"])
+            frozen_at = saved if steps >= saved else None
+            updates = min(steps, saved)
+        if frozen_at is not None and own["freeze_steps"] != self.freeze_steps:
             # the variance was frozen at that step: no other value is right now
-            warnings.warn(f"CompressedAdamW: the state was frozen after {saved_freeze} "
+            warnings.warn(f"CompressedAdamW: the state was frozen after {frozen_at} "
                           f"steps; keeping that instead of freeze_steps={self.freeze_steps}",
                           stacklevel=2)
-            self.freeze_steps = saved_freeze
-        self._steps = int(own["steps"])
+            self.freeze_steps = own["freeze_steps"]
+        self._steps = steps
+        self.frozen_at = None if frozen_at is None else int(frozen_at)
+        self.variance_updates = updates
+        self.refreshes = int(own.get("refreshes", 0))
+        self._next_refresh = own.get("next_refresh")
+        if self.frozen_at is not None and self.var_refresh and self._next_refresh is None:
+            # refreshes switched on at resume: the first one var_refresh steps on
+            self._next_refresh = steps + self.var_refresh
+        elif not self.var_refresh:
+            self._next_refresh = None
+        self._spread = [float(x) for x in own.get("spread", [])]
         self.skipped_steps = int(own["skipped_steps"])
         self._m.copy_(own["exp_avg"])
         self._v.copy_(own["exp_avg_sq"])
+        win = own.get("window")
+        if self.sync_every > 1:
+            self._window = 0
+            self._m_local.copy_(self._m)
+            self._acc.zero_()
+            self._lr_sum = [0.0] * len(self.param_groups)
+            self._decay = [1.0] * len(self.param_groups)
+        if win:
+            if self.sync_every <= int(win["steps"]):
+                raise ConfigError(
+                    f"CompressedAdamW.load_state_dict: the state was saved after "
+                    f"{win['steps']} local steps; resume with the same sync_every (now "
+                    f"{self.sync_every}), or save after synchronize()")
+            self._window = int(win["steps"])
+            self._x0.copy_(win["params"])
+            self._m_local.copy_(win["momentum"])
+            self._acc.copy_(win["sum"])
+            self._lr_sum = [float(x) for x in win["lr_sum"]]
+            self._decay = [float(x) for x in win["decay"]]
 
     def save_checkpoint(self, path, step=None):
         """The residuals of the compressed exchange, with
@@ -274,7 +513,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         return mpigc.load_checkpoint(path, self.feedback, comm=self.comm)
 
     def __repr__(self):
-        return (f"CompressedAdamW(op={self.compressor!r}, freeze_steps={self.freeze_steps}, "
+        return (f"CompressedAdamW(op={self.compressor!r}, freeze_steps={self.freeze_steps!r}, "
                 f"values={self._m.numel()}, ranks={self.comm.size})")
 
 

@@ -43,9 +43,13 @@ def set_grads(params, rank, step, nan=False):
 
 
 class Reference:
-    """The documented algorithm in numpy (flat, in the order of the groups)."""
+    """The documented algorithm in numpy (flat, in the order of the groups):
+    the warm-up (exchanged with ``warmup_op``), the freeze (a step count or
+    'auto'), the compressed momentum, the variance refreshes and the local
+    steps of ``sync_every``."""
 
-    def __init__(self, params, op, freeze, comm, **kw):
+    def __init__(self, params, op, freeze, comm, warmup_op="none", var_refresh=0,
+                 sync_every=1, freeze_threshold=0.02, freeze_window=10, **kw):
         order = [params[0], params[2], params[1]]
         self.x = np.concatenate([p.detach().numpy().reshape(-1) for p in order]).copy()
         self.sizes = [p.numel() for p in order]
@@ -55,36 +59,90 @@ class Reference:
         self.m = np.zeros_like(self.x)
         self.v = np.zeros_like(self.x)
         self.op, self.freeze, self.comm, self.kw = op, freeze, comm, kw
+        self.warmup_op, self.refresh, self.h = warmup_op, var_refresh, sync_every
+        self.threshold, self.window_len = freeze_threshold, freeze_window
         self.fb = mpigc.ErrorFeedback()
-        self.t = 0
+        self.t = self.nv = self.window = self.refreshes = 0
+        self.frozen_at = self.next_refresh = None
+        self.spread = []
+
+    def apply(self, m, t):
+        b1, b2 = BETAS
+        c1, c2 = 1 - b1 ** t, 1 - b2 ** self.nv
+        # per-group scalars in double, as Python computes them, then in the dtype
+        step_size = (self.lr / c1).astype(m.dtype)
+        decay = (1 - self.lr * self.wd).astype(m.dtype)
+        upd = m / (self.root(c2) + EPS) * step_size
+        self.x = np.where(self.wd != 0, self.x * decay, self.x)
+        self.x = self.x - upd
+
+    def root(self, c2):
+        # torch's float sqrt (SLEEF, within 0.5 ulp) is not always numpy's correctly
+        # rounded one: take torch's, the only operation the reference borrows
+        return torch.from_numpy(self.v / c2).sqrt().numpy()
 
     def step(self, params):
         order = [params[0], params[2], params[1]]
         g = np.concatenate([p.grad.numpy().reshape(-1) for p in order]).copy()
         b1, b2 = BETAS
         t = self.t + 1
-        if t <= self.freeze:
-            mpigc.allreduce(g, "none", comm=self.comm, average=True)
+        if self.frozen_at is None:
+            mpigc.allreduce(g, self.warmup_op, comm=self.comm, average=True)
             self.m = self.m * b1 + g * (1 - b1)
             self.v = self.v * b2 + g * g * (1 - b2)
-            c2 = 1 - b2 ** t
-        else:
+            self.nv += 1
+            self.apply(self.m, t)
+            self.t = t
+            if self.freeze == "auto":
+                total = float(np.sqrt(self.v.astype(np.float64) / (1 - b2 ** self.nv)).sum())
+                self.spread = (self.spread + [total])[-(self.window_len + 1):]
+                stop = (len(self.spread) > self.window_len
+                        and abs(total / self.spread[0] - 1) <= self.threshold)
+            else:
+                stop = t >= self.freeze
+            if stop:
+                self.frozen_at = t
+                self.next_refresh = t + self.refresh if self.refresh else None
+            return
+        end = self.window + 1 == self.h
+        refresh = end and self.next_refresh is not None and t >= self.next_refresh
+        local = g.copy()
+        if self.h == 1:
             mom = g * (1 - b1) + self.m * b1
             mpigc.allreduce(mom, self.op, comm=self.comm, average=True, key="adamw",
                             feedback=self.fb, **self.kw)
             self.m = mom
-            c2 = 1 - b2 ** self.freeze
-        c1 = 1 - b1 ** t
-        # per-group scalars in double, as Python computes them, then in the dtype
-        step_size = (self.lr / c1).astype(g.dtype)
-        decay = (1 - self.lr * self.wd).astype(g.dtype)
-        # torch's float sqrt (SLEEF, within 0.5 ulp) is not always numpy's correctly
-        # rounded one: take torch's, the only operation the reference borrows
-        root = torch.from_numpy(self.v / c2).sqrt().numpy()
-        upd = self.m / (root + EPS) * step_size
-        self.x = np.where(self.wd != 0, self.x * decay, self.x)
-        self.x = self.x - upd
-        self.t = t
+            self.apply(self.m, t)
+            self.t = t
+        else:
+            if self.window == 0:
+                self.x0, self.mloc = self.x.copy(), self.m.copy()
+                self.acc = np.zeros_like(self.x)
+                self.lrsum = np.zeros_like(self.lr)
+                self.decay = np.ones_like(self.lr)
+            self.mloc = g * (1 - b1) + self.mloc * b1
+            scale = self.lr / (1 - b1 ** t)
+            self.acc = self.acc + self.mloc * scale.astype(g.dtype)
+            self.lrsum = self.lrsum + scale
+            self.decay = self.decay * (1 - self.lr * self.wd)
+            self.apply(self.mloc, t)
+            self.t = t
+            self.window += 1
+            if not end:
+                return
+            mpigc.allreduce(self.acc, self.op, comm=self.comm, average=True, key="adamw",
+                            feedback=self.fb, **self.kw)
+            root = self.root(1 - b2 ** self.nv) + EPS
+            x0 = np.where(self.wd != 0, self.x0 * self.decay.astype(g.dtype), self.x0)
+            self.x = x0 - self.acc / root
+            self.m = self.acc / self.lrsum.astype(g.dtype)
+            self.window = 0
+        if refresh:
+            mpigc.allreduce(local, self.warmup_op, comm=self.comm, average=True)
+            self.v = self.v * b2 + local * local * (1 - b2)
+            self.nv += 1
+            self.refreshes += 1
+            self.next_refresh = t + self.refresh * 2 ** self.refreshes
 
     def params(self):
         out, off = [], 0
@@ -92,6 +150,21 @@ class Reference:
             out.append(self.x[off:off + k])
             off += k
         return [out[0], out[2], out[1]]
+
+
+def check_against(comm, opt, ref, params, steps, first=0):
+    for step in range(first, first + steps):
+        set_grads(params, comm.rank, step)
+        opt.step()
+        ref.step(params)
+        same = all(np.array_equal(p.detach().numpy().reshape(-1), r)
+                   for p, r in zip(params, ref.params()))
+        assert_all(same, f"parameters differ from the reference after step {step + 1}")
+        assert_all(np.array_equal(opt._m.numpy(), ref.m.astype(opt._m.numpy().dtype))
+                   and np.array_equal(opt._v.numpy(), ref.v),
+                   f"moments differ after step {step + 1}")
+        assert_all(opt.frozen_at == ref.frozen_at, f"frozen after {opt.frozen_at} steps, "
+                   f"the reference after {ref.frozen_at}")
 
 
 @pytest.mark.mpi
@@ -121,6 +194,123 @@ def test_every_step_equals_the_reference(comm, op, kw, dtype):
     assert_all(np.array_equal(mine, comm.bcast(mine)), "parameters differ between ranks")
     if op != "none":
         assert_all("adamw" in opt.feedback, "no residual kept")
+
+
+MODES = {
+    "bf16 warm-up": dict(op="1bit", freeze_steps=3, warmup_op="bf16", block_size=256),
+    "fp16 warm-up": dict(op="2bit", freeze_steps=3, warmup_op="fp16", rel_threshold=1.5,
+                         block_size=256),
+    "auto freeze": dict(op="1bit", freeze_steps="auto", freeze_window=2,
+                        freeze_threshold=0.05, block_size=256),
+    "refresh": dict(op="1bit", freeze_steps=2, var_refresh=2, warmup_op="bf16",
+                    block_size=256),
+    "local steps": dict(op="1bit", freeze_steps=2, sync_every=3, block_size=256),
+    "local steps, refresh": dict(op="2bit", freeze_steps=2, sync_every=2, var_refresh=2,
+                                 rel_threshold=1.5, block_size=256),
+}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("mode", sorted(MODES))
+def test_each_mode_equals_the_reference(comm, mode, dtype):
+    """bf16/fp16 warm-ups, the automatic freeze, 0/1 Adam's variance
+    refreshes and local steps: every step bit for bit the numpy reference."""
+    kw = dict(MODES[mode])
+    params = make_params(dtype)
+    opt = mt.CompressedAdamW(groups_of(params), lr=LR, betas=BETAS, eps=EPS,
+                             weight_decay=WD, **kw)
+    op, freeze = kw.pop("op"), kw.pop("freeze_steps")
+    ref = Reference(params, op, freeze, comm, **kw)
+    check_against(comm, opt, ref, params, 16)
+    assert_all(opt.frozen and 2 <= opt.frozen_at <= 8, f"frozen at {opt.frozen_at}")
+    if ref.refresh:
+        assert_all(opt.refreshes == ref.refreshes >= 2
+                   and opt.variance_updates == opt.frozen_at + opt.refreshes,
+                   f"{opt.refreshes} refreshes, {opt.variance_updates} variance updates")
+    mine = np.concatenate([p.detach().numpy().reshape(-1) for p in params])
+    if opt.in_sync:
+        assert_all(np.array_equal(mine, comm.bcast(mine)), "parameters differ between ranks")
+
+
+@pytest.mark.mpi
+def test_local_steps_synchronize_and_resume_mid_window(comm):
+    """A window of local steps: the ranks' parameters differ inside it (with
+    different gradients), agree after synchronize(); a state saved mid-window
+    resumes bit for bit, and a smaller sync_every refuses it everywhere."""
+    path = on_root(lambda: __import__("tempfile").mkdtemp(prefix="mpigc-adam-"))
+    kw = dict(lr=LR, betas=BETAS, op="1bit", freeze_steps=2, sync_every=4, block_size=128,
+              var_refresh=3)
+    params = make_params(torch.float32)
+    opt = mt.CompressedAdamW(groups_of(params), **kw)
+    for step in range(4):          # 2 warm-up steps, 2 local ones
+        set_grads(params, comm.rank, step)
+        opt.step()
+    state = opt.state_dict()
+    saved = [p.detach().clone() for p in params]
+    opt.save_checkpoint(os.path.join(path, "res"), step=4)
+    mine = np.concatenate([p.detach().numpy().reshape(-1) for p in params])
+    differ = comm.size == 1 or len({a.tobytes() for a in comm.allgather(mine)}) > 1
+    assert_all(not opt.in_sync and differ, "no local steps pending")
+    for step in range(4, 13):
+        set_grads(params, comm.rank, step)
+        opt.step()
+    straight = [p.detach().clone() for p in params]
+
+    params2 = make_params(torch.float32)
+    with torch.no_grad():
+        for p, s in zip(params2, saved):
+            p.copy_(s)
+    opt2 = mt.CompressedAdamW(groups_of(params2), **kw)
+    opt2.load_state_dict(state)
+    opt2.load_checkpoint(os.path.join(path, "res"))
+    for step in range(4, 13):
+        set_grads(params2, comm.rank, step)
+        opt2.step()
+    assert_all(all(torch.equal(a, b) for a, b in zip(straight, params2)),
+               "the resumed run differs from the uninterrupted one")
+    assert_all(opt2.refreshes == opt.refreshes >= 1, "refreshes not resumed")
+
+    opt2.synchronize()
+    mine = np.concatenate([p.detach().numpy().reshape(-1) for p in params2])
+    assert_all(opt2.in_sync and np.array_equal(mine, comm.bcast(mine)),
+               "parameters differ between ranks after synchronize()")
+    opt3 = mt.CompressedAdamW(groups_of(make_params(torch.float32)),
+                              **dict(kw, sync_every=2))
+    raises_everywhere(mpigc.ConfigError, lambda: opt3.load_state_dict(state),
+                      match="local steps")
+
+
+@pytest.mark.mpi
+def test_nonfinite_drops_the_window_everywhere(comm):
+    """A NaN gradient on one rank inside a window of local steps: at the
+    window's exchange every rank drops the window (parameters back to its
+    start, momentum and residuals unchanged, one skipped exchange)."""
+    params = make_params(torch.float32)
+    opt = mt.CompressedAdamW(groups_of(params), lr=LR, betas=BETAS, op="1bit",
+                             freeze_steps=2, sync_every=3, block_size=128)
+    for step in range(2 + 3):      # the warm-up and one whole window
+        set_grads(params, comm.rank, step)
+        opt.step()
+    start = [p.detach().clone() for p in params]
+    m = opt._m.clone()
+    res = {k: {n: np.array(a, copy=True) for n, a in e.items() if isinstance(a, np.ndarray)}
+           for k, e in opt.feedback.state_dict().items()}
+    for step in range(5, 8):
+        set_grads(params, comm.rank, step, nan=step == 6 and comm.rank == comm.size - 1)
+        opt.step()
+    after = opt.feedback.state_dict()
+    same = (all(torch.equal(a, p) for a, p in zip(start, params)) and torch.equal(m, opt._m)
+            and all(np.array_equal(a, after[k][n]) for k, e in res.items()
+                    for n, a in e.items()))
+    assert_all(same and opt.skipped_steps == 1 and opt._steps == 5,
+               f"the window was not dropped (skipped {opt.skipped_steps}, "
+               f"steps {opt._steps})")
+    for step in range(8, 11):     # and the next window trains
+        set_grads(params, comm.rank, step)
+        opt.step()
+    assert_all(all(torch.isfinite(p).all() for p in params) and opt._steps == 8,
+               "no recovery after the dropped window")
 
 
 @pytest.mark.mpi
@@ -217,7 +407,10 @@ def test_different_parameters_refused_everywhere(comm):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("bad", [dict(freeze_steps=0), dict(nonfinite="ignore"),
-                                 dict(lr=-1.0), dict(betas=(0.9, 1.0))])
+                                 dict(lr=-1.0), dict(betas=(0.9, 1.0)),
+                                 dict(freeze_steps="soon"), dict(warmup_op="2bit"),
+                                 dict(sync_every=0), dict(var_refresh=-1),
+                                 dict(freeze_threshold=0.0), dict(freeze_window=0)])
 def test_bad_settings(comm, bad):
     p = torch.nn.Parameter(torch.zeros(4))
     raises_everywhere(mpigc.ConfigError, lambda: mt.CompressedAdamW([p], **bad))

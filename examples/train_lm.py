@@ -40,6 +40,10 @@ comparison of compressors with it.
 (exact warm-up for ``--freeze-steps``, default 20% of ``--steps``, then the momentum
 compressed with error feedback and the variance frozen: 1-bit Adam's recipe), which
 recovers what compressing gradients in front of AdamW loses (``docs/torch.md``).
+Its other settings are flags too: ``--warmup-op bf16`` (the warm-up exchanged as
+bfloat16), ``--freeze-steps auto``, ``--var-refresh N`` and ``--sync-every H`` (0/1
+Adam's variance refreshes and local steps; with local steps every evaluation and
+checkpoint first ends the open window with ``opt.synchronize()``).
 
 2bit runs in its relative mode (``--rel-threshold``, default 1.5; see
 ``docs/torch.md``) unless ``--threshold`` gives MXNet's absolute one.

@@ -32,7 +32,10 @@ def run(*args):
 @pytest.mark.parametrize("op,extra", [
     ("2bit", []), ("1bit", []),
     # CompressedAdamW: the checkpoint at step 2 falls after the exact warm-up
-    ("1bit", ["--optimizer", "compressed-adamw", "--freeze-steps", "1"])])
+    ("1bit", ["--optimizer", "compressed-adamw", "--freeze-steps", "1"]),
+    # with a bf16 warm-up, local steps (synchronised at each evaluation) and a refresh
+    ("1bit", ["--optimizer", "compressed-adamw", "--freeze-steps", "1", "--warmup-op",
+              "bf16", "--sync-every", "2", "--var-refresh", "1"])])
 def test_resume_is_bit_identical(op, extra, tmp_path):
     whole = run("--op", op, "--steps", "4", *extra)
     assert whole["parameters_equal"] and whole["steps"] == 4

@@ -200,8 +200,9 @@ MODES = {
     "bf16 warm-up": dict(op="1bit", freeze_steps=3, warmup_op="bf16", block_size=256),
     "fp16 warm-up": dict(op="2bit", freeze_steps=3, warmup_op="fp16", rel_threshold=1.5,
                          block_size=256),
-    "auto freeze": dict(op="1bit", freeze_steps="auto", freeze_window=2,
-                        freeze_threshold=0.05, block_size=256),
+    # the variance's sum settles within 1% over 3 steps after 12 steps here
+    "auto freeze": dict(op="1bit", freeze_steps="auto", freeze_window=3,
+                        freeze_threshold=0.01, block_size=256),
     "refresh": dict(op="1bit", freeze_steps=2, var_refresh=2, warmup_op="bf16",
                     block_size=256),
     "local steps": dict(op="1bit", freeze_steps=2, sync_every=3, block_size=256),
@@ -223,7 +224,7 @@ def test_each_mode_equals_the_reference(comm, mode, dtype):
     op, freeze = kw.pop("op"), kw.pop("freeze_steps")
     ref = Reference(params, op, freeze, comm, **kw)
     check_against(comm, opt, ref, params, 16)
-    assert_all(opt.frozen and 2 <= opt.frozen_at <= 8, f"frozen at {opt.frozen_at}")
+    assert_all(opt.frozen and 2 <= opt.frozen_at <= 12, f"frozen at {opt.frozen_at}")
     if ref.refresh:
         assert_all(opt.refreshes == ref.refreshes >= 2
                    and opt.variance_updates == opt.frozen_at + opt.refreshes,
@@ -275,6 +276,20 @@ def test_local_steps_synchronize_and_resume_mid_window(comm):
     mine = np.concatenate([p.detach().numpy().reshape(-1) for p in params2])
     assert_all(opt2.in_sync and np.array_equal(mine, comm.bcast(mine)),
                "parameters differ between ranks after synchronize()")
+    # rank 0's state and parameters, saved mid-window, loaded on every rank (the
+    # rank-0 torch.save pattern): every rank continues from rank 0's window
+    params4 = make_params(torch.float32)
+    with torch.no_grad():
+        for p, s in zip(params4, comm.bcast(saved)):
+            p.copy_(s)
+    opt4 = mt.CompressedAdamW(groups_of(params4), **kw)
+    opt4.load_state_dict(comm.bcast(state))
+    for step in range(4, 6):       # the window ends at step 6
+        set_grads(params4, comm.rank, step)
+        opt4.step()
+    mine = np.concatenate([p.detach().numpy().reshape(-1) for p in params4])
+    assert_all(opt4.in_sync and np.array_equal(mine, comm.bcast(mine)),
+               "rank 0's state loaded everywhere: parameters differ after the window")
     opt3 = mt.CompressedAdamW(groups_of(make_params(torch.float32)),
                               **dict(kw, sync_every=2))
     raises_everywhere(mpigc.ConfigError, lambda: opt3.load_state_dict(state),

@@ -4,6 +4,9 @@ and seeds, one table and one plot.
     python benchmarks/bench_lm.py --ranks 4 --seeds 0,1,2 --steps 600 \\
         --json docs/benchmarks/lm.json --plot docs/benchmarks/lm.png
     python benchmarks/bench_lm.py --ops none,1bit --seeds 0 -- --n-layer 2 --lr 6e-4
+    python benchmarks/bench_lm.py --ops 1bit:compressed-adamw --label "1bit h2" \\
+        --json h2.json -- --sync-every 2
+    python benchmarks/bench_lm.py --merge none.json h2.json --plot both.png
 
 Runs ``mpirun -n RANKS python examples/train_lm.py --op OP --seed S --steps STEPS``
 for every op and seed, one after the other (arguments after ``--`` go to every
@@ -39,12 +42,19 @@ def parse_args(argv=None):
     p.add_argument("--keep", action="store_true",
                    help="with --json: keep the runs already in FILE (same op and seed) "
                         "and run only the missing ones")
+    p.add_argument("--label", help="name the runs of this command (one op) so in the "
+                                   "table and plot, e.g. by the settings after --")
+    p.add_argument("--merge", nargs="+", metavar="JSON",
+                   help="run nothing: one table (and --plot) of the rows of these "
+                        "--json files, in their order; 'none' is the first label")
     p.add_argument("extra", nargs=argparse.REMAINDER,
                    help="after --: arguments for every train_lm.py run")
     args = p.parse_args(argv)
     args.ops = [o for o in args.ops.split(",") if o]
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     args.extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
+    if args.label and len(args.ops) != 1:
+        p.error("--label names the runs of one op")
     return args
 
 
@@ -53,7 +63,7 @@ def variant(r):
 
 
 def run_one(args, entry, seed):
-    op, _, optimizer = entry.partition(":")
+    op, _, optimizer = (args.entry if args.label else entry).partition(":")
     cmd = [args.mpirun, "--oversubscribe", "-n", str(args.ranks), sys.executable, EXAMPLE,
            "--op", op, "--seed", str(seed), "--steps", str(args.steps), *args.extra]
     if optimizer:
@@ -63,14 +73,14 @@ def run_one(args, entry, seed):
     if p.returncode != 0:
         sys.exit(f"run failed (exit {p.returncode}):\n{p.stdout[-2000:]}{p.stderr[-2000:]}")
     row = json.loads(p.stdout.strip().splitlines()[-1])
-    row["variant"] = entry
+    row["variant"] = args.label or entry
     print(f"  val loss {row['val_loss']:.4f}  {row['seconds']:.0f} s", flush=True)
     return row
 
 
 def summarise(rows, ops):
     by = {op: [r for r in rows if variant(r) == op] for op in ops}
-    ref = by.get("none")
+    ref = by.get("none") or by[ops[0]]
     ref_loss = statistics.mean(r["val_loss"] for r in ref) if ref else None
     ref_bytes = statistics.mean(r["bytes_sent_per_rank"] for r in ref) if ref else None
     w = max(10, *(len(op) for op in ops))
@@ -115,8 +125,26 @@ def write(args, rows, table=None):
         os.replace(tmp, args.json)
 
 
+def merge(args):
+    rows, labels = [], []
+    for path in args.merge:
+        with open(path) as f:
+            for r in json.load(f)["rows"]:
+                rows.append(r)
+                if variant(r) not in labels:
+                    labels.append(variant(r))
+    table = summarise(rows, labels)
+    print(table)
+    if args.plot:
+        plot(rows, labels, args.plot)
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.merge:
+        return merge(args)
+    if args.label:  # the one op's runs go by the label
+        args.entry, args.ops = args.ops[0], [args.label]
     rows = []
     if args.keep and args.json and os.path.exists(args.json):
         with open(args.json) as f:

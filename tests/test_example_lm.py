@@ -49,3 +49,29 @@ def test_resume_is_bit_identical(op, extra, tmp_path):
     assert first["val_loss"] != whole["val_loss"]
     resumed = run("--op", op, "--steps", "4", "--checkpoint", ck, "--resume", *extra)
     assert resumed["val_loss"] == whole["val_loss"]
+
+
+def test_bench_lm_label_and_merge(tmp_path):
+    """benchmarks/bench_lm.py names a configuration's runs with --label and
+    --merge makes one table of several --json files, against the first."""
+    bench = os.path.join(os.path.dirname(EXAMPLE), "..", "benchmarks", "bench_lm.py")
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    files = []
+    for label, extra in (("none", []), ("1bit h2", ["--sync-every", "2"])):
+        files.append(str(tmp_path / f"{len(files)}.json"))
+        op = "none" if label == "none" else "1bit:compressed-adamw"
+        p = subprocess.run([sys.executable, bench, "--ranks", "2", "--seeds", "0", "--steps",
+                            "3", "--ops", op, "--label", label, "--json", files[-1], "--",
+                            *TINY, "--freeze-steps", "1", *extra],
+                           env=env, capture_output=True, text=True, timeout=360)
+        assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+        with open(files[-1]) as f:
+            rows = json.load(f)["rows"]
+        assert [r["variant"] for r in rows] == [label]
+        assert rows[0]["params"].get("sync_every") == (2 if extra else None)
+    p = subprocess.run([sys.executable, bench, "--merge", *files], capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = p.stdout.splitlines()
+    assert lines[1].startswith("none ") and " 1.0000 " in lines[1]
+    assert lines[2].startswith("1bit h2 ")

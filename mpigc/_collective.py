@@ -661,8 +661,8 @@ class _Op(PendingCall):
         self.use_ef = self.uses_state and comp.uses_feedback
         if self.uses_state:
             self.fb = get_default_feedback() if feedback is None else feedback
-            self.entry = self.fb._acquire(self.key, n, self.wdtype, self.size, self.rank,
-                                          dev)
+            self.entry = self.fb.acquire(self.key, n, self.wdtype, self.size, self.rank,
+                                         dev)
             self.busy_key = True
 
         if self.plain:
@@ -681,7 +681,7 @@ class _Op(PendingCall):
             row[_SCALE] = _f64_bits(amax)
             return
         # compress every shard now; the new residual goes to a scratch buffer
-        self.e_out = self.fb._take_spare(n, self.wdtype, dev) if self.use_ef else None
+        self.e_out = self.fb.take_spare(n, self.wdtype, dev) if self.use_ef else None
         self.spare = self.e_out
         if self.chunks is not None:
             return  # pipelined: chunk by chunk once the rows agree (_start_chunks)
@@ -783,7 +783,7 @@ class _Op(PendingCall):
     def _abandon(self):
         """Undo the local effects of a call that will not go ahead."""
         if self.spare is not None:
-            self.fb._give_spare(self.spare)
+            self.fb.give_spare(self.spare)
             self.spare = None
         if self.fb is not None and getattr(self, "busy_key", False):
             if _driver.thread:
@@ -792,7 +792,7 @@ class _Op(PendingCall):
                 # the thread (see Request._settle)
                 self.key_deferred = True
                 return
-            self.fb._release(self.key)
+            self.fb.release(self.key)
             self.busy_key = False
 
     def _settle(self):
@@ -801,7 +801,7 @@ class _Op(PendingCall):
         if getattr(self, "key_deferred", False):
             self.key_deferred = False
             self.busy_key = False
-            self.fb._release(self.key)
+            self.fb.release(self.key)
 
     def _agreed(self):
         t = self.table
@@ -944,14 +944,14 @@ class _Op(PendingCall):
         """The call goes ahead: install the new worker residual."""
         if not self.uses_state:
             return
-        e = self.fb._commit(self.key, self.entry, self.n, self.wdtype, self.size, self.rank,
-                            self.comp.get_config(), self.dev)
+        e = self.fb.commit(self.key, self.entry, self.n, self.wdtype, self.size, self.rank,
+                           self.comp.get_config(), self.dev)
         self.entry, self.busy_key = e, True
         if self.spare is not None:
             old, e.worker = e.worker, self.spare
             self.spare = None
             if old is not None and not self.keep_replaced:
-                self.fb._give_spare(old)
+                self.fb.give_spare(old)
 
     # -- 3./4. data movement -------------------------------------------------
     def _start_none(self, block):

@@ -398,7 +398,7 @@ class _HierCall(_collective.PendingCall):
     def _settle(self):
         """The caller saw the call done: its key is no longer in use."""
         if self.busy is not None:
-            self.fb._release(self.busy)
+            self.fb.release_name(self.busy)
             self.busy = None
 
     def _head(self):
@@ -583,13 +583,12 @@ class _HierCall(_collective.PendingCall):
         calls: raised in ``_prepare``, its code travels in the row, so every
         rank raises it)."""
         prefix = f"{self.key}@hier (call "
-        with self.fb._lock:
-            if any(b.startswith(prefix) for b in self.fb._busy):
-                raise StateError(f"key {self.key!r} is already used by a pending "
-                                 "hierarchical collective; wait for it, or use distinct "
-                                 "keys")
-            self.busy = f"{prefix}{next(_call_ids)})"
-            self.fb._busy.add(self.busy)
+        busy = self.fb.hold_name(prefix, lambda: f"{prefix}{next(_call_ids)})")
+        if busy is None:
+            raise StateError(f"key {self.key!r} is already used by a pending "
+                             "hierarchical collective; wait for it, or use distinct "
+                             "keys")
+        self.busy = busy
 
     def _stage(self):
         """A device call: the input's values into a pinned host buffer, now
@@ -827,7 +826,7 @@ class _HierCall(_collective.PendingCall):
         fb = self.fb
         if fb is None:
             return None
-        e = fb._entries.get(sk)
+        e = fb.entry(sk)
         if e is None:
             return (sk, None, None, None, None, None)
         return (sk, e, e.worker, e.owner, e.calls, e.config)
@@ -835,19 +834,13 @@ class _HierCall(_collective.PendingCall):
     def _release_old(self, snap):
         if snap is None or snap[2] is None or snap[1].worker is snap[2]:
             return
-        self.fb._give_spare(snap[2])
+        self.fb.give_spare(snap[2])
 
     def _restore(self, snap):
         if snap is None:
             return
         sk, e, worker, owner, calls, config = snap
-        fb = self.fb
-        with fb._lock:
-            if e is None:
-                fb._entries.pop(sk, None)
-            else:
-                e.worker, e.owner, e.calls, e.config = worker, owner, calls, config
-                fb._entries[sk] = e
+        self.fb.restore_entry(sk, e, worker, owner, calls, config)
 
 
 def _texts(comm, text):

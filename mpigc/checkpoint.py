@@ -549,7 +549,7 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None,
                 step, (int, np.integer))):
             raise ConfigError(f"step: expected an int or None, got {step!r}")
         check_hierarchy_mode(hierarchy)
-        held = fb._hold_entries()
+        held = fb.hold_entries()
         hier = _hier_groups(held)
         for key in sorted(held):
             e = held[key]
@@ -646,7 +646,7 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None,
         raise
     finally:
         if held is not None:
-            fb._release_entries(held)
+            fb.release_entries(held)
     return path
 
 
@@ -901,11 +901,10 @@ def _mismatches(meta, fb, configs):
     is checked against ``configs[key]`` and the live slice entries
     (``key@hier[s/L:n]``, whose buffer size is ``n``) as well as a flat one."""
     live = {}
-    with fb._lock:
-        for k, e in fb._entries.items():
-            sk = _hierarchy.parse_slice_key(k)
-            base, n = (k, e.n) if sk is None else (sk[0], sk[3])
-            live.setdefault(base, []).append((n, e.dtype.name, dict(e.config)))
+    for k, e in fb.entries().items():
+        sk = _hierarchy.parse_slice_key(k)
+        base, n = (k, e.n) if sk is None else (sk[0], sk[3])
+        live.setdefault(base, []).append((n, e.dtype.name, dict(e.config)))
     expected = {}
     if configs is not None:
         if not hasattr(configs, "items"):
@@ -1040,7 +1039,7 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
     entries = _to_layout(c, comm, entries, hierarchy)
     exc = None
     try:
-        fb._replace_entries(entries)
+        fb.replace_entries(entries)
         fb.skipped_steps = int(meta["attrs"].get("skipped_steps", 0))
     except Exception as e:  # noqa: BLE001
         exc = e

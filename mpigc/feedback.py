@@ -113,6 +113,11 @@ class ErrorFeedback:
     (:func:`get_default_feedback`); pass ``feedback=ErrorFeedback()`` to keep
     several independent ones (e.g. per model).
 
+    The user API is the mapping-like view (``keys()``, ``in``, ``len``),
+    :meth:`state_dict`, :meth:`load_state_dict`, :meth:`reset` and
+    ``skipped_steps``. The methods of the residual transaction API
+    (:meth:`acquire` to :meth:`release_name`) are for mpigc's own modules.
+
     Examples
     --------
     >>> fb = mpigc.ErrorFeedback()
@@ -218,39 +223,24 @@ class ErrorFeedback:
             else:
                 self._entries.pop(str(key), None)
 
-    # -- used by checkpoints (mpigc.checkpoint) -------------------------------
-    def _hold_entries(self):
-        """Mark every key busy and return ``{key: entry}`` (the live entries,
-        no copies, except host copies of residuals kept on a GPU), so no
-        collective changes them while a checkpoint reads them. Raises
-        StateError if a key is in use. Pair with :meth:`_release_entries`."""
-        with self._lock:
-            busy = sorted(self._busy)
-            if busy:
-                raise StateError(f"key(s) {busy} in use by a pending collective; wait "
-                                 "for them before saving")
-            self._busy.update(self._entries)
-            return {k: e.host_copy() for k, e in self._entries.items()}
+    # -- residual transaction API (mpigc's own modules) -----------------------
+    # The collectives, hierarchical calls, checkpoints and the torch
+    # integration reach the residuals through these methods only; the store's
+    # bookkeeping (entries, keys in use, first calls, spares, the lock) stays
+    # private to this module. They are not part of the user API: a user
+    # reads and replaces state with state_dict(), load_state_dict(), reset().
+    # What a method does "under the lock" it does in one hold of the store's
+    # lock (never across an MPI call); no caller holds that lock itself.
 
-    def _release_entries(self, entries):
-        with self._lock:
-            self._busy.difference_update(entries)
-
-    def _replace_entries(self, entries):
-        """Install ``{key: _Entry}`` (not copied) in place of every entry."""
-        with self._lock:
-            busy = sorted(self._busy)
-            if busy:
-                raise StateError(f"key(s) {busy} in use by a pending collective; wait "
-                                 "for them before loading")
-            self._entries = dict(entries)
-
-    # -- used by the collectives ---------------------------------------------
-    def _acquire(self, key, n, dtype, world_size, rank, device=False):
-        """Mark ``key`` busy for a call and return its entry (or None if the
-        key is new). Raises StateError if it does not fit the call (size,
-        layout, or host/device memory: ``device`` is whether the call's
-        buffer is a device array)."""
+    def acquire(self, key, n, dtype, world_size, rank, device=False):
+        """For mpigc's own modules: mark ``key`` busy for a call and return
+        its entry (or None if the key is new, which is then a pending first
+        call: :meth:`state_dict` leaves it out). Raises StateError if it is
+        in use already or does not fit the call (size, layout, or
+        host/device memory: ``device`` is whether the call's buffer is a
+        device array); then nothing changed. Under the lock: the checks, the
+        placing of not-yet-placed residuals and the marking are one step.
+        Pair with :meth:`release`."""
         with self._lock:
             if key in self._busy:
                 raise StateError(f"key {key!r} is already used by a pending collective; "
@@ -276,14 +266,21 @@ class ErrorFeedback:
             self._busy.add(key)
             return e
 
-    def _release(self, key):
+    def release(self, key):
+        """For mpigc's own modules: ``key`` (marked by :meth:`acquire`) is no
+        longer in use, nor a pending first call. Under the lock; never
+        raises (releasing a key not in use does nothing)."""
         with self._lock:
             self._busy.discard(key)
             self._first.discard(key)
 
-    def _commit(self, key, entry, n, dtype, world_size, rank, config, device=False):
-        """Install a new entry for ``key`` (first call) or update ``config``;
-        returns the entry."""
+    def commit(self, key, entry, n, dtype, world_size, rank, config, device=False):
+        """For mpigc's own modules: the call on ``key`` (which it holds, by
+        :meth:`acquire`) goes ahead. Installs a new entry for ``key`` if
+        ``entry`` is None (a first call; residuals on the device if
+        ``device``), sets the entry's ``config``, and returns the entry.
+        Under the lock (the key stays in use: the caller then writes the
+        entry's residuals, then calls :meth:`release`)."""
         with self._lock:
             if entry is None:
                 entry = _Entry(n, dtype, world_size, rank, config, bool(device))
@@ -291,9 +288,11 @@ class ErrorFeedback:
             entry.config = config
             return entry
 
-    def _take_spare(self, n, dtype, device=False):
-        """A scratch residual buffer of ``n`` values (contents undefined), in
-        device memory if ``device``."""
+    def take_spare(self, n, dtype, device=False):
+        """For mpigc's own modules: a scratch residual buffer of ``n``
+        values (contents undefined), in device memory if ``device``: one
+        given back by :meth:`give_spare` (taken out of the pool under the
+        lock), or a new one (allocated outside the lock)."""
         with self._lock:
             pool = self._spares.get((n, np.dtype(dtype), bool(device)))
             if pool:
@@ -303,12 +302,105 @@ class ErrorFeedback:
             return _cuda.empty(n, dtype)
         return np.empty(n, dtype)
 
-    def _give_spare(self, arr):
+    def give_spare(self, arr):
+        """For mpigc's own modules: give a residual buffer no entry uses any
+        more back for :meth:`take_spare` (kept, under the lock, if the pool
+        of its size, dtype and side is empty; else dropped)."""
         with self._lock:
             key = (arr.size, np.dtype(arr.dtype), _dispatch.is_device_array(arr))
             pool = self._spares.setdefault(key, [])
             if len(pool) < 1:
                 pool.append(arr)
+
+    def hold_entries(self):
+        """For mpigc's own modules (checkpoints): mark every key busy and
+        return ``{key: entry}`` (the live entries, no copies, except host
+        copies of residuals kept on a GPU), so no collective changes them
+        while a checkpoint reads them. Raises StateError if a key (or a
+        hierarchical call's name) is in use; then nothing is marked. Under
+        the lock. Pair with :meth:`release_entries`."""
+        with self._lock:
+            busy = sorted(self._busy)
+            if busy:
+                raise StateError(f"key(s) {busy} in use by a pending collective; wait "
+                                 "for them before saving")
+            self._busy.update(self._entries)
+            return {k: e.host_copy() for k, e in self._entries.items()}
+
+    def release_entries(self, entries):
+        """For mpigc's own modules: the keys of ``entries`` (as
+        :meth:`hold_entries` returned them) are no longer in use. Under the
+        lock."""
+        with self._lock:
+            self._busy.difference_update(entries)
+
+    def replace_entries(self, entries):
+        """For mpigc's own modules: install ``{key: entry}`` (not copied) in
+        place of every entry. Raises StateError, and changes nothing, if a
+        key (or a hierarchical call's name) is in use. Under the lock."""
+        with self._lock:
+            busy = sorted(self._busy)
+            if busy:
+                raise StateError(f"key(s) {busy} in use by a pending collective; wait "
+                                 "for them before loading")
+            self._entries = dict(entries)
+
+    def update_entries(self, entries):
+        """For mpigc's own modules: install ``{key: entry}`` (not copied),
+        replacing the entries of those keys and keeping the others. Under
+        the lock; no check that the keys are free (the caller knows no call
+        uses them)."""
+        with self._lock:
+            self._entries.update(entries)
+
+    def entry(self, key):
+        """For mpigc's own modules: the live entry of ``key`` (not a copy),
+        or None. One dictionary lookup, without the lock: read its fields,
+        or change its residual arrays in place, only while holding the key
+        (or knowing no call uses it)."""
+        return self._entries.get(key)
+
+    def entries(self):
+        """For mpigc's own modules: ``{key: entry}``, a new dict of the live
+        entries (not copies), taken under the lock (every key, pending first
+        calls included)."""
+        with self._lock:
+            return dict(self._entries)
+
+    def restore_entry(self, key, entry, worker=None, owner=None, calls=0, config=None):
+        """For mpigc's own modules (a failed hierarchical call): put back
+        what ``key`` held before. ``entry`` None: the key had no entry, and
+        any entry it has now is dropped. Otherwise ``entry`` (the key's entry
+        then, as :meth:`entry` gave it) gets back ``worker``, ``owner``,
+        ``calls`` and ``config`` and is the key's entry again. Under the lock
+        (no :meth:`state_dict` sees a half-restored entry)."""
+        with self._lock:
+            if entry is None:
+                self._entries.pop(key, None)
+            else:
+                entry.worker, entry.owner, entry.calls, entry.config = \
+                    worker, owner, calls, config
+                self._entries[key] = entry
+
+    def hold_name(self, prefix, make_name):
+        """For mpigc's own modules (hierarchical calls): mark a name of the
+        caller's busy, so :meth:`state_dict`, :meth:`load_state_dict`,
+        :meth:`reset` and checkpoints see a call in progress. Under the
+        lock: if a busy name starts with ``prefix``, marks nothing (without
+        calling ``make_name``) and returns None; else marks ``make_name()``
+        (called once, under the lock) busy and returns it. Pair with
+        :meth:`release_name`."""
+        with self._lock:
+            if any(b.startswith(prefix) for b in self._busy):
+                return None
+            name = make_name()
+            self._busy.add(name)
+            return name
+
+    def release_name(self, name):
+        """For mpigc's own modules: ``name`` (of :meth:`hold_name`) is no
+        longer busy; as :meth:`release`."""
+        self.release(name)
 
 
 def _host_array(a):

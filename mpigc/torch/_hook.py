@@ -291,7 +291,7 @@ class CommHookState:
             fbs = {}
             for lay in stale:
                 for k in self._keys(lay):
-                    e = self.feedback._entries.get(k)
+                    e = self.feedback.entry(k)
                     if e is not None:
                         fbs[k] = _entry_state(e)
             if self._hier:  # the slices' residuals in the flat layout of each bucket
@@ -310,9 +310,8 @@ class CommHookState:
             else:
                 tmp = ErrorFeedback()
                 tmp.load_state_dict(new)
-                entries = tmp._entries
-            with self.feedback._lock:
-                self.feedback._entries.update(entries)
+                entries = tmp.entries()
+            self.feedback.update_entries(entries)
             for n in layout.names:
                 self._pending.pop(n, None)
         self._layouts[layout.index] = layout

@@ -40,7 +40,7 @@ def _snapshot(fb, key, reuse=None):
     side: device residuals are copied on the device, never to the host. The
     arrays of ``reuse`` (an older snapshot of the key, no longer needed) are
     written over when they fit, so a step allocates nothing."""
-    e = fb._entries.get(key)
+    e = fb.entry(key)
     if e is None:
         return None
     old_w, old_o = (reuse[0], reuse[1]) if reuse is not None else (None, None)
@@ -53,7 +53,9 @@ def _restore(fb, key, snap):
     if snap is None:
         fb.reset(key)
         return
-    e = fb._entries[key]
+    e = fb.entry(key)
+    if e is None:
+        raise KeyError(key)
     worker, owner, calls = snap
     for name, old in (("worker", worker), ("owner", owner)):
         cur = getattr(e, name)
@@ -292,7 +294,7 @@ def hier_to_flat(c, lay, fbs, size, rank):
     from .. import checkpoint
     tmp = ErrorFeedback()
     tmp.load_state_dict(fbs)
-    hier = checkpoint._hier_groups(tmp._entries)
+    hier = checkpoint._hier_groups(tmp.entries())
     rows = checkpoint._hier_rows(c, hier)
     out = dict(fbs)
     for k, e in checkpoint._hier_to_flat(c, lay, hier, rows, size, rank).items():
@@ -315,9 +317,9 @@ def flat_to_hier(c, comm, new, hierarchy, who):
     except MpigcError as e:
         exc = e
     raise_everywhere(c, exc, who)
-    keys = c.allgather(sorted(tmp._entries))
+    keys = c.allgather(sorted(tmp.entries()))
     if any(k != keys[0] for k in keys):
         exc = StateError(f"{who}: ranks' states cover different buckets (" + "; ".join(
             f"rank {r}: {len(k)} bucket(s)" for r, k in enumerate(keys)) + ")")
     raise_everywhere(c, exc, who)
-    return checkpoint._to_layout(c, comm, tmp._entries, hierarchy)
+    return checkpoint._to_layout(c, comm, tmp.entries(), hierarchy)

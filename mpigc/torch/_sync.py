@@ -594,7 +594,7 @@ class GradientSync:
         if self._hier:
             self._fold_back_hier(b, off, m)
             return
-        entry = self.feedback._entries.get(b.key)
+        entry = self.feedback.entry(b.key)
         if entry is None or entry.worker is None:
             return
         delivered = b.tensor[off:off + m]
@@ -612,7 +612,7 @@ class GradientSync:
         total = self.size if self.average else 1  # delivered = total sum / this
         sb = shard_bounds(b.n, lay.L)
         for sl, key in self._residual_keys(b):
-            e = self.feedback._entries.get(key)
+            e = self.feedback.entry(key)
             slo, shi = sb[sl]
             lo, hi = max(off, slo), min(off + m, shi)
             if e is None or e.worker is None or hi <= lo:
@@ -681,7 +681,7 @@ class GradientSync:
         # keys on this layout
         entries = flat_to_hier(self._comm, self.comm, new, self.hierarchy,
                                 "GradientSync.load_state_dict")
-        self.feedback._replace_entries(entries)
+        self.feedback.replace_entries(entries)
 
     def save_checkpoint(self, path, step=None):
         """Save the residuals with :func:`mpigc.save_checkpoint` (collective),

@@ -378,7 +378,7 @@ def test_device_allreduce_end_to_end(gpu, monkeypatch, aware, dtype, gather):
                     if sh[k][part] is not None:
                         _same(f"{op} {k} {part}", sd[k][part], sh[k][part])
             if op != "none" and fbd.keys():
-                e = fbd._entries["k"]
+                e = fbd.entry("k")
                 assert e.worker is None or not isinstance(e.worker, np.ndarray), \
                     "residual not on the device"
     finally:

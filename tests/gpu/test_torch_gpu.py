@@ -153,7 +153,7 @@ def test_buckets_on_the_gpu_and_no_host_copy(torch, mt, op, monkeypatch):
         share = {"2bit": 8, "1bit": 8, "fp16": 2}[op]  # 2bit: 1/16, 1bit: 1/32 + means
         assert max(d2h, default=0) <= biggest // share + 64, (d2h, biggest)
     for k in sync.feedback.keys():
-        e = sync.feedback._entries[k]
+        e = sync.feedback.entry(k)
         assert e.worker is None or _dispatch.is_device_array(e.worker)
 
 

@@ -369,7 +369,7 @@ def group_detect(c, cuda):
     # state goes to the device on the next device call, and continues exactly
     fbh = mpigc.ErrorFeedback()
     mpigc.allreduce(g.copy(), "2bit", key="m", feedback=fbh)
-    entry = fbd._entries["m"]
+    entry = fbd.entry("m")
     c.check(mpigc._dispatch.is_device_array(entry.worker), "worker residual not on device")
     c.check(mpigc._dispatch.is_device_array(entry.owner), "owner residual not on device")
     sd = fbd.state_dict()
@@ -382,7 +382,7 @@ def group_detect(c, cuda):
     mpigc.allreduce(d, "2bit", key="m", feedback=fb2)
     mpigc.allreduce(h, "2bit", key="m", feedback=fbh)
     c.same("after load_state_dict", d.copy_to_host(), h)
-    c.check(mpigc._dispatch.is_device_array(fb2._entries["m"].worker), "not placed on device")
+    c.check(mpigc._dispatch.is_device_array(fb2.entry("m").worker), "not placed on device")
     _same_state(c, "after load_state_dict", fbh, fb2)
     # a non-finite gradient on one rank: skipped everywhere, NaN on the device
     x = _grad(r, n, np.float32, 3)
@@ -417,7 +417,7 @@ def _compare_hier(c, cuda, kind, op, dtype, n, steps, average=False, nonblocking
     fbh, fbd = _compare(c, cuda, kind, op, "compressed", dtype, n, steps, average=average,
                         hierarchy="node", nonblocking=nonblocking, seed=30)
     what = f"hier {kind} {name} {np.dtype(dtype).name} n={n}"
-    for k, e in fbd._entries.items():
+    for k, e in fbd.entries().items():
         c.check(e.worker is None or mpigc._dispatch.is_device_array(e.worker),
                 f"{what}: residual {k} not on the device")
     c.check(any("@hier[" in k for k in fbd.keys()) or name == "none" or n < 2,
@@ -509,7 +509,7 @@ def group_hier(c, cuda):
     mpigc.allreduce(h, "2bit", key="k", feedback=fbh, hierarchy="node")
     c.same("hier after load_checkpoint", d.copy_to_host(), h)
     c.check(all(e.worker is None or mpigc._dispatch.is_device_array(e.worker)
-                for e in fb3._entries.values()), "hier: loaded residuals not on the device")
+                for e in fb3.entries().values()), "hier: loaded residuals not on the device")
     c.check(_cuda.staging_pool.allocated > 0, "no staging buffer was used")
 
 

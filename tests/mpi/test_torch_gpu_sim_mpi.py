@@ -200,7 +200,7 @@ def _check_device(c, what, sync):
     c.check(all(b.on_device and is_device_array(b.flat) for b in sync.buckets),
             f"{what}: not every bucket is a device bucket")
     for k in sync.feedback.keys():
-        e = sync.feedback._entries[k]
+        e = sync.feedback.entry(k)
         for part in ("worker", "owner"):
             a = getattr(e, part)
             c.check(a is None or is_device_array(a), f"{what} {k}: {part} residual on host")
@@ -382,7 +382,7 @@ def group_hook(c, **kw):
         c.same_state(f"hook state step {step}", states[n + step], states[step])
     c.same_state("hook rolled back", states[n + 1], states[n])
     c.check(hooks[1].nonfinite_steps == hooks[0].nonfinite_steps == 1, "hook nonfinite_steps")
-    c.check(all(is_device_array(hooks[1].feedback._entries[k].worker)
+    c.check(all(is_device_array(hooks[1].feedback.entry(k).worker)
                 for k in hooks[1].feedback.keys()), "hook residuals not on the device")
 
 

@@ -929,7 +929,7 @@ def test_comm_hook_skip_restores_every_residual(comm, monkeypatch, hierarchy):
             p[2].grad[0, 0] = float("nan")
         buckets = [_FakeBucket(i, ps, i == len(layout) - 1) for i, ps in enumerate(layout)]
         outs.append([f.wait().clone() for f in [mt.comm_hook(state, b) for b in buckets]])
-        now = {k: (e.worker.copy(), e.calls) for k, e in state.feedback._entries.items()}
+        now = {k: (e.worker.copy(), e.calls) for k, e in state.feedback.entries().items()}
         if step == 1:
             ok &= sorted(now) == sorted(raw) and all(
                 np.array_equal(now[k][0], raw[k][0]) and now[k][1] == raw[k][1] for k in raw)
@@ -956,14 +956,14 @@ def test_hierarchical_skip_restores_every_slice_residual(comm, monkeypatch):
     step = _scaler_steps(opt, model, scaler, comm)
 
     step(0, False)
-    raw = {k: e.worker.copy() for k, e in opt.sync.feedback._entries.items()}
+    raw = {k: e.worker.copy() for k, e in opt.sync.feedback.entries().items()}
     state, before = opt.sync.state_dict(), _params(model)
     step(1, True)
     after = opt.sync.state_dict()
     ok = len(opt.sync.buckets) >= 2 and opt.sync.nonfinite_steps == 1 and len(raw) > 0
     ok &= all(k in raw for k in _hier_keys(opt.sync))
     ok &= all(torch.equal(a, b) for a, b in zip(before, _params(model)))
-    ok &= all(np.array_equal(opt.sync.feedback._entries[k].worker, w) for k, w in raw.items())
+    ok &= all(np.array_equal(opt.sync.feedback.entry(k).worker, w) for k, w in raw.items())
     ok &= all(np.array_equal(state[n][k], after[n][k]) for n in state for k in ("worker", "owner"))
     step(2, False)
     ok &= opt.sync.last_step_finite

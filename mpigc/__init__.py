@@ -17,11 +17,12 @@ from .compressors import (BF16, FP16, Compressor, NoCompression, OneBit, TernGra
                           TwoBit, available_compressors, get_compressor, register_compressor)
 from .feedback import ErrorFeedback, get_default_feedback, shard_bounds
 from .reduce_scatter import ireduce_scatter, reduce_scatter
+from . import diagnostics
 
 __all__ = [
     "__version__",
     "allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "Request",
-    "traffic", "reset_traffic",
+    "traffic", "reset_traffic", "diagnostics",
     "cuda_aware_mpi", "CudaAwareness", "select_device",
     "get_compressor", "register_compressor", "available_compressors",
     "Compressor", "NoCompression", "FP16", "BF16", "TwoBit", "OneBit", "TernGrad",

@@ -42,6 +42,7 @@ default stream is synchronised before MPI reads device memory and before a
 call returns (see ``docs/gpu.md``).
 """
 import atexit
+import contextlib
 import json
 import os
 import struct
@@ -61,7 +62,8 @@ from .compressors import SUPPORTED_DTYPES, NoCompression, get_compressor, work_d
 from .feedback import get_default_feedback, shard_bounds
 from .kernels import cpu as _cpu
 
-__all__ = ["Request", "start", "traffic", "reset_traffic"]
+__all__ = ["Request", "start", "traffic", "reset_traffic", "CallTrace", "last_trace",
+           "counters", "threads", "hold_progress"]
 
 _traffic = {"calls": 0, "bytes_sent": 0, "logical_bytes": 0}
 
@@ -81,6 +83,97 @@ def reset_traffic():
     """Set the :func:`traffic` counters to zero."""
     for k in _traffic:
         _traffic[k] = 0
+
+
+# -- diagnostics (mpigc.diagnostics) ----------------------------------------------
+_counters = {"pipelined_calls": 0, "typed_messages": 0}
+
+
+def counters():
+    """Counters of how this process's calls ran, since the process started
+    (never reset; take differences): ``pipelined_calls``, calls that went
+    ahead on the pipelined path (``$MPIGC_CHUNK_BYTES``), counted when their
+    pipeline starts (a call that then fails or is skipped is counted too);
+    ``typed_messages``, point-to-point messages larger than
+    ``$MPIGC_MAX_COUNT`` bytes, each sent or received as one element of a
+    derived datatype. Both count the inter-node calls of hierarchical calls."""
+    return dict(_counters)
+
+
+class CallTrace:
+    """How one call ran, as far as it has got (:attr:`Request.trace`,
+    :func:`last_trace`). Read-only; the engine fills it in as the call
+    advances.
+
+    - ``agreement_done``: this rank has every rank's agreement row and has
+      acted on it (the call went ahead, was skipped, or is failing);
+    - ``path``: None until the call went ahead; then ``"plain"`` (op="none"
+      or the small-buffer fallback: a plain sum), ``"two-phase"`` (a
+      compressed reduce-scatter, then for allreduce the gather), or
+      ``"hierarchical"`` (a ``hierarchy="node"`` call, at once; its
+      inter-node calls are engine calls of their own, which leave the other
+      fields at their defaults here);
+    - ``inline``: the data travelled in the agreement messages (plain: the
+      values, on 2 ranks; two-phase: phase 1's payloads);
+    - ``chunks``: the number of chunks of a pipelined call, 0 when not
+      pipelined;
+    - ``sum_pieces``: the number of MPI reductions a plain call's sum was
+      split into (1, or more beyond ``$MPIGC_MAX_COUNT`` elements); 0 when
+      MPI did not sum (the values came inline, or the call is compressed).
+    """
+
+    __slots__ = ("_agreement_done", "_path", "_inline", "_chunks", "_sum_pieces")
+
+    def __init__(self, path=None):
+        self._agreement_done = False
+        self._path = path
+        self._inline = False
+        self._chunks = 0
+        self._sum_pieces = 0
+
+    agreement_done = property(lambda self: self._agreement_done)
+    path = property(lambda self: self._path)
+    inline = property(lambda self: self._inline)
+    chunks = property(lambda self: self._chunks)
+    sum_pieces = property(lambda self: self._sum_pieces)
+
+    def __repr__(self):
+        return (f"CallTrace(agreement_done={self._agreement_done}, path={self._path!r}, "
+                f"inline={self._inline}, chunks={self._chunks}, "
+                f"sum_pieces={self._sum_pieces})")
+
+
+_last = threading.local()
+
+
+def last_trace():
+    """The :class:`CallTrace` of the last collective (blocking or not) that
+    this thread called, or None before its first; for a blocking call, how it
+    ran. A nonblocking call's is also its request's ``trace``."""
+    return getattr(_last, "trace", None)
+
+
+def threads(comm=None):
+    """Whether mpigc's background threads are running: ``{"progress": ...,
+    "reduce": ...}``, the process's progress thread and the reduction thread
+    of ``comm`` (default ``MPI.COMM_WORLD``; False for a communicator mpigc
+    has not used). Makes no MPI call beyond reading an attribute."""
+    t = _progress_thread.thread
+    cs = _comm.lookup(comm)
+    red = None if cs is None else cs.reducer
+    return {"progress": t is not None and t.is_alive(),
+            "reduce": red is not None and red.thread is not None}
+
+
+@contextlib.contextmanager
+def hold_progress():
+    """A context manager: while inside, the progress thread advances no call
+    of this process (it waits to enter the engine); this thread's calls,
+    ``test()`` and ``wait()`` work as usual. For debugging and tests that
+    need a fixed order of steps on each rank; ``op="none"`` sums already
+    handed to a reduction thread still run."""
+    with _lock:
+        yield
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 GATHER_MODES = ("compressed", "exact")
@@ -109,6 +202,11 @@ _INLINE_PAYLOAD_MAX = 256 << 10
 # reductions of more elements in several reductions (_Op._none_reduce). Tests
 # lower it to exercise both on small calls.
 _MAX_COUNT = (1 << 31) - 1
+# the three limits above from the environment (see _read_limits)
+_LIMIT_ENV = (("MPIGC_INLINE_PLAIN_BYTES", _INLINE_PLAIN_MAX, 0),
+              ("MPIGC_INLINE_PAYLOAD_BYTES", _INLINE_PAYLOAD_MAX, 0),
+              ("MPIGC_MAX_COUNT", _MAX_COUNT, 1))
+_limits_seen = (None, None, None)
 _FAST_AGREE = np.array([_CODE, _NBAD, _RANGE])
 _SAME_COLS = np.array([_N, _DTYPE, _FP, _CHUNK])
 _DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
@@ -120,6 +218,37 @@ def _f64_bits(x):
 
 def _bits_f64(i):
     return struct.unpack("<d", struct.pack("<q", int(i)))[0]
+
+
+def _read_limits():
+    """Set ``_INLINE_PLAIN_MAX``, ``_INLINE_PAYLOAD_MAX`` and ``_MAX_COUNT``
+    from ``$MPIGC_INLINE_PLAIN_BYTES``, ``$MPIGC_INLINE_PAYLOAD_BYTES`` and
+    ``$MPIGC_MAX_COUNT`` (unset: the defaults above), read when a call
+    starts (parsed only when one changed; ConfigError on a bad value, reported
+    by the call on every rank). Tuning and test knobs: the first two move
+    only the point where data stops travelling in the agreement messages,
+    never a result; ``$MPIGC_MAX_COUNT`` lowers the largest count handed to
+    MPI in one argument (the results are the same bits), must be the same on
+    every rank (op="none" sums in that many pieces), and must not change
+    while a call is pending."""
+    global _limits_seen, _INLINE_PLAIN_MAX, _INLINE_PAYLOAD_MAX, _MAX_COUNT
+    env = os.environ
+    raw = (env.get("MPIGC_INLINE_PLAIN_BYTES"), env.get("MPIGC_INLINE_PAYLOAD_BYTES"),
+           env.get("MPIGC_MAX_COUNT"))
+    if raw == _limits_seen:
+        return
+    vals = []
+    for (name, default, least), v in zip(_LIMIT_ENV, raw):
+        try:
+            x = default if v is None else int(v)
+        except ValueError:
+            x = -1
+        if x < least or x > _LIMIT_ENV[2][1]:
+            raise ConfigError(f"{name}: expected an integer from {least} to "
+                              f"{_LIMIT_ENV[2][1]}, got {v!r}")
+        vals.append(x)
+    _INLINE_PLAIN_MAX, _INLINE_PAYLOAD_MAX, _MAX_COUNT = vals
+    _limits_seen = raw
 
 
 def _bytes_msg(buf):
@@ -134,6 +263,7 @@ def _bytes_msg(buf):
     nbytes = len(buf)
     if nbytes <= _MAX_COUNT:
         return [buf, MPI.BYTE], None
+    _counters["typed_messages"] += 1
     q, rem = divmod(nbytes, _MAX_COUNT)
     block = MPI.BYTE.Create_contiguous(_MAX_COUNT)
     if rem:
@@ -310,6 +440,14 @@ class Request:
 
     def __init__(self, op):
         self._op = op
+        _last.trace = op.trace
+
+    @property
+    def trace(self):
+        """How this call ran, as far as it has got: a read-only
+        :class:`CallTrace` (also :func:`mpigc.diagnostics.last_trace` for
+        the last call of this thread, blocking calls included)."""
+        return self._op.trace
 
     def test(self):
         """Make progress on every pending request; True once this one is done."""
@@ -461,6 +599,7 @@ class _Op(PendingCall):
         # time, so that the sums overlap with the transfers of a pipelined call)
         self.fill = fill
         self.cs = cs  # the communicator's CommState (start() resolved it)
+        self.trace = CallTrace()  # what Request.trace shows
         self.size, self.rank = self.cs.size, self.cs.rank
         self.seq = self.cs.seq
         self.tags = self.cs.next_tags()
@@ -627,6 +766,7 @@ class _Op(PendingCall):
     # -- 1. prepare ----------------------------------------------------------
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
                  recvcounts, out, row):
+        _read_limits()
         be, dbuf, dtype = adopt_input(self.kind, buf, self.cs)
         dev = be.device
         self.be, self.dev = be, dev
@@ -1009,6 +1149,7 @@ class _Op(PendingCall):
         wire, reqs = self.none_wire, []
         n = len(wire)
         npieces = -(-n // _MAX_COUNT)
+        self.trace._sum_pieces = npieces
         if self.kind == "allreduce":
             for a, b in shard_bounds(n, npieces):
                 if blocking:
@@ -1355,6 +1496,8 @@ class _Op(PendingCall):
         comm, r, size = self.cs.comm, self.rank, self.size
         plan, comp = self.chunks, self.comp
         nc = len(plan)
+        self.trace._path, self.trace._chunks = "two-phase", nc
+        _counters["pipelined_calls"] += 1
         acc_dtype = np.float64 if self.dtype == np.float64 else np.float32
         self.psz = [[comp.payload_nbytes(hi - lo, self.wdtype) for lo, hi in ch]
                     for ch in plan]
@@ -1663,6 +1806,7 @@ class _Op(PendingCall):
             # order, so calls act on their agreements in the order they began
             if self._earlier_undecided():
                 return False
+            self.trace._agreement_done = True
             agreed = self._agreed()
             if agreed is None:  # failed: the error report is under way
                 return self._progress_report(block)
@@ -1676,6 +1820,8 @@ class _Op(PendingCall):
                 self._commit()
                 # the data travelled with the rows when every row says so
                 inline = self.arecv is not None and bool(self.table[:, _INLINE].all())
+                self.trace._path = "plain" if self.plain else "two-phase"
+                self.trace._inline = inline
                 if self.plain:
                     if inline:
                         self._finish_inline_plain()
@@ -1844,6 +1990,15 @@ class _ProgressThread:
 _progress_thread = _ProgressThread()
 
 
+def _reduce_idle_s():
+    """``$MPIGC_REDUCE_IDLE_S``: how long a reduction thread waits without
+    work before it ends (default 5 seconds)."""
+    try:
+        return max(0.0, float(os.environ.get("MPIGC_REDUCE_IDLE_S", "5")))
+    except ValueError:
+        return 5.0
+
+
 class _Job:
     """A reduction handed to a :class:`_Reducer`: ``done`` (an Event) is set
     once it ran; ``error``: what it raised, or None."""
@@ -1869,12 +2024,11 @@ class _Reducer:
     order they were handed over, which is the order in which the calls acted
     on their agreements, their start order on the communicator, the same on
     every rank. A daemon thread, started by the first such call; it ends
-    once it has had nothing to run for ``IDLE_S`` seconds (a communicator
+    once it has had nothing to run for ``$MPIGC_REDUCE_IDLE_S`` seconds
+    (default 5, read when the thread starts; a communicator
     that is no longer used keeps no thread) and the next sum starts it
     again. At exit it is stopped and joined when it is idle (every request
     completed, as the rules ask), before mpi4py finalizes MPI."""
-
-    IDLE_S = 5.0
 
     def __init__(self):
         self.jobs = []
@@ -1914,10 +2068,11 @@ class _Reducer:
         return job
 
     def _run(self):
+        idle_s = _reduce_idle_s()
         while True:
             with self.cond:
                 while not self.jobs and not self.stopping:
-                    if not self.cond.wait(self.IDLE_S) and not self.jobs:
+                    if not self.cond.wait(idle_s) and not self.jobs:
                         self.thread = None  # idle: the next submit starts another
                         return
                 if not self.jobs:

@@ -13,7 +13,7 @@ from mpi4py import MPI
 
 from ._errors import DTypeError, warn_caller
 
-__all__ = ["CommState", "resolve", "creation_lock", "agree", "on_root"]
+__all__ = ["CommState", "resolve", "lookup", "creation_lock", "agree", "on_root"]
 
 _KEYVAL = None
 # per user communicator (by handle), a lock held while its private state is
@@ -148,6 +148,16 @@ def resolve(comm=None):
                 comm.Set_attr(_KEYVAL, state)
                 _limit_threads(state.local_size)
     return state
+
+
+def lookup(comm=None):
+    """The :class:`CommState` of ``comm`` (default: ``MPI.COMM_WORLD``) if
+    mpigc has made it already, else None; never collective."""
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if _KEYVAL is None or not isinstance(comm, MPI.Intracomm):
+        return None
+    return comm.Get_attr(_KEYVAL)
 
 
 def agree(comm, exc, what, classes=None, default=None):

@@ -381,6 +381,7 @@ class _HierCall(_collective.PendingCall):
         self.feedback, self.nonfinite = feedback, nonfinite
         self.recvcounts, self.out = recvcounts, out
         self.cs = lay  # the engine orders calls by .cs; never one of its CommStates
+        self.trace = _collective.CallTrace("hierarchical")  # Request.trace
         self.state = "pending"
         self.result = self.error = None
         self.waiting = None  # what the steps wait for

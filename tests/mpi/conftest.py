@@ -35,18 +35,30 @@ def comm():
     return MPI.COMM_WORLD
 
 
-@pytest.fixture
-def starts(monkeypatch):
-    """How many calls took the pipelined path on this rank."""
-    count = [0]
-    from mpigc import _collective
-    orig = _collective._Op._start_chunks
+class _Since:
+    """``counter[0]``: how much ``mpigc.diagnostics.counters()[name]`` grew
+    since the fixture was made (on this rank)."""
 
-    def counted(self):
-        count[0] += 1
-        return orig(self)
-    monkeypatch.setattr(_collective._Op, "_start_chunks", counted)
-    return count
+    def __init__(self, name):
+        self.name = name
+        self.base = mpigc.diagnostics.counters()[name]
+
+    def __getitem__(self, i):
+        assert i == 0
+        return mpigc.diagnostics.counters()[self.name] - self.base
+
+
+@pytest.fixture
+def starts():
+    """How many calls took the pipelined path on this rank."""
+    return _Since("pipelined_calls")
+
+
+@pytest.fixture
+def typed():
+    """How many messages this rank sent or received as a derived datatype
+    (beyond ``$MPIGC_MAX_COUNT`` bytes)."""
+    return _Since("typed_messages")
 
 
 @pytest.fixture

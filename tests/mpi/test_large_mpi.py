@@ -5,14 +5,14 @@ a payload of more than 2**31 - 1 bytes in one message (560M float64,
 terngrad, gather="exact", at 2 ranks) failed after the agreement with
 mpi4py's MPI_ERR_ARG, half the buffer already overwritten. The engine now
 sends such a message as one element of a derived datatype of its bytes
-(``_collective._bytes_msg``), and sums op="none" calls of more elements in
-pieces (``_Op._none_reduce``).
+(counted by ``mpigc.diagnostics.counters()["typed_messages"]``), and sums
+op="none" calls of more elements in pieces (``CallTrace.sum_pieces``).
 
-The default suite lowers the limit (``_collective._MAX_COUNT``, a private
-knob) so that small calls take both paths, with many blocks or pieces per
-message, and checks them bit for bit against the same calls under the real
-limit. ``MPIGC_TEST_LARGE=1`` runs the real thing: shards of more than
-2**31 bytes (about 7 GB of memory per rank).
+The default suite lowers the limit (``$MPIGC_MAX_COUNT``) so that small calls
+take both paths, with many blocks or pieces per message, and checks them bit
+for bit against the same calls under the real limit. ``MPIGC_TEST_LARGE=1``
+runs the real thing: shards of more than 2**31 bytes (about 7 GB of memory
+per rank).
 """
 import os
 import time
@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 import mpigc
-from mpigc import _collective
 
 from conftest import assert_all, grads
 from peers import state_bytes
@@ -31,6 +30,8 @@ N = 3001  # uneven shards at 2-4 ranks; pieces that end in partial blocks
 
 def _run(comm, op, kind, gather, dtype, steps=2, nonblocking=False, hierarchy="flat",
          values=grads):
+    """The results and the residuals of ``steps`` calls, and the trace of the
+    last call."""
     fb = mpigc.ErrorFeedback()
     outs = []
     for s in range(steps):
@@ -41,21 +42,7 @@ def _run(comm, op, kind, gather, dtype, steps=2, nonblocking=False, hierarchy="f
         if nonblocking:
             res = res.wait()
         outs.append(np.asarray(res).tobytes())
-    return outs, state_bytes(fb)
-
-
-@pytest.fixture
-def typed(monkeypatch):
-    """How many messages this rank sent or received as a derived datatype."""
-    count = [0]
-    orig = _collective._bytes_msg
-
-    def counted(buf):
-        msg, t = orig(buf)
-        count[0] += t is not None
-        return msg, t
-    monkeypatch.setattr(_collective, "_bytes_msg", counted)
-    return count
+    return outs, state_bytes(fb), mpigc.diagnostics.last_trace()
 
 
 OPS = {"2bit": "2bit", "1bit": {"id": "1bit", "block_size": 64}, "terngrad": "terngrad",
@@ -78,11 +65,14 @@ def test_messages_beyond_the_count_limit(comm, monkeypatch, typed, limit, name, 
     not."""
     monkeypatch.setenv("MPIGC_CHUNK_BYTES", str(chunk))
     # phase 1 after the agreement, not with the rows (whose messages are small)
-    monkeypatch.setattr(_collective, "_INLINE_PAYLOAD_MAX", 0)
+    monkeypatch.setenv("MPIGC_INLINE_PAYLOAD_BYTES", "0")
     dtype = np.float64 if gather == "exact" else np.float32
     ref = _run(comm, OPS[name], kind, gather, dtype)
     assert_all(typed[0] == 0, "a message of the reference run was typed")
-    monkeypatch.setattr(_collective, "_MAX_COUNT", limit)
+    pipelined = chunk > 0 and name != "terngrad"  # terngrad is never pipelined
+    assert_all(comm.size == 1 or (not ref[2].inline and (ref[2].chunks > 0) == pipelined),
+               f"not the path under test: {ref[2]}")
+    monkeypatch.setenv("MPIGC_MAX_COUNT", str(limit))
     got = _run(comm, OPS[name], kind, gather, dtype)
     assert_all(comm.size == 1 or typed[0] > 0, "no message took the typed path")
     assert_all(got[0] == ref[0], "results differ from the call under the real limit")
@@ -107,18 +97,14 @@ def test_none_beyond_the_count_limit(comm, monkeypatch, kind, dtype, nonblocking
     per piece of each shard), with the bits of the call summed at once."""
     ref = _run(comm, "none", kind, "compressed", dtype, nonblocking=nonblocking,
                values=_integers)
-    pieces = [0]
-    orig = _collective._Op._none_reduce
-
-    def counted(self, c, blocking):
-        pieces[0] = -(-self.none_wire.size // _collective._MAX_COUNT)
-        return orig(self, c, blocking)
-    monkeypatch.setattr(_collective._Op, "_none_reduce", counted)
-    monkeypatch.setattr(_collective, "_MAX_COUNT", 61)
+    monkeypatch.setenv("MPIGC_MAX_COUNT", "61")
     got = _run(comm, "none", kind, "compressed", dtype, nonblocking=nonblocking,
                values=_integers)
     inline = comm.size == 2 and kind == "allreduce"  # the values travel with the rows
-    assert_all(inline or comm.size == 1 or pieces[0] == 50, f"{pieces[0]} pieces")
+    t = got[2]
+    assert_all(t.path == "plain" and t.inline == inline, f"not the path under test: {t}")
+    assert_all(inline or comm.size == 1 or t.sum_pieces == 50, f"{t.sum_pieces} pieces")
+    assert_all(ref[2].sum_pieces == (0 if inline else 1), f"reference: {ref[2]}")
     assert_all(got[0] == ref[0], "results differ from the call summed at once")
 
 
@@ -128,10 +114,10 @@ def test_hierarchical_call_beyond_the_count_limit(comm, monkeypatch, typed):
     monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
     monkeypatch.setenv("MPIGC_CHUNK_BYTES", "0")
     ref = _run(comm, "2bit", "allreduce", "compressed", np.float32, hierarchy="node")
-    monkeypatch.setattr(_collective, "_MAX_COUNT", 7)
+    monkeypatch.setenv("MPIGC_MAX_COUNT", "7")
     got = _run(comm, "2bit", "allreduce", "compressed", np.float32, hierarchy="node")
     assert_all(comm.size < 3 or typed[0] > 0, "no message took the typed path")
-    assert_all(got == ref, "differs from the call under the real limit")
+    assert_all(got[:2] == ref[:2], "differs from the call under the real limit")
 
 
 # -- the real thing (opt-in) ------------------------------------------------------

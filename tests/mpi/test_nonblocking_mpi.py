@@ -104,12 +104,14 @@ def test_progress_at_different_times_on_different_ranks(comm, op):
     a, b = np.ones(1000, np.float32), np.ones(3000, np.float32)
     ra = mpigc.iallreduce(a, op=op, key="a", feedback=fb)
     if comm.rank % 2:  # odd ranks: past a's agreement (a's reduction started) before b
-        while ra._op.state == "agree":
+        while not ra.trace.agreement_done:
             ra.test()
+    past = ra.trace.path is not None  # odd ranks: a went ahead before b started
     rb = mpigc.iallreduce(b, op=op, key="b", feedback=fb)
     rb.wait()
     ra.wait()
     want = comm.size if op == "none" else 0.5
+    assert_all(comm.rank % 2 == 0 or past, f"a not past its agreement: {ra.trace}")
     assert_all(np.all(a == want) and np.all(b == want), f"{a[:3]} {b[:3]}")
 
 
@@ -127,7 +129,6 @@ def test_failed_call_reached_early_does_not_block_an_earlier_one(comm, fault):
     import faulthandler
     import time
 
-    from mpigc import _collective
     if comm.size < 2:
         pytest.skip("needs a peer that comes later")
     last = comm.rank == comm.size - 1
@@ -141,8 +142,8 @@ def test_failed_call_reached_early_does_not_block_an_earlier_one(comm, fault):
     expected = mpigc.InvalidBufferError if fault == "readonly" else mpigc.MismatchError
     faulthandler.dump_traceback_later(120, exit=True)
     try:
-        # the lock keeps the progress thread out: each rank's steps in this order
-        with _collective._lock:
+        # the progress thread kept out: each rank's steps in this order
+        with mpigc.diagnostics.hold_progress():
             ra = mpigc.iallreduce(x, "fp16", key="a", feedback=mpigc.ErrorFeedback())
             rc = mpigc.iallreduce(bad, op, key="c", feedback=mpigc.ErrorFeedback())
             got = None
@@ -252,23 +253,26 @@ def test_reduction_thread_ends_when_idle(comm, monkeypatch):
     import threading
     import time
 
-    from mpigc import _collective
-    if not _collective._Reducer.available():
+    from mpi4py import MPI
+    if MPI.Query_thread() < MPI.THREAD_MULTIPLE:
         pytest.skip("no MPI_THREAD_MULTIPLE: no reduction thread")
-    monkeypatch.setattr(_collective._Reducer, "IDLE_S", 0.1)
+    monkeypatch.setenv("MPIGC_REDUCE_IDLE_S", "0.5")
     c = comm.Dup()
     x = grads(comm.rank, 200000, np.float64)  # 2 ranks: > 1 MiB, not with the rows
     want = mpigc.allreduce(x.copy(), "none", comm=c)
     why = None
     for i in range(2):
-        got = mpigc.iallreduce(x.copy(), "none", comm=c).wait()
+        req = mpigc.iallreduce(x.copy(), "none", comm=c)
+        got = req.wait()
+        ran = mpigc.diagnostics.threads(c)["reduce"]  # still there: idle for < 0.5 s
         if got.tobytes() != want.tobytes():
             why = why or f"call {i}: differs from the blocking call"
-        deadline = time.monotonic() + 10
-        reducer = _collective._comm.resolve(c).reducer
-        while reducer.thread is not None and time.monotonic() < deadline:
+        if not ran or req.trace.sum_pieces != 1:
+            why = why or f"call {i}: not summed by a reduction thread ({req.trace})"
+        deadline = time.monotonic() + 3  # the default idle time, 5 s, fails
+        while mpigc.diagnostics.threads(c)["reduce"] and time.monotonic() < deadline:
             time.sleep(0.02)
-        if reducer.thread is not None:
+        if mpigc.diagnostics.threads(c)["reduce"]:
             why = why or f"call {i}: the reduction thread did not end when idle"
     c.Free()
     assert_all(why is None, why)

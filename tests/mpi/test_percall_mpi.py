@@ -13,7 +13,6 @@ import pytest
 from mpi4py import MPI
 
 import mpigc
-from mpigc import _collective
 
 from conftest import assert_all, grads
 
@@ -44,7 +43,7 @@ def _inline_used(op, comm, fb, n=N):
     x = grads(comm.rank, n)
     req = mpigc.iallreduce(x, op, key="probe", feedback=fb)
     req.wait()
-    return bool(req._op.arecv is not None and req._op.table[:, _collective._INLINE].all())
+    return req.trace.inline
 
 
 FAULTS = ["size", "nan", "int_dtype", "readonly", "settings"]
@@ -97,13 +96,17 @@ def test_bad_call_on_one_rank_changes_nothing_when_agreement_travels_with_data(
 
 
 @pytest.mark.mpi
-def test_peer_sends_data_this_rank_does_not_expect(comm):
+@pytest.mark.parametrize("limit", [None, 4096])
+def test_peer_sends_data_this_rank_does_not_expect(comm, monkeypatch, limit):
     """Rank 0's buffer is just over the size whose values travel with the
     agreement, the others' just under (and the other way round): a size
-    mismatch on every rank, nothing changed, no message left behind."""
+    mismatch on every rank, nothing changed, no message left behind. At the
+    default limit (1 MiB) and a lowered one ($MPIGC_INLINE_PLAIN_BYTES)."""
     if comm.size < 2:
         pytest.skip("needs a peer")
-    lim = _collective._INLINE_PLAIN_MAX // 4
+    if limit is not None:
+        monkeypatch.setenv("MPIGC_INLINE_PLAIN_BYTES", str(limit))
+    lim = (limit or 1 << 20) // 4
     for big_rank in (0, comm.size - 1):
         n = lim + 1 if comm.rank == big_rank else lim
         x = np.full(n, 1.0, np.float32)
@@ -113,6 +116,13 @@ def test_peer_sends_data_this_rank_does_not_expect(comm):
     y = np.full(lim, 1.0, np.float32)
     mpigc.allreduce(y, "none")
     assert_all(np.all(y == comm.size), "the next call failed")
+    # the limit is where the test puts it: just under it the values travel
+    # with the rows on 2 ranks, just over it they do not
+    below = mpigc.diagnostics.last_trace().inline
+    mpigc.allreduce(np.full(lim + 1, 1.0, np.float32), "none")
+    above = mpigc.diagnostics.last_trace().inline
+    assert_all(below == (comm.size == 2) and not above,
+               f"inline below the limit: {below}, above: {above}")
 
 
 @pytest.mark.mpi
@@ -151,17 +161,23 @@ def test_cached_settings_follow_the_environment(comm, monkeypatch):
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("pipelined", [False, True])
 @pytest.mark.parametrize("fault", ["size", "nan", None])
-def test_large_payloads_go_after_the_agreement(comm, fault):
+def test_large_payloads_go_after_the_agreement(comm, monkeypatch, fault, pipelined):
     """Payloads above 256 KiB do not travel with the rows (the receives are
-    posted before the sends, after the agreement); the error semantics are
-    the same, and a good call gives what a reference store gives."""
+    posted before the sends, after the agreement), pipelined or not; the
+    error semantics are the same, and a good call gives what a reference
+    store gives."""
+    if not pipelined:
+        monkeypatch.setenv("MPIGC_CHUNK_BYTES", "0")
     n = 2_200_000 * max(1, comm.size)  # 2bit: about 550 KB per shard
     fb, ref = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
     x = grads(comm.rank, n)
     req = mpigc.iallreduce(x.copy(), "2bit", key="big", feedback=fb)
     req.wait()
-    assert_all(not req._op.table[:, _collective._INLINE].any(), "payloads went inline")
+    t = req.trace
+    assert_all(t.path == "two-phase" and not t.inline and (t.chunks > 0) == pipelined,
+               f"payloads went inline, or not the path under test: {t}")
     mpigc.allreduce(x.copy(), "2bit", key="big", feedback=ref)
     before = _state(fb)
     y = grads(comm.rank, n, seed=5)

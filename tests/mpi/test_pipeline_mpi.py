@@ -11,7 +11,7 @@ owners recompress a chunk of their shard as soon as it is reduced.
 - ranks that disagree on the chunk size raise MismatchError everywhere;
 - nonblocking pipelined calls complete in any wait order, and while the
   caller computes (the progress thread);
-- the pipeline is really taken (a planted count of _start_chunks).
+- the pipeline is really taken (``mpigc.diagnostics.counters()``).
 """
 import time
 

@@ -114,7 +114,7 @@ def test_exit_with_the_thread_running_does_not_hang(comm):
         "r = mpigc.iallreduce(x, '2bit', key='a')\n"
         "r.wait()\n"
         "r = mpigc.iallreduce(x, 'none')\n"
-        "assert mpigc._collective._progress_thread.thread is not None\n"
+        "assert mpigc.diagnostics.threads()['progress']\n"
         "r.wait()\n")
     env = dict(os.environ, MPIGC_PROGRESS_THREAD="1")
     for k in [k for k in env if k.startswith(("OMPI_", "PMIX", "PRTE"))

@@ -1,0 +1,21 @@
+"""How mpigc's calls ran: for tests, debugging and tuning.
+
+- ``Request.trace`` and :func:`last_trace`: a :class:`CallTrace` per call
+  (the path it took, whether its data travelled in the agreement messages,
+  its chunks, whether its agreement is over, the pieces of a plain sum);
+- :func:`counters`: process-wide counts (pipelined calls, messages split
+  beyond ``$MPIGC_MAX_COUNT``), inter-node calls of hierarchical calls
+  included;
+- :func:`threads`: whether the progress thread and a communicator's
+  reduction thread are running;
+- :func:`hold_progress`: keep the progress thread out for a block of code.
+
+Recording costs a few attribute writes per call; nothing here makes an MPI
+call. The environment variables that move the engine's internal limits
+(``$MPIGC_INLINE_PLAIN_BYTES``, ``$MPIGC_INLINE_PAYLOAD_BYTES``,
+``$MPIGC_MAX_COUNT``, ``$MPIGC_REDUCE_IDLE_S``) are described in
+``docs/user-guide.md`` (Diagnostics).
+"""
+from ._collective import CallTrace, counters, hold_progress, last_trace, threads
+
+__all__ = ["CallTrace", "last_trace", "counters", "threads", "hold_progress"]

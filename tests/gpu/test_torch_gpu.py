@@ -192,3 +192,37 @@ def test_backward_on_a_side_stream(torch, mt, op):
     assert_same_model(md, mh)
     for (a, _), (b, _) in zip(rd, rh):
         assert_same_state(a, b)
+
+
+ADAM_MODES = [dict(op="1bit", freeze_steps=3),
+              dict(op="1bit", warmup_op="bf16", freeze_steps=3, var_refresh=2, sync_every=2),
+              dict(op="2bit", rel_threshold=1.5, warmup_op="fp16", freeze_steps="auto",
+                   freeze_window=2, freeze_threshold=0.05, var_refresh=2)]
+
+
+@pytest.mark.parametrize("kw", ADAM_MODES, ids=["plain", "bf16-refresh-local", "auto-fp16"])
+def test_compressed_adamw_on_the_gpu_follows_the_cpu(torch, mt, kw):
+    """CompressedAdamW with CUDA parameters (the engine's device path for the
+    warm-up's bf16/fp16 exchange, the compressed momentum, the refreshes and
+    the local steps' window buffers) against the same run on the CPU: the
+    same freeze step and refreshes, parameters within float32 rounding (the
+    two sides' sqrt and division may differ in the last bit)."""
+    runs = []
+    for device in ("cuda", "cpu"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(),
+                                    torch.nn.Linear(256, 8)).to(device)
+        opt = mt.CompressedAdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95),
+                                 weight_decay=0.1, block_size=256, **kw)
+        for step in range(12):
+            x, y = batch(torch, step)
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+            opt.step()
+        opt.synchronize()
+        runs.append((opt.frozen_at, opt.refreshes, opt.skipped_steps,
+                     [p.detach().cpu() for p in model.parameters()]))
+    (fg, rg, sg, pg), (fc, rc, sc, pc) = runs
+    assert (fg, rg, sg) == (fc, rc, sc), runs[0][:3]
+    for a, b in zip(pg, pc):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()

@@ -116,7 +116,7 @@ class ErrorFeedback:
     The user API is the mapping-like view (``keys()``, ``in``, ``len``),
     :meth:`state_dict`, :meth:`load_state_dict`, :meth:`reset` and
     ``skipped_steps``. The methods of the residual transaction API
-    (:meth:`acquire` to :meth:`release_name`) are for mpigc's own modules.
+    (:meth:`acquire` to :meth:`release_name`, :meth:`snapshot` and :meth:`restore`) are for mpigc's own modules.
 
     Examples
     --------
@@ -382,6 +382,44 @@ class ErrorFeedback:
                     worker, owner, calls, config
                 self._entries[key] = entry
 
+    def snapshot(self, key, reuse=None):
+        """For mpigc's own modules (a step that may be rolled back, e.g.
+        mpigc.torch's ``nonfinite="skip"``): a copy of ``key``'s residuals,
+        ``(worker, owner, calls)``, or None if the key has none yet. Copies
+        stay on their side: device residuals are copied on the device, never
+        to the host. The arrays of ``reuse`` (an older snapshot of the key, no
+        longer needed) are written over when they fit, so a step allocates
+        nothing. Read while the caller knows no call uses the key."""
+        e = self._entries.get(key)
+        if e is None:
+            return None
+        old_w, old_o = (reuse[0], reuse[1]) if reuse is not None else (None, None)
+        return _copy_of(e.worker, old_w), _copy_of(e.owner, old_o), e.calls
+
+    def restore(self, key, snap):
+        """For mpigc's own modules: put back what :meth:`snapshot` took
+        (copied: the snapshot's arrays stay the snapshot's); a snapshot of
+        None forgets the key (:meth:`reset`). KeyError if the key has no entry
+        to restore into."""
+        if snap is None:
+            self.reset(key)
+            return
+        e = self._entries.get(key)
+        if e is None:
+            raise KeyError(key)
+        worker, owner, calls = snap
+        for name, old in (("worker", worker), ("owner", owner)):
+            cur = getattr(e, name)
+            if old is None or cur is None or cur.size != old.size:
+                setattr(e, name, _copy_of(old))
+            elif _dispatch.is_device_array(cur) or _dispatch.is_device_array(old):
+                from . import _cuda
+                if cur.size:
+                    _cuda.copy(cur, old)
+            else:
+                cur[...] = old
+        e.calls = calls
+
     def hold_name(self, prefix, make_name):
         """For mpigc's own modules (hierarchical calls): mark a name of the
         caller's busy, so :meth:`state_dict`, :meth:`load_state_dict`,
@@ -401,6 +439,26 @@ class ErrorFeedback:
         """For mpigc's own modules: ``name`` (of :meth:`hold_name`) is no
         longer busy; as :meth:`release`."""
         self.release(name)
+
+
+def _copy_of(a, into=None):
+    """A copy of residual ``a`` on its own side (a device residual stays in
+    device memory), written into ``into`` when that fits; None for None."""
+    if a is None:
+        return None
+    if _dispatch.is_device_array(a):
+        from . import _cuda
+        if (into is None or not _dispatch.is_device_array(into) or into.size != a.size
+                or np.dtype(into.dtype) != np.dtype(a.dtype)):
+            into = _cuda.empty(a.size, a.dtype)
+        if a.size:
+            _cuda.copy(into, a)
+        return into
+    if (into is None or not isinstance(into, np.ndarray) or into.shape != a.shape
+            or into.dtype != a.dtype):
+        return np.array(a, copy=True)
+    into[...] = a
+    return into
 
 
 def _host_array(a):

@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from .. import _dispatch, _hierarchy
+from .. import _hierarchy
 from .._errors import ConfigError, MismatchError, MpigcError, StateError
 from ..compressors import get_compressor
 from ..feedback import ErrorFeedback, shard_bounds
@@ -15,74 +15,19 @@ from ._common import raise_everywhere
 from ._record import is_record, state_for_rank
 
 
-def _copy_of(a, into=None):
-    """A copy of residual ``a`` on its own side (a device residual stays in
-    device memory), written into ``into`` when that fits; None for None."""
-    if a is None:
-        return None
-    if _dispatch.is_device_array(a):
-        from .. import _cuda
-        if (into is None or not _dispatch.is_device_array(into) or into.size != a.size
-                or np.dtype(into.dtype) != np.dtype(a.dtype)):
-            into = _cuda.empty(a.size, a.dtype)
-        if a.size:
-            _cuda.copy(into, a)
-        return into
-    if (into is None or not isinstance(into, np.ndarray) or into.shape != a.shape
-            or into.dtype != a.dtype):
-        return np.array(a, copy=True)
-    into[...] = a
-    return into
-
-
-def _snapshot(fb, key, reuse=None):
-    """A copy of ``key``'s residuals (None if the key has none yet), on their
-    side: device residuals are copied on the device, never to the host. The
-    arrays of ``reuse`` (an older snapshot of the key, no longer needed) are
-    written over when they fit, so a step allocates nothing."""
-    e = fb.entry(key)
-    if e is None:
-        return None
-    old_w, old_o = (reuse[0], reuse[1]) if reuse is not None else (None, None)
-    return _copy_of(e.worker, old_w), _copy_of(e.owner, old_o), e.calls
-
-
-def _restore(fb, key, snap):
-    """Put back what :func:`_snapshot` took (copied: the snapshot's arrays
-    stay the snapshot's)."""
-    if snap is None:
-        fb.reset(key)
-        return
-    e = fb.entry(key)
-    if e is None:
-        raise KeyError(key)
-    worker, owner, calls = snap
-    for name, old in (("worker", worker), ("owner", owner)):
-        cur = getattr(e, name)
-        if old is None or cur is None or cur.size != old.size:
-            setattr(e, name, _copy_of(old))
-        elif _dispatch.is_device_array(cur) or _dispatch.is_device_array(old):
-            from .. import _cuda
-            if cur.size:
-                _cuda.copy(cur, old)
-        else:
-            cur[...] = old
-    e.calls = calls
-
-
 def snapshot_keys(fb, keys, reuse=None):
-    """:func:`_snapshot` of each of ``keys`` (a bucket's residual keys):
-    ``{key: snapshot}``; ``reuse``: an older such dict whose arrays are
-    written over."""
+    """:meth:`ErrorFeedback.snapshot` of each of ``keys`` (a bucket's
+    residual keys): ``{key: snapshot}``; ``reuse``: an older such dict whose
+    arrays are written over."""
     reuse = reuse or {}
-    return {k: _snapshot(fb, k, reuse.get(k)) for k in keys}
+    return {k: fb.snapshot(k, reuse.get(k)) for k in keys}
 
 
 def restore_keys(fb, snaps):
     """Put back :func:`snapshot_keys`'s ``snaps`` (keys without residuals
     then are forgotten)."""
     for k, snap in snaps.items():
-        _restore(fb, k, snap)
+        fb.restore(k, snap)
 
 
 class Layout:

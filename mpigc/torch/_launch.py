@@ -1,9 +1,16 @@
 """Setting up a torch job on MPI ranks: the process group, and the
 broadcasts that make every rank start from rank 0's state."""
+import atexit
+import time
+
 import torch
 from mpi4py import MPI
 
 from ._common import check_same, describe, resolve_comm
+
+
+def _let_gloo_threads_finish():
+    time.sleep(0.2)
 
 
 # -- broadcast helpers ---------------------------------------------------------
@@ -47,6 +54,15 @@ def init_process_group(backend=None, *, comm=None, master_addr=None, master_port
     torch.distributed.init_process_group(backend, init_method="env://",
                                          rank=int(env["RANK"]),
                                          world_size=int(env["WORLD_SIZE"]), **kwargs)
+    if backend == "gloo":
+        # Gloo's worker threads drop a finished collective's tensors a moment
+        # after its wait returns, and torch keeps the group (and the threads)
+        # to the end once DDP has used it; a tensor they drop after the
+        # interpreter began to shut down aborts the process. At exit, before
+        # the script's objects go, they are given that moment (see
+        # mpigc.launch, which does the same for the scripts it runs).
+        atexit.unregister(_let_gloo_threads_finish)  # once, however many groups
+        atexit.register(_let_gloo_threads_finish)
     return env
 
 

@@ -228,26 +228,19 @@ def _read_limits():
     by the call on every rank). Tuning and test knobs: the first two move
     only the point where data stops travelling in the agreement messages,
     never a result; ``$MPIGC_MAX_COUNT`` lowers the largest count handed to
-    MPI in one argument (the results are the same bits), must be the same on
-    every rank (op="none" sums in that many pieces), and must not change
-    while a call is pending."""
+    MPI in one argument (the results are the same bits). The ranks of an
+    op="none" call that sums in pieces must agree on it: the number of
+    pieces is part of the call's settings (a difference is a settings
+    mismatch on every rank). It must not change while a call is pending."""
     global _limits_seen, _INLINE_PLAIN_MAX, _INLINE_PAYLOAD_MAX, _MAX_COUNT
     env = os.environ
     raw = (env.get("MPIGC_INLINE_PLAIN_BYTES"), env.get("MPIGC_INLINE_PAYLOAD_BYTES"),
            env.get("MPIGC_MAX_COUNT"))
     if raw == _limits_seen:
         return
-    vals = []
-    for (name, default, least), v in zip(_LIMIT_ENV, raw):
-        try:
-            x = default if v is None else int(v)
-        except ValueError:
-            x = -1
-        if x < least or x > _LIMIT_ENV[2][1]:
-            raise ConfigError(f"{name}: expected an integer from {least} to "
-                              f"{_LIMIT_ENV[2][1]}, got {v!r}")
-        vals.append(x)
-    _INLINE_PLAIN_MAX, _INLINE_PAYLOAD_MAX, _MAX_COUNT = vals
+    _INLINE_PLAIN_MAX, _INLINE_PAYLOAD_MAX, _MAX_COUNT = (
+        _env_int(name, default, least, _LIMIT_ENV[2][1])
+        for name, default, least in _LIMIT_ENV)
     _limits_seen = raw
 
 
@@ -294,19 +287,23 @@ def min_compress_bytes():
     bytes, the buffer's own dtype) run as ``op="none"`` (plain MPI sum, no
     residual used or changed). Default 8192; 0 always compresses. Ranks must
     agree (a difference is reported as a settings mismatch)."""
-    return _env_bytes("MPIGC_MIN_COMPRESS_BYTES", 8192)
+    return _env_int("MPIGC_MIN_COMPRESS_BYTES", 8192)
 
 
-def _env_bytes(name, default):
-    """A non-negative byte count from the environment variable ``name``;
-    ConfigError otherwise."""
-    env = os.environ.get(name, str(default))
+def _env_int(name, default, least=0, most=None):
+    """The integer in the environment variable ``name`` (``default`` when it
+    is unset), from ``least`` to ``most``; ConfigError otherwise."""
+    env = os.environ.get(name)
+    if env is None:
+        return default
     try:
         v = int(env)
     except ValueError:
-        v = -1
-    if v < 0:
-        raise ConfigError(f"{name}: expected a non-negative integer (bytes), got {env!r}")
+        v = least - 1
+    if v < least or (most is not None and v > most):
+        span = (f"an integer from {least} to {most}" if most is not None else
+                "a non-negative integer" if least == 0 else f"an integer >= {least}")
+        raise ConfigError(f"{name}: expected {span}, got {env!r}")
     return v
 
 
@@ -319,7 +316,7 @@ def chunk_bytes():
     Default 2 MiB; 0 turns pipelining off. The results are the same bits
     either way. Ranks must agree (a difference is reported as a mismatch on
     the chunking)."""
-    return _env_bytes("MPIGC_CHUNK_BYTES", 2 << 20)
+    return _env_int("MPIGC_CHUNK_BYTES", 2 << 20)
 
 
 # validated settings and their fingerprint per call signature (see _settings_key)
@@ -348,7 +345,8 @@ def _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype, r
         recvcounts = tuple(recvcounts)
     return (kind, op, repr(sorted(params.items())) if params else "", type(key), key,
             average, gather, nonfinite, n, dtype, recvcounts, size,
-            os.environ.get("MPIGC_NONFINITE"), os.environ.get("MPIGC_MIN_COMPRESS_BYTES"))
+            os.environ.get("MPIGC_NONFINITE"), os.environ.get("MPIGC_MIN_COMPRESS_BYTES"),
+            _MAX_COUNT)
 
 
 def adopt_input(kind, buf, cs):
@@ -423,6 +421,10 @@ def _validate_settings(kind, dtype, size, op, params, key, average, gather, nonf
                 "average": average, "gather": gather, "nonfinite": nonfinite,
                 "bounds": None if recvcounts is None else bounds,
                 "fallback": fallback}
+    if plain and n > _MAX_COUNT:
+        # MPI sums this many pieces, one collective each: ranks that cut
+        # differently ($MPIGC_MAX_COUNT) would wait in different collectives
+        settings["sum_pieces"] = -(-n // _MAX_COUNT)
     fp = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
     return comp, average, gather, nonfinite, bounds, key, plain, settings, fp
 

@@ -109,6 +109,32 @@ def test_none_beyond_the_count_limit(comm, monkeypatch, kind, dtype, nonblocking
 
 
 @pytest.mark.mpi
+@pytest.mark.parametrize("nonblocking", [False, True])
+@pytest.mark.parametrize("kind", ["allreduce", "reduce_scatter"])
+def test_ranks_that_cut_none_sums_differently_disagree(comm, monkeypatch, kind, nonblocking):
+    """A count limit set on some ranks only: they would sum op="none" in
+    another number of pieces (other collectives) than their peers and wait
+    for ever. The pieces are part of the settings, so every rank raises
+    MismatchError naming them, and the next call on the same buffer runs."""
+    if comm.size == 1:
+        pytest.skip("one rank agrees with itself")
+    if comm.rank == 0:
+        monkeypatch.setenv("MPIGC_MAX_COUNT", "61")
+    f = getattr(mpigc, ("i" if nonblocking else "") + kind)
+    x = _integers(comm.rank, N, np.float32)
+    with pytest.raises(mpigc.MismatchError, match="sum_pieces"):
+        r = f(x.copy(), "none")
+        if nonblocking:
+            r.wait()
+    monkeypatch.delenv("MPIGC_MAX_COUNT", raising=False)
+    got = f(x.copy(), "none")
+    got = np.asarray(got.wait() if nonblocking else got)
+    want = comm.allreduce(x.astype(np.float64))
+    lo, hi = (0, N) if kind == "allreduce" else mpigc.shard_bounds(N, comm.size)[comm.rank]
+    assert_all(np.array_equal(got, want[lo:hi].astype(np.float32)), "next call wrong")
+
+
+@pytest.mark.mpi
 def test_hierarchical_call_beyond_the_count_limit(comm, monkeypatch, typed):
     """The inter-node calls of a hierarchical call take the typed path too."""
     monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")

@@ -399,7 +399,7 @@ class _HierCall(_collective.PendingCall):
     def _settle(self):
         """The caller saw the call done: its key is no longer in use."""
         if self.busy is not None:
-            self.fb.release_name(self.busy)
+            self.fb.release(self.busy)
             self.busy = None
 
     def _head(self):

@@ -116,7 +116,8 @@ class ErrorFeedback:
     The user API is the mapping-like view (``keys()``, ``in``, ``len``),
     :meth:`state_dict`, :meth:`load_state_dict`, :meth:`reset` and
     ``skipped_steps``. The methods of the residual transaction API
-    (:meth:`acquire` to :meth:`release_name`, :meth:`snapshot` and :meth:`restore`) are for mpigc's own modules.
+    (:meth:`acquire` to :meth:`hold_name`, :meth:`snapshot` and :meth:`restore`) are for mpigc's
+    own modules.
 
     Examples
     --------
@@ -427,18 +428,13 @@ class ErrorFeedback:
         lock: if a busy name starts with ``prefix``, marks nothing (without
         calling ``make_name``) and returns None; else marks ``make_name()``
         (called once, under the lock) busy and returns it. Pair with
-        :meth:`release_name`."""
+        :meth:`release` of that name."""
         with self._lock:
             if any(b.startswith(prefix) for b in self._busy):
                 return None
             name = make_name()
             self._busy.add(name)
             return name
-
-    def release_name(self, name):
-        """For mpigc's own modules: ``name`` (of :meth:`hold_name`) is no
-        longer busy; as :meth:`release`."""
-        self.release(name)
 
 
 def _copy_of(a, into=None):

@@ -56,7 +56,8 @@ from mpi4py import MPI
 from . import _comm
 from . import _cuda
 from . import _dispatch
-from ._errors import (CODES, ConfigError, DTypeError, InvalidBufferError, MismatchError,
+from . import _plan
+from ._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError,
                       MpigcError, NonFiniteError, code_of)
 from .compressors import SUPPORTED_DTYPES, NoCompression, get_compressor, work_dtype
 from .feedback import get_default_feedback, shard_bounds
@@ -178,11 +179,11 @@ def hold_progress():
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 GATHER_MODES = ("compressed", "exact")
 
-# columns of the agreement table; _INLINE: 1 when this rank's agreement
-# messages carry its data (see _Op._start_agree); _CHUNK: the number of chunks
-# of a pipelined call, 0 for one that is not (see _Op._chunk_plan)
-_CODE, _NBAD, _N, _DTYPE, _FP, _SCALE, _RANGE, _INLINE, _CHUNK, _NCOLS = range(10)
-_HDR = _NCOLS * 8  # bytes of one agreement row, at the head of each agreement message
+# the columns of the agreement table (see mpigc._plan)
+_CODE, _NBAD, _SCALE, _RANGE, _INLINE = _plan.CODE, _plan.NBAD, _plan.SCALE, _plan.RANGE, \
+    _plan.INLINE
+_N, _DTYPE, _FP, _CHUNK = _plan.N, _plan.DTYPE, _plan.FP, _plan.CHUNK
+_HDR = _plan.ROW_BYTES  # at the head of each agreement message
 # up to this many ranks the agreement travels point to point, each rank's row
 # in front of the data it sends to each peer (one round for the whole call
 # where the data fits); beyond, an Iallgather of the rows (log N rounds)
@@ -207,8 +208,6 @@ _LIMIT_ENV = (("MPIGC_INLINE_PLAIN_BYTES", _INLINE_PLAIN_MAX, 0),
               ("MPIGC_INLINE_PAYLOAD_BYTES", _INLINE_PAYLOAD_MAX, 0),
               ("MPIGC_MAX_COUNT", _MAX_COUNT, 1))
 _limits_seen = (None, None, None)
-_FAST_AGREE = np.array([_CODE, _NBAD, _RANGE])
-_SAME_COLS = np.array([_N, _DTYPE, _FP, _CHUNK])
 _DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
 
 
@@ -556,16 +555,6 @@ def _progress_all():
         op.progress(block=False)
 
 
-def _piece_offsets(psz):
-    """Byte offsets of a pipelined call's pieces, chunk by chunk and shard by
-    shard in one buffer (``psz[c][j]``: piece sizes), and the total."""
-    offs, o = [], 0
-    for row in psz:
-        offs.append([o + sum(row[:j]) for j in range(len(row))])
-        o += sum(row)
-    return offs, o
-
-
 class PendingCall:
     """What the queue of pending calls (``_pending``) and :class:`Request` ask
     of a call: ``state`` ("done" at the end), ``error``, ``result``, ``cs``
@@ -624,8 +613,8 @@ class _Op(PendingCall):
         self.dev = False  # which side, for the error-feedback store
         # what the agreement step reads of a rank that failed early: defined
         # before anything can raise, so every rank evaluates it the same way
-        self.n = self.dtype = self.settings = None
-        row = np.zeros(_NCOLS, np.int64)
+        self.n = self.dtype = self.settings = self.nonfinite = None
+        row = _plan.new_row()
         try:
             self._prepare(buf, op, params, key, average, gather, feedback, nonfinite,
                           recvcounts, out, row)
@@ -634,7 +623,7 @@ class _Op(PendingCall):
             row[_CODE] = code_of(exc)
             self._abandon()
         self.row = row
-        self.table = np.zeros((self.size, _NCOLS), np.int64)
+        self.table = _plan.new_table(self.size)
         self.agree_req = None
         self.arecv = None
         if _draining:
@@ -654,51 +643,46 @@ class _Op(PendingCall):
         _pending.append(self)
 
     # -- 2a. the agreement, point to point -----------------------------------
-    def _inline_payloads(self):
-        """What this rank's agreement message to each peer carries after its
-        row: the data of the call where the agreement can travel with it
-        (``{peer: uint8 array}``), else None (rows only).
-
-        - compressed ops but terngrad (which quantizes only once the scale is
-          agreed), payloads of at most ``_INLINE_PAYLOAD_MAX`` bytes: the
-          payload of the peer's shard, i.e. phase 1 itself;
-        - ``op="none"`` and the small-buffer fallback of an allreduce on 2
-          ranks, up to ``_INLINE_PLAIN_MAX`` bytes: the values.
-
-        Host buffers only: a device buffer's payload would need staging
-        first (and a header read back from device memory with CUDA-aware
-        MPI), so device calls send rows only and move data as before.
-        A rank that failed early sends its row alone. The row says
+    def _inline_kind(self):
+        """``"values"``, ``"payloads"`` or None: what this rank's agreement
+        messages carry after its row (:func:`mpigc._plan.inline_data`). A
+        rank that failed early sends its row alone. The row says
         (``_INLINE``) whether data follows, so the decision need not be the
         same on every rank: the data path is taken only when every row says
-        so (see ``_after_agreement``)."""
-        if (self.local_error is not None or self.be is None or self.be.device
-                or self.chunks is not None):
+        so."""
+        if self.local_error is not None or self.be is None:
             return None
-        r = self.rank
-        if self.plain:
-            if (self.kind == "allreduce" and self.size == 2
-                    and self.none_buf.nbytes <= _INLINE_PLAIN_MAX):
-                v = self.none_buf.view(np.uint8)
-                return {1 - r: v}
+        scaled = not self.plain and self.comp.needs_global_scale
+        pipelined = self.chunks is not None
+        # the payloads' sizes are known before the agreement unless the call
+        # is pipelined or waits for the global scale
+        sizes = None if self.plain or scaled or pipelined else self.sizes
+        return _plan.inline_data(
+            self.kind, self.size, self.plain, self.none_buf.nbytes if self.plain else 0,
+            sizes, scaled, device=self.be.device, pipelined=pipelined,
+            plain_max=_INLINE_PLAIN_MAX, payload_max=_INLINE_PAYLOAD_MAX)
+
+    def _inline_payloads(self):
+        """What this rank's agreement message to each peer carries after its
+        row (``{peer: uint8 array}``), or None (rows only): the values of
+        ``op="none"`` on 2 ranks, or the payload of the peer's shard (phase 1
+        itself)."""
+        kind = self._inline_kind()
+        if kind is None:
             return None
-        if self.comp.needs_global_scale or max(self.sizes) > _INLINE_PAYLOAD_MAX:
-            return None
+        if kind == "values":
+            return {1 - self.rank: self.none_buf.view(np.uint8)}
         return {j: self.sendbuf[self.offs[j]:self.offs[j + 1]]
-                for j in range(self.size) if j != r}
+                for j in range(self.size) if j != self.rank}
 
     def _expected_inline(self):
         """Bytes of data that a peer that agrees with this rank sends after
         its row (0: rows only)."""
-        if (self.local_error is not None or self.be is None or self.be.device
-                or self.chunks is not None):
+        kind = self._inline_kind()
+        if kind is None:
             return 0
-        if self.plain:
-            ok = (self.kind == "allreduce" and self.size == 2
-                  and self.none_buf.nbytes <= _INLINE_PLAIN_MAX)
-            return self.none_buf.nbytes if ok else 0
-        if self.comp.needs_global_scale or max(self.sizes) > _INLINE_PAYLOAD_MAX:
-            return 0
+        if kind == "values":
+            return self.none_buf.nbytes
         return self.sizes[self.rank]
 
     def _start_agree(self):
@@ -840,19 +824,8 @@ class _Op(PendingCall):
         of the whole shard would: the results are the same bits."""
         if self.be.device or self.size < 2:
             return None
-        align = self.comp.chunk_align()
-        cb = chunk_bytes()
-        nbytes = self.n * self.dtype.itemsize
-        if align is None or cb == 0 or nbytes < 2 * cb:
-            return None
-        nc = -(-nbytes // cb)
-        plan = [[None] * self.size for _ in range(nc)]
-        for j, (lo, hi) in enumerate(self.bounds):
-            ln = hi - lo
-            cuts = [min(ln, -(-(c * ln // nc) // align) * align) for c in range(nc)] + [ln]
-            for c in range(nc):
-                plan[c][j] = (lo + cuts[c], lo + cuts[c + 1])
-        return plan
+        return _plan.chunk_cuts(self.bounds, self.n * self.dtype.itemsize,
+                                self.comp.chunk_align(), chunk_bytes())
 
     def _check_out(self, out, n):
         """reduce_scatter's ``out``: on the side of ``buf`` (host or device)."""
@@ -879,8 +852,7 @@ class _Op(PendingCall):
 
     def _payload_layout(self):
         sizes = [self.comp.payload_nbytes(hi - lo, self.wdtype) for lo, hi in self.bounds]
-        offs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
-        return sizes, offs
+        return sizes, _plan.offsets(sizes)
 
     def _stream(self, rank, stage):
         """terngrad's random stream: seed and key, rank, the key's call count
@@ -906,8 +878,7 @@ class _Op(PendingCall):
             self._count_bad(row, nbad)
 
     def _starts(self):
-        """The shard bounds as one tuple: shard j is ``[starts[j], starts[j + 1])``."""
-        return tuple(lo for lo, _ in self.bounds) + (self.n,)
+        return _plan.shard_starts(self.bounds, self.n)
 
     def _count_bad(self, row, nbad):
         """Split the encoder's bad count ``nbad`` into the non-finite values of
@@ -946,63 +917,50 @@ class _Op(PendingCall):
             self.fb.release(self.key)
 
     def _agreed(self):
-        t = self.table
-        # the common case first: no error, nothing non-finite, every rank alike
-        if (not t[:, _FAST_AGREE].any()
-                and (t[:, _SAME_COLS] == t[self.rank, _SAME_COLS]).all()):
+        """Act on the table's verdict (:func:`mpigc._plan.verdict`): True (go
+        ahead), False (skipped: NaN results), None (failed: the error report
+        is under way), or raise NonFiniteError on every rank."""
+        v = _plan.verdict(self.table, self.rank, self.nonfinite)
+        if v.kind == "go":
             return True
         comm = self.cs.post  # collectives started after an agreement
-        # a disagreement between ranks is the root cause of any state error it
-        # provokes, so it is reported first (rows of such ranks are complete)
-        full = np.isin(t[:, _CODE], (0, 4))
-        for col, what in ((_N, "size"), (_DTYPE, "dtype"), (_FP, "settings"),
-                          (_CHUNK, "chunking")):
-            vals = t[full, col]
-            if vals.size and np.any(vals != vals[0]):
-                self._abandon()
-                # only complete rows (full[rank]) have these values; the
-                # allgather is reached by every rank whatever this one holds
-                mine = None
-                if full[self.rank]:
-                    chunking = (f"{len(self.chunks)} chunks" if self.chunks is not None
-                                else "not pipelined")
-                    mine = str({"size": self.n, "dtype": str(self.dtype),
-                                "settings": json.dumps(self.settings, sort_keys=True),
-                                "chunking": chunking}[what])
+        if v.kind == "mismatch":
+            self._abandon()
+            what = v.what
+            # only complete rows have these values; the allgather is reached
+            # by every rank whatever this one holds
+            mine = None
+            if _plan.complete(self.table[self.rank]):
+                chunking = (f"{len(self.chunks)} chunks" if self.chunks is not None
+                            else "not pipelined")
+                mine = str({"size": self.n, "dtype": str(self.dtype),
+                            "settings": json.dumps(self.settings, sort_keys=True),
+                            "chunking": chunking}[what])
 
-                def mismatch(allv, what=what):
-                    detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(allv)
-                                       if v is not None)
-                    hint = ("; pipelining takes host buffers only and "
-                            "$MPIGC_CHUNK_BYTES must be the same on every rank"
-                            if what == "chunking" else "")
-                    return MismatchError(f"{self.kind}: ranks disagree on the {what} "
-                                         f"({detail}){hint}")
-                self._start_report(comm, mine, mismatch)
-                return None
-        bad = np.flatnonzero(t[:, _CODE])
-        if bad.size:
+            def mismatch(allv):
+                detail = ", ".join(f"rank {r}: {x}" for r, x in enumerate(allv)
+                                   if x is not None)
+                hint = ("; pipelining takes host buffers only and "
+                        "$MPIGC_CHUNK_BYTES must be the same on every rank"
+                        if what == "chunking" else "")
+                return MismatchError(f"{self.kind}: ranks disagree on the {what} "
+                                     f"({detail}){hint}")
+            self._start_report(comm, mine, mismatch)
+            return None
+        if v.kind == "failed":
             exc = self.local_error
             msg = "" if exc is None else (str(exc) if isinstance(exc, MpigcError)
                                           else f"{type(exc).__name__}: {exc}")
-            # every rank raises the class of the lowest failing rank's error
-            cls = CODES.get(int(t[int(bad[0]), _CODE])) or MpigcError
 
-            def failed(msgs, cls=cls, bad=bad):
-                detail = "; ".join(f"rank {int(r)}: {msgs[int(r)]}" for r in bad)
-                exc = cls(f"{self.kind} failed on {len(bad)} of {self.size} rank(s): "
-                          f"{detail}")
+            def failed(msgs):
+                detail = "; ".join(f"rank {r}: {msgs[r]}" for r in v.ranks)
+                exc = v.error(f"{self.kind} failed on {len(v.ranks)} of {self.size} "
+                              f"rank(s): {detail}")
                 exc.__cause__ = self.local_error
                 return exc
             self._start_report(comm, msg, failed)
             return None
         return self._nonfinite_verdict()
-
-    def _nonfinite_found(self):
-        """The table counts non-finite or out-of-range values that the policy
-        does not ignore."""
-        t = self.table
-        return self.nonfinite != "ignore" and bool(t[:, _NBAD].any() or t[:, _RANGE].any())
 
     def _nonfinite_verdict(self):
         """The table's non-finite and out-of-range counts decide: True (go
@@ -1011,9 +969,10 @@ class _Op(PendingCall):
         cases."""
         t = self.table
         nbad, nrange = t[:, _NBAD], t[:, _RANGE]
-        if self._nonfinite_found():
+        v = _plan.nonfinite_verdict(t, self.nonfinite)
+        if v.kind != "go":
             self._abandon()
-            if self.nonfinite == "raise":
+            if v.kind == "nonfinite":
                 what = []
                 if np.any(nbad):
                     what.append("non-finite values in the input on " + ", ".join(
@@ -1033,39 +992,26 @@ class _Op(PendingCall):
             return False
         return True
 
-    # the messages of an error report, one fixed-width slot per rank
-    _REPORT_WIDTH = 2048
-
     def _start_report(self, comm, text, make_error):
         """Gather every rank's message of a failed agreement (``text``, a str
-        or None) with a NONBLOCKING allgather, then raise ``make_error(msgs)``
-        from state "report". A blocking allgather here deadlocked: a progress
-        step (the progress thread's, or a test()) that reached this call's
-        failed agreement while an earlier call still owed the peers its next
-        stage blocked in the allgather, holding the engine lock, so that
-        earlier call never advanced, and the peers, blocked waiting for it,
-        never reached the allgather (seen in CI: test_random_faults, 2 ranks)."""
-        w = self._REPORT_WIDTH
-        mine = np.zeros(w, np.uint8)
-        if text is not None:
-            b = text.encode("utf-8")[:w - 1]
-            mine[0] = 1
-            mine[1:1 + len(b)] = np.frombuffer(b, np.uint8)
-        allb = np.zeros(w * self.size, np.uint8)
+        or None; one slot per rank, :func:`mpigc._plan.report_slot`) with a
+        NONBLOCKING allgather, then raise ``make_error(msgs)`` from state
+        "report". A blocking allgather here deadlocked: a progress step (the
+        progress thread's, or a test()) that reached this call's failed
+        agreement while an earlier call still owed the peers its next stage
+        blocked in the allgather, holding the engine lock, so that earlier
+        call never advanced, and the peers, blocked waiting for it, never
+        reached the allgather (seen in CI: test_random_faults, 2 ranks)."""
+        mine = _plan.report_slot(text)
+        allb = np.zeros(_plan.REPORT_SLOT * self.size, np.uint8)
         self.report = (mine, allb, make_error)
         self.report_req = comm.Iallgather([mine, MPI.BYTE], [allb, MPI.BYTE])
         self.state = "report"
 
     def _report_error(self):
         _, allb, make_error = self.report
-        w = self._REPORT_WIDTH
-        msgs = []
-        for r in range(self.size):
-            slot = allb[r * w:(r + 1) * w]
-            msgs.append(bytes(slot[1:]).rstrip(b"\0").decode("utf-8", "replace")
-                        if slot[0] else None)
         self.report = None
-        return make_error(msgs)
+        return make_error(_plan.read_report(allb))
 
     def _finish_skipped(self):
         if self.kind == "allreduce":
@@ -1503,7 +1449,7 @@ class _Op(PendingCall):
         acc_dtype = np.float64 if self.dtype == np.float64 else np.float32
         self.psz = [[comp.payload_nbytes(hi - lo, self.wdtype) for lo, hi in ch]
                     for ch in plan]
-        self.poff, o = _piece_offsets(self.psz)
+        self.poff, o = _plan.piece_offsets(self.psz)
         self.sendbuf = self._empty(o, np.uint8)
         self.sizes = [sum(self.psz[c][j] for c in range(nc)) for j in range(size)]
         # phase 1's receives: chunk by chunk, a slot per sender
@@ -1560,7 +1506,7 @@ class _Op(PendingCall):
                                            self.tags[0]))
         self.cpack += 1
         if self.cpack == len(self.chunks):
-            row = np.zeros(_NCOLS, np.int64)
+            row = _plan.new_row()
             self._count_bad(row, self.nbad)
             self.trail[r] = (row[_NBAD], row[_RANGE])
             for k in range(1, size):
@@ -1603,7 +1549,7 @@ class _Op(PendingCall):
         """Every trailer is in: the counts decide (see the section's comment)."""
         self.table[:, _NBAD] = self.trail[:, 0]
         self.table[:, _RANGE] = self.trail[:, 1]
-        if self._nonfinite_found():
+        if _plan.nonfinite_verdict(self.table, self.nonfinite).kind != "go":
             self.verdict = "stop"
             return
         self.verdict = "go"
@@ -1629,7 +1575,7 @@ class _Op(PendingCall):
         adt = self.acc.dtype
         self.psz2 = [[self.comp.payload_nbytes(b - a, adt) for a, b in ch]
                      for ch in self.chunks]
-        self.poff2, o = _piece_offsets(self.psz2)
+        self.poff2, o = _plan.piece_offsets(self.psz2)
         self.recvbuf2 = self._empty(o, np.uint8)
         self.sizes2 = [sum(self.psz2[c][j] for c in range(nc)) for j in range(size)]
         for c in range(nc):

@@ -83,7 +83,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from . import _collective, _comm, _cuda, _dispatch
+from . import _collective, _comm, _cuda, _dispatch, _plan
 from ._errors import (CODES, ConfigError, DTypeError, MismatchError, MpigcError,
                       NonFiniteError, StateError, code_of)
 from .compressors import work_dtype
@@ -325,10 +325,11 @@ def layout(comm=None):
 
 
 # -- the call ----------------------------------------------------------------------
-_CODE, _N, _DTYPE, _FP, _NCOLS = 0, 1, 2, 3, 4
+# the agreement row of the flat calls (mpigc._plan), with the columns a
+# hierarchical call fills: code, size, dtype, settings
+_CODE, _N, _DTYPE, _FP = _plan.CODE, _plan.N, _plan.DTYPE, _plan.FP
 _DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
 _NONFINITE_CODE = code_of(NonFiniteError())
-_TEXT_BYTES = 4096  # an error text as the ranks exchange it (longer ones are cut)
 _call_ids = itertools.count(1)
 
 
@@ -495,7 +496,7 @@ class _HierCall(_collective.PendingCall):
         of the call is progressed from the queue."""
         lay = self.lay
         lay.ready_for_calls()
-        row = np.zeros(_NCOLS, np.int64)
+        row = _plan.new_row()
         self.exc = None
         self.plain = False
         try:
@@ -507,7 +508,7 @@ class _HierCall(_collective.PendingCall):
         self.need = 0
         if self.exc is None and not self.plain and not self.alone:
             self.need = self.n * self.wd.itemsize
-        self.table = np.zeros((lay.size, _NCOLS), np.int64)
+        self.table = _plan.new_table(lay.size)
         grow = self.need > lay.window_bytes()
         with _collective._lock:
             self.row = row  # MPI reads it until the rows are in
@@ -523,7 +524,7 @@ class _HierCall(_collective.PendingCall):
                         if op.cs is lay:
                             _collective.complete(op)
                     self._await_rows()
-                    if self._rows_agree():
+                    if self._verdict().kind == "go":
                         lay.shared(self.need)  # every node rank, at this call
                 finally:
                     self.running = False
@@ -602,35 +603,30 @@ class _HierCall(_collective.PendingCall):
         self.flat = b[:d.nbytes].view(d.dtype)
         _cuda.to_host(d, self.flat)
 
-    def _rows_agree(self):
-        t = self.table
-        full = t[:, _CODE] == 0
-        return bool(full.all()) and all(bool(np.all(t[:, c] == t[0, c]))
-                                        for c in (_N, _DTYPE, _FP))
+    def _verdict(self):
+        """The agreed table's verdict; no non-finite counts here: the
+        inter-node calls check those."""
+        return _plan.verdict(self.table, self.lay.rank, "ignore")
 
-    def _disagreement(self):
-        """The agreement failed: the error, raised on every rank (steps)."""
-        lay, t = self.lay, self.table
-        full = t[:, _CODE] == 0
-        for col, what in ((_N, "size"), (_DTYPE, "dtype"), (_FP, "settings")):
-            vals = t[full, col]
-            if vals.size and np.any(vals != vals[0]):
-                mine = ""
-                if full[lay.rank]:
-                    mine = {"size": str(self.n), "dtype": str(self.dtype),
-                            "settings": json.dumps(self.settings, sort_keys=True)}[what]
-                allv = yield from _texts(lay.comm, mine)
-                detail = ", ".join(f"rank {r}: {v}" for r, v in enumerate(allv) if v)
-                raise MismatchError(f"{self.kind}: ranks disagree on the {what} ({detail})")
-        bad = np.flatnonzero(t[:, _CODE])
+    def _disagreement(self, v):
+        """The agreement failed (``v``, the table's :class:`mpigc._plan.Verdict`):
+        the error, raised on every rank (steps)."""
+        lay = self.lay
+        if v.kind == "mismatch":
+            mine = ""
+            if _plan.complete(self.table[lay.rank]):
+                mine = {"size": str(self.n), "dtype": str(self.dtype),
+                        "settings": json.dumps(self.settings, sort_keys=True)}[v.what]
+            allv = yield from _texts(lay.comm, mine)
+            detail = ", ".join(f"rank {r}: {x}" for r, x in enumerate(allv) if x)
+            raise MismatchError(f"{self.kind}: ranks disagree on the {v.what} ({detail})")
         exc = self.exc
         msg = "" if exc is None else (str(exc) if isinstance(exc, MpigcError)
                                       else f"{type(exc).__name__}: {exc}")
         msgs = yield from _texts(lay.comm, msg)
-        cls = CODES.get(int(t[int(bad[0]), _CODE])) or MpigcError
-        detail = "; ".join(f"rank {int(r)}: {msgs[int(r)]}" for r in bad)
-        raise cls(f"{self.kind} failed on {len(bad)} of {lay.size} rank(s): "
-                  f"{detail}") from exc
+        detail = "; ".join(f"rank {r}: {msgs[r]}" for r in v.ranks)
+        raise v.error(f"{self.kind} failed on {len(v.ranks)} of {lay.size} rank(s): "
+                      f"{detail}") from exc
 
     # -- the steps ---------------------------------------------------------------------
     def _steps(self):
@@ -645,9 +641,9 @@ class _HierCall(_collective.PendingCall):
         if stored:
             store_for_peers(lay, lay.shared(self.need), self.flat, self.n, self.wd)
         yield self.agree_req
-        agreed = self._rows_agree()  # the window is large enough then (begin)
-        if not agreed:
-            yield from self._disagreement()
+        v = self._verdict()  # the window is large enough then (begin)
+        if v.kind != "go":
+            yield from self._disagreement(v)
         if self.plain:
             # op="none" and small buffers: the flat engine (a plain MPI sum), on
             # the layout's own communicator (the same ranks in the same order)
@@ -725,7 +721,7 @@ class _HierCall(_collective.PendingCall):
         if failed:
             for snap in saved:
                 self._restore(snap)
-            got = yield from _texts(lay.node_comm, json.dumps(texts))
+            got = yield from _texts(lay.node_comm, _plan.fit_json(texts))
             for t in got:
                 texts.update({int(s): v for s, v in json.loads(t).items()})
             what = "; ".join(f"slice {s}: {texts[s]}" for s in sorted(failed))
@@ -845,19 +841,12 @@ class _HierCall(_collective.PendingCall):
 
 
 def _texts(comm, text):
-    """Steps: every rank's ``text`` (at most ``_TEXT_BYTES`` of UTF-8 each;
-    longer ones are cut), by one nonblocking allgather."""
-    b = text.encode()[:_TEXT_BYTES]
-    mine = np.zeros(_TEXT_BYTES + 8, np.uint8)
-    mine[:8] = np.frombuffer(np.int64(len(b)).tobytes(), np.uint8)
-    mine[8:8 + len(b)] = np.frombuffer(b, np.uint8)
-    table = np.empty((comm.Get_size(), _TEXT_BYTES + 8), np.uint8)
-    yield comm.Iallgather(mine, table)
-    out = []
-    for row in table:
-        k = int(row[:8].view(np.int64)[0])
-        out.append(bytes(row[8:8 + k]).decode(errors="replace"))
-    return out
+    """Steps: every rank's ``text`` (a str, or None) by one nonblocking
+    allgather of the engine's report slots (:func:`mpigc._plan.report_slot`)."""
+    mine = _plan.report_slot(text)
+    allb = np.empty(_plan.REPORT_SLOT * comm.Get_size(), np.uint8)
+    yield comm.Iallgather([mine, MPI.BYTE], [allb, MPI.BYTE])
+    return _plan.read_report(allb)
 
 
 # -- exact intra-node steps and data movement ---------------------------------------

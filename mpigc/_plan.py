@@ -1,0 +1,211 @@
+"""A call's plan, without MPI: the agreement rows and their verdict, and the
+layout of the call's data.
+
+Everything here is a pure function of a call's arguments and of the rows its
+ranks exchanged; nothing sends, receives or waits. The engine
+(``mpigc._collective``) carries the plan out, and the tests hold these
+functions to ``tests/reference.py`` without ``mpirun`` (``tests/test_plan.py``).
+
+The agreement row
+    Each rank of a call sends every peer one row of ``NCOLS`` int64 before any
+    data moves (``ROW_BYTES`` at the head of its agreement message): ``CODE``
+    (0, or the wire code of the error this rank raised while preparing:
+    ``mpigc._errors.CODES``), ``NBAD`` and ``RANGE`` (its non-finite values
+    and the finite values the wire format cannot carry), ``N``, ``DTYPE``,
+    ``FP`` (the fingerprint of the settings), ``SCALE`` (terngrad's local
+    scale, as float64 bits), ``INLINE`` (1 when its data follows the row in
+    the same message) and ``CHUNK`` (the number of chunks of a pipelined
+    call, 0 when not pipelined). The rows of all ranks make the table, and
+    :func:`verdict` reads it the same way on every rank.
+"""
+import json
+from typing import NamedTuple
+
+import numpy as np
+
+from ._errors import CODES, MpigcError
+
+CODE, NBAD, N, DTYPE, FP, SCALE, RANGE, INLINE, CHUNK, NCOLS = range(10)
+ROW_BYTES = NCOLS * 8
+# columns whose values must be the same on every rank that got as far as the
+# agreement, and the words an error uses for them
+SAME_COLUMNS = ((N, "size"), (DTYPE, "dtype"), (FP, "settings"), (CHUNK, "chunking"))
+_FAST = np.array([CODE, NBAD, RANGE])
+_SAME = np.array([c for c, _ in SAME_COLUMNS])
+# the error codes of ranks whose rows are complete: none, and StateError (a
+# key in use is found after every column has its value)
+_COMPLETE = (0, 4)
+
+
+def complete(row):
+    """Whether ``row`` has every column's value (its rank got as far as the
+    agreement: no error, or only its key in use)."""
+    return int(row[CODE]) in _COMPLETE
+
+
+def new_row():
+    return np.zeros(NCOLS, np.int64)
+
+
+def new_table(size):
+    return np.zeros((size, NCOLS), np.int64)
+
+
+class Verdict(NamedTuple):
+    """What the agreed table says, the same on every rank.
+
+    ``kind``:
+
+    - ``"go"``: every rank goes ahead;
+    - ``"skip"``: non-finite values and ``nonfinite="skip"``: no rank changes
+      anything, results are NaN;
+    - ``"nonfinite"``: non-finite or out-of-range values and
+      ``nonfinite="raise"``: every rank raises NonFiniteError;
+    - ``"mismatch"``: ranks disagree on the column named ``what``
+      (``"size"``, ``"dtype"``, ``"settings"``, ``"chunking"``): every rank
+      raises MismatchError;
+    - ``"failed"``: the ranks ``ranks`` failed while preparing: every rank
+      raises ``error``, the class of the lowest failing rank's error.
+    """
+    kind: str
+    what: str = None
+    ranks: tuple = ()
+    error: type = None
+
+
+GO = Verdict("go")
+
+
+def nonfinite_verdict(table, nonfinite):
+    """GO, or the verdict of the table's non-finite and out-of-range counts
+    under the policy ``nonfinite`` ("raise", "skip", "ignore")."""
+    if nonfinite == "ignore" or not (table[:, NBAD].any() or table[:, RANGE].any()):
+        return GO
+    return Verdict("nonfinite" if nonfinite == "raise" else "skip")
+
+
+def verdict(table, rank, nonfinite):
+    """The :class:`Verdict` of an agreement table (``rank``: this rank's row,
+    for the common case's quick check). In order: a disagreement between
+    ranks (the root cause of any error it provokes), then failed ranks, then
+    the non-finite counts."""
+    if not table[:, _FAST].any() and (table[:, _SAME] == table[rank, _SAME]).all():
+        return GO
+    full = np.isin(table[:, CODE], _COMPLETE)
+    for col, what in SAME_COLUMNS:
+        vals = table[full, col]
+        if vals.size and np.any(vals != vals[0]):
+            return Verdict("mismatch", what=what)
+    bad = np.flatnonzero(table[:, CODE])
+    if bad.size:
+        return Verdict("failed", ranks=tuple(int(r) for r in bad),
+                       error=CODES.get(int(table[int(bad[0]), CODE])) or MpigcError)
+    return nonfinite_verdict(table, nonfinite)
+
+
+def inline_data(kind, size, plain, nbytes, payload_sizes, needs_scale, *, device,
+                pipelined, plain_max, payload_max):
+    """What a rank's agreement message carries after its row: ``"values"``
+    (``op="none"`` and the small-buffer fallback of an allreduce on 2 ranks,
+    up to ``plain_max`` bytes: the peer adds them), ``"payloads"``
+    (compressed ops but terngrad, which quantizes only once the scale is
+    agreed, when no shard's payload is over ``payload_max`` bytes: phase 1
+    itself) or None (the row alone). Host buffers of calls that are not
+    pipelined only: a device payload would need staging first."""
+    if device or pipelined:
+        return None
+    if plain:
+        return "values" if kind == "allreduce" and size == 2 and nbytes <= plain_max else None
+    if needs_scale or max(payload_sizes) > payload_max:
+        return None
+    return "payloads"
+
+
+def offsets(sizes):
+    """``[0, s0, s0 + s1, ...]``: where each of ``sizes`` starts in one
+    buffer, and the total."""
+    return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+
+
+def shard_starts(bounds, n):
+    """The shard bounds as one tuple: shard j is ``[starts[j], starts[j + 1])``."""
+    return tuple(lo for lo, _ in bounds) + (n,)
+
+
+def chunk_cuts(bounds, nbytes, align, chunk_bytes):
+    """A pipelined call's chunks: ``cuts[c][j] = (a, b)``, the elements of
+    shard j in chunk c, or None when the call is not pipelined (a codec
+    without an alignment, ``chunk_bytes`` 0, or fewer than ``2 * chunk_bytes``
+    bytes). As many chunks as ``chunk_bytes`` fit in ``nbytes``, rounded up;
+    each shard is cut into that many pieces at multiples of ``align`` from
+    the shard's start, so a piece encodes as its part of the whole shard
+    would (the same bits as the call unpipelined)."""
+    if align is None or chunk_bytes == 0 or nbytes < 2 * chunk_bytes:
+        return None
+    nc = -(-nbytes // chunk_bytes)
+    cuts = [[None] * len(bounds) for _ in range(nc)]
+    for j, (lo, hi) in enumerate(bounds):
+        ln = hi - lo
+        at = [min(ln, -(-(c * ln // nc) // align) * align) for c in range(nc)] + [ln]
+        for c in range(nc):
+            cuts[c][j] = (lo + at[c], lo + at[c + 1])
+    return cuts
+
+
+def piece_offsets(psz):
+    """Byte offsets of a pipelined call's pieces, chunk by chunk and shard by
+    shard in one buffer (``psz[c][j]``: piece sizes), and the total."""
+    offs, o = [], 0
+    for row in psz:
+        offs.append([o + sum(row[:j]) for j in range(len(row))])
+        o += sum(row)
+    return offs, o
+
+
+def sum_pieces(n, max_count):
+    """How many MPI sums an ``op="none"`` call of ``n`` elements takes when
+    no count handed to MPI may exceed ``max_count``."""
+    return -(-n // max_count)
+
+
+# -- error reports ---------------------------------------------------------------------
+# A failed agreement is reported by one allgather of a fixed slot per rank: an
+# int64 length (-1: this rank has nothing to say), then that many bytes of
+# UTF-8 text (longer texts are cut).
+REPORT_SLOT = 2048
+
+
+def report_slot(text):
+    """This rank's slot (uint8) of an error report: ``text`` (a str) or None."""
+    slot = np.zeros(REPORT_SLOT, np.uint8)
+    if text is None:
+        slot[:8] = np.frombuffer(np.int64(-1).tobytes(), np.uint8)
+        return slot
+    b = text.encode("utf-8")[:REPORT_SLOT - 8]
+    slot[:8] = np.frombuffer(np.int64(len(b)).tobytes(), np.uint8)
+    slot[8:8 + len(b)] = np.frombuffer(b, np.uint8)
+    return slot
+
+
+def read_report(slots):
+    """Every rank's text (None where it had none) from the gathered slots
+    (``size * REPORT_SLOT`` uint8, in rank order)."""
+    out = []
+    for row in np.asarray(slots, np.uint8).reshape(-1, REPORT_SLOT):
+        k = int(row[:8].view(np.int64)[0])
+        out.append(None if k < 0 else bytes(row[8:8 + k]).decode("utf-8", "replace"))
+    return out
+
+
+def fit_json(texts):
+    """``{key: text}`` as JSON that fits in one report slot: the texts cut as
+    far as needed (cutting the JSON itself would leave text that does not
+    parse); ``"{}"`` if even empty texts do not fit."""
+    limit, cut = REPORT_SLOT - 8, REPORT_SLOT
+    while True:
+        s = json.dumps({k: v[:cut] for k, v in texts.items()})
+        if len(s.encode()) <= limit:
+            return s
+        if cut == 0:
+            return "{}"
+        cut //= 2

@@ -1,0 +1,212 @@
+"""mpigc._plan without MPI: the verdict of an agreement table, and the layout
+of a call (chunks, offsets, what travels with the rows), held to
+tests/reference.py where bits are concerned."""
+import itertools
+
+import numpy as np
+import pytest
+
+import mpigc
+from mpigc import _plan
+from mpigc._errors import (ConfigError, DTypeError, InvalidBufferError, MpigcError,
+                           StateError)
+
+import reference as ref
+
+P = _plan
+
+
+def table(*rows):
+    """A table from ``{column: value}`` dicts (missing columns 0)."""
+    t = P.new_table(len(rows))
+    for r, row in enumerate(rows):
+        for c, v in row.items():
+            t[r, c] = v
+    return t
+
+
+def same(n=100, fp=7):
+    return {P.N: n, P.DTYPE: 2, P.FP: fp}
+
+
+def verdicts(t, nonfinite="raise"):
+    """The verdict as every rank reads it: it must be one."""
+    vs = {P.verdict(t, r, nonfinite) for r in range(len(t))}
+    assert len(vs) == 1, vs
+    return vs.pop()
+
+
+# -- the verdict ------------------------------------------------------------------------
+def test_alike_rows_go():
+    assert verdicts(table(same(), same(), same())) == P.GO
+
+
+@pytest.mark.parametrize("col,what", P.SAME_COLUMNS)
+def test_a_column_that_differs_is_a_mismatch_named_by_it(col, what):
+    rows = [same(), same(), same()]
+    rows[1] = dict(rows[1])
+    rows[1][col] = rows[1].get(col, 0) + 1
+    assert verdicts(table(*rows)) == P.Verdict("mismatch", what=what)
+
+
+def test_the_first_differing_column_names_the_mismatch():
+    t = table(same(n=5, fp=1), same(n=6, fp=2))
+    assert verdicts(t).what == "size"
+
+
+def test_a_mismatch_comes_before_failures():
+    # rank 1's key is in use (its row is complete), rank 2 failed early
+    t = table(same(n=5), {**same(n=6), P.CODE: 4}, {P.CODE: 1})
+    assert verdicts(t) == P.Verdict("mismatch", what="size")
+
+
+def test_rows_of_ranks_that_failed_early_are_not_compared():
+    # rank 1 failed before it knew the size: a failure, not a mismatch
+    t = table(same(n=5), {P.CODE: 2}, same(n=5))
+    assert verdicts(t) == P.Verdict("failed", ranks=(1,), error=InvalidBufferError)
+
+
+@pytest.mark.parametrize("codes,ranks,error", [
+    ((0, 3, 1), (1, 2), DTypeError),
+    ((1, 0, 3), (0, 2), ConfigError),
+    ((4, 4), (0, 1), StateError),
+    ((0, 6), (1,), MpigcError),
+    ((0, 99), (1,), MpigcError),  # a code this version does not know
+])
+def test_failed_ranks_and_the_lowest_ones_class(codes, ranks, error):
+    t = table(*[{**same(), P.CODE: c} for c in codes])
+    assert verdicts(t) == P.Verdict("failed", ranks=ranks, error=error)
+
+
+@pytest.mark.parametrize("col", [P.NBAD, P.RANGE])
+@pytest.mark.parametrize("policy,kind", [("raise", "nonfinite"), ("skip", "skip"),
+                                         ("ignore", "go")])
+def test_nonfinite_counts_under_each_policy(col, policy, kind):
+    t = table(same(), {**same(), col: 3}, same())
+    assert verdicts(t, policy).kind == kind
+    assert P.nonfinite_verdict(t, policy).kind == kind
+
+
+def test_failures_come_before_nonfinite_counts():
+    t = table({**same(), P.NBAD: 1}, {P.CODE: 3})
+    assert verdicts(t, "skip").kind == "failed"
+
+
+def test_every_small_table_reads_the_same_on_every_rank():
+    """Exhaustively over small tables: the verdict does not depend on which
+    rank reads it, and go means every row alike and clean."""
+    vals = [(0, 0, 5, 0), (0, 0, 6, 0), (0, 1, 5, 0), (4, 0, 5, 0), (1, 0, 0, 0),
+            (0, 0, 5, 1)]  # (code, nbad, n, range)
+    for rows in itertools.product(vals, repeat=3):
+        t = table(*[{P.CODE: c, P.NBAD: b, P.N: n, P.RANGE: g, P.DTYPE: 2}
+                    for c, b, n, g in rows])
+        for policy in ("raise", "skip", "ignore"):
+            v = verdicts(t, policy)
+            clean = all(c == 0 and n == rows[0][2] for c, _, n, _ in rows) and (
+                policy == "ignore" or not any(b or g for _, b, _, g in rows))
+            assert (v == P.GO) == clean, (rows, policy, v)
+
+
+# -- the layout --------------------------------------------------------------------------
+def test_offsets():
+    assert P.offsets([3, 0, 5]) == [0, 3, 3, 8]
+    offs, total = P.piece_offsets([[1, 2], [3, 4]])
+    assert offs == [[0, 1], [3, 6]] and total == 10
+
+
+def test_shard_starts():
+    assert P.shard_starts([(0, 3), (3, 5), (5, 9)], 9) == (0, 3, 5, 9)
+
+
+@pytest.mark.parametrize("align,cb,nbytes", [(None, 8, 100), (4, 0, 100), (4, 64, 127)])
+def test_calls_that_are_not_pipelined(align, cb, nbytes):
+    assert P.chunk_cuts([(0, 10), (10, 20)], nbytes, align, cb) is None
+
+
+@pytest.mark.parametrize("n,size,itemsize,align,cb", [
+    (3001, 2, 4, 4, 2048), (3001, 3, 4, 1024, 1000), (4096, 4, 8, 4, 4096),
+    (257, 3, 2, 1, 64), (10, 4, 4, 4, 8), (5000, 3, 4, 1024, 128)])
+def test_chunks_cover_each_shard_at_aligned_cuts(n, size, itemsize, align, cb):
+    bounds = ref._bounds(n, size)
+    cuts = P.chunk_cuts(bounds, n * itemsize, align, cb)
+    nc = -(-n * itemsize // cb)
+    assert len(cuts) == nc and all(len(c) == size for c in cuts)
+    for j, (lo, hi) in enumerate(bounds):
+        pieces = [cuts[c][j] for c in range(nc)]
+        assert pieces[0][0] == lo and pieces[-1][1] == hi
+        for (a, b), (a2, _) in zip(pieces, pieces[1:]):
+            assert a <= b == a2
+        for a, b in pieces[:-1]:
+            assert (b - lo) % align == 0 or b == hi
+
+
+@pytest.mark.parametrize("config,itemsize", [
+    ({"id": "2bit", "threshold": 0.5}, 4), ({"id": "1bit", "block_size": 64}, 4),
+    ({"id": "fp16"}, 8), ({"id": "bf16"}, 4),
+    ({"id": "2bit", "rel_threshold": 0.3, "block_size": 64}, 4)])
+def test_pieces_encode_to_the_bits_of_their_shard(config, itemsize):
+    """The point of the alignment: the pieces of a shard, each encoded alone
+    with its slice of the residual (reference encoders), decode to the
+    shard's decoded values and leave its residual, bit for bit (block
+    formats lay a piece's payload out as a shard of its own)."""
+    comp = mpigc.get_compressor(config["id"], **{k: v for k, v in config.items()
+                                                if k != "id"})
+    dtype = np.float32 if itemsize == 4 else np.float64
+    n, size = 2999, 3
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal(n).astype(dtype)
+    e = (0.1 * rng.standard_normal(n)).astype(dtype)
+    bounds = ref._bounds(n, size)
+    cuts = P.chunk_cuts(bounds, n * itemsize, comp.chunk_align(), 1200)
+    assert cuts is not None and len(cuts) > 2
+    for j, (lo, hi) in enumerate(bounds):
+        whole, res = ref.encode(config, x[lo:hi], e[lo:hi])
+        pieces = [(a, b) for a, b in (c[j] for c in cuts) if b > a]
+        parts = [ref.encode(config, x[a:b], e[a:b]) for a, b in pieces]
+        got = np.concatenate([ref.decode(config, p, b - a, dtype)
+                              for (p, _), (a, b) in zip(parts, pieces)])
+        assert got.tobytes() == ref.decode(config, whole, hi - lo, dtype).tobytes()
+        assert np.concatenate([r for _, r in parts]).tobytes() == res.tobytes()
+
+
+def test_what_travels_with_the_rows():
+    f = P.inline_data
+    kw = dict(device=False, pipelined=False, plain_max=100, payload_max=50)
+    assert f("allreduce", 2, True, 100, None, False, **kw) == "values"
+    assert f("allreduce", 2, True, 101, None, False, **kw) is None
+    assert f("allreduce", 3, True, 8, None, False, **kw) is None
+    assert f("reduce_scatter", 2, True, 8, None, False, **kw) is None
+    assert f("allreduce", 3, False, 0, [50, 50, 49], False, **kw) == "payloads"
+    assert f("allreduce", 3, False, 0, [50, 51, 49], False, **kw) is None
+    assert f("reduce_scatter", 4, False, 0, None, True, **kw) is None  # terngrad
+    assert f("allreduce", 2, True, 8, None, False, **{**kw, "device": True}) is None
+    assert f("allreduce", 3, False, 0, [1, 1, 1], False, **{**kw, "pipelined": True}) is None
+
+
+@pytest.mark.parametrize("n,m,k", [(1, 1, 1), (10, 3, 4), (9, 3, 3), (2**31, 2**31 - 1, 2)])
+def test_sum_pieces(n, m, k):
+    assert P.sum_pieces(n, m) == k
+
+
+# -- error reports ----------------------------------------------------------------------
+def test_report_slots_round_trip():
+    texts = ["rank 0: bad", None, "", "é" * 5000]
+    slots = np.concatenate([P.report_slot(t) for t in texts])
+    assert slots.size == len(texts) * P.REPORT_SLOT
+    got = P.read_report(slots)
+    assert got[:3] == ["rank 0: bad", None, ""]
+    # cut to the slot, the last character maybe replaced where the cut split it
+    assert got[3].rstrip("\ufffd") == "é" * len(got[3].rstrip("\ufffd"))
+    assert len(got[3].encode()) <= P.REPORT_SLOT
+
+
+@pytest.mark.parametrize("n,length", [(1, 10), (3, 5000), (40, 300), (2000, 10)])
+def test_fit_json_always_parses(n, length):
+    import json
+    texts = {str(s): f"slice {s} failed: " + "x\u00e9\"" * length for s in range(n)}
+    s = P.fit_json(texts)
+    assert len(s.encode()) <= P.REPORT_SLOT - 8
+    got = json.loads(s)
+    assert all(texts[k].startswith(v) for k, v in got.items())
+    got2 = json.loads(P.read_report(P.report_slot(s))[0])
+    assert got2 == got

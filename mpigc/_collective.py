@@ -423,7 +423,7 @@ def _validate_settings(kind, dtype, size, op, params, key, average, gather, nonf
     if plain and n > _MAX_COUNT:
         # MPI sums this many pieces, one collective each: ranks that cut
         # differently ($MPIGC_MAX_COUNT) would wait in different collectives
-        settings["sum_pieces"] = -(-n // _MAX_COUNT)
+        settings["sum_pieces"] = _plan.sum_pieces(n, _MAX_COUNT)
     fp = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
     return comp, average, gather, nonfinite, bounds, key, plain, settings, fp
 
@@ -1096,7 +1096,7 @@ class _Op(PendingCall):
         shard (MPI's counts are C ints)."""
         wire, reqs = self.none_wire, []
         n = len(wire)
-        npieces = -(-n // _MAX_COUNT)
+        npieces = _plan.sum_pieces(n, _MAX_COUNT)
         self.trace._sum_pieces = npieces
         if self.kind == "allreduce":
             for a, b in shard_bounds(n, npieces):

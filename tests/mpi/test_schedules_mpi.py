@@ -1,0 +1,183 @@
+"""Random schedules: hangs and wrong results searched for, not waited for.
+
+Each scenario is drawn from a seed, the same on every rank: a few calls
+(allreduce or reduce_scatter; none, 2bit, 1bit, terngrad, fp16; sizes that
+take the plain fallback, the two-phase path with data in the agreement
+messages, after it, or pipelined; flat or hierarchical; blocking or not) and
+faults (a rank whose buffer has another size, or a dtype it rejects before it
+reads the size; a NaN under "raise" or "skip").
+The calls run twice:
+
+- the reference: every call blocking, in order, on a fresh store;
+- the schedule: as drawn, on another fresh store, each rank with its own
+  random delays, ``test()`` polls of random pending requests, and its own
+  order of ``wait()``s.
+
+Every call must end the same way in both (the same bits, or the same error
+class on every rank), the stores must hold the same residuals, and no
+scenario may take longer than ``TIMEOUT`` seconds: a rank that gets there
+prints the seed and every thread's stack, and aborts the job, so a hang is
+reported as the schedule that produced it. ``MPIGC_SCHEDULE_SEEDS=a:b``
+runs seeds ``a`` to ``b - 1`` (the default is a CI-sized sweep);
+``MPIGC_PROGRESS_THREAD=0`` runs them without the progress thread.
+"""
+import faulthandler
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpigc
+
+from conftest import assert_all
+from peers import state_bytes
+
+TIMEOUT = float(os.environ.get("MPIGC_SCHEDULE_TIMEOUT", "60"))
+OPS = ["none", "2bit", "1bit", "terngrad", "fp16"]
+# below MPIGC_MIN_COMPRESS_BYTES (plain fallback), payloads in the agreement
+# messages, after them (small, and beyond the eager limits of shared memory
+# transports), pipelined (MPIGC_CHUNK_BYTES below)
+SIZES = [100, 3001, 12_001, 60_000, 100_000, 1_000_000]
+
+
+def _seeds():
+    a, _, b = os.environ.get("MPIGC_SCHEDULE_SEEDS", "0:200").partition(":")
+    return range(int(a), int(b))
+
+
+def _draw(seed, size, hier_ok):
+    """The scenario of ``seed``: a list of call specs, the same on every rank."""
+    rng = np.random.default_rng([seed, 7])
+    calls = []
+    for i in range(int(rng.integers(2, 7))):
+        fault = rng.choice(["none"] * 6 + ["size", "reject", "nan-raise", "nan-skip"])
+        calls.append({
+            "i": i,
+            "kind": str(rng.choice(["allreduce", "reduce_scatter"])),
+            "op": str(rng.choice(OPS)),
+            "n": int(rng.choice(SIZES)),
+            "hier": bool(hier_ok and rng.random() < 0.3),
+            "blocking": bool(rng.random() < 0.3),
+            "fault": str(fault) if size > 1 else "none",
+            "culprit": int(rng.integers(size)),
+        })
+    return calls
+
+
+def _input(c, rank, step):
+    rng = np.random.default_rng([c["i"], rank, step])
+    n = c["n"]
+    if c["fault"] == "size" and rank == c["culprit"]:
+        n += 1
+    x = rng.standard_normal(n).astype(np.float32)
+    if c["fault"].startswith("nan") and rank == c["culprit"]:
+        x[n // 2] = np.nan
+    if c["fault"] == "reject" and rank == c["culprit"]:
+        return x.astype(np.int32)  # DTypeError before its size is read
+    return x
+
+
+def _start(c, x, fb, blocking):
+    kw = {"key": f"c{c['i']}", "feedback": fb, "hierarchy": "node" if c["hier"] else "flat",
+          "nonfinite": "skip" if c["fault"] == "nan-skip" else "raise"}
+    f = getattr(mpigc, ("" if blocking else "i") + c["kind"])
+    return f(x, c["op"], **kw)
+
+
+def _outcome(fn):
+    try:
+        r = fn()
+        return ("ok", np.asarray(r).tobytes())
+    except mpigc.MpigcError as e:
+        return ("error", type(e).__name__)
+
+
+def _reference(calls, rank, step):
+    fb = mpigc.ErrorFeedback()
+    outs = [_outcome(lambda c=c: _start(c, _input(c, rank, step), fb, True)) for c in calls]
+    return outs, state_bytes(fb)
+
+
+def _scheduled(calls, rank, step, rng):
+    fb = mpigc.ErrorFeedback()
+    outs, pending = [None] * len(calls), {}
+
+    def jitter():
+        u = rng.random()
+        if u < 0.1:
+            time.sleep(float(rng.uniform(0, 0.05)))  # computes while the thread works
+        elif u < 0.6:
+            time.sleep(float(rng.uniform(0, 2e-3)))
+        for i in list(pending):
+            if rng.random() < 0.3:
+                try:
+                    pending[i].test()
+                except mpigc.MpigcError:
+                    pass  # raised again by wait() below
+
+    for c in calls:
+        jitter()
+        x = _input(c, rank, step)
+        if c["blocking"]:
+            outs[c["i"]] = _outcome(lambda c=c, x=x: _start(c, x, fb, True))
+            continue
+        try:
+            pending[c["i"]] = _start(c, x, fb, False)
+        except mpigc.MpigcError as e:  # raised at the start: on every rank
+            outs[c["i"]] = ("error", type(e).__name__)
+    for i in rng.permutation(sorted(pending)):
+        jitter()
+        outs[int(i)] = _outcome(pending.pop(int(i)).wait)
+    return outs, state_bytes(fb)
+
+
+@pytest.mark.mpi
+def test_random_schedules_end_as_blocking_calls_in_order(comm, monkeypatch, pytestconfig):
+    monkeypatch.setenv("MPIGC_CHUNK_BYTES", "131072")  # 100_000 float32 is pipelined
+    monkeypatch.setenv("MPIGC_INLINE_PAYLOAD_BYTES", "4096")  # 12_001 sends after the rows
+    hier_ok = comm.size >= 2
+    if hier_ok:
+        monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+    failures = []
+    for seed in _seeds():
+        calls = _draw(seed, comm.size, hier_ok)
+        dog = _watchdog(seed, calls, comm.rank, pytestconfig)
+        try:
+            for step in range(2):
+                ref = _reference(calls, comm.rank, step)
+                rng = np.random.default_rng([seed, comm.rank, step])
+                got = _scheduled(calls, comm.rank, step, rng)
+                if got != ref:
+                    bad = [c for c, a, b in zip(calls, got[0], ref[0]) if a != b]
+                    failures.append(f"seed {seed} step {step}: "
+                                    f"{bad or 'residuals differ'}")
+        except Exception as e:  # noqa: BLE001 - not an MpigcError: the seed with it
+            raise AssertionError(f"seed {seed} (MPIGC_SCHEDULE_SEEDS={seed}:{seed + 1}): "
+                                 f"{type(e).__name__}: {e}; calls: {calls}") from e
+        finally:
+            dog.cancel()
+    assert_all(not failures, "; ".join(failures[:3]))
+
+
+def _watchdog(seed, calls, rank, config):
+    """After TIMEOUT seconds: the seed, the scenario and every thread's stack
+    on stderr, then abort every rank (a hang found is a failed job)."""
+    def fire():
+        # pytest captures fd 2, and the abort would lose what it holds
+        config.pluginmanager.getplugin("capturemanager").suspend_global_capture()
+        err = sys.stderr
+        err.write(f"\nmpigc schedules: rank {rank}: seed {seed} still running after "
+                         f"{TIMEOUT:g} s: a hang (MPIGC_SCHEDULE_SEEDS={seed}:{seed + 1} "
+                         f"replays it). Calls: {calls}\n")
+        err.flush()
+        faulthandler.dump_traceback(file=err, all_threads=True)
+        err.flush()
+        MPI.COMM_WORLD.Abort(4)
+    t = threading.Timer(TIMEOUT, fire)
+    t.daemon = True
+    t.start()
+    return t

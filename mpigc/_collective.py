@@ -851,8 +851,8 @@ class _Op(PendingCall):
             self.be.release()
 
     def _payload_layout(self):
-        sizes = [self.comp.payload_nbytes(hi - lo, self.wdtype) for lo, hi in self.bounds]
-        return sizes, _plan.offsets(sizes)
+        return _plan.payload_layout(self.bounds,
+                                    lambda k: self.comp.payload_nbytes(k, self.wdtype))
 
     def _stream(self, rank, stage):
         """terngrad's random stream: seed and key, rank, the key's call count
@@ -1298,8 +1298,9 @@ class _Op(PendingCall):
             self.state = "phase2"
             return
         # compressed gather: requantize the owned shard with the owner residual
-        sizes = [self.comp.payload_nbytes(h - l, self.acc.dtype) for l, h in self.bounds]
-        offs = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64).tolist()
+        adt = self.acc.dtype
+        sizes, offs = _plan.payload_layout(self.bounds,
+                                           lambda k: self.comp.payload_nbytes(k, adt))
         self.sizes2, self.offs2 = sizes, offs
         self.recvbuf2 = self._empty(offs[-1], np.uint8)
         mine = self.recvbuf2[offs[r]:offs[r + 1]]
@@ -1447,11 +1448,9 @@ class _Op(PendingCall):
         self.trace._path, self.trace._chunks = "two-phase", nc
         _counters["pipelined_calls"] += 1
         acc_dtype = np.float64 if self.dtype == np.float64 else np.float32
-        self.psz = [[comp.payload_nbytes(hi - lo, self.wdtype) for lo, hi in ch]
-                    for ch in plan]
-        self.poff, o = _plan.piece_offsets(self.psz)
+        self.psz, self.poff, o, self.sizes = _plan.piece_layout(
+            plan, lambda k: comp.payload_nbytes(k, self.wdtype))
         self.sendbuf = self._empty(o, np.uint8)
-        self.sizes = [sum(self.psz[c][j] for c in range(nc)) for j in range(size)]
         # phase 1's receives: chunk by chunk, a slot per sender
         self.rbase, o = [], 0
         for c in range(nc):
@@ -1573,11 +1572,9 @@ class _Op(PendingCall):
             self.left2 = len(self.rreq2)
             return
         adt = self.acc.dtype
-        self.psz2 = [[self.comp.payload_nbytes(b - a, adt) for a, b in ch]
-                     for ch in self.chunks]
-        self.poff2, o = _plan.piece_offsets(self.psz2)
+        self.psz2, self.poff2, o, self.sizes2 = _plan.piece_layout(
+            self.chunks, lambda k: self.comp.payload_nbytes(k, adt))
         self.recvbuf2 = self._empty(o, np.uint8)
-        self.sizes2 = [sum(self.psz2[c][j] for c in range(nc)) for j in range(size)]
         for c in range(nc):
             for k in range(1, size):
                 j = (r - k) % size

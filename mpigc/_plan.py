@@ -162,6 +162,25 @@ def piece_offsets(psz):
     return offs, o
 
 
+def payload_layout(bounds, nbytes_of):
+    """``(sizes, offs)``: the payload bytes of each shard (``nbytes_of(k)``:
+    the bytes of the payload of k elements) and where each starts in one
+    buffer, shard after shard (``offs[-1]``: the total)."""
+    sizes = [nbytes_of(hi - lo) for lo, hi in bounds]
+    return sizes, offsets(sizes)
+
+
+def piece_layout(cuts, nbytes_of):
+    """A pipelined call's payloads: ``(psz, poff, total, sizes)``: the bytes
+    of piece ``(c, j)`` (chunk c of shard j, :func:`chunk_cuts`), where each
+    starts in one buffer (chunk after chunk, shard after shard), the total,
+    and the bytes of each shard over all chunks."""
+    psz = [[nbytes_of(b - a) for a, b in ch] for ch in cuts]
+    poff, total = piece_offsets(psz)
+    sizes = [sum(row[j] for row in psz) for j in range(len(psz[0]))]
+    return psz, poff, total, sizes
+
+
 def sum_pieces(n, max_count):
     """How many MPI sums an ``op="none"`` call of ``n`` elements takes when
     no count handed to MPI may exceed ``max_count``."""

@@ -210,3 +210,24 @@ def test_fit_json_always_parses(n, length):
     assert all(texts[k].startswith(v) for k, v in got.items())
     got2 = json.loads(P.read_report(P.report_slot(s))[0])
     assert got2 == got
+
+
+@pytest.mark.parametrize("fmt,kw", [("2bit", {}), ("1bit", {"block_size": 64}),
+                                    ("fp16", {}), ("terngrad", {}), ("none", {})])
+def test_payload_and_piece_layouts_follow_the_reference_sizes(fmt, kw):
+    n, size = 10_007, 3
+    bounds = ref._bounds(n, size)
+
+    def nbytes(k):
+        return ref.payload_nbytes(fmt, k, np.float32, **kw)
+    sizes, offs = P.payload_layout(bounds, nbytes)
+    assert sizes == [nbytes(hi - lo) for lo, hi in bounds]
+    assert offs == [0, sizes[0], sizes[0] + sizes[1], sum(sizes)]
+    cuts = P.chunk_cuts(bounds, n * 4, 64, 4096)
+    psz, poff, total, per_shard = P.piece_layout(cuts, nbytes)
+    flat = [(c, j) for c in range(len(cuts)) for j in range(size)]
+    assert [poff[c][j] for c, j in flat] == np.cumsum(
+        [0] + [psz[c][j] for c, j in flat])[:-1].tolist()
+    assert total == sum(map(sum, psz))
+    assert per_shard == [sum(nbytes(b - a) for a, b in (ch[j] for ch in cuts))
+                         for j in range(size)]

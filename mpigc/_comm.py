@@ -9,9 +9,11 @@ it, so concurrent nonblocking calls never match each other's messages.
 import os
 import threading
 
+import numpy as np
 from mpi4py import MPI
 
-from ._errors import DTypeError, warn_caller
+from . import _plan
+from ._errors import DTypeError, MpigcError, warn_caller
 
 __all__ = ["CommState", "resolve", "lookup", "creation_lock", "agree", "on_root"]
 
@@ -168,10 +170,13 @@ def agree(comm, exc, what, classes=None, default=None):
     nbad = comm.allreduce(0 if exc is None else 1, op=MPI.SUM)
     if not nbad:
         return
-    row = None if exc is None else (type(exc).__name__, str(exc) or type(exc).__name__)
-    rows = comm.allgather(row)
+    # the report slots of the engine's failed agreements (mpigc._plan), the
+    # class name on the first line of the text
+    text = None if exc is None else f"{type(exc).__name__}\n{str(exc) or type(exc).__name__}"
+    slots = np.empty(_plan.REPORT_SLOT * comm.Get_size(), np.uint8)
+    comm.Allgather([_plan.report_slot(text), MPI.BYTE], [slots, MPI.BYTE])
+    rows = [None if t is None else t.partition("\n")[::2] for t in _plan.read_report(slots)]
     first = next(r for r in rows if r is not None)
-    from ._errors import MpigcError
     cls = (classes or {}).get(first[0], default or MpigcError)
     by_msg = {}
     for r, x in enumerate(rows):

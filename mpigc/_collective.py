@@ -208,7 +208,6 @@ _LIMIT_ENV = (("MPIGC_INLINE_PLAIN_BYTES", _INLINE_PLAIN_MAX, 0),
               ("MPIGC_INLINE_PAYLOAD_BYTES", _INLINE_PAYLOAD_MAX, 0),
               ("MPIGC_MAX_COUNT", _MAX_COUNT, 1))
 _limits_seen = (None, None, None)
-_DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
 
 
 def _f64_bits(x):
@@ -662,12 +661,11 @@ class _Op(PendingCall):
             sizes, scaled, device=self.be.device, pipelined=pipelined,
             plain_max=_INLINE_PLAIN_MAX, payload_max=_INLINE_PAYLOAD_MAX)
 
-    def _inline_payloads(self):
+    def _inline_payloads(self, kind):
         """What this rank's agreement message to each peer carries after its
-        row (``{peer: uint8 array}``), or None (rows only): the values of
-        ``op="none"`` on 2 ranks, or the payload of the peer's shard (phase 1
-        itself)."""
-        kind = self._inline_kind()
+        row (``{peer: uint8 array}``), or None (rows only), for ``kind``
+        (:meth:`_inline_kind`): the values of ``op="none"`` on 2 ranks, or
+        the payload of the peer's shard (phase 1 itself)."""
         if kind is None:
             return None
         if kind == "values":
@@ -675,10 +673,9 @@ class _Op(PendingCall):
         return {j: self.sendbuf[self.offs[j]:self.offs[j + 1]]
                 for j in range(self.size) if j != self.rank}
 
-    def _expected_inline(self):
+    def _expected_inline(self, kind):
         """Bytes of data that a peer that agrees with this rank sends after
-        its row (0: rows only)."""
-        kind = self._inline_kind()
+        its row (0: rows only), for this rank's ``kind``."""
         if kind is None:
             return 0
         if kind == "values":
@@ -691,7 +688,8 @@ class _Op(PendingCall):
         so a peer whose message has another size (a different buffer size, a
         rank that failed early) is read, not truncated."""
         comm, r, tag = self.cs.comm, self.rank, self.tags[2]
-        inline = self._inline_payloads()
+        kind = self._inline_kind()  # once: it decides what is sent and expected
+        inline = self._inline_payloads(kind)
         self.row[_INLINE] = 0 if inline is None else 1
         self.table[r] = self.row
         hdr = self.row.view(np.uint8)
@@ -707,7 +705,7 @@ class _Op(PendingCall):
                 msg[_HDR:] = p
                 self.asend.append(msg)
             self.sendreqs.append(comm.Isend([msg, MPI.BYTE], dest=j, tag=tag))
-        m = self._expected_inline()
+        m = self._expected_inline(kind)
         self.aslot = _HDR + m
         # one pooled buffer, a slot per source (this rank's slot unused)
         self.abuf = _pool.take(self.size * self.aslot)
@@ -762,7 +760,7 @@ class _Op(PendingCall):
         self.dtype = dtype
         self.wdtype = work_dtype(dtype)  # not buf.dtype: torch's is a torch dtype
         row[_N] = n
-        row[_DTYPE] = _DTYPE_CODE[dtype]
+        row[_DTYPE] = _plan.DTYPE_CODE[dtype]
 
         hit = settings_for(self.kind, dtype, self.size, op, params, key, average, gather,
                            nonfinite, n, recvcounts)

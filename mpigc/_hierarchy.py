@@ -431,6 +431,7 @@ class _HierCall(_collective.PendingCall):
             self._end()
             return True
         except BaseException as exc:  # noqa: BLE001 - kept for finished()
+            _collective.internal_error(exc, self.lay.comm, f"hierarchical mpigc {self.kind}")
             self.error = exc
             self._end()
             return True

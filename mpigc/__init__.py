@@ -11,7 +11,8 @@ from ._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError
                       MpigcError, NonFiniteError, StateError)
 from ._version import __version__
 from .allreduce import allreduce, iallreduce
-from ._collective import Request, reset_traffic, traffic
+from ._collective import reset_traffic, traffic
+from ._sched import Request
 from ._cuda import CudaAwareness, cuda_aware_mpi, select_device
 from .compressors import (BF16, FP16, Compressor, NoCompression, OneBit, TernGrad,
                           TwoBit, available_compressors, get_compressor, register_compressor)

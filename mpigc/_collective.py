@@ -42,13 +42,11 @@ default stream is synchronised before MPI reads device memory and before a
 call returns (see ``docs/gpu.md``).
 """
 import atexit
-import contextlib
 import json
 import os
 import struct
 import sys
 import threading
-import time
 import traceback
 import zlib
 
@@ -59,14 +57,16 @@ from . import _comm
 from . import _cuda
 from . import _dispatch
 from . import _plan
+from . import _sched
+from ._sched import PendingCall
 from ._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError,
                       MpigcError, NonFiniteError, code_of)
 from .compressors import SUPPORTED_DTYPES, NoCompression, get_compressor, work_dtype
 from .feedback import get_default_feedback, shard_bounds
 from .kernels import cpu as _cpu
 
-__all__ = ["Request", "start", "traffic", "reset_traffic", "CallTrace", "last_trace",
-           "counters", "threads", "hold_progress"]
+__all__ = ["start", "traffic", "reset_traffic", "CallTrace", "counters", "threads",
+           "internal_error"]
 
 _traffic = {"calls": 0, "bytes_sent": 0, "logical_bytes": 0}
 
@@ -105,7 +105,7 @@ def counters():
 
 class CallTrace:
     """How one call ran, as far as it has got (:attr:`Request.trace`,
-    :func:`last_trace`). Read-only; the engine fills it in as the call
+    :func:`mpigc.diagnostics.last_trace`). Read-only; the engine fills it in as the call
     advances.
 
     - ``agreement_done``: this rank has every rank's agreement row and has
@@ -146,37 +146,16 @@ class CallTrace:
                 f"sum_pieces={self._sum_pieces})")
 
 
-_last = threading.local()
-
-
-def last_trace():
-    """The :class:`CallTrace` of the last collective (blocking or not) that
-    this thread called, or None before its first; for a blocking call, how it
-    ran. A nonblocking call's is also its request's ``trace``."""
-    return getattr(_last, "trace", None)
-
-
 def threads(comm=None):
     """Whether mpigc's background threads are running: ``{"progress": ...,
     "reduce": ...}``, the process's progress thread and the reduction thread
     of ``comm`` (default ``MPI.COMM_WORLD``; False for a communicator mpigc
     has not used). Makes no MPI call beyond reading an attribute."""
-    t = _progress_thread.thread
     cs = _comm.lookup(comm)
     red = None if cs is None else cs.reducer
-    return {"progress": t is not None and t.is_alive(),
+    return {"progress": _sched.progress_thread_alive(),
             "reduce": red is not None and red.thread is not None}
 
-
-@contextlib.contextmanager
-def hold_progress():
-    """A context manager: while inside, the progress thread advances no call
-    of this process (it waits to enter the engine); this thread's calls,
-    ``test()`` and ``wait()`` work as usual. For debugging and tests that
-    need a fixed order of steps on each rank; ``op="none"`` sums already
-    handed to a reduction thread still run."""
-    with _lock:
-        yield
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 GATHER_MODES = ("compressed", "exact")
@@ -457,68 +436,6 @@ def _validate_settings(kind, dtype, size, op, params, key, average, gather, nonf
     return comp, average, gather, nonfinite, bounds, key, plain, settings, fp
 
 
-class Request:
-    """A pending compressed collective (from ``iallreduce`` and friends).
-
-    Call :meth:`wait` to complete it (it returns the result), or :meth:`test`
-    to make progress without blocking. Errors of the call (bad input on any
-    rank, mismatched ranks, non-finite gradients) are raised by ``wait`` or
-    ``test`` on every rank. Every rank must start the same requests in the
-    same order and complete each; they may wait for them in any order: while
-    one waits, every pending request of the process makes progress.
-    """
-
-    def __init__(self, op):
-        self._op = op
-        _last.trace = op.trace
-
-    @property
-    def trace(self):
-        """How this call ran, as far as it has got: a read-only
-        :class:`CallTrace` (also :func:`mpigc.diagnostics.last_trace` for
-        the last call of this thread, blocking calls included)."""
-        return self._op.trace
-
-    def test(self):
-        """Make progress on every pending request; True once this one is done."""
-        with _lock:
-            _progress_all()
-            if self._op.state == "done":
-                self._op._settle()
-            return self._op.finished()
-
-    def wait(self):
-        """Complete the call and return its result."""
-        op = self._op
-        with _lock:
-            complete(op)
-            op._settle()
-            op.finished()
-            return op.result
-
-    @property
-    def done(self):
-        return self._op.state == "done"
-
-
-_pending = []  # calls started and not done, in start order
-
-
-def complete(op):
-    """Advance pending calls until ``op`` is done or failed (under ``_lock``;
-    raises nothing: its error stays with ``op``)."""
-    while not op.done_or_failed():
-        first = _pending[0]
-        if _in_order(op):
-            # every call started before this one is on its communicator,
-            # so every rank completes them in the same order: finish the
-            # oldest, blocking in MPI (no busy loop stealing the CPU from
-            # ranks that are still computing)
-            first.progress(block=True)
-        else:
-            _progress_all()
-
-
 class _BufferPool:
     """Reusable host byte buffers for agreement messages, by size: a fresh
     ``np.empty`` of a large buffer costs page faults on every first touch.
@@ -558,49 +475,6 @@ def _drain():
             keep.append((reqs, bufs))
     _draining[:] = keep
 _NONE = NoCompression()
-
-
-def _in_order(op):
-    """True when every pending call up to ``op`` runs on ``op``'s communicator.
-    MPI orders collectives per communicator only, so calls on several
-    communicators may have been started in different orders on different
-    ranks: then ``wait`` polls them all rather than block on one."""
-    for p in _pending:
-        if p.cs is not op.cs:
-            return False
-        if p is op:
-            return True
-    return True
-
-
-def _progress_all():
-    """Advance every pending call without blocking (errors are kept by the
-    call they belong to and raised by its own test() or wait())."""
-    for op in list(_pending):
-        if _driver.thread:  # the progress thread: the call's GPU current
-            dev = getattr(getattr(op, "be", None), "device_id", None)
-            if dev is not None:
-                _cuda.make_current(dev)
-        op.progress(block=False)
-
-
-class PendingCall:
-    """What the queue of pending calls (``_pending``) and :class:`Request` ask
-    of a call: ``state`` ("done" at the end), ``error``, ``result``, ``cs``
-    (calls with the same ``cs`` complete in start order on every rank),
-    ``progress(block)`` and ``_settle()``. Engine calls (:class:`_Op`) and
-    hierarchical calls (``mpigc._hierarchy``) are both."""
-
-    def done_or_failed(self):
-        return self.state == "done"
-
-    def finished(self):
-        """True once done; raises the call's error (once done) if it failed."""
-        if self.state != "done":
-            return False
-        if self.error is not None:
-            raise self.error
-        return True
 
 
 class _Op(PendingCall):
@@ -662,14 +536,14 @@ class _Op(PendingCall):
             # depends on timing (the progress thread), and a blocking
             # MPI_Allgather does not match another rank's MPI_Iallgather
             self.agree_req = self.cs.comm.Iallgather(row, self.table)
-            if blocking and not _pending:
+            if blocking and _sched.idle():
                 self.agree_req.Wait()
                 self.agree_req = None
         else:
             self._start_agree()
-            if blocking and not _pending:
+            if blocking and _sched.idle():
                 self._progress_agree(block=True)
-        _pending.append(self)
+        _sched.enqueue(self)
 
     # -- 2a. the agreement, point to point -----------------------------------
     def _inline_kind(self):
@@ -927,16 +801,16 @@ class _Op(PendingCall):
             self.fb.give_spare(self.spare)
             self.spare = None
         if self.fb is not None and getattr(self, "busy_key", False):
-            if _driver.thread:
+            if _sched.in_progress_thread():
                 # completed by the progress thread: the key stays in use until
                 # the caller's test() or wait() sees the call done, as without
-                # the thread (see Request._settle)
+                # the thread (see Request.settle)
                 self.key_deferred = True
                 return
             self.fb.release(self.key)
             self.busy_key = False
 
-    def _settle(self):
+    def settle(self):
         """The caller saw the call done: release a key that the progress
         thread left in use."""
         if getattr(self, "key_deferred", False):
@@ -1081,7 +955,7 @@ class _Op(PendingCall):
         (:class:`_Reducer`) at once and returns: the caller computes while
         that thread waits in MPI. A blocking call runs it itself, and only
         from a blocking wait on this very call once every earlier call of
-        this rank is done (it is then first in ``_pending``); until then it
+        this rank is done (it is then first in the queue); until then it
         stays in state "none-ready" (False). Never from a progress step:
         blocking there, with the engine lock held, would keep an earlier call
         from advancing while the peers wait for it. Without
@@ -1090,7 +964,7 @@ class _Op(PendingCall):
         :func:`_Reducer.available`). The choice is the same on every rank
         (blocking and nonblocking collectives do not match, MPI-3.1 5.12)."""
         blocking = self.blocking
-        if blocking and not (block and _pending and _pending[0] is self):
+        if blocking and not (block and _sched.at(0) is self):
             return False
         sendbuf = self.none_buf
         self.be.sync()
@@ -1751,14 +1625,12 @@ class _Op(PendingCall):
             self._drop_agree()
             self.state = "done"
             done = True
-        if self.state == "done" and self in _pending:
-            _pending.remove(self)
+        if self.state == "done":
+            _sched.dequeue(self)
         return done
 
     def _earlier_undecided(self):
-        for op in _pending:
-            if op is self:
-                return False
+        for op in _sched.earlier(self):
             if op.cs is self.cs and op.state == "agree":
                 return True
         return False
@@ -1860,108 +1732,12 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
     # outside the engine lock, so that the progress thread can advance
     # earlier calls meanwhile, which a peer may be waiting for
     cs = _comm.resolve(comm)
-    with _lock:
+    with _sched.lock:
         o = _Op(kind, buf, op, params, cs, key, average, gather, feedback, nonfinite,
                 recvcounts, out, blocking, fill, keep_replaced)
     if not blocking and o.state != "done":
-        _progress_thread.wake()
+        _sched.wake()
     return o
-
-
-# -- progress during compute ----------------------------------------------------
-# Every entry point of the engine (start, test, wait, the progress thread)
-# holds this lock: the calls' state and MPI requests are touched by one thread
-# at a time. Re-entrant: a blocking call's wait() runs inside start()'s caller.
-_lock = threading.RLock()
-
-
-class _Driver:
-    """Who is advancing calls now (under ``_lock``): the progress thread or
-    the caller."""
-    thread = False
-
-
-_driver = _Driver()
-
-
-def progress_thread_enabled():
-    """Whether nonblocking calls progress in a background thread.
-
-    ``$MPIGC_PROGRESS_THREAD`` (default ``1``; ``0`` turns it off) and an MPI
-    library initialised with ``MPI_THREAD_MULTIPLE`` (the thread calls MPI
-    while the caller's thread may too); below that level, or with the
-    variable at 0, calls progress only inside ``test()`` and ``wait()``.
-    """
-    env = os.environ.get("MPIGC_PROGRESS_THREAD", "1").strip()
-    if env in ("0", "false", "no", "off"):
-        return False
-    return MPI.Is_initialized() and not MPI.Is_finalized() \
-        and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-
-
-def _progress_interval():
-    """``$MPIGC_PROGRESS_INTERVAL_US``: how long the progress thread sleeps
-    between two passes over the pending calls (default 200 microseconds)."""
-    try:
-        return max(0.0, float(os.environ.get("MPIGC_PROGRESS_INTERVAL_US", "200"))) * 1e-6
-    except ValueError:
-        return 200e-6
-
-
-class _ProgressThread:
-    """A daemon thread that advances pending nonblocking calls while the
-    caller computes (MPI libraries without asynchronous progress, such as
-    Open MPI over TCP, move data only inside MPI calls). It sleeps on a
-    condition while nothing is pending, polls every ``_progress_interval``
-    otherwise, and is stopped and joined at interpreter exit, before mpi4py
-    finalizes MPI (its atexit handler is registered after mpi4py's, so it
-    runs first)."""
-
-    def __init__(self):
-        self.thread = None
-        self.cond = threading.Condition()
-        self.stopping = False
-
-    def wake(self):
-        if self.thread is None:
-            if self.stopping or not progress_thread_enabled():
-                return
-            self.thread = threading.Thread(target=self._run, name="mpigc-progress",
-                                           daemon=True)
-            atexit.register(self.stop)
-            self.thread.start()
-        with self.cond:
-            self.cond.notify()
-
-    def _run(self):
-        interval = _progress_interval()
-        while True:
-            with self.cond:
-                while not _pending and not self.stopping:
-                    self.cond.wait()
-            if self.stopping:
-                return
-            with _lock:
-                if self.stopping or MPI.Is_finalized():
-                    return
-                _driver.thread = True
-                try:
-                    _progress_all()
-                finally:
-                    _driver.thread = False
-            time.sleep(interval)
-
-    def stop(self):
-        """Stop the thread and wait for it (at exit; idempotent)."""
-        self.stopping = True
-        t = self.thread
-        if t is not None:
-            with self.cond:
-                self.cond.notify()
-            t.join()
-
-
-_progress_thread = _ProgressThread()
 
 
 def _reduce_idle_s():

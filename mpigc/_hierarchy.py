@@ -83,7 +83,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from . import _collective, _comm, _cuda, _dispatch, _plan
+from . import _collective, _comm, _cuda, _dispatch, _plan, _sched
 from ._errors import (CODES, ConfigError, DTypeError, MismatchError, MpigcError,
                       NonFiniteError, StateError, code_of)
 from .compressors import work_dtype
@@ -216,10 +216,10 @@ class Layout:
     def quiesce(self):
         """Complete the pending hierarchical calls of this layout (before
         blocking collectives on its communicators outside a call)."""
-        with _collective._lock:
-            for op in list(_collective._pending):
+        with _sched.lock:
+            for op in _sched.pending():
                 if op.cs is self:
-                    _collective.complete(op)
+                    _sched.complete(op)
 
     def window_bytes(self):
         """The size of each segment of the node's shared window (0: none yet)."""
@@ -353,13 +353,13 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
                      nonfinite, recvcounts, out)
     call.begin()
     if not blocking and call.state != "done":
-        _collective._progress_thread.wake()
+        _sched.wake()
     return call
 
 
-class _HierCall(_collective.PendingCall):
+class _HierCall(_sched.PendingCall):
     """One hierarchical call, held in the engine's queue of pending calls
-    (``_collective._pending``) like an engine call, with the same protocol
+    (``mpigc._sched``) like an engine call, with the same protocol
     (``progress``, ``done_or_failed``, ``finished``, ``result``, ``cs``).
 
     Its steps are a generator (:meth:`_steps`) that yields what it waits for:
@@ -396,7 +396,7 @@ class _HierCall(_collective.PendingCall):
         self.busy = None  # this call's name in the store's keys in use (_hold_key)
 
     # -- the engine's protocol (PendingCall) -------------------------------------------
-    def _settle(self):
+    def settle(self):
         """The caller saw the call done: its key is no longer in use."""
         if self.busy is not None:
             self.fb.release(self.busy)
@@ -404,12 +404,7 @@ class _HierCall(_collective.PendingCall):
 
     def _head(self):
         """No earlier hierarchical call of this layout is pending here."""
-        for op in _collective._pending:
-            if op is self:
-                return True
-            if op.cs is self.cs:
-                return False
-        return True
+        return not any(op.cs is self.cs for op in _sched.earlier(self))
 
     def progress(self, block):
         """Advance; never raises (see :meth:`finished`). Blocks in MPI only
@@ -445,8 +440,7 @@ class _HierCall(_collective.PendingCall):
             _cuda.sync()  # the last copies out of the pinned buffer
             _cuda.staging_pool.give(self.staging)
             self.staging = None
-        if self in _collective._pending:
-            _collective._pending.remove(self)
+        _sched.dequeue(self)
 
     def _ready(self, w, block):
         """Whether what the steps wait for is there; waits for it with ``block``."""
@@ -466,19 +460,18 @@ class _HierCall(_collective.PendingCall):
                     time.sleep(100e-6)
             return True
         # this call's inter-node engine calls, later in the queue
-        pending = _collective._pending
         for sub in w:
             while sub.state != "done":
                 if not block:
                     sub.progress(block=False)
                     if sub.state != "done":
                         return False
-                elif len(pending) > 1 and pending[0] is self and pending[1] is sub:
+                elif _sched.at(0) is self and _sched.at(1) is sub:
                     # nothing started before it but this call, which waits for
                     # it: blocking in MPI is safe, as for the oldest engine call
                     sub.progress(block=True)
                 else:
-                    _collective._progress_all()
+                    _sched.progress_all()
         return True
 
     # -- 1. the start and the input agreement ------------------------------------------
@@ -510,19 +503,17 @@ class _HierCall(_collective.PendingCall):
             self.need = self.n * self.wd.itemsize
         self.table = _plan.new_table(lay.size)
         grow = self.need > lay.window_bytes()
-        with _collective._lock:
+        with _sched.lock:
             self.row = row  # MPI reads it until the rows are in
             self.agree_req = lay.agree_comm.Iallgather(row, self.table)
             self.steps = self._steps()
-            _collective._pending.append(self)
+            _sched.enqueue(self)
             if grow:
                 self.running = True  # held: progress() passes it by
                 try:
-                    for op in list(_collective._pending):
-                        if op is self:
-                            break
+                    for op in list(_sched.earlier(self)):
                         if op.cs is lay:
-                            _collective.complete(op)
+                            _sched.complete(op)
                     self._await_rows()
                     if self._verdict().kind == "go":
                         lay.shared(self.need)  # every node rank, at this call
@@ -535,7 +526,7 @@ class _HierCall(_collective.PendingCall):
         the window)."""
         t0 = time.perf_counter()
         while not self.agree_req.Test():
-            _collective._progress_all()
+            _sched.progress_all()
             if time.perf_counter() - t0 > 200e-6:
                 time.sleep(100e-6)
 
@@ -653,7 +644,7 @@ class _HierCall(_collective.PendingCall):
                                     nonfinite=self.nonfinite, recvcounts=self.recvcounts,
                                     out=self.out, blocking=False)
             yield [sub]
-            sub._settle()
+            sub.settle()
             sub.finished()
             return sub.result
         n, wd = self.n, self.wd
@@ -702,7 +693,7 @@ class _HierCall(_collective.PendingCall):
         if subs:
             yield [sub for _, sub in subs]
             for _, sub in subs:
-                sub._settle()  # this call saw them done: their keys are free
+                sub.settle()  # this call saw them done: their keys are free
         # the outcome of every group, agreed inside the node only: an inter-node
         # call fails or succeeds on all of its group, and every node has a handler
         # of every slice, so each node learns every group's outcome without a
@@ -737,7 +728,7 @@ class _HierCall(_collective.PendingCall):
         for snap in saved:
             self._release_old(snap)
         # 3.
-        parts = [p.result if isinstance(p, _collective._Op) else p for p in parts]
+        parts = [p.result if isinstance(p, _sched.PendingCall) else p for p in parts]
         if self.dev:
             # a device call: the reduced slices back to the host (into the
             # window for allreduce, where the node's ranks read them)

@@ -4,7 +4,7 @@ from typing import Literal, Optional, Union
 import numpy as np
 from mpi4py import MPI
 
-from ._collective import Request
+from ._sched import Request
 from ._hierarchy import start
 from .compressors import Compressor
 from .feedback import ErrorFeedback

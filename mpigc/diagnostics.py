@@ -8,7 +8,9 @@
   included;
 - :func:`threads`: whether the progress thread and a communicator's
   reduction thread are running;
-- :func:`hold_progress`: keep the progress thread out for a block of code.
+- :func:`hold_progress`: keep the progress thread out for a block of code;
+- :func:`progress_thread_enabled`: whether nonblocking calls progress in a
+  background thread here (``$MPIGC_PROGRESS_THREAD`` and the MPI thread level).
 
 Recording costs a few attribute writes per call; nothing here makes an MPI
 call. The environment variables that move the engine's internal limits
@@ -16,6 +18,8 @@ call. The environment variables that move the engine's internal limits
 ``$MPIGC_MAX_COUNT``, ``$MPIGC_REDUCE_IDLE_S``) are described in
 ``docs/user-guide.md`` (Diagnostics).
 """
-from ._collective import CallTrace, counters, hold_progress, last_trace, threads
+from ._collective import CallTrace, counters, threads
+from ._sched import hold_progress, last_trace, progress_thread_enabled
 
-__all__ = ["CallTrace", "last_trace", "counters", "threads", "hold_progress"]
+__all__ = ["CallTrace", "last_trace", "counters", "threads", "hold_progress",
+           "progress_thread_enabled"]

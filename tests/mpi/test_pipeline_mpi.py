@@ -19,7 +19,6 @@ import numpy as np
 import pytest
 
 import mpigc
-from mpigc import _collective
 
 from conftest import assert_all, grads, raises_everywhere
 from peers import state_bytes
@@ -163,7 +162,7 @@ def test_pipelined_call_progresses_while_the_caller_computes(comm, monkeypatch):
     caller is in numpy and makes no MPI call (observed through req.done)."""
     if comm.size < 2:
         pytest.skip("needs a peer")
-    if not _collective.progress_thread_enabled():
+    if not mpigc.diagnostics.progress_thread_enabled():
         pytest.skip("no progress thread (MPI_THREAD_MULTIPLE not granted or turned off)")
     monkeypatch.setenv("MPIGC_CHUNK_BYTES", str(CHUNK))
     x = grads(comm.rank, 20000)

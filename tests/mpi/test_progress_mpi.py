@@ -41,7 +41,7 @@ def _compute_until_done(reqs):
 @pytest.mark.mpi
 @pytest.mark.parametrize("op", ["none", "2bit", "1bit", "terngrad"])
 def test_request_completes_while_caller_computes(comm, op):
-    if not _collective.progress_thread_enabled():
+    if not mpigc.diagnostics.progress_thread_enabled():
         pytest.skip("no progress thread (MPIGC_PROGRESS_THREAD=0 or MPI below "
                     "THREAD_MULTIPLE)")
     fb = mpigc.ErrorFeedback()
@@ -87,7 +87,7 @@ def test_key_stays_in_use_until_wait(comm):
     """A request completed by the thread keeps its key in use until the
     caller's wait(): a call on that key in between raises StateError on
     every rank, whatever the timing (as without the thread)."""
-    if not _collective.progress_thread_enabled():
+    if not mpigc.diagnostics.progress_thread_enabled():
         pytest.skip("no progress thread")
     fb = mpigc.ErrorFeedback()
     req = mpigc.iallreduce(grads(comm.rank, 5000), "2bit", key="b", feedback=fb)
@@ -139,7 +139,7 @@ def test_blocking_mpi_sum_while_a_request_is_pending(comm):
     sum is timing, so the engine must start the same (nonblocking) MPI
     collective either way; a blocking sum on one rank against a nonblocking
     one on another hung (review of issue 15, 3 of 3 runs within 30 calls)."""
-    if not _collective.progress_thread_enabled():
+    if not mpigc.diagnostics.progress_thread_enabled():
         pytest.skip("no progress thread")
     cancel = _deadline()
     try:
@@ -163,7 +163,7 @@ def test_reduce_scatter_sends_do_not_block_the_thread(comm):
     """The progress thread finishing an ireduce_scatter must not block on its
     sends (engine lock held) while the peer waits for an earlier call of
     this rank: it hung about one iteration in three (review of issue 15)."""
-    if not _collective.progress_thread_enabled() or comm.size != 2:
+    if not mpigc.diagnostics.progress_thread_enabled() or comm.size != 2:
         pytest.skip("2 ranks with the progress thread")
     cancel = _deadline()
     try:
@@ -198,7 +198,7 @@ def test_many_rank_agreement_is_the_same_collective_everywhere(comm, monkeypatch
     nothing pending on one rank (the thread finished its request) and a
     request still pending on another must still start the same collective
     (MPI_Iallgather), or the two do not match: a hang (forced here)."""
-    if not _collective.progress_thread_enabled() or comm.size < 2:
+    if not mpigc.diagnostics.progress_thread_enabled() or comm.size < 2:
         pytest.skip("2+ ranks with the progress thread")
     monkeypatch.setattr(_collective, "_P2P_MAX_RANKS", 1)
     want = mpigc.allreduce(np.ones(1 << 14, np.float32), "2bit", key="B",

@@ -1,0 +1,304 @@
+"""The scheduler of pending calls: one queue, one lock, one rule of when a
+wait may block in MPI, the progress thread, and :class:`Request`.
+
+A call (an engine call, ``mpigc._collective._Op``, or a hierarchical call,
+``mpigc._hierarchy._HierCall``) is a :class:`PendingCall`: it is queued here
+when it starts (:func:`enqueue`) and leaves the queue when it is done
+(:func:`dequeue`). Everything that advances calls holds :data:`lock`: a
+blocking call's wait and :meth:`Request.wait` (:func:`complete`),
+:meth:`Request.test` and the progress thread (:func:`progress_all`).
+
+The rule (see ``docs/engine.md``): only a wait on a call blocks in MPI, only
+on the oldest pending call, and only when every call before the waited one
+is on the same communicator (:func:`in_order`); otherwise it polls every
+pending call. A progress step never blocks.
+
+Calls read the queue through :func:`earlier`, :func:`at` and :func:`idle`,
+and never change it but through :func:`enqueue` and :func:`dequeue`.
+"""
+import atexit
+import contextlib
+import os
+import threading
+import time
+
+from mpi4py import MPI
+
+from . import _cuda
+
+__all__ = ["lock", "Request", "PendingCall", "complete", "in_order", "progress_all",
+           "enqueue", "dequeue", "earlier", "at", "idle", "pending", "wake",
+           "in_progress_thread", "progress_thread_alive", "progress_thread_enabled",
+           "last_trace", "hold_progress"]
+
+# Every entry point of the engine (start, test, wait, the progress thread)
+# holds this lock: the calls' state and MPI requests are touched by one thread
+# at a time. Re-entrant: a blocking call's wait() runs inside start()'s caller.
+lock = threading.RLock()
+
+_pending = []  # calls started and not done, in start order
+
+
+def enqueue(call):
+    """Queue a call that has started (under :data:`lock`)."""
+    _pending.append(call)
+
+
+def dequeue(call):
+    """Take a call that is done off the queue (under :data:`lock`; no-op
+    when it is not there)."""
+    if call in _pending:
+        _pending.remove(call)
+
+
+def idle():
+    """True when no call is pending."""
+    return not _pending
+
+
+def at(i):
+    """The ``i``-th pending call in start order, or None."""
+    return _pending[i] if i < len(_pending) else None
+
+
+def earlier(call):
+    """The pending calls started before ``call``, oldest first (all of them
+    when ``call`` is not queued)."""
+    for op in _pending:
+        if op is call:
+            return
+        yield op
+
+
+def pending():
+    """A copy of the queue, oldest first (to advance calls while iterating)."""
+    return list(_pending)
+
+
+_last = threading.local()
+
+
+def last_trace():
+    """The :class:`CallTrace` of the last collective (blocking or not) that
+    this thread called, or None before its first; for a blocking call, how it
+    ran. A nonblocking call's is also its request's ``trace``."""
+    return getattr(_last, "trace", None)
+
+
+@contextlib.contextmanager
+def hold_progress():
+    """A context manager: while inside, the progress thread advances no call
+    of this process (it waits to enter the engine); this thread's calls,
+    ``test()`` and ``wait()`` work as usual. For debugging and tests that
+    need a fixed order of steps on each rank; ``op="none"`` sums already
+    handed to a reduction thread still run."""
+    with lock:
+        yield
+
+
+class Request:
+    """A pending compressed collective (from ``iallreduce`` and friends).
+
+    Call :meth:`wait` to complete it (it returns the result), or :meth:`test`
+    to make progress without blocking. Errors of the call (bad input on any
+    rank, mismatched ranks, non-finite gradients) are raised by ``wait`` or
+    ``test`` on every rank. Every rank must start the same requests in the
+    same order and complete each; they may wait for them in any order: while
+    one waits, every pending request of the process makes progress.
+    """
+
+    def __init__(self, op):
+        self._op = op
+        _last.trace = op.trace
+
+    @property
+    def trace(self):
+        """How this call ran, as far as it has got: a read-only
+        :class:`CallTrace` (also :func:`mpigc.diagnostics.last_trace` for
+        the last call of this thread, blocking calls included)."""
+        return self._op.trace
+
+    def test(self):
+        """Make progress on every pending request; True once this one is done."""
+        with lock:
+            progress_all()
+            if self._op.state == "done":
+                self._op.settle()
+            return self._op.finished()
+
+    def wait(self):
+        """Complete the call and return its result."""
+        op = self._op
+        with lock:
+            complete(op)
+            op.settle()
+            op.finished()
+            return op.result
+
+    @property
+    def done(self):
+        return self._op.state == "done"
+
+
+def complete(op):
+    """Advance pending calls until ``op`` is done or failed (under :data:`lock`;
+    raises nothing: its error stays with ``op``)."""
+    while not op.done_or_failed():
+        first = _pending[0]
+        if in_order(op):
+            # every call started before this one is on its communicator,
+            # so every rank completes them in the same order: finish the
+            # oldest, blocking in MPI (no busy loop stealing the CPU from
+            # ranks that are still computing)
+            first.progress(block=True)
+        else:
+            progress_all()
+
+
+def in_order(op):
+    """True when every pending call up to ``op`` runs on ``op``'s communicator.
+    MPI orders collectives per communicator only, so calls on several
+    communicators may have been started in different orders on different
+    ranks: then ``wait`` polls them all rather than block on one."""
+    for p in _pending:
+        if p.cs is not op.cs:
+            return False
+        if p is op:
+            return True
+    return True
+
+
+def progress_all():
+    """Advance every pending call without blocking (errors are kept by the
+    call they belong to and raised by its own test() or wait())."""
+    for op in list(_pending):
+        if _driver.thread:  # the progress thread: the call's GPU current
+            dev = getattr(getattr(op, "be", None), "device_id", None)
+            if dev is not None:
+                _cuda.make_current(dev)
+        op.progress(block=False)
+
+
+class PendingCall:
+    """What the queue of pending calls and :class:`Request` ask
+    of a call: ``state`` ("done" at the end), ``error``, ``result``, ``cs``
+    (calls with the same ``cs`` complete in start order on every rank),
+    ``progress(block)`` and ``settle()`` (the caller saw it done: its key is
+    free again). Engine calls (``mpigc._collective._Op``) and hierarchical
+    calls (``mpigc._hierarchy._HierCall``) are both."""
+
+    def done_or_failed(self):
+        return self.state == "done"
+
+    def finished(self):
+        """True once done; raises the call's error (once done) if it failed."""
+        if self.state != "done":
+            return False
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class _Driver:
+    """Who is advancing calls now (under :data:`lock`): the progress thread or
+    the caller."""
+    thread = False
+
+
+_driver = _Driver()
+
+
+def progress_thread_enabled():
+    """Whether nonblocking calls progress in a background thread.
+
+    ``$MPIGC_PROGRESS_THREAD`` (default ``1``; ``0`` turns it off) and an MPI
+    library initialised with ``MPI_THREAD_MULTIPLE`` (the thread calls MPI
+    while the caller's thread may too); below that level, or with the
+    variable at 0, calls progress only inside ``test()`` and ``wait()``.
+    """
+    env = os.environ.get("MPIGC_PROGRESS_THREAD", "1").strip()
+    if env in ("0", "false", "no", "off"):
+        return False
+    return MPI.Is_initialized() and not MPI.Is_finalized() \
+        and MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+
+
+def _progress_interval():
+    """``$MPIGC_PROGRESS_INTERVAL_US``: how long the progress thread sleeps
+    between two passes over the pending calls (default 200 microseconds)."""
+    try:
+        return max(0.0, float(os.environ.get("MPIGC_PROGRESS_INTERVAL_US", "200"))) * 1e-6
+    except ValueError:
+        return 200e-6
+
+
+class _ProgressThread:
+    """A daemon thread that advances pending nonblocking calls while the
+    caller computes (MPI libraries without asynchronous progress, such as
+    Open MPI over TCP, move data only inside MPI calls). It sleeps on a
+    condition while nothing is pending, polls every ``_progress_interval``
+    otherwise, and is stopped and joined at interpreter exit, before mpi4py
+    finalizes MPI (its atexit handler is registered after mpi4py's, so it
+    runs first)."""
+
+    def __init__(self):
+        self.thread = None
+        self.cond = threading.Condition()
+        self.stopping = False
+
+    def wake(self):
+        if self.thread is None:
+            if self.stopping or not progress_thread_enabled():
+                return
+            self.thread = threading.Thread(target=self._run, name="mpigc-progress",
+                                           daemon=True)
+            atexit.register(self.stop)
+            self.thread.start()
+        with self.cond:
+            self.cond.notify()
+
+    def _run(self):
+        interval = _progress_interval()
+        while True:
+            with self.cond:
+                while not _pending and not self.stopping:
+                    self.cond.wait()
+            if self.stopping:
+                return
+            with lock:
+                if self.stopping or MPI.Is_finalized():
+                    return
+                _driver.thread = True
+                try:
+                    progress_all()
+                finally:
+                    _driver.thread = False
+            time.sleep(interval)
+
+    def stop(self):
+        """Stop the thread and wait for it (at exit; idempotent)."""
+        self.stopping = True
+        t = self.thread
+        if t is not None:
+            with self.cond:
+                self.cond.notify()
+            t.join()
+
+
+_progress_thread = _ProgressThread()
+
+
+def wake():
+    """A nonblocking call started: start the progress thread, or wake it."""
+    _progress_thread.wake()
+
+
+def in_progress_thread():
+    """True while the progress thread is advancing calls (under :data:`lock`)."""
+    return _driver.thread
+
+
+def progress_thread_alive():
+    """Whether the progress thread is running (no MPI call)."""
+    t = _progress_thread.thread
+    return t is not None and t.is_alive()

@@ -536,12 +536,12 @@ class _Op(PendingCall):
             # depends on timing (the progress thread), and a blocking
             # MPI_Allgather does not match another rank's MPI_Iallgather
             self.agree_req = self.cs.comm.Iallgather(row, self.table)
-            if blocking and _sched.idle():
+            if blocking and _sched.idle() and _sched.may_block():
                 self.agree_req.Wait()
                 self.agree_req = None
         else:
             self._start_agree()
-            if blocking and _sched.idle():
+            if blocking and _sched.idle() and _sched.may_block():
                 self._progress_agree(block=True)
         _sched.enqueue(self)
 
@@ -964,7 +964,11 @@ class _Op(PendingCall):
         :func:`_Reducer.available`). The choice is the same on every rank
         (blocking and nonblocking collectives do not match, MPI-3.1 5.12)."""
         blocking = self.blocking
-        if blocking and not (block and _sched.at(0) is self):
+        # several user threads: no wait blocks in MPI holding the lock
+        # (mpigc._sched), so a blocking call's sum, once it is first in the
+        # queue, runs in the reduction thread, on the same communicator
+        hand_over = blocking and not _sched.may_block() and _Reducer.available()
+        if blocking and not ((block or hand_over) and _sched.at(0) is self):
             return False
         sendbuf = self.none_buf
         self.be.sync()
@@ -978,7 +982,11 @@ class _Op(PendingCall):
             self.none_rwire = self.be.wire(recv)
             self.none_out = recv
         self.reqs, self.none_job = [], None
-        if blocking:
+        if hand_over:
+            dev = self.be.device_id if self.be.device else None
+            self.none_job = _Reducer.of(self.cs).submit(
+                lambda: self._none_reduce(self.cs.post, blocking=True), dev)
+        elif blocking:
             self._none_reduce(self.cs.post, blocking=True)
         elif _Reducer.available():
             dev = self.be.device_id if self.be.device else None
@@ -1731,6 +1739,7 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
     # a communicator's first use is collective (Dup, a Sendrecv per peer):
     # outside the engine lock, so that the progress thread can advance
     # earlier calls meanwhile, which a peer may be waiting for
+    _sched.note_caller()
     cs = _comm.resolve(comm)
     with _sched.lock:
         o = _Op(kind, buf, op, params, cs, key, average, gather, feedback, nonfinite,

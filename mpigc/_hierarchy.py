@@ -337,6 +337,7 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
     """Route one collective: the flat engine, or the hierarchical path. Returns
     what :class:`mpigc.Request` wraps (an engine call, or a :class:`_HierCall`
     in the engine's queue)."""
+    _sched.note_caller()
     if hierarchy not in HIERARCHY_MODES:
         # decides which collective runs, so it is checked here, on this rank:
         # like the function called, it must be the same on every rank
@@ -528,7 +529,7 @@ class _HierCall(_sched.PendingCall):
         while not self.agree_req.Test():
             _sched.progress_all()
             if time.perf_counter() - t0 > 200e-6:
-                time.sleep(100e-6)
+                _sched.yield_lock(100e-6)  # other threads may start calls meanwhile
 
     def _prepare(self, row):
         kind = self.kind

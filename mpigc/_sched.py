@@ -11,7 +11,12 @@ blocking call's wait and :meth:`Request.wait` (:func:`complete`),
 The rule (see ``docs/engine.md``): only a wait on a call blocks in MPI, only
 on the oldest pending call, and only when every call before the waited one
 is on the same communicator (:func:`in_order`); otherwise it polls every
-pending call. A progress step never blocks.
+pending call. A progress step never blocks. Once several user threads have
+called mpigc (:func:`note_caller`), no wait blocks in MPI at all: a thread
+blocked there holds the lock, and another thread of the rank could not start
+or advance the call that a peer waits for (found by the schedule search with
+two threads); waits then poll, giving the lock up between polls
+(:func:`yield_lock`).
 
 Calls read the queue through :func:`earlier`, :func:`at` and :func:`idle`,
 and never change it but through :func:`enqueue` and :func:`dequeue`.
@@ -28,6 +33,7 @@ from . import _cuda
 
 __all__ = ["lock", "Request", "PendingCall", "complete", "in_order", "progress_all",
            "enqueue", "dequeue", "earlier", "at", "idle", "pending", "wake",
+           "note_caller", "may_block", "yield_lock",
            "in_progress_thread", "progress_thread_alive", "progress_thread_enabled",
            "last_trace", "hold_progress"]
 
@@ -37,11 +43,17 @@ __all__ = ["lock", "Request", "PendingCall", "complete", "in_order", "progress_a
 lock = threading.RLock()
 
 _pending = []  # calls started and not done, in start order
+# a wait that polls sleeps on this, the lock given up meanwhile (yield_lock)
+_changed = threading.Condition(lock)
+# the user threads that called mpigc: the first one's id, then True for several
+_first_caller = None
+_several = False
 
 
 def enqueue(call):
     """Queue a call that has started (under :data:`lock`)."""
     _pending.append(call)
+    _changed.notify_all()
 
 
 def dequeue(call):
@@ -49,6 +61,33 @@ def dequeue(call):
     when it is not there)."""
     if call in _pending:
         _pending.remove(call)
+        _changed.notify_all()
+
+
+def note_caller():
+    """A user thread calls mpigc (a start, a wait, a test; before it takes
+    the lock). Once a second thread has, waits stop blocking in MPI for the
+    rest of the process (:func:`may_block`)."""
+    global _first_caller, _several
+    if _several:
+        return
+    me = threading.get_ident()
+    if _first_caller is None:
+        _first_caller = me
+    elif me != _first_caller:
+        _several = True
+
+
+def may_block():
+    """Whether a wait may block in MPI, holding the lock: only while one user
+    thread has called mpigc."""
+    return not _several
+
+
+def yield_lock(seconds):
+    """Under :data:`lock`: give it up (every level of it) for up to
+    ``seconds``, or until a call is queued or finished, then take it back."""
+    _changed.wait(seconds)
 
 
 def idle():
@@ -120,6 +159,7 @@ class Request:
 
     def test(self):
         """Make progress on every pending request; True once this one is done."""
+        note_caller()
         with lock:
             progress_all()
             if self._op.state == "done":
@@ -129,6 +169,7 @@ class Request:
     def wait(self):
         """Complete the call and return its result."""
         op = self._op
+        note_caller()
         with lock:
             complete(op)
             op.settle()
@@ -143,6 +184,9 @@ class Request:
 def complete(op):
     """Advance pending calls until ``op`` is done or failed (under :data:`lock`;
     raises nothing: its error stays with ``op``)."""
+    if _several:
+        _poll(op)
+        return
     while not op.done_or_failed():
         first = _pending[0]
         if in_order(op):
@@ -153,6 +197,19 @@ def complete(op):
             first.progress(block=True)
         else:
             progress_all()
+
+
+def _poll(op):
+    """:func:`complete` when several user threads call mpigc: every pending
+    call advanced without blocking, the lock given up between rounds (for
+    up to 200 µs at once, then 100 µs at a time, waking when a call is
+    queued or finished)."""
+    t0 = time.perf_counter()
+    while True:
+        progress_all()
+        if op.done_or_failed():
+            return
+        yield_lock(0 if time.perf_counter() - t0 < 200e-6 else 100e-6)
 
 
 def in_order(op):

@@ -5,13 +5,19 @@ Each scenario is drawn from a seed, the same on every rank: a few calls
 take the plain fallback, the two-phase path with data in the agreement
 messages, after it, or pipelined; flat or hierarchical; blocking or not) and
 faults (a rank whose buffer has another size, or a dtype it rejects before it
-reads the size; a NaN under "raise" or "skip").
+reads the size; a NaN under "raise" or "skip"), on four communicators
+(``COMM_WORLD``, two duplicates, and halves by rank parity), from one user
+thread or two (each thread on communicators of its own, as MPI requires).
 The calls run twice:
 
 - the reference: every call blocking, in order, on a fresh store;
 - the schedule: as drawn, on another fresh store, each rank with its own
   random delays, ``test()`` polls of random pending requests, and its own
-  order of ``wait()``s.
+  order of ``wait()``s, in each of its threads. Every tenth seed, the
+  schedule's communicators are new ones; mpigc makes its state of them (its
+  duplicates, the hierarchical layout) in the main thread first: two threads
+  that create communicators at once can hang inside Open MPI (seen here with
+  5.0.11: open-mpi/ompi#2025; docs/user-guide.md, "Threads").
 
 Every call must end the same way in both (the same bits, or the same error
 class on every rank), the stores must hold the same residuals, and no
@@ -49,9 +55,16 @@ def _seeds():
     return range(int(a), int(b))
 
 
-def _draw(seed, size, hier_ok):
+# the communicators of each user thread (stream): disjoint, since two threads
+# may not start collectives on one communicator in an order MPI cannot match
+STREAM_COMMS = [["world", "a"], ["b", "half"]]
+
+
+def _draw(seed, size, hier_ok, threads_ok):
     """The scenario of ``seed``: a list of call specs, the same on every rank."""
     rng = np.random.default_rng([seed, 7])
+    where = np.random.default_rng([seed, 11])  # threads and communicators
+    streams = 2 if threads_ok and where.random() < 0.4 else 1
     calls = []
     for i in range(int(rng.integers(2, 7))):
         fault = rng.choice(["none"] * 6 + ["size", "reject", "nan-raise", "nan-skip"])
@@ -65,7 +78,25 @@ def _draw(seed, size, hier_ok):
             "fault": str(fault) if size > 1 else "none",
             "culprit": int(rng.integers(size)),
         })
+    for c in calls:
+        c["stream"] = int(where.integers(streams))
+        pool = STREAM_COMMS[c["stream"]] if streams == 2 else STREAM_COMMS[0] + STREAM_COMMS[1]
+        c["comm"] = str(where.choice(pool))
     return calls
+
+
+def _comms(world, hier_ok):
+    """One communicator of each name (collective: every rank, in this order),
+    each used once by mpigc from this thread (flat, and hierarchical)."""
+    comms = {"world": world, "a": world.Dup(), "b": world.Dup(),
+             "half": world.Split(world.Get_rank() % 2, world.Get_rank())}
+    for c in comms.values():
+        fb = mpigc.ErrorFeedback()
+        mpigc.allreduce(np.ones(4, np.float32), "none", comm=c, key="warm", feedback=fb)
+        if hier_ok:
+            mpigc.allreduce(np.ones(1 << 16, np.float32), "2bit", comm=c, key="warm-h",
+                            feedback=fb, hierarchy="node")
+    return comms
 
 
 def _input(c, rank, step):
@@ -81,8 +112,9 @@ def _input(c, rank, step):
     return x
 
 
-def _start(c, x, fb, blocking):
+def _start(c, x, fb, blocking, comms):
     kw = {"key": f"c{c['i']}", "feedback": fb, "hierarchy": "node" if c["hier"] else "flat",
+          "comm": comms[c["comm"]],
           "nonfinite": "skip" if c["fault"] == "nan-skip" else "raise"}
     f = getattr(mpigc, ("" if blocking else "i") + c["kind"])
     return f(x, c["op"], **kw)
@@ -96,15 +128,44 @@ def _outcome(fn):
         return ("error", type(e).__name__)
 
 
-def _reference(calls, rank, step):
+def _reference(calls, rank, step, comms):
     fb = mpigc.ErrorFeedback()
-    outs = [_outcome(lambda c=c: _start(c, _input(c, rank, step), fb, True)) for c in calls]
+    outs = [_outcome(lambda c=c: _start(c, _input(c, rank, step), fb, True, comms))
+            for c in calls]
     return outs, state_bytes(fb)
 
 
-def _scheduled(calls, rank, step, rng):
+def _scheduled(calls, rank, step, seed, comms):
+    """The calls as drawn: each stream in a thread of its own (one stream: in
+    this thread), each with its own random delays and order of waits."""
     fb = mpigc.ErrorFeedback()
-    outs, pending = [None] * len(calls), {}
+    outs = [None] * len(calls)
+    streams = sorted({c["stream"] for c in calls})
+    if len(streams) == 1:
+        _stream(calls, rank, step, np.random.default_rng([seed, rank, step]),
+                fb, outs, comms)
+        return outs, state_bytes(fb)
+    errors = []
+
+    def run(s):
+        try:
+            _stream([c for c in calls if c["stream"] == s], rank, step,
+                    np.random.default_rng([seed, rank, step, s]), fb, outs, comms)
+        except BaseException as e:  # noqa: BLE001 - raised in the main thread
+            errors.append(e)
+
+    ts = [threading.Thread(target=run, args=(s,), name=f"stream-{s}") for s in streams]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    if errors:
+        raise errors[0]
+    return outs, state_bytes(fb)
+
+
+def _stream(calls, rank, step, rng, fb, outs, comms):
+    pending = {}
 
     def jitter():
         u = rng.random()
@@ -123,16 +184,15 @@ def _scheduled(calls, rank, step, rng):
         jitter()
         x = _input(c, rank, step)
         if c["blocking"]:
-            outs[c["i"]] = _outcome(lambda c=c, x=x: _start(c, x, fb, True))
+            outs[c["i"]] = _outcome(lambda c=c, x=x: _start(c, x, fb, True, comms))
             continue
         try:
-            pending[c["i"]] = _start(c, x, fb, False)
+            pending[c["i"]] = _start(c, x, fb, False, comms)
         except mpigc.MpigcError as e:  # raised at the start: on every rank
             outs[c["i"]] = ("error", type(e).__name__)
     for i in rng.permutation(sorted(pending)):
         jitter()
         outs[int(i)] = _outcome(pending.pop(int(i)).wait)
-    return outs, state_bytes(fb)
 
 
 @pytest.mark.mpi
@@ -142,15 +202,19 @@ def test_random_schedules_end_as_blocking_calls_in_order(comm, monkeypatch, pyte
     hier_ok = comm.size >= 2
     if hier_ok:
         monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+    threads_ok = MPI.Query_thread() >= MPI.THREAD_MULTIPLE
+    ref_comms = _comms(comm, hier_ok)
     failures = []
+    sched_comms = None
     for seed in _seeds():
-        calls = _draw(seed, comm.size, hier_ok)
+        calls = _draw(seed, comm.size, hier_ok, threads_ok)
+        if sched_comms is None or seed % 10 == 0:
+            sched_comms = _comms(comm, hier_ok)
         dog = _watchdog(seed, calls, comm.rank, pytestconfig)
         try:
             for step in range(2):
-                ref = _reference(calls, comm.rank, step)
-                rng = np.random.default_rng([seed, comm.rank, step])
-                got = _scheduled(calls, comm.rank, step, rng)
+                ref = _reference(calls, comm.rank, step, ref_comms)
+                got = _scheduled(calls, comm.rank, step, seed, sched_comms)
                 if got != ref:
                     bad = [c for c, a, b in zip(calls, got[0], ref[0]) if a != b]
                     failures.append(f"seed {seed} step {step}: "

@@ -10,6 +10,7 @@ checks it waits 20 s for that).
 """
 import os
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -20,7 +21,8 @@ SCRIPT = os.path.join(HERE, "mpi", "internal_error_job.py")
 TIMEOUT = 120
 
 
-def _run(ranks, mode, **env):
+def _command(ranks, mode, env):
+    """``mpirun`` of the job script and its environment (``env`` passed on)."""
     mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
     if mpirun is None:
         pytest.skip("no mpirun on PATH")
@@ -32,8 +34,12 @@ def _run(ranks, mode, **env):
     cmd = [mpirun, "--oversubscribe", "-n", str(ranks)]
     for k in env:
         cmd += ["-x", k]
-    return subprocess.run(cmd + [sys.executable, SCRIPT, mode], env=e, capture_output=True,
-                          text=True, timeout=TIMEOUT)
+    return cmd + [sys.executable, SCRIPT, mode], e
+
+
+def _run(ranks, mode, **env):
+    cmd, e = _command(ranks, mode, env)
+    return subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=TIMEOUT)
 
 
 @pytest.mark.parametrize("ranks,mode,env", [
@@ -62,22 +68,13 @@ def test_one_rank_raises():
 def test_raise_setting_leaves_the_peers_waiting():
     """``MPIGC_ON_INTERNAL_ERROR=raise``: rank 1 raises and goes on; rank 0
     waits for it forever (what happened to every such error before)."""
-    mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
-    if mpirun is None:
-        pytest.skip("no mpirun on PATH")
-    e = {k: v for k, v in os.environ.items() if not k.startswith("MPIGC_")}
-    e.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-             OMPI_MCA_rmaps_base_oversubscribe="1",
-             PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe", PYTHONUNBUFFERED="1",
-             MPIGC_ON_INTERNAL_ERROR="raise")
-    p = subprocess.Popen([mpirun, "--oversubscribe", "-n", "2", "-x", "MPIGC_ON_INTERNAL_ERROR",
-                          sys.executable, SCRIPT, "blocking"], env=e, stdout=subprocess.PIPE,
-                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    cmd, e = _command(2, "blocking", {"MPIGC_ON_INTERNAL_ERROR": "raise"})
+    p = subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, start_new_session=True)
     try:
         out, _ = p.communicate(timeout=20)
         pytest.fail(f"the job ended (exit {p.returncode}); expected a hang:\n{out[-4000:]}")
     except subprocess.TimeoutExpired:
-        import signal
         os.killpg(p.pid, signal.SIGKILL)
         out, _ = p.communicate()
     assert "rank 1: raised: planted defect" in out, out[-4000:]

@@ -525,11 +525,7 @@ class _HierCall(_sched.PendingCall):
         """Wait for the agreement rows, advancing every other pending call
         meanwhile; politely, as :meth:`_ready` (begin() of a call that grows
         the window)."""
-        t0 = time.perf_counter()
-        while not self.agree_req.Test():
-            _sched.progress_all()
-            if time.perf_counter() - t0 > 200e-6:
-                _sched.yield_lock(100e-6)  # other threads may start calls meanwhile
+        _sched.poll(self.agree_req.Test)
 
     def _prepare(self, row):
         kind = self.kind

@@ -33,7 +33,7 @@ from . import _cuda
 
 __all__ = ["lock", "Request", "PendingCall", "complete", "in_order", "progress_all",
            "enqueue", "dequeue", "earlier", "at", "idle", "pending", "wake",
-           "note_caller", "may_block", "yield_lock",
+           "note_caller", "may_block", "yield_lock", "poll",
            "in_progress_thread", "progress_thread_alive", "progress_thread_enabled",
            "last_trace", "hold_progress"]
 
@@ -185,7 +185,7 @@ def complete(op):
     """Advance pending calls until ``op`` is done or failed (under :data:`lock`;
     raises nothing: its error stays with ``op``)."""
     if _several:
-        _poll(op)
+        poll(op.done_or_failed)
         return
     while not op.done_or_failed():
         first = _pending[0]
@@ -199,15 +199,16 @@ def complete(op):
             progress_all()
 
 
-def _poll(op):
-    """:func:`complete` when several user threads call mpigc: every pending
-    call advanced without blocking, the lock given up between rounds (for
-    up to 200 µs at once, then 100 µs at a time, waking when a call is
-    queued or finished)."""
+def poll(done):
+    """Under :data:`lock`: advance every pending call without blocking until
+    ``done()``, giving the lock up between rounds (at once for 200 µs, then
+    for up to 100 µs at a time, waking when a call is queued or finished), so
+    that other threads may start and advance calls meanwhile. What
+    :func:`complete` does when several user threads call mpigc."""
     t0 = time.perf_counter()
-    while True:
+    while not done():
         progress_all()
-        if op.done_or_failed():
+        if done():
             return
         yield_lock(0 if time.perf_counter() - t0 < 200e-6 else 100e-6)
 

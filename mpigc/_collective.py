@@ -965,10 +965,15 @@ class _Op(PendingCall):
         (blocking and nonblocking collectives do not match, MPI-3.1 5.12)."""
         blocking = self.blocking
         # several user threads: no wait blocks in MPI holding the lock
-        # (mpigc._sched), so a blocking call's sum, once it is first in the
-        # queue, runs in the reduction thread, on the same communicator
+        # (mpigc._sched), so a blocking call's sum runs in the reduction
+        # thread, on the same communicator, once no earlier call of this
+        # communicator is pending (the queue's order across communicators
+        # is the threads' timing, not the same on every rank)
         hand_over = blocking and not _sched.may_block() and _Reducer.available()
-        if blocking and not ((block or hand_over) and _sched.at(0) is self):
+        if hand_over:
+            if any(op.cs is self.cs for op in _sched.earlier(self)):
+                return False
+        elif blocking and not (block and _sched.at(0) is self):
             return False
         sendbuf = self.none_buf
         self.be.sync()

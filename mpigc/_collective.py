@@ -1,7 +1,10 @@
 """The engine behind allreduce and reduce_scatter: MPI only, no bit twiddling.
 
-One call is a small state machine, driven to completion by ``wait()`` (the
-blocking functions call it at once) or step by step by ``test()``:
+One call (``_Op``) is a generator of steps (``_Op._steps``) that yields
+what it waits for, effects that the scheduler (``mpigc._sched``) waits for or
+tests: a blocking call is the same generator driven to its end by ``wait()``
+(the blocking functions call it at once), a nonblocking one step by step by
+``test()`` and the progress thread:
 
 1. *prepare* (local): validate the input, compress this rank's shards with
    error feedback into one send buffer. The new worker residual is written
@@ -468,7 +471,7 @@ def _drain():
     """Recycle the buffers of finished calls' sends that have completed."""
     keep = []
     for reqs, bufs in _draining:
-        if MPI.Request.Testall(reqs):
+        if _sched.test(reqs):
             for a in bufs:
                 _pool.give(a)
         else:
@@ -536,13 +539,9 @@ class _Op(PendingCall):
             # depends on timing (the progress thread), and a blocking
             # MPI_Allgather does not match another rank's MPI_Iallgather
             self.agree_req = self.cs.comm.Iallgather(row, self.table)
-            if blocking and _sched.idle() and _sched.may_block():
-                self.agree_req.Wait()
-                self.agree_req = None
         else:
             self._start_agree()
-            if blocking and _sched.idle() and _sched.may_block():
-                self._progress_agree(block=True)
+        self.steps = self._steps()
         _sched.enqueue(self)
 
     # -- 2a. the agreement, point to point -----------------------------------
@@ -588,7 +587,7 @@ class _Op(PendingCall):
 
     def _start_agree(self):
         """Send this rank's row, with its data where it can travel with it,
-        to every peer; receives are matched by probe (:meth:`_progress_agree`),
+        to every peer; receives are matched by probe (:meth:`_receive_rows`),
         so a peer whose message has another size (a different buffer size, a
         rank that failed early) is read, not truncated."""
         comm, r, tag = self.cs.comm, self.rank, self.tags[2]
@@ -613,43 +612,24 @@ class _Op(PendingCall):
         self.aslot = _HDR + m
         # one pooled buffer, a slot per source (this rank's slot unused)
         self.abuf = _pool.take(self.size * self.aslot)
-        self.arecv = {(r - k) % self.size: None for k in range(1, self.size)}
+        self.arecv = [(r - k) % self.size for k in range(1, self.size)]  # sources
         self.adata = {}
 
-    def _progress_agree(self, block):
-        """Receive the peers' rows (and data); True once every row is in."""
+    def _receive_rows(self):
+        """Steps: receive the peers' rows (and data), matched by probe."""
         comm, tag = self.cs.comm, self.tags[2]
-        done = True
-        for j, req in self.arecv.items():
-            if req is True:
-                continue
-            if req is None:
-                st = MPI.Status()
-                msg = comm.Mprobe(j, tag, st) if block else comm.Improbe(j, tag, st)
-                if msg is None:
-                    done = False
-                    continue
-                count = st.Get_count(MPI.BYTE)
-                if count == self.aslot:
-                    buf = self.abuf[j * self.aslot:(j + 1) * self.aslot]
-                else:  # the call will fail: read the row, keep nothing
-                    buf = np.empty(max(count, _HDR), np.uint8)
-                self.adata[j] = buf
-                if block:
-                    msg.Recv([buf, count, MPI.BYTE])
-                    req = None
-                else:
-                    req = msg.Irecv([buf, count, MPI.BYTE])
-                    self.arecv[j] = req
-            if req is not None and req is not True:
-                if block:
-                    req.Wait()
-                elif not req.Test():
-                    done = False
-                    continue
-            self.arecv[j] = True
+        reqs = []
+        for j in self.arecv:
+            msg, count = yield _sched.Probe(comm, j, tag)
+            if count == self.aslot:
+                buf = self.abuf[j * self.aslot:(j + 1) * self.aslot]
+            else:  # the call will fail: read the row, keep nothing
+                buf = np.empty(max(count, _HDR), np.uint8)
+            self.adata[j] = buf
+            reqs.append(msg.Irecv([buf, count, MPI.BYTE]))
+        yield _sched.All(reqs)
+        for j in self.arecv:
             self.table[j] = self.adata[j][:_HDR].view(np.int64)
-        return done
 
     # -- 1. prepare ----------------------------------------------------------
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
@@ -944,37 +924,32 @@ class _Op(PendingCall):
                 self.fb.give_spare(old)
 
     # -- 3./4. data movement -------------------------------------------------
-    def _start_none(self, block):
-        """op="none" (or the small-buffer fallback): MPI's own blocking sum,
-        ``MPI_Allreduce`` / ``MPI_Reduce_scatter`` (whose bits
+    def _none_steps(self):
+        """Steps of op="none" (or the small-buffer fallback): MPI's own
+        blocking sum, ``MPI_Allreduce`` / ``MPI_Reduce_scatter`` (whose bits
         ``MPI_Iallreduce`` / ``MPI_Ireduce_scatter`` need not give: Open MPI
         5.0's differ in the last bits on 3 ranks), for blocking and
         nonblocking calls alike.
 
         A nonblocking call hands it to its communicator's reduction thread
-        (:class:`_Reducer`) at once and returns: the caller computes while
-        that thread waits in MPI. A blocking call runs it itself, and only
-        from a blocking wait on this very call once every earlier call of
-        this rank is done (it is then first in the queue); until then it
-        stays in state "none-ready" (False). Never from a progress step:
-        blocking there, with the engine lock held, would keep an earlier call
-        from advancing while the peers wait for it. Without
-        ``MPI_THREAD_MULTIPLE`` there is no reduction thread: a nonblocking
-        call starts MPI's nonblocking sum instead (other bits; see
-        :func:`_Reducer.available`). The choice is the same on every rank
-        (blocking and nonblocking collectives do not match, MPI-3.1 5.12)."""
-        blocking = self.blocking
-        # several user threads: no wait blocks in MPI holding the lock
-        # (mpigc._sched), so a blocking call's sum runs in the reduction
-        # thread, on the same communicator, once no earlier call of this
-        # communicator is pending (the queue's order across communicators
-        # is the threads' timing, not the same on every rank)
-        hand_over = blocking and not _sched.may_block() and _Reducer.available()
-        if hand_over:
-            if any(op.cs is self.cs for op in _sched.earlier(self)):
-                return False
-        elif blocking and not (block and _sched.at(0) is self):
-            return False
+        (:class:`_Reducer`) at once: the caller computes while that thread
+        waits in MPI. A blocking call runs it itself, in a blocking wait on
+        this very call once every earlier call of this rank is done (it is
+        then first in the queue: :data:`mpigc._sched.Alone`); never from a
+        progress step: blocking there, with the engine lock held, would keep
+        an earlier call from advancing while the peers wait for it. Once
+        several user threads call mpigc no wait blocks in MPI, and a
+        blocking call's sum runs in the reduction thread, on the same
+        communicator, once no earlier call of this communicator is pending
+        (the queue's order across communicators is the threads' timing, not
+        the same on every rank). Without ``MPI_THREAD_MULTIPLE`` there is no
+        reduction thread: a nonblocking call starts MPI's nonblocking sum
+        instead (other bits; see :func:`_Reducer.available`). The choice is
+        the same on every rank (blocking and nonblocking collectives do not
+        match, MPI-3.1 5.12)."""
+        here = True
+        if self.blocking:
+            here = yield _sched.Alone(self._may_hand_over)
         sendbuf = self.none_buf
         self.be.sync()
         # staged: the full-precision values cross to the host
@@ -986,21 +961,33 @@ class _Op(PendingCall):
             recv = self._empty(hi - lo, sendbuf.dtype)
             self.none_rwire = self.be.wire(recv)
             self.none_out = recv
-        self.reqs, self.none_job = [], None
-        if hand_over:
-            dev = self.be.device_id if self.be.device else None
-            self.none_job = _Reducer.of(self.cs).submit(
-                lambda: self._none_reduce(self.cs.post, blocking=True), dev)
-        elif blocking:
+        reqs, job = [], None
+        dev = self.be.device_id if self.be.device else None
+        self.state = "none"
+        if self.blocking and here:
             self._none_reduce(self.cs.post, blocking=True)
+        elif self.blocking:
+            job = _Reducer.of(self.cs).submit(
+                lambda: self._none_reduce(self.cs.post, blocking=True), dev)
         elif _Reducer.available():
-            dev = self.be.device_id if self.be.device else None
-            self.none_job = _Reducer.of(self.cs).submit(
+            job = _Reducer.of(self.cs).submit(
                 lambda: self._none_reduce(self.cs.reduce, blocking=True), dev)
         else:
-            self.reqs = self._none_reduce(self.cs.post, blocking=False)
-        self.state = "none"
-        return True
+            reqs = self._none_reduce(self.cs.post, blocking=False)
+        if job is not None:
+            yield _sched.Job(job.done)
+            if job.error is not None:
+                raise job.error
+        if reqs:
+            yield _sched.All(reqs)
+        self._finish_none()
+
+    def _may_hand_over(self):
+        """A blocking call's sum may run in the reduction thread: several user
+        threads call mpigc, and no earlier call of this communicator is
+        pending."""
+        return (not _sched.may_block() and _Reducer.available()
+                and not any(op.cs is self.cs for op in _sched.earlier(self)))
 
     def _none_reduce(self, comm, blocking):
         """MPI's sum of ``none_wire`` on ``comm`` (reduce_scatter: this rank's
@@ -1067,7 +1054,7 @@ class _Op(PendingCall):
             _pool.give(self.abuf)
             self.abuf = None
         if self.sendreqs:
-            if MPI.Request.Testall(self.sendreqs):
+            if _sched.test(self.sendreqs):
                 self.sendreqs = []
             else:
                 _draining.append((self.sendreqs, self.asend))
@@ -1157,24 +1144,19 @@ class _Op(PendingCall):
         """After a staged receive: copy the host bytes to the device."""
         self.be.unstage(dst, src)
 
-    def _progress_phase1(self, block):
-        """Decode-accumulate contributions in rank order: each as it arrives
-        (host), or all with one launch once they are there (device)."""
+    def _phase1_steps(self):
+        """Steps: decode-accumulate contributions in rank order: each as it
+        arrives (host), or all with one launch once they are there (device)."""
         m = self.sizes[self.rank]
-        while self.next_src < self.size:
-            j = self.next_src
+        for j in range(self.size):
             req = self.recvreqs[j]
             if req is not None:
-                if block:
-                    req.Wait()
-                elif not req.Test():
-                    return False
+                yield req
                 self.recvreqs[j] = None
                 self._unstage(self.recvbuf[j * m:(j + 1) * m],
                               self.recv_wire[j * m:(j + 1) * m])
             if self.acc.size and not self.be.batch_decode:
                 self.comp._decode(self._payload_from(j), self.acc, j > 0)
-            self.next_src += 1
         if self.acc.size and self.be.batch_decode:
             # the own payload joins the received ones (m bytes apart), then
             # one decode of all senders, summed in rank order
@@ -1184,7 +1166,6 @@ class _Op(PendingCall):
                                      self.acc, False)
         if self.average and not self.comp.prescales_average:
             self._divide(self.acc, self.size)
-        return True
 
     def _start_phase2(self):
         comm = self.cs.comm
@@ -1286,33 +1267,17 @@ class _Op(PendingCall):
             self._unstage(self.flat.view(np.uint8)[lo * isz:hi * isz],
                           self.wire2[lo * isz:hi * isz])
 
-    def _progress_phase2(self, block):
-        pending = self.recvreqs2
-        while pending:
-            for j in list(pending):
-                req = pending[j]
-                if block:
-                    req.Wait()
-                elif not req.Test():
-                    continue
-                del pending[j]
-                self._arrived2(j)
-            if pending and not block:
-                return False
-        if (self.gather == "compressed" and self.be.batch_decode
-                and not self.decoded2):
-            self.decoded2 = True
+    def _phase2_steps(self):
+        """Steps: each shard of the gather into place as it arrives (on a
+        device, decoded with one launch once all are in)."""
+        js = list(self.recvreqs2)
+        reqs = [self.recvreqs2[j] for j in js]
+        for _ in js:
+            i = yield _sched.Any(reqs)
+            self._arrived2(js[i])
+        self.recvreqs2 = {}
+        if self.gather == "compressed" and self.be.batch_decode:
             self._decode_all_in_place()
-        return True
-
-    def _progress_report(self, block):
-        """State "report": raise the agreed error once every rank's message is in."""
-        if block:
-            self.report_req.Wait()
-        elif not self.report_req.Test():
-            return False
-        self.report_req = None
-        raise self._report_error()
 
     def _count(self, sent):
         _traffic["calls"] += 1
@@ -1328,9 +1293,7 @@ class _Op(PendingCall):
                    else (hi - lo) * self.dtype.itemsize)
             sent += own * (self.size - 1)
         self._count(sent)
-        if self.sendreqs:
-            MPI.Request.Waitall(self.sendreqs)
-            self.sendreqs = []
+        self.sendreqs = []  # complete: the steps waited for them
         if self.entry is not None:
             self.entry.calls += 1
         if self.kind == "allreduce":
@@ -1441,7 +1404,7 @@ class _Op(PendingCall):
                 j = self.src1
                 req = self.rreq1[c][j]
                 if req is not None:
-                    if not req.Test():
+                    if not _sched.test([req]):
                         return moved
                     self.rreq1[c][j] = None
                 if b > a:
@@ -1547,13 +1510,13 @@ class _Op(PendingCall):
         else:
             self.comp._decode(payload, target, False)
 
-    def _arrived_chunks(self, block=False):
-        """Phase 2's pieces that are in (``block``: at least one): into place.
-        True if any was. Only this method completes these requests (each
+    def _arrived_chunks(self):
+        """Phase 2's pieces that are in: into place. True if any was. Only
+        this method and :meth:`_chunk_steps` complete these requests (each
         is counted once: a completed request is null from then on)."""
         if not self.left2:
             return False
-        done = (MPI.Request.Waitsome if block else MPI.Request.Testsome)(self.rreq2) or []
+        done = _sched.arrived(self.rreq2)
         for i in done:
             self._arrived_piece(i)
         return bool(done)
@@ -1567,11 +1530,11 @@ class _Op(PendingCall):
             o = self.poff2[c][j]
             self._decode_piece(self.recvbuf2[o:o + self.psz2[c][j]], a, b)
 
-    def _progress_chunks(self, block):
-        """State "chunks". A step that must not block compresses at most one
-        chunk (the engine lock is held meanwhile) and handles what has
-        arrived; a blocking one runs the call to its end, waiting in MPI only
-        when nothing is left to compute."""
+    def _chunk_steps(self):
+        """Steps of a pipelined call. A progress step compresses at most one
+        chunk (the engine lock is held meanwhile: :data:`mpigc._sched.PAUSE`)
+        and handles what has arrived; a blocking wait runs the call to its
+        end, waiting in MPI only when nothing is left to compute."""
         nc = len(self.chunks)
         while True:
             moved = False
@@ -1579,15 +1542,15 @@ class _Op(PendingCall):
                 self._pack_chunk()
                 moved = True
             moved |= self._decode_chunks()
-            if (self.verdict is None and self.cpack == nc
-                    and MPI.Request.Testall(self.treq)):
+            if self.verdict is None and self.cpack == nc and _sched.test(self.treq):
                 self._decide_chunks()
                 moved = True
             if self.verdict == "stop":
                 # phase 1 was posted whole: complete it, then raise or skip
-                if self.c1 == nc and MPI.Request.Testall(self.sendreqs):
+                if self.c1 == nc:
+                    yield _sched.All(self.sendreqs)
                     self._nonfinite_verdict()
-                    return True
+                    return
             elif self.verdict == "go":
                 if self.kind == "allreduce":
                     while self.c2 < self.c1:
@@ -1597,144 +1560,99 @@ class _Op(PendingCall):
                     over = self.c2 == nc and not self.left2
                 else:
                     over = self.c1 == nc
-                if over and (block or MPI.Request.Testall(self.sendreqs)):
+                if over:
+                    yield _sched.All(self.sendreqs)
                     if self.use_ef and not self.obad and self.kind == "allreduce" \
                             and self.gather != "exact":
                         self.entry.owner = self.owner_out
                     self._finish()
-                    return True
-            if not block:
-                if moved and self.cpack == nc:
-                    continue  # nothing left to compress: handle all that is in
-                return False
+                    return
             if moved:
-                continue
+                if self.cpack < nc:
+                    yield _sched.PAUSE
+                continue  # nothing left to compress: handle all that is in
             # nothing to compute: wait for whichever receive completes first.
             # A phase 1 piece or a trailer stays null once completed and is
-            # handled by the next pass (Test of a null request is true); a
-            # phase 2 piece is handled here, as Testsome will not report it
+            # handled by the next pass (a null request tests complete); a
+            # phase 2 piece is handled here, as a later Testsome will not
+            # report it
             waiting = [q for q in self.rreq1[self.c1] if q] if self.c1 < nc else []
             waiting += [q for q in self.treq if q]
             first2 = len(waiting)
             waiting += self.rreq2
             if any(waiting):
-                i = MPI.Request.Waitany(waiting)
+                i = yield _sched.Any(waiting)
                 if i != MPI.UNDEFINED and i >= first2:
                     self._arrived_piece(i - first2)
             else:
-                MPI.Request.Waitall(self.sendreqs)
+                yield _sched.All(self.sendreqs)
 
-    # -- the state machine ---------------------------------------------------
-    def progress(self, block):
-        """Advance; never raises (see :meth:`finished`)."""
-        if self.state == "done":
-            return True
-        try:
-            done = self._progress(block)
-        except BaseException as exc:  # noqa: BLE001 - kept for finished()
-            internal_error(exc, self.cs.comm, f"mpigc {self.kind}")
-            self.error = exc
-            self._abandon()
-            self._drop_agree()
-            self.state = "done"
-            done = True
-        if self.state == "done":
-            _sched.dequeue(self)
-        return done
+    # -- the steps, driven by the scheduler (mpigc._sched.PendingCall) -----------
+    def _failed(self, exc):
+        internal_error(exc, self.cs.comm, f"mpigc {self.kind}")
+        self.error = exc
+        self._abandon()
+        self._drop_agree()
 
-    def _earlier_undecided(self):
-        for op in _sched.earlier(self):
-            if op.cs is self.cs and op.state == "agree":
-                return True
-        return False
+    def _end(self):
+        self.state = "done"
+        _sched.dequeue(self)
 
-    def _progress(self, block):
-        if self.state == "done":
-            return True
-        if self.state == "agree":
-            if self.agree_req is not None:
-                if block:
-                    self.agree_req.Wait()
-                elif not self.agree_req.Test():
-                    return False
-                self.agree_req = None
-            if self.arecv is not None and not self._progress_agree(block):
-                return False
-            # what follows the agreement may start collectives (the error
-            # report, op="none"): every rank must start them in the same
-            # order, so calls act on their agreements in the order they began
-            if self._earlier_undecided():
-                return False
-            self.trace._agreement_done = True
-            agreed = self._agreed()
-            if agreed is None:  # failed: the error report is under way
-                return self._progress_report(block)
-            if not agreed:
-                return True
-            if self.chunks is not None:
-                # pipelined: the residual is committed once the counts of
-                # non-finite values, known after the last chunk, agree too
-                self._start_chunks()
+    def _my_turn(self):
+        """Every earlier call of this communicator has acted on its agreement."""
+        return not any(op.cs is self.cs and op.state == "agree"
+                       for op in _sched.earlier(self))
+
+    def _steps(self):
+        if self.agree_req is not None:
+            yield self.agree_req
+            self.agree_req = None
+        if self.arecv is not None:
+            yield from self._receive_rows()
+        # what follows the agreement may start collectives (the error
+        # report, op="none"): every rank must start them in the same
+        # order, so calls act on their agreements in the order they began
+        yield _sched.Turn(self._my_turn)
+        self.state = "agreed"
+        self.trace._agreement_done = True
+        agreed = self._agreed()
+        if agreed is None:  # failed: the error report is under way
+            yield self.report_req
+            self.report_req = None
+            raise self._report_error()
+        if not agreed:
+            return
+        if self.chunks is not None:
+            # pipelined: the residual is committed once the counts of
+            # non-finite values, known after the last chunk, agree too
+            self._start_chunks()
+            yield from self._chunk_steps()
+            return
+        self._commit()
+        # the data travelled with the rows when every row says so
+        inline = self.arecv is not None and bool(self.table[:, _INLINE].all())
+        self.trace._path = "plain" if self.plain else "two-phase"
+        self.trace._inline = inline
+        if self.plain:
+            if inline:
+                self._finish_inline_plain()
             else:
-                self._commit()
-                # the data travelled with the rows when every row says so
-                inline = self.arecv is not None and bool(self.table[:, _INLINE].all())
-                self.trace._path = "plain" if self.plain else "two-phase"
-                self.trace._inline = inline
-                if self.plain:
-                    if inline:
-                        self._finish_inline_plain()
-                        return True
-                    self.state = "none-ready"
-                elif inline:
-                    self._start_phase1_inline()
-                else:
-                    self._start_phase1()
-        if self.state == "chunks":
-            return self._progress_chunks(block)
-        if self.state == "report":
-            return self._progress_report(block)
-        if self.state == "none-ready" and not self._start_none(block):
-            return False
-        if self.state == "none":
-            job = self.none_job
-            if job is not None:
-                if block:
-                    job.done.wait()
-                elif not job.done.is_set():
-                    return False
-                self.none_job = None
-                if job.error is not None:
-                    raise job.error
-            if self.reqs:
-                if block:
-                    MPI.Request.Waitall(self.reqs)
-                elif not MPI.Request.Testall(self.reqs):
-                    return False
-            self._finish_none()
-            return True
-        if self.state == "phase1":
-            if not self._progress_phase1(block):
-                return False
-            if self.kind == "reduce_scatter":
-                self.state = "sends"
-            else:
-                self._start_phase2()
-        if self.state == "sends":
-            # reduce_scatter after phase 1: only the sends are left; a progress
-            # step must not block on them (a receiver that is waiting for an
-            # earlier call of this rank would never take them: a hang)
-            if self.sendreqs and not block and not MPI.Request.Testall(self.sendreqs):
-                return False
-            self._finish()
-            return True
-        if self.state == "phase2":
-            if not self._progress_phase2(block):
-                return False
-            if self.sendreqs and not block and not MPI.Request.Testall(self.sendreqs):
-                return False
-            self._finish()
-        return True
+                yield from self._none_steps()
+            return
+        if inline:
+            self._start_phase1_inline()
+        else:
+            self._start_phase1()
+        yield from self._phase1_steps()
+        if self.kind == "allreduce":
+            self._start_phase2()
+            yield from self._phase2_steps()
+        # reduce_scatter after phase 1: only the sends are left, waited
+        # for like any step (a receiver that is waiting for an earlier
+        # call of this rank would never take them)
+        if self.sendreqs:
+            yield _sched.All(self.sendreqs)
+        self._finish()
 
 
 def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,

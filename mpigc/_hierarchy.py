@@ -77,7 +77,6 @@ import json
 import os
 import re
 import threading
-import time
 import zlib
 
 import numpy as np
@@ -375,6 +374,8 @@ class _HierCall(_sched.PendingCall):
     Only the agreement rows go out at :meth:`begin`, in program order, on a
     communicator of their own (``lay.agree_comm``)."""
 
+    polite = True  # blocking waits test and sleep (see _sched._wait_politely)
+
     def __init__(self, lay, kind, buf, op, params, comm, key, average, gather, feedback,
                  nonfinite, recvcounts, out):
         self.lay, self.kind, self.buf, self.op, self.params = lay, kind, buf, op, params
@@ -385,9 +386,6 @@ class _HierCall(_sched.PendingCall):
         self.trace = _collective.CallTrace("hierarchical")  # Request.trace
         self.state = "pending"
         self.result = self.error = None
-        self.waiting = None  # what the steps wait for
-        self.running = False  # a step is under way (no re-entry from a nested wait)
-        self.steps = None
         # the buffer's backend (a device one's device_id is made current by the
         # progress thread); for device arrays, the caller's buffer as a flat
         # Numba device array and the pinned host buffer that holds its values
@@ -407,73 +405,17 @@ class _HierCall(_sched.PendingCall):
         """No earlier hierarchical call of this layout is pending here."""
         return not any(op.cs is self.cs for op in _sched.earlier(self))
 
-    def progress(self, block):
-        """Advance; never raises (see :meth:`finished`). Blocks in MPI only
-        with ``block`` (a blocking wait on this call, first in the queue)."""
-        if self.state == "done":
-            return True
-        if self.running or not self._head():
-            return False
-        self.running = True
-        try:
-            while True:
-                w = self.waiting
-                if w is not None and not self._ready(w, block):
-                    return False
-                self.waiting = None
-                self.waiting = next(self.steps)
-        except StopIteration as stop:
-            self.result = stop.value
-            self._end()
-            return True
-        except BaseException as exc:  # noqa: BLE001 - kept for finished()
-            _collective.internal_error(exc, self.lay.comm, f"hierarchical mpigc {self.kind}")
-            self.error = exc
-            self._end()
-            return True
-        finally:
-            self.running = False
+    def _failed(self, exc):
+        _collective.internal_error(exc, self.lay.comm, f"hierarchical mpigc {self.kind}")
+        self.error = exc
 
     def _end(self):
         self.state = "done"
-        self.steps = None
         if self.staging is not None:
             _cuda.sync()  # the last copies out of the pinned buffer
             _cuda.staging_pool.give(self.staging)
             self.staging = None
         _sched.dequeue(self)
-
-    def _ready(self, w, block):
-        """Whether what the steps wait for is there; waits for it with ``block``."""
-        if isinstance(w, MPI.Request):
-            if not block:
-                return w.Test()
-            # waited for politely: tested for up to 200 µs, then every 100 µs
-            # with the core given up in between. Where ranks outnumber cores
-            # (tests, the emulated cluster) a spinning wait takes the core from
-            # the very peer it waits for (docs/cluster.md: with the node fences
-            # waited for by sleeping alone, the earlier form, a 32 MiB 2bit call
-            # on the 2-core emulated cluster took 124 instead of 138 ms of CPU,
-            # summed over 4 ranks; this form was not measured against spinning)
-            t0 = time.perf_counter()
-            while not w.Test():
-                if time.perf_counter() - t0 > 200e-6:
-                    time.sleep(100e-6)
-            return True
-        # this call's inter-node engine calls, later in the queue
-        for sub in w:
-            while sub.state != "done":
-                if not block:
-                    sub.progress(block=False)
-                    if sub.state != "done":
-                        return False
-                elif _sched.at(0) is self and _sched.at(1) is sub:
-                    # nothing started before it but this call, which waits for
-                    # it: blocking in MPI is safe, as for the oldest engine call
-                    sub.progress(block=True)
-                else:
-                    _sched.progress_all()
-        return True
 
     # -- 1. the start and the input agreement ------------------------------------------
     def begin(self):
@@ -523,7 +465,7 @@ class _HierCall(_sched.PendingCall):
 
     def _await_rows(self):
         """Wait for the agreement rows, advancing every other pending call
-        meanwhile; politely, as :meth:`_ready` (begin() of a call that grows
+        meanwhile; politely, as a blocking wait of its steps (begin() of a call that grows
         the window)."""
         _sched.poll(self.agree_req.Test)
 
@@ -619,6 +561,8 @@ class _HierCall(_sched.PendingCall):
     # -- the steps ---------------------------------------------------------------------
     def _steps(self):
         lay = self.lay
+        # the hierarchical calls of a layout advance one at a time, oldest first
+        yield _sched.Turn(self._head)
         if lay.read_fence is not None:
             # the node's ranks have read the last call's results out of the window
             yield lay.read_fence
@@ -640,7 +584,7 @@ class _HierCall(_sched.PendingCall):
                                     gather=self.gather, feedback=self.feedback,
                                     nonfinite=self.nonfinite, recvcounts=self.recvcounts,
                                     out=self.out, blocking=False)
-            yield [sub]
+            yield _sched.Calls([sub])
             sub.settle()
             sub.finished()
             return sub.result
@@ -688,7 +632,7 @@ class _HierCall(_sched.PendingCall):
             subs.append((s, sub))
             parts.append(sub)
         if subs:
-            yield [sub for _, sub in subs]
+            yield _sched.Calls([sub for _, sub in subs])
             for _, sub in subs:
                 sub.settle()  # this call saw them done: their keys are free
         # the outcome of every group, agreed inside the node only: an inter-node

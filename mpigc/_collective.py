@@ -587,7 +587,7 @@ class _Op(PendingCall):
 
     def _start_agree(self):
         """Send this rank's row, with its data where it can travel with it,
-        to every peer; receives are matched by probe (:meth:`_receive_rows`),
+        to every peer; receives are matched by probe (in :meth:`_steps`),
         so a peer whose message has another size (a different buffer size, a
         rank that failed early) is read, not truncated."""
         comm, r, tag = self.cs.comm, self.rank, self.tags[2]
@@ -614,22 +614,6 @@ class _Op(PendingCall):
         self.abuf = _pool.take(self.size * self.aslot)
         self.arecv = [(r - k) % self.size for k in range(1, self.size)]  # sources
         self.adata = {}
-
-    def _receive_rows(self):
-        """Steps: receive the peers' rows (and data), matched by probe."""
-        comm, tag = self.cs.comm, self.tags[2]
-        reqs = []
-        for j in self.arecv:
-            msg, count = yield _sched.Probe(comm, j, tag)
-            if count == self.aslot:
-                buf = self.abuf[j * self.aslot:(j + 1) * self.aslot]
-            else:  # the call will fail: read the row, keep nothing
-                buf = np.empty(max(count, _HDR), np.uint8)
-            self.adata[j] = buf
-            reqs.append(msg.Irecv([buf, count, MPI.BYTE]))
-        yield _sched.All(reqs)
-        for j in self.arecv:
-            self.table[j] = self.adata[j][:_HDR].view(np.int64)
 
     # -- 1. prepare ----------------------------------------------------------
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
@@ -1608,11 +1592,26 @@ class _Op(PendingCall):
             yield self.agree_req
             self.agree_req = None
         if self.arecv is not None:
-            yield from self._receive_rows()
+            # the peers' rows (and data), matched by probe (written here, not
+            # as a sub-generator: small calls are made of such steps)
+            comm, tag, reqs = self.cs.comm, self.tags[2], []
+            for j in self.arecv:
+                msg, count = yield _sched.Probe(comm, j, tag)
+                if count == self.aslot:
+                    buf = self.abuf[j * self.aslot:(j + 1) * self.aslot]
+                else:  # the call will fail: read the row, keep nothing
+                    buf = np.empty(max(count, _HDR), np.uint8)
+                self.adata[j] = buf
+                reqs.append(msg.Irecv([buf, count, MPI.BYTE]))
+            if not _sched.test(reqs):  # a small message is in at once
+                yield _sched.All(reqs)
+            for j in self.arecv:
+                self.table[j] = self.adata[j][:_HDR].view(np.int64)
         # what follows the agreement may start collectives (the error
         # report, op="none"): every rank must start them in the same
         # order, so calls act on their agreements in the order they began
-        yield _sched.Turn(self._my_turn)
+        if not self._my_turn():
+            yield _sched.Turn(self._my_turn)
         self.state = "agreed"
         self.trace._agreement_done = True
         agreed = self._agreed()

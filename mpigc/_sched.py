@@ -238,6 +238,13 @@ def progress_all():
         op.progress(block=False)
 
 
+# The effects: what a call's steps yield, and how each is waited for. With
+# ``block`` (a blocking wait on ``call``, which the queue lets block: see
+# complete()) MPI effects are waited for in MPI; a progress step (``block``
+# False) only tests. ``ready(call, block)`` gives ``(True, value)`` once the
+# effect is met (the step receives ``value``), else ``(False, None)``. These
+# methods are the only place that decides whether a step blocks.
+
 class Turn:
     """An effect: wait until ``ok()`` holds, a condition on the queue (an
     earlier call has got far enough). Never waited for in MPI: a blocking
@@ -247,6 +254,9 @@ class Turn:
     def __init__(self, ok):
         self.ok = ok
 
+    def ready(self, call, block):
+        return self.ok(), None
+
 
 class All:
     """An effect: every request of ``reqs`` (a list of ``MPI.Request``) is
@@ -255,6 +265,16 @@ class All:
 
     def __init__(self, reqs):
         self.reqs = reqs
+
+    def ready(self, call, block):
+        if not block:
+            return MPI.Request.Testall(self.reqs), None
+        if call.polite:
+            for r in self.reqs:
+                _wait_politely(r)
+        else:
+            MPI.Request.Waitall(self.reqs)
+        return True, None
 
 
 class Any:
@@ -266,6 +286,12 @@ class Any:
     def __init__(self, reqs):
         self.reqs = reqs
 
+    def ready(self, call, block):
+        if block:
+            return True, MPI.Request.Waitany(self.reqs)
+        i, flag = MPI.Request.Testany(self.reqs)
+        return flag, i
+
 
 class Probe:
     """An effect: a message from ``source`` with ``tag`` is there on
@@ -276,6 +302,16 @@ class Probe:
     def __init__(self, comm, source, tag):
         self.comm, self.source, self.tag = comm, source, tag
 
+    def ready(self, call, block):
+        st = MPI.Status()
+        if block:
+            msg = self.comm.Mprobe(self.source, self.tag, st)
+        else:
+            msg = self.comm.Improbe(self.source, self.tag, st)
+            if msg is None:
+                return False, None
+        return True, (msg, st.Get_count(MPI.BYTE))
+
 
 class Job:
     """An effect: work handed to another thread is over (``done``, a
@@ -285,6 +321,11 @@ class Job:
     def __init__(self, done):
         self.done = done
 
+    def ready(self, call, block):
+        if block:
+            self.done.wait()
+        return self.done.is_set(), None
+
 
 class Calls:
     """An effect: every call of ``calls`` (later in the queue, started by
@@ -293,6 +334,21 @@ class Calls:
 
     def __init__(self, calls):
         self.calls = calls
+
+    def ready(self, call, block):
+        for sub in self.calls:
+            while sub.state != "done":
+                if not block:
+                    sub.progress(block=False)
+                    if sub.state != "done":
+                        return False, None
+                elif at(0) is call and at(1) is sub:
+                    # nothing started before it but this call, which waits for
+                    # it: blocking in MPI is safe, as for the oldest call
+                    sub.progress(block=True)
+                else:
+                    progress_all()
+        return True, None
 
 
 class Alone:
@@ -305,10 +361,34 @@ class Alone:
     def __init__(self, elsewhere=None):
         self.elsewhere = elsewhere
 
+    def ready(self, call, block):
+        if block and at(0) is call:
+            return True, True
+        if self.elsewhere is not None and self.elsewhere():
+            return True, False
+        return False, None
 
-# An effect: a progress step stops here (the lock is held while a step
-# computes: one chunk at a time); a blocking wait goes straight on.
-PAUSE = object()
+
+def _request_ready(call, req, block):
+    """One ``MPI.Request`` yielded alone: as ``All([req])``."""
+    if not block:
+        return req.Test(), None
+    if call.polite:
+        _wait_politely(req)
+    else:
+        req.Wait()
+    return True, None
+
+
+class _Pause:
+    """An effect: a progress step stops here (the lock is held while a step
+    computes: one chunk at a time); a blocking wait goes straight on."""
+
+    def ready(self, call, block):
+        return True, None
+
+
+PAUSE = _Pause()
 
 
 class PendingCall:
@@ -316,9 +396,9 @@ class PendingCall:
     by the call) that yields effects, what it waits for: :class:`Turn`,
     :class:`All` (or one ``MPI.Request``), :class:`Any`, :class:`Probe`,
     :class:`Job`, :class:`Calls`, :class:`Alone`, :data:`PAUSE`. This class
-    drives them (:meth:`progress`); :func:`_ready` is the one place that
-    decides whether an effect is waited for, blocking in MPI, or tested. A
-    blocking call is the same generator driven with ``block=True``.
+    drives them (:meth:`progress`); the effects' ``ready`` methods are the one
+    place that decides whether an effect is waited for, blocking in MPI, or
+    tested. A blocking call is the same generator driven with ``block=True``.
 
     What the queue and :class:`Request` read: ``state`` ("done" at the
     end), ``error``, ``result``, ``cs`` (calls with the same ``cs`` complete
@@ -345,7 +425,10 @@ class PendingCall:
             while True:
                 w = self.waiting
                 if w is not None:
-                    ok, value = _ready(self, w, block)
+                    if isinstance(w, MPI.Request):
+                        ok, value = _request_ready(self, w, block)
+                    else:
+                        ok, value = w.ready(self, block)
                     if not ok:
                         return False
                 self.waiting = None
@@ -380,11 +463,11 @@ class PendingCall:
         return True
 
 
-def test(reqs):
-    """Whether every request of ``reqs`` is complete (never blocks; a
-    completed request is null from then on). For steps that look at what has
-    arrived between effects, and for the buffers of finished calls' sends."""
-    return MPI.Request.Testall(reqs)
+# Whether every request of a list is complete (never blocks; a completed
+# request is null from then on): for steps that look at what has arrived
+# between effects, and for the buffers of finished calls' sends. MPI's own
+# function, without a Python frame around it (small calls are made of such).
+test = MPI.Request.Testall
 
 
 def arrived(reqs):
@@ -405,65 +488,6 @@ def _wait_politely(req):
     while not req.Test():
         if time.perf_counter() - t0 > 200e-6:
             time.sleep(100e-6)
-
-
-def _ready(call, w, block):
-    """``(True, value)`` once the effect ``w`` of ``call`` is met, else
-    ``(False, None)``. With ``block`` (a blocking wait on ``call``, which the
-    queue lets block: see :func:`complete`) MPI effects are waited for; a
-    progress step (``block`` False) only tests."""
-    if isinstance(w, MPI.Request):
-        w = All([w])
-    if isinstance(w, All):
-        if not block:
-            return MPI.Request.Testall(w.reqs), None
-        if call.polite:
-            for r in w.reqs:
-                _wait_politely(r)
-        else:
-            MPI.Request.Waitall(w.reqs)
-        return True, None
-    if isinstance(w, Any):
-        if block:
-            return True, MPI.Request.Waitany(w.reqs)
-        i, flag = MPI.Request.Testany(w.reqs)
-        return flag, i
-    if isinstance(w, Probe):
-        st = MPI.Status()
-        if block:
-            msg = w.comm.Mprobe(w.source, w.tag, st)
-        else:
-            msg = w.comm.Improbe(w.source, w.tag, st)
-            if msg is None:
-                return False, None
-        return True, (msg, st.Get_count(MPI.BYTE))
-    if isinstance(w, Turn):
-        return w.ok(), None
-    if isinstance(w, Job):
-        if block:
-            w.done.wait()
-        return w.done.is_set(), None
-    if isinstance(w, Alone):
-        if block and at(0) is call:
-            return True, True
-        if w.elsewhere is not None and w.elsewhere():
-            return True, False
-        return False, None
-    if isinstance(w, Calls):
-        for sub in w.calls:
-            while sub.state != "done":
-                if not block:
-                    sub.progress(block=False)
-                    if sub.state != "done":
-                        return False, None
-                elif at(0) is call and at(1) is sub:
-                    # nothing started before it but this call, which waits for
-                    # it: blocking in MPI is safe, as for the oldest call
-                    sub.progress(block=True)
-                else:
-                    progress_all()
-        return True, None
-    raise TypeError(f"not an effect: {w!r}")
 
 
 class _Driver:

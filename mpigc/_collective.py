@@ -1658,10 +1658,12 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
           recvcounts=None, out=None, blocking, fill=None, keep_replaced=False):
     """Create and start one collective call; returns its ``_Op`` (``fill``,
     host buffers only, and ``keep_replaced``: see ``_Op.__init__``)."""
-    # a communicator's first use is collective (Dup, a Sendrecv per peer):
-    # outside the engine lock, so that the progress thread can advance
-    # earlier calls meanwhile, which a peer may be waiting for
+    # a communicator's first use is collective (Dup, a Sendrecv per peer),
+    # outside the engine lock: the pending calls are completed first, as a
+    # peer may wait for one of them (_sched.finish_pending)
     _sched.note_caller()
+    if _comm.lookup(comm) is None and not _sched.idle():
+        _sched.finish_pending()
     cs = _comm.resolve(comm)
     with _sched.lock:
         o = _Op(kind, buf, op, params, cs, key, average, gather, feedback, nonfinite,

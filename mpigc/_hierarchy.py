@@ -207,6 +207,7 @@ class Layout:
             # by one thread: another one's first call on the layout waits here
             with _comm.creation_lock(self.comm):
                 if not self._calls_ready:
+                    _sched.finish_pending()  # collective: see _sched.finish_pending
                     for g in self.groups.values():
                         _comm.resolve(g)
                     _comm.resolve(self.comm)
@@ -314,6 +315,9 @@ def layout(comm=None):
             cache = {}
             comm.Set_attr(_KEYVAL, cache)
         if exc is not None or split not in cache:
+            # collective, outside the engine: the pending calls first
+            # (_sched.finish_pending)
+            _sched.finish_pending()
             # the user's communicator first: its node-local size caps the
             # kernels' threads (cores / ranks per node), not that of a group
             # spanning nodes

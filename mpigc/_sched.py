@@ -34,7 +34,7 @@ from . import _cuda
 __all__ = ["lock", "Request", "PendingCall", "Turn", "All", "Any", "Probe", "Job", "Calls",
            "Alone", "PAUSE", "test", "arrived", "complete", "in_order", "progress_all",
            "enqueue", "dequeue", "earlier", "at", "idle", "pending", "wake",
-           "note_caller", "may_block", "yield_lock", "poll",
+           "note_caller", "may_block", "yield_lock", "poll", "finish_pending",
            "in_progress_thread", "progress_thread_alive", "progress_thread_enabled",
            "last_trace", "hold_progress"]
 
@@ -198,6 +198,23 @@ def complete(op):
             first.progress(block=True)
         else:
             progress_all()
+
+
+def finish_pending():
+    """Complete every pending call before this thread blocks in MPI outside
+    the engine, in a collective that every rank makes in the same program
+    order (a communicator's first use: its duplicates, its hierarchical
+    layout). A peer may be waiting for one of the pending calls, and nothing
+    would advance them while this thread blocks there without a progress
+    thread: found by the model checker (tests/test_model_check.py, seed 191
+    at 3 ranks), a rank in the duplication of a new communicator while the
+    other two, in a blocking call, waited for its pending one. A call that is
+    done on a rank owes its peers nothing more (its sends are complete), so
+    a rank that has finished its calls may block. Errors stay with their
+    calls."""
+    with lock:
+        for call in list(_pending):
+            complete(call)
 
 
 def poll(done):

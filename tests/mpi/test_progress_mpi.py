@@ -216,3 +216,44 @@ def test_many_rank_agreement_is_the_same_collective_everywhere(comm, monkeypatch
     finally:
         cancel()
     assert_all(b.tobytes() == want.tobytes(), "results differ from a call alone")
+
+
+@pytest.mark.mpi
+def test_first_use_of_a_communicator_while_a_call_is_pending(comm, monkeypatch):
+    """A communicator's first use is collective (its duplicates), outside
+    the engine. Found by the model checker (tests/test_model_check.py, seed
+    191 at 3 ranks) and replayed here on real MPI with no progress thread and
+    the rows by allgather (as beyond 16 ranks): a rank that blocked in the
+    duplication with a request pending hung the two others, whose blocking
+    op="none" sum waited for that request (a blocking sum waits for the
+    calls before it); 1 run in 2 before the fix. The engine completes the
+    pending calls first."""
+    if comm.size < 3:
+        pytest.skip("3+ ranks: a rank alone in its half")
+    monkeypatch.setattr(_collective, "_P2P_MAX_RANKS", 1)
+    monkeypatch.setenv("MPIGC_INLINE_PAYLOAD_BYTES", "4096")
+    r = comm.rank
+    half = comm.Split(r % 2, r)
+    fb = mpigc.ErrorFeedback()
+    mpigc.allreduce(np.ones(4, np.float32), "none", comm=half, key="warm", feedback=fb)
+    rng = np.random.default_rng(r)
+    cancel = _deadline(60)
+    try:
+        for _ in range(4):
+            fresh = comm.Dup()
+            x, y, z = (rng.standard_normal(n).astype(np.float32) for n in (12001, 3001, 3001))
+            if r == 1:
+                y[5] = np.nan  # alone in its half: skipped there
+            with mpigc.diagnostics.hold_progress():  # as without the progress thread
+                req = mpigc.iallreduce(x, "2bit", comm=comm, key="w", feedback=fb)
+                mpigc.allreduce(y, "none", comm=half, key="h", feedback=fb,
+                                nonfinite="skip")
+                req2 = mpigc.iallreduce(z, "fp16", comm=fresh, key="f", feedback=fb)
+                req.wait()
+                req2.wait()
+            ones = mpigc.allreduce(np.ones(4, np.float32), "none", comm=fresh, key="after",
+                                   feedback=fb)
+            assert_all(np.all(ones == comm.size), "the new communicator works afterwards")
+            fresh.Free()
+    finally:
+        cancel()

@@ -1,0 +1,339 @@
+"""A model checker for hangs: mpigc's engine, N ranks in one process, on a
+fake MPI (``tests/fakempi.py``) whose every call is a point where a seeded
+random scheduler picks which rank runs next.
+
+Each simulated rank has an engine of its own: the modules that hold the
+engine's state and call MPI (``_sched``, ``_comm``, ``_collective``,
+``_hierarchy``, ``allreduce``, ``reduce_scatter``) are loaded once more per
+rank, as ``mpigc_sim<r>``, with ``from mpi4py import MPI`` bound to the fake;
+the rest (kernels, compressors, error feedback, the plan, errors) is
+shared, as it holds no MPI and no engine state. The engine code under test
+is mpigc's own, unchanged.
+
+A *scenario* (:func:`draw`) is a few calls, drawn from a seed as in
+``tests/mpi/test_schedules_mpi.py``: allreduce or reduce_scatter; none,
+2bit, 1bit, terngrad, fp16; sizes that take the plain fallback, the data in
+the agreement messages, after them, or pipelined; blocking or not; faults
+on one rank (another size, a dtype rejected before the size is read, a NaN
+under "raise" or "skip"); on two or three communicators. Each rank runs the
+calls with ``test()`` polls of random pending requests (what the progress
+thread does) and its own order of ``wait()``s. :func:`check` runs a
+scenario under one interleaving (a seed of the scheduler) and compares every
+outcome and residual with the same calls made blocking and in order; a
+hang (every rank waiting, or a rank polling forever) or a mismatched
+collective is a :class:`fakempi.RunFailed` with every rank's stack.
+
+Planted causes (:data:`PLANTS`) put a historical hang's cause back into one
+rank's engine copies, to show that the search finds it.
+"""
+import contextlib
+import importlib
+import os
+import sys
+import types
+
+import numpy as np
+
+import mpigc
+import mpigc.kernels  # noqa: F401 - shared by the copies
+from mpigc import MpigcError
+
+import fakempi
+
+# the engine's modules with MPI or state of their own: one copy per rank
+ENGINE = ("_sched", "_comm", "_collective", "_hierarchy", "allreduce", "reduce_scatter")
+
+OPS = ["none", "2bit", "1bit", "terngrad", "fp16"]
+# the plain fallback, payloads in the agreement messages, after them, pipelined
+# (with the environment of :func:`environment`)
+SIZES = [100, 3001, 12_001, 60_000]
+COMMS = ["world", "a", "half"]
+
+
+@contextlib.contextmanager
+def environment():
+    """The settings the scenarios assume: 60_000 float32 is pipelined, 12_001
+    sends its payloads after the rows."""
+    keep = {k: os.environ.get(k) for k in ("MPIGC_CHUNK_BYTES",
+                                           "MPIGC_INLINE_PAYLOAD_BYTES")}
+    os.environ["MPIGC_CHUNK_BYTES"] = "65536"
+    os.environ["MPIGC_INLINE_PAYLOAD_BYTES"] = "4096"
+    try:
+        yield
+    finally:
+        for k, v in keep.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_engines = {}
+
+
+def engine(r, plants=()):
+    """Rank r's engine: a namespace of its ``allreduce``, ``iallreduce``,
+    ``reduce_scatter``, ``ireduce_scatter`` and modules. ``plants``: names
+    of :data:`PLANTS` entries, applied to this copy only (a copy of its own)."""
+    key = (r, tuple(plants))
+    if key in _engines:
+        return _engines[key]
+    name = f"mpigc_sim{r}" + "".join("_" + p.replace("-", "_") for p in plants)
+    pkg = types.ModuleType(name)
+    pkg.__path__ = list(mpigc.__path__)
+    pkg.__package__ = name
+    added = {name: pkg}
+    for full, mod in list(sys.modules.items()):
+        if full.startswith("mpigc.") and full.split(".")[1] not in ENGINE:
+            added[name + full[len("mpigc"):]] = mod
+    fake = fakempi.module()
+    fake_pkg = types.ModuleType("mpi4py")
+    fake_pkg.MPI = fake
+    saved = {k: sys.modules.get(k) for k in ("mpi4py", "mpi4py.MPI")}
+    sys.modules.update(added)
+    sys.modules["mpi4py"], sys.modules["mpi4py.MPI"] = fake_pkg, fake
+    try:
+        mods = {m: importlib.import_module(f"{name}.{m}") for m in ENGINE}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    eng = types.SimpleNamespace(
+        allreduce=mods["allreduce"].allreduce, iallreduce=mods["allreduce"].iallreduce,
+        reduce_scatter=mods["reduce_scatter"].reduce_scatter,
+        ireduce_scatter=mods["reduce_scatter"].ireduce_scatter, mods=mods, name=name)
+    for p in plants:
+        PLANTS[p](mods)
+    _engines[key] = eng
+    return eng
+
+
+def forget(r, plants=()):
+    """Drop rank r's engine (after a failed run its state is not clean)."""
+    eng = _engines.pop((r, tuple(plants)), None)
+    if eng is not None:
+        for k in [k for k in sys.modules if k == eng.name or k.startswith(eng.name + ".")]:
+            del sys.modules[k]
+
+
+# -- scenarios ---------------------------------------------------------------------
+def draw(seed, size):
+    """The scenario of ``seed``: a list of call specs, the same on every rank."""
+    rng = np.random.default_rng([seed, 7])
+    calls = []
+    for i in range(int(rng.integers(2, 7))):
+        fault = rng.choice(["none"] * 6 + ["size", "reject", "nan-raise", "nan-skip"])
+        calls.append({
+            "i": i,
+            "kind": str(rng.choice(["allreduce", "reduce_scatter"])),
+            "op": str(rng.choice(OPS)),
+            "n": int(rng.choice(SIZES)),
+            "blocking": bool(rng.random() < 0.3),
+            "fault": str(fault) if size > 1 else "none",
+            "culprit": int(rng.integers(size)),
+            "comm": str(rng.choice(COMMS)),
+        })
+    return calls
+
+
+def _input(c, rank):
+    rng = np.random.default_rng([c["i"], rank])
+    n = c["n"]
+    if c["fault"] == "size" and rank == c["culprit"]:
+        n += 1
+    x = rng.standard_normal(n).astype(np.float32)
+    if c["fault"].startswith("nan") and rank == c["culprit"]:
+        x[n // 2] = np.nan
+    if c["fault"] == "reject" and rank == c["culprit"]:
+        return x.astype(np.int32)  # DTypeError before its size is read
+    return x
+
+
+def _outcome(fn):
+    try:
+        return ("ok", np.asarray(fn()).tobytes())
+    except MpigcError as e:
+        return ("error", type(e).__name__)
+
+
+def _state(fb):
+    """The residual store as comparable values: ``{key: (calls, worker bytes,
+    owner bytes)}``."""
+    return {key: (st["calls"],) + tuple(None if st[p] is None else st[p].tobytes()
+                                        for p in ("worker", "owner"))
+            for key, st in fb.state_dict().items()}
+
+
+def _program(eng, calls, world_ctx, rng, blocking_only):
+    """Rank ``fakempi.rank()``'s user program: its communicators, then the
+    calls; returns the outcomes and the residuals."""
+    def run():
+        r = fakempi.rank()
+        world = fakempi.world_comm(world_ctx)
+        comms = {"world": world, "a": world.Dup(), "half": world.Split(r % 2, r)}
+        fb = mpigc.ErrorFeedback()
+        outs = [None] * len(calls)
+        pending = {}
+
+        def start(c, x, blocking):
+            f = getattr(eng, ("" if blocking else "i") + c["kind"])
+            return f(x, c["op"], key=f"c{c['i']}", feedback=fb, comm=comms[c["comm"]],
+                     nonfinite="skip" if c["fault"] == "nan-skip" else "raise")
+
+        def polls():
+            for i in list(pending):
+                if rng.random() < 0.3:
+                    try:
+                        pending[i].test()
+                    except MpigcError:
+                        pass  # raised again by wait() below
+
+        for c in calls:
+            x = _input(c, r)
+            if blocking_only or c["blocking"]:
+                outs[c["i"]] = _outcome(lambda c=c, x=x: start(c, x, True))
+                continue
+            polls()
+            try:
+                pending[c["i"]] = start(c, x, False)
+            except MpigcError as e:  # raised at the start: on every rank
+                outs[c["i"]] = ("error", type(e).__name__)
+        for i in rng.permutation(sorted(pending)):
+            polls()
+            outs[int(i)] = _outcome(pending.pop(int(i)).wait)
+        return outs, _state(fb)
+    return run
+
+
+def run(calls, size, seed, blocking_only=False, plants=(), max_steps=200_000):
+    """Run ``calls`` on ``size`` simulated ranks under the interleaving of
+    ``seed`` (every rank's engine with ``plants``); the ranks' ``(outcomes,
+    residuals)``, or RunFailed."""
+    w = fakempi.World(size, seed, max_steps=max_steps)
+    ctx = w.new_ctx(list(range(size)))
+    engines = [engine(r, plants) for r in range(size)]
+    programs = [_program(engines[r], calls, ctx, np.random.default_rng([seed, r, 3]),
+                         blocking_only) for r in range(size)]
+    try:
+        return w.run(programs)
+    except fakempi.RunFailed as e:
+        e.detail += "\n" + "\n".join(f"rank {r} pending: {queue(engines[r])}"
+                                      for r in range(size))
+        raise
+    finally:
+        if w.failed:
+            for r in range(size):
+                forget(r, plants)
+
+
+def queue(eng):
+    """Rank's pending calls, oldest first: what each is and waits for."""
+    out = []
+    for call in eng.mods["_sched"].pending():
+        w = call.waiting
+        out.append(f"{type(call).__name__}({getattr(call, 'kind', '?')}, "
+                   f"{getattr(call, 'state', '?')}, comm of {call.cs.size}, "
+                   f"waits for {type(w).__name__ if w is not None else 'nothing'})")
+    return "; ".join(out) or "none"
+
+
+def variant(seed):
+    """The engine settings of scenario ``seed``: every fourth one sends its
+    agreement rows with one allgather, as beyond 16 ranks."""
+    return ("allgather-rows",) if seed % 4 == 3 else ()
+
+
+def check(seed, size, schedules=1, plant=None, scenario=None):
+    """Scenario ``seed`` on ``size`` ranks: the reference (blocking, in
+    order), then ``schedules`` interleavings of the calls as drawn, with
+    ``plant`` (a :data:`PLANTS` name) in every rank's engine; returns a list
+    of differences (empty when every run ended as the reference). Raises
+    RunFailed on a hang or a mismatched collective."""
+    calls = draw(seed, size) if scenario is None else scenario
+    v = variant(seed)
+    ref = run(calls, size, seed=[seed, 0], blocking_only=True, plants=v)
+    diffs = []
+    for k in range(schedules):
+        got = run(calls, size, seed=[seed, 1 + k],
+                  plants=v + (() if plant is None else (plant,)))
+        for r in range(size):
+            if got[r] != ref[r]:
+                bad = [c for c, a, b in zip(calls, got[r][0], ref[r][0]) if a != b]
+                diffs.append(f"seed {seed} schedule {k} rank {r}: "
+                             f"{bad or 'residuals differ'}")
+    return diffs
+
+
+# -- planted causes of historical hangs -----------------------------------------------
+def _plant_blocking_report(mods):
+    """3195820: a failed agreement's error report as a blocking allgather, in
+    whatever step reaches it (a progress step included)."""
+    c = mods["_collective"]
+    orig = c._Op._start_report
+
+    def start_report(self, comm, text, make_error):
+        orig(self, comm, text, make_error)
+        self.report_req.Wait()
+    c._Op._start_report = start_report
+
+
+def _plant_no_row_on_early_error(mods):
+    """e7f033e: a rank whose input is rejected before its size is read
+    leaves the agreement (sends no row)."""
+    c = mods["_collective"]
+    orig = c._Op._start_agree
+
+    def start_agree(self):
+        if self.local_error is not None:
+            self.arecv, self.abuf, self.adata, self.aslot = [], None, {}, 0
+            self.table[self.rank] = self.row
+            return
+        orig(self)
+    c._Op._start_agree = start_agree
+
+
+def _plant_sends_waited_in_a_step(mods):
+    """1a1cb97: reduce_scatter's last sends waited for in MPI by whatever
+    step reaches them (a progress step included)."""
+    c = mods["_collective"]
+    orig = c._Op._phase1_steps
+
+    def phase1_steps(self):
+        yield from orig(self)
+        if self.kind == "reduce_scatter":
+            for q in self.sendreqs:
+                q.Wait()
+    c._Op._phase1_steps = phase1_steps
+
+
+def _plant_agreements_out_of_order(mods):
+    """1a1cb97: calls act on their agreements as soon as their rows are in,
+    not in the order they began (their reports and sums then start in
+    different orders on different ranks)."""
+    c = mods["_collective"]
+    c._Op._my_turn = lambda self: True
+
+
+def _plant_sum_in_a_step(mods):
+    """1a1cb97: a blocking op="none" call sums (blocking, in MPI) in any
+    step that reaches it, not only in a wait on it, first in the queue."""
+    s = mods["_sched"]
+    s.Alone.ready = lambda self, call, block: (True, True)
+
+
+def _allgather_rows(mods):
+    """Not a fault: the agreement rows travel by one allgather, as they do
+    beyond 16 ranks (``_P2P_MAX_RANKS``)."""
+    mods["_collective"]._P2P_MAX_RANKS = 1
+
+
+PLANTS = {
+    "allgather-rows": _allgather_rows,
+    "blocking-report": _plant_blocking_report,
+    "no-row-on-early-error": _plant_no_row_on_early_error,
+    "sends-waited-in-a-step": _plant_sends_waited_in_a_step,
+    "agreements-out-of-order": _plant_agreements_out_of_order,
+    "sum-in-a-step": _plant_sum_in_a_step,
+}

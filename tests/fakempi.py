@@ -82,8 +82,13 @@ class World:
     interleaved at every MPI call by ``rng``; returns their results or raises
     :class:`RunFailed`."""
 
-    def __init__(self, size, seed, max_steps=200_000, idle_steps=20_000):
+    SPIN = 50  # a systematic run's running thread that polls this long yields
+
+    def __init__(self, size, seed, max_steps=200_000, idle_steps=20_000, choices=None):
         self.size = size
+        # choices: the decisions of a systematic run (see _pick); None: random
+        self.choices = choices
+        self.decisions = []
         self.idle_steps = idle_steps
         self.last_change = 0
         self.seed = seed
@@ -103,8 +108,17 @@ class World:
             raise RuntimeError("not a simulated thread")
         return me
 
-    def _pick(self):
-        """Under cv: hand the turn to a runnable thread, or fail the run."""
+    def _pick(self, me=None):
+        """Under cv: hand the turn to a runnable thread, or fail the run.
+
+        Random runs pick any runnable thread. Systematic runs (``choices``)
+        go on with the running thread ``me`` while it can (and has not polled
+        for ``SPIN`` points without anything happening), and otherwise with
+        the next runnable thread; the k-th point with more than one option
+        takes option ``choices[k]`` instead (0 when there is none), where
+        option 0 is the default and, with ``me`` runnable, any other option
+        is a preemption. ``decisions`` records ``(options, preemption)`` of
+        every such point, for :func:`model_check.explore`."""
         self.steps += 1
         if self.steps > self.max_steps:
             self._fail("livelock", f"no end after {self.max_steps} steps")
@@ -123,7 +137,25 @@ class World:
             self._fail("deadlock", "every unfinished thread waits: " +
                        ", ".join(t.name for t in live))
             return
-        self.turn = ok[int(self.rng.integers(len(ok)))]
+        if self.choices is None:
+            self.turn = ok[int(self.rng.integers(len(ok)))]
+        else:
+            preempt = me in ok
+            if preempt and self.steps - self.last_change > self.SPIN:
+                # me only polls: the next runnable thread after it goes on (an
+                # operating system's scheduler is fair too), not a preemption
+                i = self.threads.index(me)
+                ok = sorted(ok, key=lambda t: (self.threads.index(t) - i - 1)
+                            % len(self.threads))
+                preempt = False
+            elif preempt:
+                ok = [me] + [t for t in ok if t is not me]
+            c = 0
+            if len(ok) > 1:
+                k = len(self.decisions)
+                c = self.choices[k] if k < len(self.choices) else 0
+                self.decisions.append((len(ok), preempt))
+            self.turn = ok[c]
         self.cv.notify_all()
 
     def _fail(self, kind, why):
@@ -149,7 +181,7 @@ class World:
             if self.failed:
                 raise Unwind()
             me.ready = ready
-            self._pick()
+            self._pick(me)
             while self.turn is not me and not self.failed:
                 self.cv.wait()
             if self.failed:

@@ -28,6 +28,9 @@ rank's engine copies, to show that the search finds it.
 """
 import contextlib
 import importlib
+import importlib.abc
+import importlib.util
+import itertools
 import os
 import sys
 import types
@@ -68,17 +71,42 @@ def environment():
                 os.environ[k] = v
 
 
-_engines = {}
+class _Loader(importlib.abc.Loader, importlib.abc.MetaPathFinder):
+    """Loads the engine's modules for a copy (``mpigc_simN.<module>``) from
+    code compiled once: a copy per rank per run costs a few milliseconds."""
+    codes = {}
+
+    def find_spec(self, fullname, path=None, target=None):
+        head, _, base = fullname.partition(".")
+        if head.startswith("mpigc_sim") and base in ENGINE:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        base = module.__name__.partition(".")[2]
+        code = self.codes.get(base)
+        path = os.path.join(mpigc.__path__[0], base + ".py")
+        if code is None:
+            with open(path) as f:
+                code = self.codes[base] = compile(f.read(), path, "exec")
+        module.__file__ = path
+        exec(code, module.__dict__)
+
+
+_loader = _Loader()
+_copies = itertools.count()
 
 
 def engine(r, plants=()):
-    """Rank r's engine: a namespace of its ``allreduce``, ``iallreduce``,
-    ``reduce_scatter``, ``ireduce_scatter`` and modules. ``plants``: names
-    of :data:`PLANTS` entries, applied to this copy only (a copy of its own)."""
-    key = (r, tuple(plants))
-    if key in _engines:
-        return _engines[key]
-    name = f"mpigc_sim{r}" + "".join("_" + p.replace("-", "_") for p in plants)
+    """A fresh engine for rank r: a namespace of its ``allreduce``,
+    ``iallreduce``, ``reduce_scatter``, ``ireduce_scatter`` and modules.
+    ``plants``: names of :data:`PLANTS` entries, applied to this copy.
+    Every run gets fresh copies, so that a seed or a list of choices replays
+    the same run whatever ran before; :func:`forget` drops them."""
+    name = f"mpigc_sim{next(_copies)}"
     pkg = types.ModuleType(name)
     pkg.__path__ = list(mpigc.__path__)
     pkg.__package__ = name
@@ -92,9 +120,11 @@ def engine(r, plants=()):
     saved = {k: sys.modules.get(k) for k in ("mpi4py", "mpi4py.MPI")}
     sys.modules.update(added)
     sys.modules["mpi4py"], sys.modules["mpi4py.MPI"] = fake_pkg, fake
+    sys.meta_path.insert(0, _loader)
     try:
         mods = {m: importlib.import_module(f"{name}.{m}") for m in ENGINE}
     finally:
+        sys.meta_path.remove(_loader)
         for k, v in saved.items():
             if v is None:
                 sys.modules.pop(k, None)
@@ -106,16 +136,13 @@ def engine(r, plants=()):
         ireduce_scatter=mods["reduce_scatter"].ireduce_scatter, mods=mods, name=name)
     for p in plants:
         PLANTS[p](mods)
-    _engines[key] = eng
     return eng
 
 
-def forget(r, plants=()):
-    """Drop rank r's engine (after a failed run its state is not clean)."""
-    eng = _engines.pop((r, tuple(plants)), None)
-    if eng is not None:
-        for k in [k for k in sys.modules if k == eng.name or k.startswith(eng.name + ".")]:
-            del sys.modules[k]
+def forget(eng):
+    """Drop an engine copy's modules from ``sys.modules``."""
+    for k in [k for k in sys.modules if k == eng.name or k.startswith(eng.name + ".")]:
+        del sys.modules[k]
 
 
 # -- scenarios ---------------------------------------------------------------------
@@ -207,11 +234,15 @@ def _program(eng, calls, world_ctx, rng, blocking_only):
     return run
 
 
-def run(calls, size, seed, blocking_only=False, plants=(), max_steps=200_000):
+def run(calls, size, seed, blocking_only=False, plants=(), max_steps=200_000,
+        choices=None, world=None):
     """Run ``calls`` on ``size`` simulated ranks under the interleaving of
-    ``seed`` (every rank's engine with ``plants``); the ranks' ``(outcomes,
-    residuals)``, or RunFailed."""
-    w = fakempi.World(size, seed, max_steps=max_steps)
+    ``seed`` (every rank's engine with ``plants``; ``choices``: a systematic
+    run, see :class:`fakempi.World`); the ranks' ``(outcomes, residuals)``,
+    or RunFailed. ``world``: a list that receives the World."""
+    w = fakempi.World(size, seed, max_steps=max_steps, choices=choices)
+    if world is not None:
+        world.append(w)
     ctx = w.new_ctx(list(range(size)))
     engines = [engine(r, plants) for r in range(size)]
     programs = [_program(engines[r], calls, ctx, np.random.default_rng([seed, r, 3]),
@@ -223,9 +254,8 @@ def run(calls, size, seed, blocking_only=False, plants=(), max_steps=200_000):
                                       for r in range(size))
         raise
     finally:
-        if w.failed:
-            for r in range(size):
-                forget(r, plants)
+        for eng in engines:
+            forget(eng)
 
 
 def queue(eng):
@@ -264,6 +294,38 @@ def check(seed, size, schedules=1, plant=None, scenario=None):
                 diffs.append(f"seed {seed} schedule {k} rank {r}: "
                              f"{bad or 'residuals differ'}")
     return diffs
+
+
+def explore(calls, size, plant=None, max_runs=3000, seed=0):
+    """Every interleaving of ``calls`` with at most one preemption (a rank
+    stopped at an MPI call while it could go on): the run without any, then
+    one run per place and choice of the preemption (Musuvathi and Qadeer's
+    preemption bounding). Returns the number of runs and the differences
+    from the blocking calls in order; raises RunFailed on a hang, with the
+    ``choices`` that replay it in ``detail``. At most ``max_runs`` runs;
+    ``seed``: the programs' own (their ``test()`` polls and order of waits)."""
+    plants = () if plant is None else (plant,)
+    ref = run(calls, size, seed=seed, blocking_only=True)
+    first = []
+    got = run(calls, size, seed=seed, plants=plants, choices=[], world=first)
+    diffs = [] if got == ref else ["no preemption: differs"]
+    runs = 1
+    for i, (n, preempt) in enumerate(first[0].decisions):
+        if not preempt:
+            continue
+        for j in range(1, n):
+            if runs >= max_runs:
+                return runs, diffs
+            choices = [0] * i + [j]
+            try:
+                got = run(calls, size, seed=seed, plants=plants, choices=choices)
+            except fakempi.RunFailed as e:
+                e.detail = f"choices {choices}: " + e.detail
+                raise
+            runs += 1
+            if got != ref:
+                diffs.append(f"choices {choices}: differs")
+    return runs, diffs
 
 
 # -- planted causes of historical hangs -----------------------------------------------

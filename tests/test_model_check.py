@@ -13,6 +13,8 @@ the seed that replays it.
 - :func:`test_search_finds_a_planted_cause`: each historical hang's cause,
   planted back into the engine (``model_check.PLANTS``), is found within a
   bounded search.
+- :func:`test_small_scenarios_with_one_preemption`: every interleaving with
+  at most one preemption of a few small scenarios.
 """
 import os
 
@@ -177,3 +179,28 @@ def test_search_finds_a_planted_cause(plant):
 def test_the_searched_scenario_passes_unplanted():
     for seed in range(40):
         assert not mc.check(seed, 3, schedules=2, scenario=REPORTS_AND_SUMS)
+
+
+SMALL = {
+    "2bit then a blocking sum, 2 ranks": (2, [_call(0, op="2bit"), dict(_call(1), blocking=True)]),
+    "a mismatch then 1bit, 2 ranks": (2, [_call(0, kind="reduce_scatter", op="2bit",
+                                                fault="size"),
+                                          _call(1, op="1bit", n=12001)]),
+    "a sum then a blocking rejected call, 3 ranks": (
+        3, [_call(0), dict(_call(1, op="fp16", fault="reject", culprit=2), blocking=True)]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SMALL))
+def test_small_scenarios_with_one_preemption(name):
+    size, calls = SMALL[name]
+    runs, diffs = mc.explore(calls, size)
+    assert runs > 10 and not diffs, diffs
+
+
+def test_one_preemption_replays():
+    """A systematic run is its choices: the same choices, the same run."""
+    size, calls = SMALL["a mismatch then 1bit, 2 ranks"]
+    a = mc.run(calls, size, seed=0, choices=[0, 0, 1])
+    b = mc.run(calls, size, seed=0, choices=[0, 0, 1])
+    assert a == b

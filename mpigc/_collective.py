@@ -908,8 +908,8 @@ class _Op(PendingCall):
                 self.fb.give_spare(old)
 
     # -- 3./4. data movement -------------------------------------------------
-    def _none_steps(self):
-        """Steps of op="none" (or the small-buffer fallback): MPI's own
+    def _start_none(self, here):
+        """Start op="none" (or the small-buffer fallback): MPI's own
         blocking sum, ``MPI_Allreduce`` / ``MPI_Reduce_scatter`` (whose bits
         ``MPI_Iallreduce`` / ``MPI_Ireduce_scatter`` need not give: Open MPI
         5.0's differ in the last bits on 3 ranks), for blocking and
@@ -930,10 +930,11 @@ class _Op(PendingCall):
         reduction thread: a nonblocking call starts MPI's nonblocking sum
         instead (other bits; see :func:`_Reducer.available`). The choice is
         the same on every rank (blocking and nonblocking collectives do not
-        match, MPI-3.1 5.12)."""
-        here = True
-        if self.blocking:
-            here = yield _sched.Alone(self._may_hand_over)
+        match, MPI-3.1 5.12).
+
+        ``here``: a blocking call may sum in this thread (the ``Alone``
+        effect said so). Returns what is left to wait for: the reduction
+        thread's job, the nonblocking sum's requests, or None (done)."""
         sendbuf = self.none_buf
         self.be.sync()
         # staged: the full-precision values cross to the host
@@ -959,12 +960,8 @@ class _Op(PendingCall):
         else:
             reqs = self._none_reduce(self.cs.post, blocking=False)
         if job is not None:
-            yield _sched.Job(job.done)
-            if job.error is not None:
-                raise job.error
-        if reqs:
-            yield _sched.All(reqs)
-        self._finish_none()
+            return job
+        return _sched.All(reqs) if reqs else None
 
     def _may_hand_over(self):
         """A blocking call's sum may run in the reduction thread: several user
@@ -1635,8 +1632,18 @@ class _Op(PendingCall):
         if self.plain:
             if inline:
                 self._finish_inline_plain()
-            else:
-                yield from self._none_steps()
+                return
+            # the steps of op="none" (here, not as a sub-generator: small
+            # calls are made of such steps)
+            here = (yield _sched.Alone(self._may_hand_over)) if self.blocking else True
+            left = self._start_none(here)
+            if isinstance(left, _Job):
+                yield _sched.Job(left.done)
+                if left.error is not None:
+                    raise left.error
+            elif left is not None:
+                yield left
+            self._finish_none()
             return
         if inline:
             self._start_phase1_inline()
@@ -1660,9 +1667,10 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
     host buffers only, and ``keep_replaced``: see ``_Op.__init__``)."""
     # a communicator's first use is collective (Dup, a Sendrecv per peer),
     # outside the engine lock: the pending calls are completed first, as a
-    # peer may wait for one of them (_sched.finish_pending)
-    _sched.note_caller()
-    if _comm.lookup(comm) is None and not _sched.idle():
+    # peer may wait for one of them (_sched.finish_pending). The user's
+    # thread was noted by mpigc._hierarchy.start: this function also starts a
+    # hierarchical call's inter-node calls, in whatever thread advances it
+    if not _sched.idle() and _comm.lookup(comm) is None:
         _sched.finish_pending()
     cs = _comm.resolve(comm)
     with _sched.lock:

@@ -34,7 +34,7 @@ from . import _cuda
 __all__ = ["lock", "Request", "PendingCall", "Turn", "All", "Any", "Probe", "Job", "Calls",
            "Alone", "PAUSE", "test", "arrived", "complete", "in_order", "progress_all",
            "enqueue", "dequeue", "earlier", "at", "idle", "pending", "wake",
-           "note_caller", "may_block", "yield_lock", "poll", "finish_pending",
+           "note_caller", "several_threads", "may_block", "yield_lock", "poll", "finish_pending",
            "in_progress_thread", "progress_thread_alive", "progress_thread_enabled",
            "last_trace", "hold_progress"]
 
@@ -67,7 +67,9 @@ def dequeue(call):
 
 def note_caller():
     """A user thread calls mpigc (a start, a wait, a test; before it takes
-    the lock). Once a second thread has, waits stop blocking in MPI for the
+    the lock). Only at the entry points a user calls: the engine's own
+    threads (the progress thread, which starts a hierarchical call's
+    inter-node calls) are not user threads. Once a second thread has, waits stop blocking in MPI for the
     rest of the process (:func:`may_block`)."""
     global _first_caller, _several
     if _several:
@@ -77,6 +79,12 @@ def note_caller():
         _first_caller = me
     elif me != _first_caller:
         _several = True
+
+
+def several_threads():
+    """Whether a second user thread has called mpigc in this process (from
+    then on, waits poll: :func:`note_caller`)."""
+    return _several
 
 
 def may_block():

@@ -10,7 +10,9 @@
   reduction thread are running;
 - :func:`hold_progress`: keep the progress thread out for a block of code;
 - :func:`progress_thread_enabled`: whether nonblocking calls progress in a
-  background thread here (``$MPIGC_PROGRESS_THREAD`` and the MPI thread level).
+  background thread here (``$MPIGC_PROGRESS_THREAD`` and the MPI thread level);
+- :func:`several_threads`: whether a second user thread has called mpigc
+  (from then on, waits poll instead of blocking in MPI).
 
 Recording costs a few attribute writes per call; nothing here makes an MPI
 call. The environment variables that move the engine's internal limits
@@ -19,7 +21,7 @@ call. The environment variables that move the engine's internal limits
 ``docs/user-guide.md`` (Diagnostics).
 """
 from ._collective import CallTrace, counters, threads
-from ._sched import hold_progress, last_trace, progress_thread_enabled
+from ._sched import hold_progress, last_trace, progress_thread_enabled, several_threads
 
 __all__ = ["CallTrace", "last_trace", "counters", "threads", "hold_progress",
-           "progress_thread_enabled"]
+           "progress_thread_enabled", "several_threads"]

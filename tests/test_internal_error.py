@@ -21,8 +21,9 @@ SCRIPT = os.path.join(HERE, "mpi", "internal_error_job.py")
 TIMEOUT = 120
 
 
-def _command(ranks, mode, env):
-    """``mpirun`` of the job script and its environment (``env`` passed on)."""
+def _command(ranks, mode, env, script=SCRIPT):
+    """``mpirun`` of a job script (``mode``, if not None, its argument) and
+    its environment (``env`` passed on)."""
     mpirun = shutil.which("mpirun") or shutil.which("mpiexec")
     if mpirun is None:
         pytest.skip("no mpirun on PATH")
@@ -34,7 +35,7 @@ def _command(ranks, mode, env):
     cmd = [mpirun, "--oversubscribe", "-n", str(ranks)]
     for k in env:
         cmd += ["-x", k]
-    return cmd + [sys.executable, SCRIPT, mode], e
+    return cmd + [sys.executable, script] + ([] if mode is None else [mode]), e
 
 
 def _run(ranks, mode, **env):

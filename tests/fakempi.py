@@ -100,6 +100,7 @@ class World:
         self.failed = None
         self.steps = 0
         self._next_ctx = 0
+        self.world_ctx = None  # the first communicator made: MPI.COMM_WORLD
 
     # -- the turns -----------------------------------------------------------
     def _me(self):
@@ -244,7 +245,10 @@ class World:
 
     def new_ctx(self, ranks):
         self._next_ctx += 1
-        return _Ctx(self._next_ctx, ranks)
+        ctx = _Ctx(self._next_ctx, ranks)
+        if self.world_ctx is None:
+            self.world_ctx = ctx
+        return ctx
 
 
 
@@ -283,7 +287,7 @@ def _bytes(spec):
     count = None
     if isinstance(spec, (list, tuple)):
         if len(spec) == 3:
-            count = spec[1]
+            count = spec[1] * spec[2].size
         spec = spec[0]
     if isinstance(spec, (bytearray, memoryview, bytes)):
         a = np.frombuffer(spec, np.uint8)
@@ -521,8 +525,20 @@ SUM = _Op("sum")
 
 
 class _Datatype:
-    def __init__(self, name):
-        self.name = name
+    """A datatype of ``size`` contiguous bytes (what the engine builds for
+    messages beyond ``$MPIGC_MAX_COUNT`` bytes is contiguous)."""
+
+    def __init__(self, name, size=1):
+        self.name, self.size = name, size
+
+    def Create_contiguous(self, count):
+        return _Datatype(f"{count} x {self.name}", count * self.size)
+
+    def Commit(self):
+        return self
+
+    def Free(self):
+        pass
 
 
 BYTE = _Datatype("byte")
@@ -732,7 +748,10 @@ class Comm:
 
 
 class Datatype:
-    pass
+    @staticmethod
+    def Create_struct(blocklengths, displacements, datatypes):
+        size = sum(b * t.size for b, t in zip(blocklengths, datatypes))
+        return _Datatype("struct", size)
 
 
 def Is_initialized():
@@ -756,8 +775,18 @@ def module():
                  "Request", "Status", "Message", "Intracomm", "Comm", "Datatype",
                  "Is_initialized", "Is_finalized", "Query_thread"):
         setattr(m, name, globals()[name])
-    m.COMM_WORLD = None  # the checker passes every communicator explicitly
+    m.COMM_WORLD = _WorldComm()
     return m
+
+
+class _WorldComm:
+    """``MPI.COMM_WORLD``: the running rank's handle of the run's first
+    communicator (the checker passes every communicator explicitly; the
+    engine names COMM_WORLD in its error messages)."""
+
+    def __getattr__(self, name):
+        w = world()
+        return getattr(Intracomm(w.world_ctx, rank()), name)
 
 
 def world_comm(ctx):

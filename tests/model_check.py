@@ -15,7 +15,9 @@ A *scenario* (:func:`draw`) is a few calls, drawn from a seed as in
 2bit, 1bit, terngrad, fp16; sizes that take the plain fallback, the data in
 the agreement messages, after them, or pipelined; blocking or not; faults
 on one rank (another size, a dtype rejected before the size is read, a NaN
-under "raise" or "skip"); on two or three communicators. Each rank runs the
+under "raise" or "skip"); on three communicators; every fourth scenario
+with the agreement rows by allgather (:func:`variant`), every fourth with
+small limits (:func:`limits`). Each rank runs the
 calls with ``test()`` polls of random pending requests (what the progress
 thread does) and its own order of ``wait()``s. :func:`check` runs a
 scenario under one interleaving (a seed of the scheduler) and compares every
@@ -275,6 +277,32 @@ def variant(seed):
     return ("allgather-rows",) if seed % 4 == 3 else ()
 
 
+# every fourth scenario (seed % 4 == 1): small limits, so that small calls
+# take the paths of large ones: messages beyond $MPIGC_MAX_COUNT bytes as one
+# element of a derived datatype, op="none" summed in pieces, many chunks, no
+# values in the agreement messages
+SMALL_LIMITS = {"MPIGC_CHUNK_BYTES": "16384", "MPIGC_MAX_COUNT": "1500",
+                "MPIGC_INLINE_PLAIN_BYTES": "2048"}
+
+
+@contextlib.contextmanager
+def limits(seed):
+    """The environment of scenario ``seed`` (:data:`SMALL_LIMITS` or none)."""
+    if seed % 4 != 1:
+        yield
+        return
+    keep = {k: os.environ.get(k) for k in SMALL_LIMITS}
+    os.environ.update(SMALL_LIMITS)
+    try:
+        yield
+    finally:
+        for k, v in keep.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def check(seed, size, schedules=1, plant=None, scenario=None):
     """Scenario ``seed`` on ``size`` ranks: the reference (blocking, in
     order), then ``schedules`` interleavings of the calls as drawn, with
@@ -283,11 +311,13 @@ def check(seed, size, schedules=1, plant=None, scenario=None):
     RunFailed on a hang or a mismatched collective."""
     calls = draw(seed, size) if scenario is None else scenario
     v = variant(seed)
-    ref = run(calls, size, seed=[seed, 0], blocking_only=True, plants=v)
+    with limits(seed):
+        ref = run(calls, size, seed=[seed, 0], blocking_only=True, plants=v)
+        runs = [run(calls, size, seed=[seed, 1 + k],
+                    plants=v + (() if plant is None else (plant,)))
+                for k in range(schedules)]
     diffs = []
-    for k in range(schedules):
-        got = run(calls, size, seed=[seed, 1 + k],
-                  plants=v + (() if plant is None else (plant,)))
+    for k, got in enumerate(runs):
         for r in range(size):
             if got[r] != ref[r]:
                 bad = [c for c, a, b in zip(calls, got[r][0], ref[r][0]) if a != b]

@@ -44,11 +44,11 @@ import mpigc.kernels  # noqa: F401 - shared by the copies
 from mpigc import MpigcError
 
 import fakempi
+from scenarios import call_input, draw_calls, outcome, state_bytes
 
 # the engine's modules with MPI or state of their own: one copy per rank
 ENGINE = ("_sched", "_comm", "_collective", "_hierarchy", "allreduce", "reduce_scatter")
 
-OPS = ["none", "2bit", "1bit", "terngrad", "fp16"]
 # the plain fallback, payloads in the agreement messages, after them, pipelined
 # (with the environment of :func:`environment`)
 SIZES = [100, 3001, 12_001, 60_000]
@@ -56,13 +56,10 @@ COMMS = ["world", "a", "half"]
 
 
 @contextlib.contextmanager
-def environment():
-    """The settings the scenarios assume: 60_000 float32 is pipelined, 12_001
-    sends its payloads after the rows."""
-    keep = {k: os.environ.get(k) for k in ("MPIGC_CHUNK_BYTES",
-                                           "MPIGC_INLINE_PAYLOAD_BYTES")}
-    os.environ["MPIGC_CHUNK_BYTES"] = "65536"
-    os.environ["MPIGC_INLINE_PAYLOAD_BYTES"] = "4096"
+def _setenv(settings):
+    """``os.environ`` updated with ``settings`` for a block of code."""
+    keep = {k: os.environ.get(k) for k in settings}
+    os.environ.update(settings)
     try:
         yield
     finally:
@@ -71,6 +68,12 @@ def environment():
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def environment():
+    """The settings the scenarios assume: 60_000 float32 is pipelined, 12_001
+    sends its payloads after the rows."""
+    return _setenv({"MPIGC_CHUNK_BYTES": "65536", "MPIGC_INLINE_PAYLOAD_BYTES": "4096"})
 
 
 class _Loader(importlib.abc.Loader, importlib.abc.MetaPathFinder):
@@ -150,49 +153,7 @@ def forget(eng):
 # -- scenarios ---------------------------------------------------------------------
 def draw(seed, size):
     """The scenario of ``seed``: a list of call specs, the same on every rank."""
-    rng = np.random.default_rng([seed, 7])
-    calls = []
-    for i in range(int(rng.integers(2, 7))):
-        fault = rng.choice(["none"] * 6 + ["size", "reject", "nan-raise", "nan-skip"])
-        calls.append({
-            "i": i,
-            "kind": str(rng.choice(["allreduce", "reduce_scatter"])),
-            "op": str(rng.choice(OPS)),
-            "n": int(rng.choice(SIZES)),
-            "blocking": bool(rng.random() < 0.3),
-            "fault": str(fault) if size > 1 else "none",
-            "culprit": int(rng.integers(size)),
-            "comm": str(rng.choice(COMMS)),
-        })
-    return calls
-
-
-def _input(c, rank):
-    rng = np.random.default_rng([c["i"], rank])
-    n = c["n"]
-    if c["fault"] == "size" and rank == c["culprit"]:
-        n += 1
-    x = rng.standard_normal(n).astype(np.float32)
-    if c["fault"].startswith("nan") and rank == c["culprit"]:
-        x[n // 2] = np.nan
-    if c["fault"] == "reject" and rank == c["culprit"]:
-        return x.astype(np.int32)  # DTypeError before its size is read
-    return x
-
-
-def _outcome(fn):
-    try:
-        return ("ok", np.asarray(fn()).tobytes())
-    except MpigcError as e:
-        return ("error", type(e).__name__)
-
-
-def _state(fb):
-    """The residual store as comparable values: ``{key: (calls, worker bytes,
-    owner bytes)}``."""
-    return {key: (st["calls"],) + tuple(None if st[p] is None else st[p].tobytes()
-                                        for p in ("worker", "owner"))
-            for key, st in fb.state_dict().items()}
+    return draw_calls(np.random.default_rng([seed, 7]), size, SIZES, comms=COMMS)
 
 
 def _program(eng, calls, world_ctx, rng, blocking_only):
@@ -220,9 +181,9 @@ def _program(eng, calls, world_ctx, rng, blocking_only):
                         pass  # raised again by wait() below
 
         for c in calls:
-            x = _input(c, r)
+            x = call_input(c, r)
             if blocking_only or c["blocking"]:
-                outs[c["i"]] = _outcome(lambda c=c, x=x: start(c, x, True))
+                outs[c["i"]] = outcome(lambda c=c, x=x: start(c, x, True))
                 continue
             polls()
             try:
@@ -231,8 +192,8 @@ def _program(eng, calls, world_ctx, rng, blocking_only):
                 outs[c["i"]] = ("error", type(e).__name__)
         for i in rng.permutation(sorted(pending)):
             polls()
-            outs[int(i)] = _outcome(pending.pop(int(i)).wait)
-        return outs, _state(fb)
+            outs[int(i)] = outcome(pending.pop(int(i)).wait)
+        return outs, state_bytes(fb)
     return run
 
 
@@ -285,22 +246,9 @@ SMALL_LIMITS = {"MPIGC_CHUNK_BYTES": "16384", "MPIGC_MAX_COUNT": "1500",
                 "MPIGC_INLINE_PLAIN_BYTES": "2048"}
 
 
-@contextlib.contextmanager
 def limits(seed):
     """The environment of scenario ``seed`` (:data:`SMALL_LIMITS` or none)."""
-    if seed % 4 != 1:
-        yield
-        return
-    keep = {k: os.environ.get(k) for k in SMALL_LIMITS}
-    os.environ.update(SMALL_LIMITS)
-    try:
-        yield
-    finally:
-        for k, v in keep.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    return _setenv(SMALL_LIMITS if seed % 4 == 1 else {})
 
 
 def check(seed, size, schedules=1, plant=None, scenario=None):

@@ -1,5 +1,12 @@
 """Helpers shared by MPI test modules (not a test module itself)."""
+import os
+import sys
 import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import scenarios  # noqa: E402 (tests/scenarios.py)
+
+state_bytes = scenarios.state_bytes  # residuals as comparable values
 
 
 def await_word(comm, source, tag, seconds=60):
@@ -14,13 +21,3 @@ def await_word(comm, source, tag, seconds=60):
         time.sleep(0.01)
         got, _ = token.test()
     return token, got
-
-
-def state_bytes(fb):
-    """Residual store ``fb`` as comparable values: ``{key: (calls, worker
-    bytes, owner bytes)}``."""
-    out = {}
-    for key, st in fb.state_dict().items():
-        out[key] = (st["calls"],) + tuple(
-            None if st[p] is None else st[p].tobytes() for p in ("worker", "owner"))
-    return out

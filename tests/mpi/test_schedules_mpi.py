@@ -41,9 +41,9 @@ import mpigc
 
 from conftest import assert_all
 from peers import state_bytes
+from scenarios import call_input, draw_calls, outcome  # tests/scenarios.py (path: peers)
 
 TIMEOUT = float(os.environ.get("MPIGC_SCHEDULE_TIMEOUT", "60"))
-OPS = ["none", "2bit", "1bit", "terngrad", "fp16"]
 # below MPIGC_MIN_COMPRESS_BYTES (plain fallback), payloads in the agreement
 # messages, after them (small, and beyond the eager limits of shared memory
 # transports), pipelined (MPIGC_CHUNK_BYTES below)
@@ -65,19 +65,7 @@ def _draw(seed, size, hier_ok, threads_ok):
     rng = np.random.default_rng([seed, 7])
     where = np.random.default_rng([seed, 11])  # threads and communicators
     streams = 2 if threads_ok and where.random() < 0.4 else 1
-    calls = []
-    for i in range(int(rng.integers(2, 7))):
-        fault = rng.choice(["none"] * 6 + ["size", "reject", "nan-raise", "nan-skip"])
-        calls.append({
-            "i": i,
-            "kind": str(rng.choice(["allreduce", "reduce_scatter"])),
-            "op": str(rng.choice(OPS)),
-            "n": int(rng.choice(SIZES)),
-            "hier": bool(hier_ok and rng.random() < 0.3),
-            "blocking": bool(rng.random() < 0.3),
-            "fault": str(fault) if size > 1 else "none",
-            "culprit": int(rng.integers(size)),
-        })
+    calls = draw_calls(rng, size, SIZES, hier_ok)
     for c in calls:
         c["stream"] = int(where.integers(streams))
         pool = STREAM_COMMS[c["stream"]] if streams == 2 else STREAM_COMMS[0] + STREAM_COMMS[1]
@@ -99,19 +87,6 @@ def _comms(world, hier_ok):
     return comms
 
 
-def _input(c, rank, step):
-    rng = np.random.default_rng([c["i"], rank, step])
-    n = c["n"]
-    if c["fault"] == "size" and rank == c["culprit"]:
-        n += 1
-    x = rng.standard_normal(n).astype(np.float32)
-    if c["fault"].startswith("nan") and rank == c["culprit"]:
-        x[n // 2] = np.nan
-    if c["fault"] == "reject" and rank == c["culprit"]:
-        return x.astype(np.int32)  # DTypeError before its size is read
-    return x
-
-
 def _start(c, x, fb, blocking, comms):
     kw = {"key": f"c{c['i']}", "feedback": fb, "hierarchy": "node" if c["hier"] else "flat",
           "comm": comms[c["comm"]],
@@ -120,17 +95,9 @@ def _start(c, x, fb, blocking, comms):
     return f(x, c["op"], **kw)
 
 
-def _outcome(fn):
-    try:
-        r = fn()
-        return ("ok", np.asarray(r).tobytes())
-    except mpigc.MpigcError as e:
-        return ("error", type(e).__name__)
-
-
 def _reference(calls, rank, step, comms):
     fb = mpigc.ErrorFeedback()
-    outs = [_outcome(lambda c=c: _start(c, _input(c, rank, step), fb, True, comms))
+    outs = [outcome(lambda c=c: _start(c, call_input(c, rank, step), fb, True, comms))
             for c in calls]
     return outs, state_bytes(fb)
 
@@ -182,9 +149,9 @@ def _stream(calls, rank, step, rng, fb, outs, comms):
 
     for c in calls:
         jitter()
-        x = _input(c, rank, step)
+        x = call_input(c, rank, step)
         if c["blocking"]:
-            outs[c["i"]] = _outcome(lambda c=c, x=x: _start(c, x, fb, True, comms))
+            outs[c["i"]] = outcome(lambda c=c, x=x: _start(c, x, fb, True, comms))
             continue
         try:
             pending[c["i"]] = _start(c, x, fb, False, comms)
@@ -192,7 +159,7 @@ def _stream(calls, rank, step, rng, fb, outs, comms):
             outs[c["i"]] = ("error", type(e).__name__)
     for i in rng.permutation(sorted(pending)):
         jitter()
-        outs[int(i)] = _outcome(pending.pop(int(i)).wait)
+        outs[int(i)] = outcome(pending.pop(int(i)).wait)
 
 
 @pytest.mark.mpi

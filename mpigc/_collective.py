@@ -861,13 +861,14 @@ class _Op(PendingCall):
     def _start_report(self, comm, text, make_error):
         """Gather every rank's message of a failed agreement (``text``, a str
         or None; one slot per rank, :func:`mpigc._plan.report_slot`) with a
-        NONBLOCKING allgather, then raise ``make_error(msgs)`` from state
-        "report". A blocking allgather here deadlocked: a progress step (the
+        NONBLOCKING allgather; the steps wait for it, then raise
+        ``make_error(msgs)``. A blocking allgather here deadlocked: a progress step (the
         progress thread's, or a test()) that reached this call's failed
         agreement while an earlier call still owed the peers its next stage
         blocked in the allgather, holding the engine lock, so that earlier
         call never advanced, and the peers, blocked waiting for it, never
-        reached the allgather (seen in CI: test_random_faults, 2 ranks)."""
+        reached the allgather (seen in CI: test_random_faults, 2 ranks; the
+        model checker's plant "blocking-report" puts it back)."""
         mine = _plan.report_slot(text)
         allb = np.zeros(_plan.REPORT_SLOT * self.size, np.uint8)
         self.report = (mine, allb, make_error)

@@ -215,9 +215,8 @@ def _read_limits():
     pieces is part of the call's settings (a difference is a settings
     mismatch on every rank). It must not change while a call is pending."""
     global _limits_seen, _INLINE_PLAIN_MAX, _INLINE_PAYLOAD_MAX, _MAX_COUNT
-    env = os.environ
-    raw = (env.get("MPIGC_INLINE_PLAIN_BYTES"), env.get("MPIGC_INLINE_PAYLOAD_BYTES"),
-           env.get("MPIGC_MAX_COUNT"))
+    raw = (getenv("MPIGC_INLINE_PLAIN_BYTES"), getenv("MPIGC_INLINE_PAYLOAD_BYTES"),
+           getenv("MPIGC_MAX_COUNT"))
     if raw == _limits_seen:
         return
     _INLINE_PLAIN_MAX, _INLINE_PAYLOAD_MAX, _MAX_COUNT = (
@@ -300,10 +299,26 @@ def min_compress_bytes():
     return _env_int("MPIGC_MIN_COMPRESS_BYTES", 8192)
 
 
+# the environment's own dict (bytes keys, POSIX): see getenv
+_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
+
+
+def getenv(name):
+    """``os.environ.get(name)``, without its cost for an unset variable:
+    about 0.8 us (a KeyError raised and caught inside ``Mapping.get``), where
+    a small call reads five (measured: 786 ns against 22 ns for a lookup in
+    the dict behind ``os.environ``, which POSIX Pythons keep in sync with
+    it). Elsewhere, ``os.environ.get`` itself."""
+    if _ENV_DATA is None:
+        return os.environ.get(name)
+    v = _ENV_DATA.get(name.encode())
+    return None if v is None else os.fsdecode(v)
+
+
 def _env_int(name, default, least=0, most=None):
     """The integer in the environment variable ``name`` (``default`` when it
     is unset), from ``least`` to ``most``; ConfigError otherwise."""
-    env = os.environ.get(name)
+    env = getenv(name)
     if env is None:
         return default
     try:
@@ -355,7 +370,7 @@ def _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype, r
         recvcounts = tuple(recvcounts)
     return (kind, op, repr(sorted(params.items())) if params else "", type(key), key,
             average, gather, nonfinite, n, dtype, recvcounts, size,
-            os.environ.get("MPIGC_NONFINITE"), os.environ.get("MPIGC_MIN_COMPRESS_BYTES"),
+            getenv("MPIGC_NONFINITE"), getenv("MPIGC_MIN_COMPRESS_BYTES"),
             _MAX_COUNT)
 
 

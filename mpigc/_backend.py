@@ -92,6 +92,10 @@ class HostBackend:
         """What MPI reads or writes for ``a``: ``a`` itself here."""
         return a
 
+    def stage(self, wire, a, lo, hi):
+        """Before a send from ``wire[lo:hi]`` (from :meth:`wire` of ``a``):
+        ``a[lo:hi]`` there."""
+
     def unstage(self, dst, wire):
         """After a receive into ``wire`` (from :meth:`wire`): into ``dst``."""
 
@@ -189,6 +193,10 @@ class DeviceBackend:
             lo, hi = send
             _cuda.copy(w[lo:hi], a[lo:hi])
         return w
+
+    def stage(self, wire, a, lo, hi):
+        if not self.aware.aware and hi > lo:
+            _cuda.copy(wire[lo:hi], a[lo:hi])
 
     def unstage(self, dst, wire):
         if not self.aware.aware and dst.size:

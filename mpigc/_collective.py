@@ -528,8 +528,7 @@ class _Op(PendingCall):
         self.local_error = None
         self.error = None
         self.plain = False
-        self.decoded2 = False  # device gather: every shard decoded with one launch
-        self.chunks = None  # a pipelined call's plan (see _chunk_plan)
+        self.chunks = None  # a pipelined call's cuts (see _chunk_plan)
         self.be = None  # the backend of the buffer's side (mpigc._backend)
         self.dev = False  # which side, for the error-feedback store
         # what the agreement step reads of a rank that failed early: defined
@@ -691,7 +690,7 @@ class _Op(PendingCall):
         self.e_out = self.fb.take_spare(n, self.wdtype, dev) if self.use_ef else None
         self.spare = self.e_out
         if self.chunks is not None:
-            return  # pipelined: chunk by chunk once the rows agree (_start_chunks)
+            return  # pipelined: chunk by chunk once the rows agree (_start_two_phase)
         self._pack_shards(row)
 
     def _chunk_plan(self):
@@ -1075,51 +1074,6 @@ class _Op(PendingCall):
         else:
             self.result = v if v.dtype == self.dtype else self._converted(v, self.dtype)
 
-    def _start_phase1(self):
-        comm = self.cs.comm
-        if self.comp.needs_global_scale:
-            # terngrad quantizes only now, with the scale all ranks agreed on
-            if self.use_ef:
-                if self.entry.worker is None:
-                    self.entry.worker = self._empty(self.n, self.wdtype)
-                self.e_out = self.entry.worker
-            else:
-                self.e_out = None
-            scale = max(_bits_f64(v) for v in self.table[:, _SCALE])
-            self._pack_shards(None, scale=scale)
-        r = self.rank
-        lo, hi = self.bounds[r]
-        m = self.sizes[r]
-        self.recvbuf = self._empty(self.size * m, np.uint8)
-        self.be.sync()  # the payloads are packed before MPI reads them
-        # staged: only the packed payloads cross to the host
-        send, recv = self.be.wire(self.sendbuf, send=True), self.be.wire(self.recvbuf)
-        self.recv_wire = recv
-        self.recvreqs = [None] * self.size
-        tag = self.tags[0]
-        for k in range(1, self.size):  # post receives first, then sends
-            j = (r - k) % self.size
-            if m:
-                self.recvreqs[j] = _post(comm.Irecv, recv[j * m:(j + 1) * m], j, tag)
-        for k in range(1, self.size):
-            j = (r + k) % self.size
-            if self.sizes[j]:
-                self.sendreqs.append(_post(comm.Isend, send[self.offs[j]:self.offs[j + 1]],
-                                           j, tag))
-        acc_dtype = np.float64 if self.dtype == np.float64 else np.float32
-        self.acc = self._empty(hi - lo, acc_dtype)
-        self.next_src = 0
-        self.state = "phase1"
-
-    def _start_phase1_inline(self):
-        """Phase 1 when the payloads came with the rows: decode them."""
-        lo, hi = self.bounds[self.rank]
-        self.recvreqs = [None] * self.size
-        acc_dtype = np.float64 if self.dtype == np.float64 else np.float32
-        self.acc = self._empty(hi - lo, acc_dtype)
-        self.next_src = 0
-        self.state = "phase1"
-
     def _finish_inline_plain(self):
         """op="none" (or the fallback) on 2 ranks, the values in the
         agreement messages: add the peer's to this rank's, in place."""
@@ -1129,121 +1083,299 @@ class _Op(PendingCall):
         self.none_out = self.none_wire = self.none_buf
         self._finish_none()
 
-    def _payload_from(self, j):
-        r, m = self.rank, self.sizes[self.rank]
+    # -- 3./4. the two phases: one path, pipelined or not ------------------------
+    # A call is cut into chunks (``cuts[c][j]``: the range of shard j that
+    # chunk c covers); a call that is not pipelined is one chunk of whole
+    # shards. Phase 1 (reduce-scatter): each rank compresses chunk after
+    # chunk and sends each piece to its owner at once; owners decode-
+    # accumulate each chunk's pieces in rank order as they arrive (on a
+    # device, all of a chunk's with one launch once they are in). Phase 2
+    # (allreduce's gather): each owner recompresses chunk c of its shard with
+    # its owner residual (or sends it exact) as soon as chunk c is reduced,
+    # while later chunks are still arriving, and everyone puts each piece in
+    # place as it arrives.
+    #
+    # When the counts of non-finite and out-of-range values are known
+    # decides the rest. Not pipelined, the one chunk was compressed before
+    # the agreement (terngrad: its scale before, the payloads at once
+    # after), its counts travelled in the rows, the verdict is in and the
+    # residual committed before the call gets here; its payloads may even
+    # have come with the rows (inline). Pipelined, nothing is compressed
+    # before the agreement: after the last chunk each rank sends every peer
+    # its two counts (the trailer, tag tags[2] + 1); once every trailer is in,
+    # the counts decide as the row would have. On a failure every rank first
+    # completes phase 1's transfers (all of them were posted), then raises
+    # or skips with nothing changed; otherwise the worker residual is
+    # committed and phase 2 starts.
+    #
+    # Device buffers go through the backend's wire (staging buffers without
+    # CUDA-aware MPI; the arrays themselves on the host).
+
+    def _start_two_phase(self, inline):
+        """After the agreement: the layout, phase 1's receives (and the
+        trailers), the payloads of a call compressed before the agreement,
+        and phase 2's receives once the verdict is in."""
+        comm, r, size, comp, be = self.cs.comm, self.rank, self.size, self.comp, self.be
+        self.state = "phases"
+        if self.chunks is not None:
+            self.trace._chunks = len(self.chunks)
+            _counters["pipelined_calls"] += 1
+            self.cuts = self.chunks
+            self.psz, self.poff, o, self.sizes = _plan.piece_layout(
+                self.cuts, lambda k: comp.payload_nbytes(k, self.wdtype))
+            self.sendbuf = self._empty(o, np.uint8)
+            self.cpack, self.verdict = 0, None  # trailers decide
+        else:
+            self.cuts = [list(self.bounds)]
+            if comp.needs_global_scale:
+                self._pack_scaled()
+            self.psz, self.poff = [self.sizes], [self.offs[:-1]]
+            self.cpack, self.verdict = 1, "go"  # packed; the rows decided
+        nc = len(self.cuts)
+        self.rbase, o = [], 0  # phase 1's receives: a slot per sender, chunk by chunk
+        for c in range(nc):
+            self.rbase.append(o)
+            o += size * self.psz[c][r]
+        self.rreq1 = [[None] * size for _ in range(nc)]
+        tag = self.tags[0]
+        if not inline:
+            self.recvbuf = self._empty(o, np.uint8)
+            self.wire1 = be.wire(self.recvbuf)
+            for c in range(nc):
+                m = self.psz[c][r]
+                if m:
+                    for k in range(1, size):  # receives first, then sends
+                        j = (r - k) % size
+                        b = self.rbase[c] + j * m
+                        self.rreq1[c][j] = _post(comm.Irecv, self.wire1[b:b + m], j, tag)
+        if self.verdict is None:
+            self.trail = np.zeros((size, 2), np.int64)
+            self.treq = [comm.Irecv(self.trail[j], source=j, tag=self.tags[2] + 1)
+                         for j in range(size) if j != r]
+        else:
+            self.treq = []
+            if not inline:
+                self._send_chunk(0)
+        lo, hi = self.bounds[r]
+        self.acc = self._empty(hi - lo, np.float64 if self.dtype == np.float64
+                               else np.float32)
+        self.c1 = self.src1 = self.c2 = self.nbad = 0
+        self.obad = False
+        self.rreq2, self.meta2, self.left2 = [], [], 0  # phase 2's receives
+        if self.verdict == "go":
+            self._start_gather()
+
+    def _pack_scaled(self):
+        """terngrad quantizes only once the rows agree, with the scale all
+        ranks agreed on (the largest)."""
+        if self.use_ef:
+            if self.entry.worker is None:
+                self.entry.worker = self._empty(self.n, self.wdtype)
+            self.e_out = self.entry.worker
+        else:
+            self.e_out = None
+        self._pack_shards(None, scale=max(_bits_f64(v) for v in self.table[:, _SCALE]))
+
+    def _pack_chunk(self):
+        """Compress chunk ``cpack`` (every shard's piece) and send each piece
+        to its owner; after the last one, the trailer (pipelined calls)."""
+        comm, r, size, c = self.cs.comm, self.rank, self.size, self.cpack
+        kw = {}
+        if self.comp.prescales_average and self.average:
+            kw = {"divisor": float(size)}
+        x, ei, eo = self.x, self.e_in, self.e_out
+        for j in range(size):
+            lo, hi = self.cuts[c][j]
+            if hi > lo:
+                if self.fill is not None:
+                    self.fill(lo, hi)
+                o = self.poff[c][j]
+                self.nbad += self.comp._encode(
+                    x[lo:hi], None if ei is None else ei[lo:hi],
+                    None if eo is None else eo[lo:hi],
+                    self.sendbuf[o:o + self.psz[c][j]], **kw)
+        self._send_chunk(c)
+        self.cpack += 1
+        if self.cpack == len(self.cuts):
+            row = _plan.new_row()
+            self._count_bad(row, self.nbad)
+            self.trail[r] = (row[_NBAD], row[_RANGE])
+            for k in range(1, size):
+                self.sendreqs.append(comm.Isend(self.trail[r], dest=(r + k) % size,
+                                                tag=self.tags[2] + 1))
+
+    def _send_chunk(self, c):
+        """Each of chunk ``c``'s packed pieces to its owner."""
+        comm, r, size = self.cs.comm, self.rank, self.size
+        self.be.sync()  # the payloads are packed before MPI reads them
+        send = self.be.wire(self.sendbuf, send=True)
+        for k in range(1, size):
+            j = (r + k) % size
+            m = self.psz[c][j]
+            if m:
+                o = self.poff[c][j]
+                self.sendreqs.append(_post(comm.Isend, send[o:o + m], j, self.tags[0]))
+
+    def _piece1(self, c, j):
+        """Sender ``j``'s payload of chunk ``c`` of this rank's shard."""
+        r, m = self.rank, self.psz[c][self.rank]
         if j == r:
-            return self.sendbuf[self.offs[r]:self.offs[r + 1]]
+            return self.sendbuf[self.poff[c][r]:self.poff[c][r] + m]
         if self.recvbuf is None:  # the payloads came with the rows
             return self.adata[j][_HDR:]
-        return self.recvbuf[j * m:(j + 1) * m]
+        return self.recvbuf[self.rbase[c] + j * m:self.rbase[c] + (j + 1) * m]
 
-    def _unstage(self, dst, src):
-        """After a staged receive: copy the host bytes to the device."""
-        self.be.unstage(dst, src)
+    def _decode_phase1(self):
+        """Decode-accumulate phase 1's pieces that are in: chunk by chunk,
+        each chunk's in rank order (on a device, all of a chunk's with one
+        launch once they are in). True if any was."""
+        r, size = self.rank, self.size
+        lo_r = self.bounds[r][0]
+        moved = False
+        while self.c1 < self.cpack:  # this rank's own piece must be packed
+            c = self.c1
+            a, b = self.cuts[c][r]
+            m = self.psz[c][r]
+            acc = self.acc[a - lo_r:b - lo_r]
+            if self.be.batch_decode:
+                if not _sched.test([q for q in self.rreq1[c] if q is not None]):
+                    return moved
+                base = self.rbase[c]
+                for j in range(size):
+                    if self.rreq1[c][j] is not None:
+                        self.rreq1[c][j] = None
+                        self.be.unstage(self.recvbuf[base + j * m:base + (j + 1) * m],
+                                        self.wire1[base + j * m:base + (j + 1) * m])
+                if b > a:
+                    # the own payload joins the received ones (m bytes apart),
+                    # then one decode of all senders, summed in rank order
+                    self._assign(self.recvbuf[base + r * m:base + (r + 1) * m],
+                                 self._piece1(c, r))
+                    self.comp._decode_shards(self.recvbuf[base:base + size * m], m, size,
+                                             (0, b - a), (0,), acc, False)
+            else:
+                while self.src1 < size:
+                    j = self.src1
+                    req = self.rreq1[c][j]
+                    if req is not None:
+                        if not _sched.test([req]):
+                            return moved
+                        self.rreq1[c][j] = None
+                    if b > a:
+                        self.comp._decode(self._piece1(c, j), acc, j > 0)
+                    self.src1 += 1
+                    moved = True
+            if b > a and self.average and not self.comp.prescales_average:
+                self._divide(acc, size)
+            self.c1 += 1
+            self.src1 = 0
+            moved = True
+        return moved
 
-    def _phase1_steps(self):
-        """Steps: decode-accumulate contributions in rank order: each as it
-        arrives (host), or all with one launch once they are there (device)."""
-        m = self.sizes[self.rank]
-        for j in range(self.size):
-            req = self.recvreqs[j]
-            if req is not None:
-                yield req
-                self.recvreqs[j] = None
-                self._unstage(self.recvbuf[j * m:(j + 1) * m],
-                              self.recv_wire[j * m:(j + 1) * m])
-            if self.acc.size and not self.be.batch_decode:
-                self.comp._decode(self._payload_from(j), self.acc, j > 0)
-        if self.acc.size and self.be.batch_decode:
-            # the own payload joins the received ones (m bytes apart), then
-            # one decode of all senders, summed in rank order
-            r = self.rank
-            self._assign(self.recvbuf[r * m:(r + 1) * m], self._payload_from(r))
-            self.comp._decode_shards(self.recvbuf, m, self.size, (0, self.acc.size), (0,),
-                                     self.acc, False)
-        if self.average and not self.comp.prescales_average:
-            self._divide(self.acc, self.size)
-
-    def _start_phase2(self):
-        comm = self.cs.comm
-        r = self.rank
-        lo, hi = self.bounds[r]
-        tag = self.tags[1]
-        self.recvreqs2 = {}
-        if self.gather == "exact":
-            # full-precision values: staged through the host without CUDA-aware MPI
-            own = self.flat[lo:hi]
-            self._assign(own, self.acc)
-            flat8 = self.flat.view(np.uint8)
-            isz = self.dtype.itemsize
-            self.be.sync()
-            wire = self.be.wire(flat8, send=(lo * isz, hi * isz))
-            self.wire2 = wire
-            for k in range(1, self.size):
-                j = (r - k) % self.size
-                jlo, jhi = self.bounds[j]
-                if jhi > jlo:
-                    self.recvreqs2[j] = _post(comm.Irecv, wire[jlo * isz:jhi * isz], j, tag)
-            if hi > lo:
-                for k in range(1, self.size):
-                    j = (r + k) % self.size
-                    self.sendreqs.append(_post(comm.Isend, wire[lo * isz:hi * isz], j, tag))
-            self.state = "phase2"
+    def _decide(self):
+        """Every trailer is in: the counts decide (see the section's comment)."""
+        self.table[:, _NBAD] = self.trail[:, 0]
+        self.table[:, _RANGE] = self.trail[:, 1]
+        if _plan.nonfinite_verdict(self.table, self.nonfinite).kind != "go":
+            self.verdict = "stop"
             return
-        # compressed gather: requantize the owned shard with the owner residual
-        adt = self.acc.dtype
-        sizes, offs = _plan.payload_layout(self.bounds,
-                                           lambda k: self.comp.payload_nbytes(k, adt))
-        self.sizes2, self.offs2 = sizes, offs
-        self.recvbuf2 = self._empty(offs[-1], np.uint8)
-        mine = self.recvbuf2[offs[r]:offs[r + 1]]
-        if hi > lo:
-            e = None
+        self.verdict = "go"
+        self._commit()
+        self._start_gather()
+
+    def _start_gather(self):
+        """Phase 2's receives (allreduce), a piece per chunk and peer."""
+        if self.kind != "allreduce":
+            return
+        comm, r, size, cuts = self.cs.comm, self.rank, self.size, self.cuts
+        tag = self.tags[1]
+        if self.gather == "exact":
+            isz = self.dtype.itemsize
+            self.wire2 = wire = self.be.wire(self.flat.view(np.uint8))
+            for c in range(len(cuts)):
+                for k in range(1, size):
+                    j = (r - k) % size
+                    a, b = cuts[c][j]
+                    if b > a:
+                        self.meta2.append((c, j))
+                        self.rreq2.append(_post(comm.Irecv, wire[a * isz:b * isz], j, tag))
+        else:
+            adt = self.acc.dtype
+            self.psz2, self.poff2, o, self.sizes2 = _plan.piece_layout(
+                cuts, lambda k: self.comp.payload_nbytes(k, adt))
+            self.recvbuf2 = self._empty(o, np.uint8)
+            self.wire2 = wire = self.be.wire(self.recvbuf2)
+            for c in range(len(cuts)):
+                for k in range(1, size):
+                    j = (r - k) % size
+                    m = self.psz2[c][j]
+                    if m:
+                        o = self.poff2[c][j]
+                        self.meta2.append((c, j))
+                        self.rreq2.append(_post(comm.Irecv, wire[o:o + m], j, tag))
             if self.use_ef:
+                lo, hi = self.bounds[r]
                 if self.entry.owner is None:
                     self.entry.owner = self.be.zeros(hi - lo, self.wdtype)
-                e = self.entry.owner
-            kw = {}
-            obad = 0
-            if self.comp.needs_global_scale:
-                amax, bound, obad = self.comp.local_scale(self.acc, e)
-                kw = {"scale": amax, "clip_bound": bound, "stream": self._stream(r, 1)}
-            x = self.acc if self.acc.dtype == self.wdtype else self._converted(self.acc,
-                                                                               self.wdtype)
-            # the owner's residual is double-buffered too: should the reduced
-            # shard not fit the wire format (a sum beyond fp16's or float32's
-            # range), the result is non-finite on every rank but the residual
-            # is kept
-            e_out = None if e is None else self._empty(hi - lo, self.wdtype)
-            obad += self.comp._encode(x, e, e_out, mine, offset=lo, **kw)
-            if obad:
-                self.comp._mark_out_of_range(mine, hi - lo)
-            elif e is not None:
-                self.entry.owner = e_out
-        self.be.sync()
-        # staged: only the packed payloads cross to the host
-        wire = self.be.wire(self.recvbuf2, send=(offs[r], offs[r + 1]))
-        self.wire2 = wire
-        for k in range(1, self.size):
-            j = (r - k) % self.size
-            if sizes[j]:
-                self.recvreqs2[j] = _post(comm.Irecv, wire[offs[j]:offs[j + 1]], j, tag)
-        if sizes[r]:
-            for k in range(1, self.size):
-                j = (r + k) % self.size
-                self.sendreqs.append(_post(comm.Isend, wire[offs[r]:offs[r + 1]], j, tag))
-        self._decode_into_place(r)
-        self.state = "phase2"
+                self.owner_out = self._empty(hi - lo, self.wdtype)
+        self.left2 = len(self.rreq2)
 
-    def _decode_into_place(self, j):
-        lo, hi = self.bounds[j]
-        if hi == lo or self.be.batch_decode:  # batched: _decode_all_in_place
+    def _gather_chunk(self):
+        """Phase 2 of chunk ``c2`` (reduced): this owner's piece to every
+        peer, recompressed with the owner residual (or exact), and into
+        place here."""
+        comm, r, size, c = self.cs.comm, self.rank, self.size, self.c2
+        lo = self.bounds[r][0]
+        a, b = self.cuts[c][r]
+        self.c2 += 1
+        if b == a:
             return
-        self._decode_piece(self.recvbuf2[self.offs2[j]:self.offs2[j + 1]], lo, hi)
+        acc = self.acc[a - lo:b - lo]
+        if self.gather == "exact":
+            self._assign(self.flat[a:b], acc)
+            isz = self.dtype.itemsize
+            src, p, q = self.flat.view(np.uint8), a * isz, b * isz
+        else:
+            p, q = self.poff2[c][r], self.poff2[c][r] + self.psz2[c][r]
+            src = self.recvbuf2
+            e = eo = None
+            if self.use_ef:
+                e, eo = self.entry.owner[a - lo:b - lo], self.owner_out[a - lo:b - lo]
+            kw, bad = {"offset": a}, 0
+            if self.comp.needs_global_scale:
+                amax, bound, bad = self.comp.local_scale(acc, e)
+                kw.update(scale=amax, clip_bound=bound, stream=self._stream(r, 1))
+            x = acc if acc.dtype == self.wdtype else self._converted(acc, self.wdtype)
+            bad += self.comp._encode(x, e, eo, src[p:q], **kw)
+            if bad:
+                # a reduced value beyond the wire format (a sum beyond fp16's
+                # or float32's range): this piece arrives non-finite
+                # everywhere, and the owner residual is kept whole
+                self.comp._mark_out_of_range(src[p:q], b - a)
+                self.obad = True
+        self.be.sync()
+        self.be.stage(self.wire2, src, p, q)
+        for k in range(1, size):
+            self.sendreqs.append(_post(comm.Isend, self.wire2[p:q], (r + k) % size,
+                                       self.tags[1]))
+        if self.gather != "exact" and not self.be.batch_decode:
+            self._decode_piece(src[p:q], a, b)
 
-    def _decode_all_in_place(self):
-        """Every shard of the gather into place with one decode (device)."""
-        starts, offs = self._starts(), tuple(self.offs2[:-1])
+    def _decode_piece(self, payload, a, b):
+        """Decode ``payload`` into the user's buffer at ``[a, b)`` (through a
+        float32 copy for float16 buffers)."""
+        target = self.flat[a:b]
+        if target.dtype == np.float16:
+            tmp = self._empty(b - a, np.float32)
+            self.comp._decode(payload, tmp, False)
+            self._assign(target, tmp)
+        else:
+            self.comp._decode(payload, target, False)
+
+    def _decode_gathered(self):
+        """Every shard of a device call's gather into place with one decode
+        (one chunk: the device calls are not pipelined)."""
+        starts, offs = self._starts(), tuple(self.poff2[0])
         if self.flat.dtype == np.float16:
             tmp = self._empty(self.n, np.float32)
             self.comp._decode_shards(self.recvbuf2, 0, 1, starts, offs, tmp, False)
@@ -1251,30 +1383,95 @@ class _Op(PendingCall):
         else:
             self.comp._decode_shards(self.recvbuf2, 0, 1, starts, offs, self.flat, False)
 
-    def _arrived2(self, j):
-        """Shard ``j`` of the gather has arrived (in the staging buffer when
-        staged): into place."""
-        if self.gather == "compressed":
-            a, b = self.offs2[j], self.offs2[j + 1]
-            self._unstage(self.recvbuf2[a:b], self.wire2[a:b])
-            self._decode_into_place(j)
-        else:
-            lo, hi = self.bounds[j]
-            isz = self.dtype.itemsize
-            self._unstage(self.flat.view(np.uint8)[lo * isz:hi * isz],
-                          self.wire2[lo * isz:hi * isz])
+    def _arrived_gather(self):
+        """Phase 2's pieces that are in: into place. True if any was. Only
+        this method and :meth:`_two_phase_steps` complete these requests
+        (each is counted once: a completed request is null from then on)."""
+        if not self.left2:
+            return False
+        done = _sched.arrived(self.rreq2)
+        for i in done:
+            self._arrived_piece(i)
+        return bool(done)
 
-    def _phase2_steps(self):
-        """Steps: each shard of the gather into place as it arrives (on a
-        device, decoded with one launch once all are in)."""
-        js = list(self.recvreqs2)
-        reqs = [self.recvreqs2[j] for j in js]
-        for _ in js:
-            i = yield _sched.Any(reqs)
-            self._arrived2(js[i])
-        self.recvreqs2 = {}
-        if self.gather == "compressed" and self.be.batch_decode:
-            self._decode_all_in_place()
+    def _arrived_piece(self, i):
+        """Phase 2's receive ``i`` completed: its piece into place (on a
+        device, decoded with the others once all are in)."""
+        self.left2 -= 1
+        c, j = self.meta2[i]
+        a, b = self.cuts[c][j]
+        if self.gather == "exact":
+            isz = self.dtype.itemsize
+            self.be.unstage(self.flat.view(np.uint8)[a * isz:b * isz],
+                            self.wire2[a * isz:b * isz])
+            return
+        o, m = self.poff2[c][j], self.psz2[c][j]
+        self.be.unstage(self.recvbuf2[o:o + m], self.wire2[o:o + m])
+        if not self.be.batch_decode:
+            self._decode_piece(self.recvbuf2[o:o + m], a, b)
+
+    def _two_phase_steps(self):
+        """Steps of a compressed call. A progress step compresses at most one
+        chunk (the engine lock is held meanwhile: :data:`mpigc._sched.PAUSE`)
+        and handles what has arrived; a blocking wait runs the call to its
+        end, waiting in MPI only when nothing is left to compute."""
+        nc = len(self.cuts)
+        while True:
+            moved = False
+            if self.cpack < nc:
+                self._pack_chunk()
+                moved = True
+            moved |= self._decode_phase1()
+            if self.verdict is None and self.cpack == nc and _sched.test(self.treq):
+                self._decide()
+                moved = True
+            if self.verdict == "stop":
+                # phase 1 was posted whole: complete it, then raise or skip
+                if self.c1 == nc:
+                    yield _sched.All(self.sendreqs)
+                    self._nonfinite_verdict()
+                    return
+            elif self.verdict == "go":
+                if self.kind == "allreduce":
+                    while self.c2 < self.c1:
+                        self._gather_chunk()
+                        moved = True
+                    moved |= self._arrived_gather()
+                    over = self.c2 == nc and not self.left2
+                else:
+                    over = self.c1 == nc
+                if over:
+                    if self.kind == "allreduce" and self.gather != "exact" \
+                            and self.be.batch_decode:
+                        self._decode_gathered()
+                    # reduce_scatter after phase 1: only the sends are left,
+                    # waited for like any step (a receiver that is waiting
+                    # for an earlier call of this rank would never take them)
+                    yield _sched.All(self.sendreqs)
+                    if self.use_ef and not self.obad and self.kind == "allreduce" \
+                            and self.gather != "exact":
+                        self.entry.owner = self.owner_out
+                    self._finish()
+                    return
+            if moved:
+                if self.cpack < nc:
+                    yield _sched.PAUSE
+                continue  # nothing left to compress: handle all that is in
+            # nothing to compute: wait for whichever receive completes first.
+            # A phase 1 piece or a trailer stays null once completed and is
+            # handled by the next pass (a null request tests complete); a
+            # phase 2 piece is handled here, as a later Testsome will not
+            # report it
+            waiting = [q for q in self.rreq1[self.c1] if q] if self.c1 < nc else []
+            waiting += [q for q in self.treq if q]
+            first2 = len(waiting)
+            waiting += self.rreq2
+            if any(waiting):
+                i = yield _sched.Any(waiting)
+                if i != MPI.UNDEFINED and i >= first2:
+                    self._arrived_piece(i - first2)
+            else:
+                yield _sched.All(self.sendreqs)
 
     def _count(self, sent):
         _traffic["calls"] += 1
@@ -1303,286 +1500,6 @@ class _Op(PendingCall):
         self._abandon()
         self.state = "done"
 
-    # -- 3'./4'. pipelined calls (see _chunk_plan) -----------------------------
-    # After the rows agree (the counts of non-finite and out-of-range values
-    # are not known yet: nothing is compressed), each rank compresses chunk
-    # after chunk and sends each piece to its owner at once; after the last
-    # chunk it sends every peer its two counts (the trailer, tag
-    # tags[2] + 1). Owners decode-accumulate each chunk's pieces in rank
-    # order as they arrive. Once every trailer is in, the counts decide as
-    # the row would have (_nonfinite_verdict): on a failure every rank first
-    # completes phase 1's transfers (all of them were posted), then raises or
-    # skips with nothing changed. Otherwise the worker residual is committed
-    # and each owner recompresses chunk c of its shard and sends it as soon
-    # as chunk c is reduced, while later chunks are still arriving.
-
-    def _start_chunks(self):
-        comm, r, size = self.cs.comm, self.rank, self.size
-        plan, comp = self.chunks, self.comp
-        nc = len(plan)
-        self.trace._path, self.trace._chunks = "two-phase", nc
-        _counters["pipelined_calls"] += 1
-        acc_dtype = np.float64 if self.dtype == np.float64 else np.float32
-        self.psz, self.poff, o, self.sizes = _plan.piece_layout(
-            plan, lambda k: comp.payload_nbytes(k, self.wdtype))
-        self.sendbuf = self._empty(o, np.uint8)
-        # phase 1's receives: chunk by chunk, a slot per sender
-        self.rbase, o = [], 0
-        for c in range(nc):
-            self.rbase.append(o)
-            o += size * self.psz[c][r]
-        self.recvbuf = self._empty(o, np.uint8)
-        tag = self.tags[0]
-        self.rreq1 = [[None] * size for _ in range(nc)]
-        for c in range(nc):
-            m = self.psz[c][r]
-            if m:
-                for k in range(1, size):
-                    j = (r - k) % size
-                    b = self.rbase[c] + j * m
-                    self.rreq1[c][j] = _post(comm.Irecv, self.recvbuf[b:b + m], j, tag)
-        self.trail = np.zeros((size, 2), np.int64)
-        self.treq = [comm.Irecv(self.trail[j], source=j, tag=self.tags[2] + 1)
-                     for j in range(size) if j != r]
-        lo, hi = self.bounds[r]
-        self.acc = self._empty(hi - lo, acc_dtype)
-        self.cpack = self.c1 = self.src1 = self.c2 = 0
-        self.nbad = 0
-        self.verdict = None  # "go" or "stop" once every trailer is in
-        self.obad = False
-        self.rreq2, self.meta2, self.left2 = [], [], 0  # phase 2's receives
-        self.state = "chunks"
-
-    def _pack_chunk(self):
-        """Compress chunk ``cpack`` (every shard's piece) and send each piece
-        to its owner; after the last one, the trailer."""
-        comm, r, size, c = self.cs.comm, self.rank, self.size, self.cpack
-        kw = {}
-        if self.comp.prescales_average and self.average:
-            kw = {"divisor": float(size)}
-        x, ei, eo = self.x, self.e_in, self.e_out
-        for j in range(size):
-            lo, hi = self.chunks[c][j]
-            if hi > lo:
-                if self.fill is not None:
-                    self.fill(lo, hi)
-                o = self.poff[c][j]
-                self.nbad += self.comp._encode(
-                    x[lo:hi], None if ei is None else ei[lo:hi],
-                    None if eo is None else eo[lo:hi],
-                    self.sendbuf[o:o + self.psz[c][j]], **kw)
-        for k in range(1, size):
-            j = (r + k) % size
-            m = self.psz[c][j]
-            if m:
-                o = self.poff[c][j]
-                self.sendreqs.append(_post(comm.Isend, self.sendbuf[o:o + m], j,
-                                           self.tags[0]))
-        self.cpack += 1
-        if self.cpack == len(self.chunks):
-            row = _plan.new_row()
-            self._count_bad(row, self.nbad)
-            self.trail[r] = (row[_NBAD], row[_RANGE])
-            for k in range(1, size):
-                self.sendreqs.append(comm.Isend(self.trail[r], dest=(r + k) % size,
-                                                tag=self.tags[2] + 1))
-
-    def _decode_chunks(self):
-        """Decode-accumulate phase 1's pieces that are in: chunk by chunk,
-        each chunk's in rank order. True if any was."""
-        r, size = self.rank, self.size
-        lo_r = self.bounds[r][0]
-        moved = False
-        while self.c1 < self.cpack:  # this rank's own piece must be packed
-            c = self.c1
-            a, b = self.chunks[c][r]
-            m = self.psz[c][r]
-            while self.src1 < size:
-                j = self.src1
-                req = self.rreq1[c][j]
-                if req is not None:
-                    if not _sched.test([req]):
-                        return moved
-                    self.rreq1[c][j] = None
-                if b > a:
-                    if j == r:
-                        payload = self.sendbuf[self.poff[c][r]:self.poff[c][r] + m]
-                    else:
-                        payload = self.recvbuf[self.rbase[c] + j * m:
-                                               self.rbase[c] + (j + 1) * m]
-                    self.comp._decode(payload, self.acc[a - lo_r:b - lo_r], j > 0)
-                self.src1 += 1
-                moved = True
-            if b > a and self.average and not self.comp.prescales_average:
-                self._divide(self.acc[a - lo_r:b - lo_r], size)
-            self.c1 += 1
-            self.src1 = 0
-        return moved
-
-    def _decide_chunks(self):
-        """Every trailer is in: the counts decide (see the section's comment)."""
-        self.table[:, _NBAD] = self.trail[:, 0]
-        self.table[:, _RANGE] = self.trail[:, 1]
-        if _plan.nonfinite_verdict(self.table, self.nonfinite).kind != "go":
-            self.verdict = "stop"
-            return
-        self.verdict = "go"
-        self._commit()
-        if self.kind != "allreduce":
-            return
-        comm, r, size = self.cs.comm, self.rank, self.size
-        nc = len(self.chunks)
-        lo, hi = self.bounds[r]
-        tag = self.tags[1]
-        if self.gather == "exact":
-            isz = self.dtype.itemsize
-            flat8 = self.flat.view(np.uint8)
-            for c in range(nc):
-                for k in range(1, size):
-                    j = (r - k) % size
-                    a, b = self.chunks[c][j]
-                    if b > a:
-                        self.meta2.append((c, j))
-                        self.rreq2.append(_post(comm.Irecv, flat8[a * isz:b * isz], j, tag))
-            self.left2 = len(self.rreq2)
-            return
-        adt = self.acc.dtype
-        self.psz2, self.poff2, o, self.sizes2 = _plan.piece_layout(
-            self.chunks, lambda k: self.comp.payload_nbytes(k, adt))
-        self.recvbuf2 = self._empty(o, np.uint8)
-        for c in range(nc):
-            for k in range(1, size):
-                j = (r - k) % size
-                m = self.psz2[c][j]
-                if m:
-                    o = self.poff2[c][j]
-                    self.meta2.append((c, j))
-                    self.rreq2.append(_post(comm.Irecv, self.recvbuf2[o:o + m], j, tag))
-        self.left2 = len(self.rreq2)
-        if self.use_ef:
-            if self.entry.owner is None:
-                self.entry.owner = self.be.zeros(hi - lo, self.wdtype)
-            self.owner_out = self._empty(hi - lo, self.wdtype)
-
-    def _gather_chunk(self):
-        """Phase 2 of chunk ``c2`` (reduced): this owner's piece to every
-        peer, recompressed with the owner residual (or exact), and into
-        place here."""
-        comm, r, size, c = self.cs.comm, self.rank, self.size, self.c2
-        lo = self.bounds[r][0]
-        a, b = self.chunks[c][r]
-        self.c2 += 1
-        if b == a:
-            return
-        acc = self.acc[a - lo:b - lo]
-        tag = self.tags[1]
-        if self.gather == "exact":
-            self._assign(self.flat[a:b], acc)
-            isz = self.dtype.itemsize
-            send = self.flat.view(np.uint8)[a * isz:b * isz]
-        else:
-            send = self.recvbuf2[self.poff2[c][r]:self.poff2[c][r] + self.psz2[c][r]]
-            e = eo = None
-            if self.use_ef:
-                e, eo = self.entry.owner[a - lo:b - lo], self.owner_out[a - lo:b - lo]
-            x = acc if acc.dtype == self.wdtype else self._converted(acc, self.wdtype)
-            if self.comp._encode(x, e, eo, send):
-                # a reduced value beyond the wire format: this piece arrives
-                # non-finite everywhere, and the owner residual is kept whole
-                self.comp._mark_out_of_range(send, b - a)
-                self.obad = True
-        for k in range(1, size):
-            self.sendreqs.append(_post(comm.Isend, send, (r + k) % size, tag))
-        if self.gather != "exact":
-            self._decode_piece(send, a, b)
-
-    def _decode_piece(self, payload, a, b):
-        """Decode ``payload`` into the user's buffer at ``[a, b)`` (through a
-        float32 copy for float16 buffers)."""
-        target = self.flat[a:b]
-        if target.dtype == np.float16:
-            tmp = self._empty(b - a, np.float32)
-            self.comp._decode(payload, tmp, False)
-            self._assign(target, tmp)
-        else:
-            self.comp._decode(payload, target, False)
-
-    def _arrived_chunks(self):
-        """Phase 2's pieces that are in: into place. True if any was. Only
-        this method and :meth:`_chunk_steps` complete these requests (each
-        is counted once: a completed request is null from then on)."""
-        if not self.left2:
-            return False
-        done = _sched.arrived(self.rreq2)
-        for i in done:
-            self._arrived_piece(i)
-        return bool(done)
-
-    def _arrived_piece(self, i):
-        """Phase 2's receive ``i`` completed: its piece into place."""
-        self.left2 -= 1
-        if self.gather != "exact":
-            c, j = self.meta2[i]
-            a, b = self.chunks[c][j]
-            o = self.poff2[c][j]
-            self._decode_piece(self.recvbuf2[o:o + self.psz2[c][j]], a, b)
-
-    def _chunk_steps(self):
-        """Steps of a pipelined call. A progress step compresses at most one
-        chunk (the engine lock is held meanwhile: :data:`mpigc._sched.PAUSE`)
-        and handles what has arrived; a blocking wait runs the call to its
-        end, waiting in MPI only when nothing is left to compute."""
-        nc = len(self.chunks)
-        while True:
-            moved = False
-            if self.cpack < nc:
-                self._pack_chunk()
-                moved = True
-            moved |= self._decode_chunks()
-            if self.verdict is None and self.cpack == nc and _sched.test(self.treq):
-                self._decide_chunks()
-                moved = True
-            if self.verdict == "stop":
-                # phase 1 was posted whole: complete it, then raise or skip
-                if self.c1 == nc:
-                    yield _sched.All(self.sendreqs)
-                    self._nonfinite_verdict()
-                    return
-            elif self.verdict == "go":
-                if self.kind == "allreduce":
-                    while self.c2 < self.c1:
-                        self._gather_chunk()
-                        moved = True
-                    moved |= self._arrived_chunks()
-                    over = self.c2 == nc and not self.left2
-                else:
-                    over = self.c1 == nc
-                if over:
-                    yield _sched.All(self.sendreqs)
-                    if self.use_ef and not self.obad and self.kind == "allreduce" \
-                            and self.gather != "exact":
-                        self.entry.owner = self.owner_out
-                    self._finish()
-                    return
-            if moved:
-                if self.cpack < nc:
-                    yield _sched.PAUSE
-                continue  # nothing left to compress: handle all that is in
-            # nothing to compute: wait for whichever receive completes first.
-            # A phase 1 piece or a trailer stays null once completed and is
-            # handled by the next pass (a null request tests complete); a
-            # phase 2 piece is handled here, as a later Testsome will not
-            # report it
-            waiting = [q for q in self.rreq1[self.c1] if q] if self.c1 < nc else []
-            waiting += [q for q in self.treq if q]
-            first2 = len(waiting)
-            waiting += self.rreq2
-            if any(waiting):
-                i = yield _sched.Any(waiting)
-                if i != MPI.UNDEFINED and i >= first2:
-                    self._arrived_piece(i - first2)
-            else:
-                yield _sched.All(self.sendreqs)
 
     # -- the steps, driven by the scheduler (mpigc._sched.PendingCall) -----------
     def _failed(self, exc):
@@ -1634,13 +1551,10 @@ class _Op(PendingCall):
             raise self._report_error()
         if not agreed:
             return
-        if self.chunks is not None:
-            # pipelined: the residual is committed once the counts of
-            # non-finite values, known after the last chunk, agree too
-            self._start_chunks()
-            yield from self._chunk_steps()
-            return
-        self._commit()
+        if self.chunks is None:
+            # a pipelined call's residual is committed once the counts of
+            # non-finite values, known after its last chunk, agree too
+            self._commit()
         # the data travelled with the rows when every row says so
         inline = self.arecv is not None and bool(self.table[:, _INLINE].all())
         self.trace._path = "plain" if self.plain else "two-phase"
@@ -1661,20 +1575,8 @@ class _Op(PendingCall):
                 yield left
             self._finish_none()
             return
-        if inline:
-            self._start_phase1_inline()
-        else:
-            self._start_phase1()
-        yield from self._phase1_steps()
-        if self.kind == "allreduce":
-            self._start_phase2()
-            yield from self._phase2_steps()
-        # reduce_scatter after phase 1: only the sends are left, waited
-        # for like any step (a receiver that is waiting for an earlier
-        # call of this rank would never take them)
-        if self.sendreqs:
-            yield _sched.All(self.sendreqs)
-        self._finish()
+        self._start_two_phase(inline)
+        yield from self._two_phase_steps()
 
 
 def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,

@@ -338,14 +338,15 @@ def _plant_sends_waited_in_a_step(mods):
     """1a1cb97: reduce_scatter's last sends waited for in MPI by whatever
     step reaches them (a progress step included)."""
     c = mods["_collective"]
-    orig = c._Op._phase1_steps
+    orig = c._Op._decode_phase1
 
-    def phase1_steps(self):
-        yield from orig(self)
-        if self.kind == "reduce_scatter":
+    def decode_phase1(self):
+        moved = orig(self)
+        if self.kind == "reduce_scatter" and self.c1 == len(self.cuts):
             for q in self.sendreqs:
                 q.Wait()
-    c._Op._phase1_steps = phase1_steps
+        return moved
+    c._Op._decode_phase1 = decode_phase1
 
 
 def _plant_agreements_out_of_order(mods):

@@ -27,7 +27,7 @@ tests: a blocking call is the same generator driven to its end by ``wait()``
 
 ``op="none"`` skips compression and is exactly MPI_Allreduce /
 MPI_Reduce_scatter with MPI.SUM after the agreement, nonblocking calls too
-(a thread per communicator runs their sums: ``_Reducer``; on 2 ranks, up to
+(a thread per communicator runs their sums: ``mpigc._reducer``; on 2 ranks, up to
 1 MiB, each rank adds the values that came with its peer's row: a + b is
 b + a, the same bits). So do compressed ops on
 buffers smaller than ``$MPIGC_MIN_COMPRESS_BYTES`` (default 8192 bytes; see
@@ -44,12 +44,10 @@ fallback and ``gather="exact"`` move full-precision values there). The
 default stream is synchronised before MPI reads device memory and before a
 call returns (see ``docs/gpu.md``).
 """
-import atexit
 import json
 import os
 import struct
 import sys
-import threading
 import traceback
 import zlib
 
@@ -57,10 +55,12 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _comm
-from . import _cuda
 from . import _dispatch
 from . import _plan
+from . import _reducer
 from . import _sched
+from . import _twophase
+from . import _wire
 from ._sched import PendingCall
 from ._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError,
                       MpigcError, NonFiniteError, code_of)
@@ -68,7 +68,7 @@ from .compressors import SUPPORTED_DTYPES, NoCompression, get_compressor, work_d
 from .feedback import get_default_feedback, shard_bounds
 from .kernels import cpu as _cpu
 
-__all__ = ["start", "traffic", "reset_traffic", "CallTrace", "counters", "threads",
+__all__ = ["start", "traffic", "reset_traffic", "CallTrace", "threads",
            "internal_error"]
 
 _traffic = {"calls": 0, "bytes_sent": 0, "logical_bytes": 0}
@@ -89,21 +89,6 @@ def reset_traffic():
     """Set the :func:`traffic` counters to zero."""
     for k in _traffic:
         _traffic[k] = 0
-
-
-# -- diagnostics (mpigc.diagnostics) ----------------------------------------------
-_counters = {"pipelined_calls": 0, "typed_messages": 0}
-
-
-def counters():
-    """Counters of how this process's calls ran, since the process started
-    (never reset; take differences): ``pipelined_calls``, calls that went
-    ahead on the pipelined path (``$MPIGC_CHUNK_BYTES``), counted when their
-    pipeline starts (a call that then fails or is skipped is counted too);
-    ``typed_messages``, point-to-point messages larger than
-    ``$MPIGC_MAX_COUNT`` bytes, each sent or received as one element of a
-    derived datatype. Both count the inter-node calls of hierarchical calls."""
-    return dict(_counters)
 
 
 class CallTrace:
@@ -172,91 +157,12 @@ _HDR = _plan.ROW_BYTES  # at the head of each agreement message
 # in front of the data it sends to each peer (one round for the whole call
 # where the data fits); beyond, an Iallgather of the rows (log N rounds)
 _P2P_MAX_RANKS = 16
-# op="none" and the small-buffer fallback on 2 ranks: up to this many bytes the
-# values travel in the agreement message and each rank adds its peer's
-# (a + b == b + a: exactly what MPI_Allreduce returns on 2 ranks)
-_INLINE_PLAIN_MAX = 1 << 20
-# compressed ops: phase 1's payloads travel with the rows when none is larger
-# than this; larger ones go after the agreement into receives posted before
-# the sends, so big transfers start at once instead of at the receiver's probe
-_INLINE_PAYLOAD_MAX = 256 << 10
-# MPI-3 counts are C ints (Open MPI 5.0 has no MPI-4 large-count routines:
-# mpi4py hands a larger count to MPI, which fails with MPI_ERR_ARG). The
-# largest count the engine hands to MPI in one argument: a message of more
-# bytes travels as one element of a derived datatype (_bytes_msg), op="none"'s
-# reductions of more elements in several reductions (_Op._none_reduce). Tests
-# lower it to exercise both on small calls.
-_MAX_COUNT = (1 << 31) - 1
-# the three limits above from the environment (see _read_limits)
-_LIMIT_ENV = (("MPIGC_INLINE_PLAIN_BYTES", _INLINE_PLAIN_MAX, 0),
-              ("MPIGC_INLINE_PAYLOAD_BYTES", _INLINE_PAYLOAD_MAX, 0),
-              ("MPIGC_MAX_COUNT", _MAX_COUNT, 1))
-_limits_seen = (None, None, None)
-
-
 def _f64_bits(x):
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
 
 def _bits_f64(i):
     return struct.unpack("<d", struct.pack("<q", int(i)))[0]
-
-
-def _read_limits():
-    """Set ``_INLINE_PLAIN_MAX``, ``_INLINE_PAYLOAD_MAX`` and ``_MAX_COUNT``
-    from ``$MPIGC_INLINE_PLAIN_BYTES``, ``$MPIGC_INLINE_PAYLOAD_BYTES`` and
-    ``$MPIGC_MAX_COUNT`` (unset: the defaults above), read when a call
-    starts (parsed only when one changed; ConfigError on a bad value, reported
-    by the call on every rank). Tuning and test knobs: the first two move
-    only the point where data stops travelling in the agreement messages,
-    never a result; ``$MPIGC_MAX_COUNT`` lowers the largest count handed to
-    MPI in one argument (the results are the same bits). The ranks of an
-    op="none" call that sums in pieces must agree on it: the number of
-    pieces is part of the call's settings (a difference is a settings
-    mismatch on every rank). It must not change while a call is pending."""
-    global _limits_seen, _INLINE_PLAIN_MAX, _INLINE_PAYLOAD_MAX, _MAX_COUNT
-    raw = (getenv("MPIGC_INLINE_PLAIN_BYTES"), getenv("MPIGC_INLINE_PAYLOAD_BYTES"),
-           getenv("MPIGC_MAX_COUNT"))
-    if raw == _limits_seen:
-        return
-    _INLINE_PLAIN_MAX, _INLINE_PAYLOAD_MAX, _MAX_COUNT = (
-        _env_int(name, default, least, _LIMIT_ENV[2][1])
-        for name, default, least in _LIMIT_ENV)
-    _limits_seen = raw
-
-
-def _bytes_msg(buf):
-    """``(message, datatype)``: the mpi4py message of the bytes of ``buf`` (a
-    1-d uint8 array, host or device), ``[buf, MPI.BYTE]`` up to
-    ``_MAX_COUNT`` bytes; beyond, ``[buf, 1, datatype]``, one element of a
-    datatype of ``len(buf)`` bytes made of blocks of ``_MAX_COUNT`` bytes and
-    the rest (BigMPI's construction), which the caller frees once the
-    communication is posted (MPI completes the ones that use it). One
-    message and one request either way, the same bytes on the wire, so a
-    receive matches a send whatever grouping either uses."""
-    nbytes = len(buf)
-    if nbytes <= _MAX_COUNT:
-        return [buf, MPI.BYTE], None
-    _counters["typed_messages"] += 1
-    q, rem = divmod(nbytes, _MAX_COUNT)
-    block = MPI.BYTE.Create_contiguous(_MAX_COUNT)
-    if rem:
-        t = MPI.Datatype.Create_struct([q, rem], [0, q * _MAX_COUNT], [block, MPI.BYTE])
-    else:
-        t = block.Create_contiguous(q)
-    t.Commit()
-    block.Free()
-    return [buf, 1, t], t
-
-
-def _post(start, buf, peer, tag):
-    """``start(message, peer, tag)``, a communicator's ``Isend`` or ``Irecv``,
-    of the bytes of ``buf``, of any size (:func:`_bytes_msg`); its request."""
-    msg, t = _bytes_msg(buf)
-    req = start(msg, peer, tag)
-    if t is not None:
-        t.Free()
-    return req
 
 
 def default_nonfinite():
@@ -296,40 +202,7 @@ def min_compress_bytes():
     bytes, the buffer's own dtype) run as ``op="none"`` (plain MPI sum, no
     residual used or changed). Default 8192; 0 always compresses. Ranks must
     agree (a difference is reported as a settings mismatch)."""
-    return _env_int("MPIGC_MIN_COMPRESS_BYTES", 8192)
-
-
-# the environment's own dict (bytes keys, POSIX): see getenv
-_ENV_DATA = getattr(os.environ, "_data", None) if os.name == "posix" else None
-
-
-def getenv(name):
-    """``os.environ.get(name)``, without its cost for an unset variable:
-    about 0.8 us (a KeyError raised and caught inside ``Mapping.get``), where
-    a small call reads five (measured: 786 ns against 22 ns for a lookup in
-    the dict behind ``os.environ``, which POSIX Pythons keep in sync with
-    it). Elsewhere, ``os.environ.get`` itself."""
-    if _ENV_DATA is None:
-        return os.environ.get(name)
-    v = _ENV_DATA.get(name.encode())
-    return None if v is None else os.fsdecode(v)
-
-
-def _env_int(name, default, least=0, most=None):
-    """The integer in the environment variable ``name`` (``default`` when it
-    is unset), from ``least`` to ``most``; ConfigError otherwise."""
-    env = getenv(name)
-    if env is None:
-        return default
-    try:
-        v = int(env)
-    except ValueError:
-        v = least - 1
-    if v < least or (most is not None and v > most):
-        span = (f"an integer from {least} to {most}" if most is not None else
-                "a non-negative integer" if least == 0 else f"an integer >= {least}")
-        raise ConfigError(f"{name}: expected {span}, got {env!r}")
-    return v
+    return _wire.env_int("MPIGC_MIN_COMPRESS_BYTES", 8192)
 
 
 def chunk_bytes():
@@ -341,7 +214,7 @@ def chunk_bytes():
     Default 2 MiB; 0 turns pipelining off. The results are the same bits
     either way. Ranks must agree (a difference is reported as a mismatch on
     the chunking)."""
-    return _env_int("MPIGC_CHUNK_BYTES", 2 << 20)
+    return _wire.env_int("MPIGC_CHUNK_BYTES", 2 << 20)
 
 
 # validated settings and their fingerprint per call signature (see _settings_key)
@@ -370,8 +243,8 @@ def _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype, r
         recvcounts = tuple(recvcounts)
     return (kind, op, repr(sorted(params.items())) if params else "", type(key), key,
             average, gather, nonfinite, n, dtype, recvcounts, size,
-            getenv("MPIGC_NONFINITE"), getenv("MPIGC_MIN_COMPRESS_BYTES"),
-            _MAX_COUNT)
+            _wire.getenv("MPIGC_NONFINITE"), _wire.getenv("MPIGC_MIN_COMPRESS_BYTES"),
+            _wire.MAX_COUNT)
 
 
 def adopt_input(kind, buf, cs):
@@ -446,10 +319,10 @@ def _validate_settings(kind, dtype, size, op, params, key, average, gather, nonf
                 "average": average, "gather": gather, "nonfinite": nonfinite,
                 "bounds": None if recvcounts is None else bounds,
                 "fallback": fallback}
-    if plain and n > _MAX_COUNT:
+    if plain and n > _wire.MAX_COUNT:
         # MPI sums this many pieces, one collective each: ranks that cut
         # differently ($MPIGC_MAX_COUNT) would wait in different collectives
-        settings["sum_pieces"] = _plan.sum_pieces(n, _MAX_COUNT)
+        settings["sum_pieces"] = _plan.sum_pieces(n, _wire.MAX_COUNT)
     fp = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
     return comp, average, gather, nonfinite, bounds, key, plain, settings, fp
 
@@ -522,7 +395,6 @@ class _Op(PendingCall):
         self.fb = None
         self.key = None
         self.sendreqs = []
-        self.recvbuf = None
         self.asend = []
         self.abuf = None
         self.local_error = None
@@ -576,7 +448,7 @@ class _Op(PendingCall):
         return _plan.inline_data(
             self.kind, self.size, self.plain, self.none_buf.nbytes if self.plain else 0,
             sizes, scaled, device=self.be.device, pipelined=pipelined,
-            plain_max=_INLINE_PLAIN_MAX, payload_max=_INLINE_PAYLOAD_MAX)
+            plain_max=_wire.INLINE_PLAIN_MAX, payload_max=_wire.INLINE_PAYLOAD_MAX)
 
     def _inline_payloads(self, kind):
         """What this rank's agreement message to each peer carries after its
@@ -632,7 +504,7 @@ class _Op(PendingCall):
     # -- 1. prepare ----------------------------------------------------------
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
                  recvcounts, out, row):
-        _read_limits()
+        _wire.read_limits()
         be, dbuf, dtype = adopt_input(self.kind, buf, self.cs)
         dev = be.device
         self.be, self.dev = be, dev
@@ -683,15 +555,15 @@ class _Op(PendingCall):
         self.e_in = None if (self.entry is None or not self.use_ef) else self.entry.worker
         if comp.needs_global_scale:
             amax, self.clip_bound, nbad = comp.local_scale(self.x, self.e_in)
-            self._count_bad(row, nbad)
+            self.count_bad(row, nbad)
             row[_SCALE] = _f64_bits(amax)
             return
         # compress every shard now; the new residual goes to a scratch buffer
         self.e_out = self.fb.take_spare(n, self.wdtype, dev) if self.use_ef else None
         self.spare = self.e_out
         if self.chunks is not None:
-            return  # pipelined: chunk by chunk once the rows agree (_start_two_phase)
-        self._pack_shards(row)
+            return  # pipelined: chunk by chunk once the rows agree (mpigc._twophase)
+        self.pack_shards(row)
 
     def _chunk_plan(self):
         """How a pipelined call cuts the buffer: ``plan[c][j]`` is the range
@@ -734,33 +606,44 @@ class _Op(PendingCall):
         return _plan.payload_layout(self.bounds,
                                     lambda k: self.comp.payload_nbytes(k, self.wdtype))
 
-    def _stream(self, rank, stage):
+    def stream(self, rank, stage):
         """terngrad's random stream: seed and key, rank, the key's call count
         (the communicator's call count for calls without state), stage."""
         calls = self.entry.calls if self.entry is not None else self.seq
         seed = self.comp.seed ^ (zlib.crc32(self.key.encode()) << 32)
         return _cpu.ternary_stream(seed, rank, calls, stage)
 
-    def _pack_shards(self, row, scale=None):
+    def pack_shards(self, row, scale=None):
         sizes, offs = self._payload_layout()
         self.sizes, self.offs = sizes, offs
         self.sendbuf = self._empty(offs[-1], np.uint8)
         kw = {}
         if self.comp.needs_global_scale:
             kw = {"scale": scale, "clip_bound": self.clip_bound,
-                  "stream": self._stream(self.rank, 0)}
+                  "stream": self.stream(self.rank, 0)}
         elif self.comp.prescales_average and self.average:
             kw = {"divisor": float(self.size)}
         # every shard in one call: one kernel launch on a GPU (the host loops)
         nbad = self.comp._encode_shards(self.x, self.e_in, self.e_out, self.sendbuf,
-                                        self._starts(), tuple(offs[:-1]), **kw)
+                                        self.starts(), tuple(offs[:-1]), **kw)
         if row is not None:
-            self._count_bad(row, nbad)
+            self.count_bad(row, nbad)
 
-    def _starts(self):
+    def pack_scaled(self):
+        """terngrad quantizes only once the rows agree, with the scale all
+        ranks agreed on (the largest)."""
+        if self.use_ef:
+            if self.entry.worker is None:
+                self.entry.worker = self._empty(self.n, self.wdtype)
+            self.e_out = self.entry.worker
+        else:
+            self.e_out = None
+        self.pack_shards(None, scale=max(_bits_f64(v) for v in self.table[:, _SCALE]))
+
+    def starts(self):
         return _plan.shard_starts(self.bounds, self.n)
 
-    def _count_bad(self, row, nbad):
+    def count_bad(self, row, nbad):
         """Split the encoder's bad count ``nbad`` into the non-finite values of
         ``x + e`` (column ``_NBAD``) and the finite values that the wire format
         cannot carry (column ``_RANGE``); the exact count runs only when
@@ -840,9 +723,9 @@ class _Op(PendingCall):
                 return exc
             self._start_report(comm, msg, failed)
             return None
-        return self._nonfinite_verdict()
+        return self.nonfinite_verdict()
 
-    def _nonfinite_verdict(self):
+    def nonfinite_verdict(self):
         """The table's non-finite and out-of-range counts decide: True (go
         ahead), False (skipped on every rank: NaN results) or raise
         NonFiniteError on every rank; nothing has changed in the last two
@@ -909,7 +792,7 @@ class _Op(PendingCall):
     def _fill_nan(self, a):
         self.be.fill_nan(a)
 
-    def _commit(self):
+    def commit(self):
         """The call goes ahead: install the new worker residual."""
         if not self.uses_state:
             return
@@ -931,7 +814,7 @@ class _Op(PendingCall):
         nonblocking calls alike.
 
         A nonblocking call hands it to its communicator's reduction thread
-        (:class:`_Reducer`) at once: the caller computes while that thread
+        (:class:`mpigc._reducer.Reducer`) at once: the caller computes while that thread
         waits in MPI. A blocking call runs it itself, in a blocking wait on
         this very call once every earlier call of this rank is done (it is
         then first in the queue: :data:`mpigc._sched.Alone`); never from a
@@ -943,7 +826,7 @@ class _Op(PendingCall):
         (the queue's order across communicators is the threads' timing, not
         the same on every rank). Without ``MPI_THREAD_MULTIPLE`` there is no
         reduction thread: a nonblocking call starts MPI's nonblocking sum
-        instead (other bits; see :func:`_Reducer.available`). The choice is
+        instead (other bits; see :func:`_reducer.Reducer.available`). The choice is
         the same on every rank (blocking and nonblocking collectives do not
         match, MPI-3.1 5.12).
 
@@ -967,10 +850,10 @@ class _Op(PendingCall):
         if self.blocking and here:
             self._none_reduce(self.cs.post, blocking=True)
         elif self.blocking:
-            job = _Reducer.of(self.cs).submit(
+            job = _reducer.Reducer.of(self.cs).submit(
                 lambda: self._none_reduce(self.cs.post, blocking=True), dev)
-        elif _Reducer.available():
-            job = _Reducer.of(self.cs).submit(
+        elif _reducer.Reducer.available():
+            job = _reducer.Reducer.of(self.cs).submit(
                 lambda: self._none_reduce(self.cs.reduce, blocking=True), dev)
         else:
             reqs = self._none_reduce(self.cs.post, blocking=False)
@@ -982,19 +865,19 @@ class _Op(PendingCall):
         """A blocking call's sum may run in the reduction thread: several user
         threads call mpigc, and no earlier call of this communicator is
         pending."""
-        return (not _sched.may_block() and _Reducer.available()
+        return (not _sched.may_block() and _reducer.Reducer.available()
                 and not any(op.cs is self.cs for op in _sched.earlier(self)))
 
     def _none_reduce(self, comm, blocking):
         """MPI's sum of ``none_wire`` on ``comm`` (reduce_scatter: this rank's
         shard into ``none_rwire``), blocking or not (then it returns the
-        requests). A call of more than ``_MAX_COUNT`` elements is summed in
+        requests). A call of more than ``mpigc._wire.MAX_COUNT`` elements is summed in
         pieces of at most that many: an allreduce slice by slice, a
         reduce_scatter by one reduction to its owner per piece of each
         shard (MPI's counts are C ints)."""
         wire, reqs = self.none_wire, []
         n = len(wire)
-        npieces = _plan.sum_pieces(n, _MAX_COUNT)
+        npieces = _plan.sum_pieces(n, _wire.MAX_COUNT)
         self.trace._sum_pieces = npieces
         if self.kind == "allreduce":
             for a, b in shard_bounds(n, npieces):
@@ -1083,409 +966,14 @@ class _Op(PendingCall):
         self.none_out = self.none_wire = self.none_buf
         self._finish_none()
 
-    # -- 3./4. the two phases: one path, pipelined or not ------------------------
-    # A call is cut into chunks (``cuts[c][j]``: the range of shard j that
-    # chunk c covers); a call that is not pipelined is one chunk of whole
-    # shards. Phase 1 (reduce-scatter): each rank compresses chunk after
-    # chunk and sends each piece to its owner at once; owners decode-
-    # accumulate each chunk's pieces in rank order as they arrive (on a
-    # device, all of a chunk's with one launch once they are in). Phase 2
-    # (allreduce's gather): each owner recompresses chunk c of its shard with
-    # its owner residual (or sends it exact) as soon as chunk c is reduced,
-    # while later chunks are still arriving, and everyone puts each piece in
-    # place as it arrives.
-    #
-    # When the counts of non-finite and out-of-range values are known
-    # decides the rest. Not pipelined, the one chunk was compressed before
-    # the agreement (terngrad: its scale before, the payloads at once
-    # after), its counts travelled in the rows, the verdict is in and the
-    # residual committed before the call gets here; its payloads may even
-    # have come with the rows (inline). Pipelined, nothing is compressed
-    # before the agreement: after the last chunk each rank sends every peer
-    # its two counts (the trailer, tag tags[2] + 1); once every trailer is in,
-    # the counts decide as the row would have. On a failure every rank first
-    # completes phase 1's transfers (all of them were posted), then raises
-    # or skips with nothing changed; otherwise the worker residual is
-    # committed and phase 2 starts.
-    #
-    # Device buffers go through the backend's wire (staging buffers without
-    # CUDA-aware MPI; the arrays themselves on the host).
-
-    def _start_two_phase(self, inline):
-        """After the agreement: the layout, phase 1's receives (and the
-        trailers), the payloads of a call compressed before the agreement,
-        and phase 2's receives once the verdict is in."""
-        comm, r, size, comp, be = self.cs.comm, self.rank, self.size, self.comp, self.be
-        self.state = "phases"
-        if self.chunks is not None:
-            self.trace._chunks = len(self.chunks)
-            _counters["pipelined_calls"] += 1
-            self.cuts = self.chunks
-            self.psz, self.poff, o, self.sizes = _plan.piece_layout(
-                self.cuts, lambda k: comp.payload_nbytes(k, self.wdtype))
-            self.sendbuf = self._empty(o, np.uint8)
-            self.cpack, self.verdict = 0, None  # trailers decide
-        else:
-            self.cuts = [list(self.bounds)]
-            if comp.needs_global_scale:
-                self._pack_scaled()
-            self.psz, self.poff = [self.sizes], [self.offs[:-1]]
-            self.cpack, self.verdict = 1, "go"  # packed; the rows decided
-        nc = len(self.cuts)
-        self.rbase, o = [], 0  # phase 1's receives: a slot per sender, chunk by chunk
-        for c in range(nc):
-            self.rbase.append(o)
-            o += size * self.psz[c][r]
-        self.rreq1 = [[None] * size for _ in range(nc)]
-        tag = self.tags[0]
-        if not inline:
-            self.recvbuf = self._empty(o, np.uint8)
-            self.wire1 = be.wire(self.recvbuf)
-            for c in range(nc):
-                m = self.psz[c][r]
-                if m:
-                    for k in range(1, size):  # receives first, then sends
-                        j = (r - k) % size
-                        b = self.rbase[c] + j * m
-                        self.rreq1[c][j] = _post(comm.Irecv, self.wire1[b:b + m], j, tag)
-        if self.verdict is None:
-            self.trail = np.zeros((size, 2), np.int64)
-            self.treq = [comm.Irecv(self.trail[j], source=j, tag=self.tags[2] + 1)
-                         for j in range(size) if j != r]
-        else:
-            self.treq = []
-            if not inline:
-                self._send_chunk(0)
-        lo, hi = self.bounds[r]
-        self.acc = self._empty(hi - lo, np.float64 if self.dtype == np.float64
-                               else np.float32)
-        self.c1 = self.src1 = self.c2 = self.nbad = 0
-        self.obad = False
-        self.rreq2, self.meta2, self.left2 = [], [], 0  # phase 2's receives
-        if self.verdict == "go":
-            self._start_gather()
-
-    def _pack_scaled(self):
-        """terngrad quantizes only once the rows agree, with the scale all
-        ranks agreed on (the largest)."""
-        if self.use_ef:
-            if self.entry.worker is None:
-                self.entry.worker = self._empty(self.n, self.wdtype)
-            self.e_out = self.entry.worker
-        else:
-            self.e_out = None
-        self._pack_shards(None, scale=max(_bits_f64(v) for v in self.table[:, _SCALE]))
-
-    def _pack_chunk(self):
-        """Compress chunk ``cpack`` (every shard's piece) and send each piece
-        to its owner; after the last one, the trailer (pipelined calls)."""
-        comm, r, size, c = self.cs.comm, self.rank, self.size, self.cpack
-        kw = {}
-        if self.comp.prescales_average and self.average:
-            kw = {"divisor": float(size)}
-        x, ei, eo = self.x, self.e_in, self.e_out
-        for j in range(size):
-            lo, hi = self.cuts[c][j]
-            if hi > lo:
-                if self.fill is not None:
-                    self.fill(lo, hi)
-                o = self.poff[c][j]
-                self.nbad += self.comp._encode(
-                    x[lo:hi], None if ei is None else ei[lo:hi],
-                    None if eo is None else eo[lo:hi],
-                    self.sendbuf[o:o + self.psz[c][j]], **kw)
-        self._send_chunk(c)
-        self.cpack += 1
-        if self.cpack == len(self.cuts):
-            row = _plan.new_row()
-            self._count_bad(row, self.nbad)
-            self.trail[r] = (row[_NBAD], row[_RANGE])
-            for k in range(1, size):
-                self.sendreqs.append(comm.Isend(self.trail[r], dest=(r + k) % size,
-                                                tag=self.tags[2] + 1))
-
-    def _send_chunk(self, c):
-        """Each of chunk ``c``'s packed pieces to its owner."""
-        comm, r, size = self.cs.comm, self.rank, self.size
-        self.be.sync()  # the payloads are packed before MPI reads them
-        send = self.be.wire(self.sendbuf, send=True)
-        for k in range(1, size):
-            j = (r + k) % size
-            m = self.psz[c][j]
-            if m:
-                o = self.poff[c][j]
-                self.sendreqs.append(_post(comm.Isend, send[o:o + m], j, self.tags[0]))
-
-    def _piece1(self, c, j):
-        """Sender ``j``'s payload of chunk ``c`` of this rank's shard."""
-        r, m = self.rank, self.psz[c][self.rank]
-        if j == r:
-            return self.sendbuf[self.poff[c][r]:self.poff[c][r] + m]
-        if self.recvbuf is None:  # the payloads came with the rows
-            return self.adata[j][_HDR:]
-        return self.recvbuf[self.rbase[c] + j * m:self.rbase[c] + (j + 1) * m]
-
-    def _decode_phase1(self):
-        """Decode-accumulate phase 1's pieces that are in: chunk by chunk,
-        each chunk's in rank order (on a device, all of a chunk's with one
-        launch once they are in). True if any was."""
-        r, size = self.rank, self.size
-        lo_r = self.bounds[r][0]
-        moved = False
-        while self.c1 < self.cpack:  # this rank's own piece must be packed
-            c = self.c1
-            a, b = self.cuts[c][r]
-            m = self.psz[c][r]
-            acc = self.acc[a - lo_r:b - lo_r]
-            if self.be.batch_decode:
-                if not _sched.test([q for q in self.rreq1[c] if q is not None]):
-                    return moved
-                base = self.rbase[c]
-                for j in range(size):
-                    if self.rreq1[c][j] is not None:
-                        self.rreq1[c][j] = None
-                        self.be.unstage(self.recvbuf[base + j * m:base + (j + 1) * m],
-                                        self.wire1[base + j * m:base + (j + 1) * m])
-                if b > a:
-                    # the own payload joins the received ones (m bytes apart),
-                    # then one decode of all senders, summed in rank order
-                    self._assign(self.recvbuf[base + r * m:base + (r + 1) * m],
-                                 self._piece1(c, r))
-                    self.comp._decode_shards(self.recvbuf[base:base + size * m], m, size,
-                                             (0, b - a), (0,), acc, False)
-            else:
-                while self.src1 < size:
-                    j = self.src1
-                    req = self.rreq1[c][j]
-                    if req is not None:
-                        if not _sched.test([req]):
-                            return moved
-                        self.rreq1[c][j] = None
-                    if b > a:
-                        self.comp._decode(self._piece1(c, j), acc, j > 0)
-                    self.src1 += 1
-                    moved = True
-            if b > a and self.average and not self.comp.prescales_average:
-                self._divide(acc, size)
-            self.c1 += 1
-            self.src1 = 0
-            moved = True
-        return moved
-
-    def _decide(self):
-        """Every trailer is in: the counts decide (see the section's comment)."""
-        self.table[:, _NBAD] = self.trail[:, 0]
-        self.table[:, _RANGE] = self.trail[:, 1]
-        if _plan.nonfinite_verdict(self.table, self.nonfinite).kind != "go":
-            self.verdict = "stop"
-            return
-        self.verdict = "go"
-        self._commit()
-        self._start_gather()
-
-    def _start_gather(self):
-        """Phase 2's receives (allreduce), a piece per chunk and peer."""
-        if self.kind != "allreduce":
-            return
-        comm, r, size, cuts = self.cs.comm, self.rank, self.size, self.cuts
-        tag = self.tags[1]
-        if self.gather == "exact":
-            isz = self.dtype.itemsize
-            self.wire2 = wire = self.be.wire(self.flat.view(np.uint8))
-            for c in range(len(cuts)):
-                for k in range(1, size):
-                    j = (r - k) % size
-                    a, b = cuts[c][j]
-                    if b > a:
-                        self.meta2.append((c, j))
-                        self.rreq2.append(_post(comm.Irecv, wire[a * isz:b * isz], j, tag))
-        else:
-            adt = self.acc.dtype
-            self.psz2, self.poff2, o, self.sizes2 = _plan.piece_layout(
-                cuts, lambda k: self.comp.payload_nbytes(k, adt))
-            self.recvbuf2 = self._empty(o, np.uint8)
-            self.wire2 = wire = self.be.wire(self.recvbuf2)
-            for c in range(len(cuts)):
-                for k in range(1, size):
-                    j = (r - k) % size
-                    m = self.psz2[c][j]
-                    if m:
-                        o = self.poff2[c][j]
-                        self.meta2.append((c, j))
-                        self.rreq2.append(_post(comm.Irecv, wire[o:o + m], j, tag))
-            if self.use_ef:
-                lo, hi = self.bounds[r]
-                if self.entry.owner is None:
-                    self.entry.owner = self.be.zeros(hi - lo, self.wdtype)
-                self.owner_out = self._empty(hi - lo, self.wdtype)
-        self.left2 = len(self.rreq2)
-
-    def _gather_chunk(self):
-        """Phase 2 of chunk ``c2`` (reduced): this owner's piece to every
-        peer, recompressed with the owner residual (or exact), and into
-        place here."""
-        comm, r, size, c = self.cs.comm, self.rank, self.size, self.c2
-        lo = self.bounds[r][0]
-        a, b = self.cuts[c][r]
-        self.c2 += 1
-        if b == a:
-            return
-        acc = self.acc[a - lo:b - lo]
-        if self.gather == "exact":
-            self._assign(self.flat[a:b], acc)
-            isz = self.dtype.itemsize
-            src, p, q = self.flat.view(np.uint8), a * isz, b * isz
-        else:
-            p, q = self.poff2[c][r], self.poff2[c][r] + self.psz2[c][r]
-            src = self.recvbuf2
-            e = eo = None
-            if self.use_ef:
-                e, eo = self.entry.owner[a - lo:b - lo], self.owner_out[a - lo:b - lo]
-            kw, bad = {"offset": a}, 0
-            if self.comp.needs_global_scale:
-                amax, bound, bad = self.comp.local_scale(acc, e)
-                kw.update(scale=amax, clip_bound=bound, stream=self._stream(r, 1))
-            x = acc if acc.dtype == self.wdtype else self._converted(acc, self.wdtype)
-            bad += self.comp._encode(x, e, eo, src[p:q], **kw)
-            if bad:
-                # a reduced value beyond the wire format (a sum beyond fp16's
-                # or float32's range): this piece arrives non-finite
-                # everywhere, and the owner residual is kept whole
-                self.comp._mark_out_of_range(src[p:q], b - a)
-                self.obad = True
-        self.be.sync()
-        self.be.stage(self.wire2, src, p, q)
-        for k in range(1, size):
-            self.sendreqs.append(_post(comm.Isend, self.wire2[p:q], (r + k) % size,
-                                       self.tags[1]))
-        if self.gather != "exact" and not self.be.batch_decode:
-            self._decode_piece(src[p:q], a, b)
-
-    def _decode_piece(self, payload, a, b):
-        """Decode ``payload`` into the user's buffer at ``[a, b)`` (through a
-        float32 copy for float16 buffers)."""
-        target = self.flat[a:b]
-        if target.dtype == np.float16:
-            tmp = self._empty(b - a, np.float32)
-            self.comp._decode(payload, tmp, False)
-            self._assign(target, tmp)
-        else:
-            self.comp._decode(payload, target, False)
-
-    def _decode_gathered(self):
-        """Every shard of a device call's gather into place with one decode
-        (one chunk: the device calls are not pipelined)."""
-        starts, offs = self._starts(), tuple(self.poff2[0])
-        if self.flat.dtype == np.float16:
-            tmp = self._empty(self.n, np.float32)
-            self.comp._decode_shards(self.recvbuf2, 0, 1, starts, offs, tmp, False)
-            self._assign(self.flat, tmp)
-        else:
-            self.comp._decode_shards(self.recvbuf2, 0, 1, starts, offs, self.flat, False)
-
-    def _arrived_gather(self):
-        """Phase 2's pieces that are in: into place. True if any was. Only
-        this method and :meth:`_two_phase_steps` complete these requests
-        (each is counted once: a completed request is null from then on)."""
-        if not self.left2:
-            return False
-        done = _sched.arrived(self.rreq2)
-        for i in done:
-            self._arrived_piece(i)
-        return bool(done)
-
-    def _arrived_piece(self, i):
-        """Phase 2's receive ``i`` completed: its piece into place (on a
-        device, decoded with the others once all are in)."""
-        self.left2 -= 1
-        c, j = self.meta2[i]
-        a, b = self.cuts[c][j]
-        if self.gather == "exact":
-            isz = self.dtype.itemsize
-            self.be.unstage(self.flat.view(np.uint8)[a * isz:b * isz],
-                            self.wire2[a * isz:b * isz])
-            return
-        o, m = self.poff2[c][j], self.psz2[c][j]
-        self.be.unstage(self.recvbuf2[o:o + m], self.wire2[o:o + m])
-        if not self.be.batch_decode:
-            self._decode_piece(self.recvbuf2[o:o + m], a, b)
-
-    def _two_phase_steps(self):
-        """Steps of a compressed call. A progress step compresses at most one
-        chunk (the engine lock is held meanwhile: :data:`mpigc._sched.PAUSE`)
-        and handles what has arrived; a blocking wait runs the call to its
-        end, waiting in MPI only when nothing is left to compute."""
-        nc = len(self.cuts)
-        while True:
-            moved = False
-            if self.cpack < nc:
-                self._pack_chunk()
-                moved = True
-            moved |= self._decode_phase1()
-            if self.verdict is None and self.cpack == nc and _sched.test(self.treq):
-                self._decide()
-                moved = True
-            if self.verdict == "stop":
-                # phase 1 was posted whole: complete it, then raise or skip
-                if self.c1 == nc:
-                    yield _sched.All(self.sendreqs)
-                    self._nonfinite_verdict()
-                    return
-            elif self.verdict == "go":
-                if self.kind == "allreduce":
-                    while self.c2 < self.c1:
-                        self._gather_chunk()
-                        moved = True
-                    moved |= self._arrived_gather()
-                    over = self.c2 == nc and not self.left2
-                else:
-                    over = self.c1 == nc
-                if over:
-                    if self.kind == "allreduce" and self.gather != "exact" \
-                            and self.be.batch_decode:
-                        self._decode_gathered()
-                    # reduce_scatter after phase 1: only the sends are left,
-                    # waited for like any step (a receiver that is waiting
-                    # for an earlier call of this rank would never take them)
-                    yield _sched.All(self.sendreqs)
-                    if self.use_ef and not self.obad and self.kind == "allreduce" \
-                            and self.gather != "exact":
-                        self.entry.owner = self.owner_out
-                    self._finish()
-                    return
-            if moved:
-                if self.cpack < nc:
-                    yield _sched.PAUSE
-                continue  # nothing left to compress: handle all that is in
-            # nothing to compute: wait for whichever receive completes first.
-            # A phase 1 piece or a trailer stays null once completed and is
-            # handled by the next pass (a null request tests complete); a
-            # phase 2 piece is handled here, as a later Testsome will not
-            # report it
-            waiting = [q for q in self.rreq1[self.c1] if q] if self.c1 < nc else []
-            waiting += [q for q in self.treq if q]
-            first2 = len(waiting)
-            waiting += self.rreq2
-            if any(waiting):
-                i = yield _sched.Any(waiting)
-                if i != MPI.UNDEFINED and i >= first2:
-                    self._arrived_piece(i - first2)
-            else:
-                yield _sched.All(self.sendreqs)
-
     def _count(self, sent):
         _traffic["calls"] += 1
         _traffic["bytes_sent"] += sent
         _traffic["logical_bytes"] += self.flat.nbytes
 
-    def _finish(self):
-        r = self.rank
-        sent = sum(self.sizes) - self.sizes[r]
-        if self.kind == "allreduce":
-            lo, hi = self.bounds[r]
-            own = (self.sizes2[r] if self.gather == "compressed"
-                   else (hi - lo) * self.dtype.itemsize)
-            sent += own * (self.size - 1)
+    def finish(self, sent, acc):
+        """The two phases are over (:mod:`mpigc._twophase`): ``sent`` bytes
+        of data went out; ``acc``: this rank's reduced shard."""
         self._count(sent)
         self.sendreqs = []  # complete: the steps waited for them
         if self.entry is not None:
@@ -1493,13 +981,12 @@ class _Op(PendingCall):
         if self.kind == "allreduce":
             self.result = self.buf
         else:
-            self._set_rs_result(self.acc)
+            self._set_rs_result(acc)
         self.be.sync()  # the decoding kernels are asynchronous
         self._release_staging()
         self._release_agree()
         self._abandon()
         self.state = "done"
-
 
     # -- the steps, driven by the scheduler (mpigc._sched.PendingCall) -----------
     def _failed(self, exc):
@@ -1554,7 +1041,7 @@ class _Op(PendingCall):
         if self.chunks is None:
             # a pipelined call's residual is committed once the counts of
             # non-finite values, known after its last chunk, agree too
-            self._commit()
+            self.commit()
         # the data travelled with the rows when every row says so
         inline = self.arecv is not None and bool(self.table[:, _INLINE].all())
         self.trace._path = "plain" if self.plain else "two-phase"
@@ -1567,7 +1054,7 @@ class _Op(PendingCall):
             # calls are made of such steps)
             here = (yield _sched.Alone(self._may_hand_over)) if self.blocking else True
             left = self._start_none(here)
-            if isinstance(left, _Job):
+            if isinstance(left, _reducer.Job):
                 yield _sched.Job(left.done)
                 if left.error is not None:
                     raise left.error
@@ -1575,8 +1062,11 @@ class _Op(PendingCall):
                 yield left
             self._finish_none()
             return
-        self._start_two_phase(inline)
-        yield from self._two_phase_steps()
+        self.state = "phases"
+        if self.chunks is not None:
+            self.trace._chunks = len(self.chunks)
+            _wire.count("pipelined_calls")
+        yield from _twophase.TwoPhase(self, inline).steps()
 
 
 def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,
@@ -1597,116 +1087,3 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
     if not blocking and o.state != "done":
         _sched.wake()
     return o
-
-
-def _reduce_idle_s():
-    """``$MPIGC_REDUCE_IDLE_S``: how long a reduction thread waits without
-    work before it ends (default 5 seconds)."""
-    try:
-        return max(0.0, float(os.environ.get("MPIGC_REDUCE_IDLE_S", "5")))
-    except ValueError:
-        return 5.0
-
-
-class _Job:
-    """A reduction handed to a :class:`_Reducer`: ``done`` (an Event) is set
-    once it ran; ``error``: what it raised, or None."""
-
-    __slots__ = ("fn", "device", "done", "error")
-
-    def __init__(self, fn, device):
-        self.fn, self.device = fn, device
-        self.done = threading.Event()
-        self.error = None
-
-
-class _Reducer:
-    """The reduction thread of one communicator (its :class:`CommState`):
-    it runs the MPI sums of nonblocking ``op="none"`` calls (and of the
-    small-buffer fallback) with the blocking ``MPI_Allreduce`` /
-    ``MPI_Reduce_scatter``, so that they give the bits of the blocking calls,
-    while the caller computes and the engine advances other calls (the
-    engine lock is not held while it waits in MPI).
-
-    One thread per communicator, on a duplicate of its own
-    (``CommState.reduce``, nothing else uses it): it runs the sums in the
-    order they were handed over, which is the order in which the calls acted
-    on their agreements, their start order on the communicator, the same on
-    every rank. A daemon thread, started by the first such call; it ends
-    once it has had nothing to run for ``$MPIGC_REDUCE_IDLE_S`` seconds
-    (default 5, read when the thread starts; a communicator
-    that is no longer used keeps no thread) and the next sum starts it
-    again. At exit it is stopped and joined when it is idle (every request
-    completed, as the rules ask), before mpi4py finalizes MPI."""
-
-    def __init__(self):
-        self.jobs = []
-        self.cond = threading.Condition()
-        self.stopping = False
-        self.busy = False
-        self.thread = None
-        atexit.register(self.stop)
-
-    @staticmethod
-    def available():
-        """Whether nonblocking sums run in a reduction thread: it calls MPI
-        while other threads may, so MPI must grant ``MPI_THREAD_MULTIPLE``
-        (below that, nonblocking calls use MPI's nonblocking sums)."""
-        return MPI.Query_thread() >= MPI.THREAD_MULTIPLE
-
-    @classmethod
-    def of(cls, cs):
-        """The reduction thread of ``cs`` (made on first use; under the
-        engine lock)."""
-        if cs.reducer is None:
-            cs.reducer = cls()
-        return cs.reducer
-
-    def submit(self, fn, device=None):
-        """Run ``fn()`` after the sums handed over before it; returns its
-        :class:`_Job`. ``device``: the GPU to make current first (a device
-        buffer given to CUDA-aware MPI)."""
-        job = _Job(fn, device)
-        with self.cond:
-            self.jobs.append(job)
-            if self.thread is None:
-                self.thread = threading.Thread(target=self._run, name="mpigc-reduce",
-                                               daemon=True)
-                self.thread.start()
-            self.cond.notify()
-        return job
-
-    def _run(self):
-        idle_s = _reduce_idle_s()
-        while True:
-            with self.cond:
-                while not self.jobs and not self.stopping:
-                    if not self.cond.wait(idle_s) and not self.jobs:
-                        self.thread = None  # idle: the next submit starts another
-                        return
-                if not self.jobs:
-                    return
-                job = self.jobs.pop(0)
-                self.busy = True
-            try:
-                if job.device is not None:
-                    _cuda.make_current(job.device)
-                job.fn()
-            except BaseException as exc:  # noqa: BLE001 - raised by the call
-                job.error = exc
-            finally:
-                with self.cond:
-                    self.busy = False
-                job.done.set()
-
-    def stop(self):
-        """Stop the thread and wait for it if it is idle (at exit; idempotent).
-        One still inside a sum (a request never completed) is left alone: a
-        daemon thread, it cannot hold the interpreter's exit."""
-        with self.cond:
-            self.stopping = True
-            t = self.thread
-            idle = not self.jobs and not self.busy
-            self.cond.notify()
-        if t is not None and idle:
-            t.join()

@@ -42,7 +42,7 @@ class CommState:
         # communicator the two kinds could interleave differently on
         # different ranks. ``reduce`` carries the reductions of nonblocking
         # op="none" calls, which a thread of their own runs in start order
-        # (``reducer``: mpigc._collective._Reducer, made on first use) while
+        # (``reducer``: mpigc._reducer.Reducer, made on first use) while
         # other threads issue the collectives of ``post``.
         self.comm = comm.Dup()
         self.post = comm.Dup()

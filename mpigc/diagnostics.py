@@ -20,7 +20,8 @@ call. The environment variables that move the engine's internal limits
 ``$MPIGC_MAX_COUNT``, ``$MPIGC_REDUCE_IDLE_S``) are described in
 ``docs/user-guide.md`` (Diagnostics).
 """
-from ._collective import CallTrace, counters, threads
+from ._collective import CallTrace, threads
+from ._wire import counters
 from ._sched import hold_progress, last_trace, progress_thread_enabled, several_threads
 
 __all__ = ["CallTrace", "last_trace", "counters", "threads", "hold_progress",

@@ -47,7 +47,8 @@ import fakempi
 from scenarios import call_input, draw_calls, outcome, state_bytes
 
 # the engine's modules with MPI or state of their own: one copy per rank
-ENGINE = ("_sched", "_comm", "_collective", "_hierarchy", "allreduce", "reduce_scatter")
+ENGINE = ("_sched", "_comm", "_reducer", "_wire", "_collective", "_twophase", "_hierarchy",
+          "allreduce", "reduce_scatter")
 
 # the plain fallback, payloads in the agreement messages, after them, pipelined
 # (with the environment of :func:`environment`)
@@ -337,16 +338,16 @@ def _plant_no_row_on_early_error(mods):
 def _plant_sends_waited_in_a_step(mods):
     """1a1cb97: reduce_scatter's last sends waited for in MPI by whatever
     step reaches them (a progress step included)."""
-    c = mods["_collective"]
-    orig = c._Op._decode_phase1
+    t = mods["_twophase"].TwoPhase
+    orig = t._decode_phase1
 
     def decode_phase1(self):
         moved = orig(self)
-        if self.kind == "reduce_scatter" and self.c1 == len(self.cuts):
-            for q in self.sendreqs:
+        if self.call.kind == "reduce_scatter" and self.c1 == len(self.cuts):
+            for q in self.call.sendreqs:
                 q.Wait()
         return moved
-    c._Op._decode_phase1 = decode_phase1
+    t._decode_phase1 = decode_phase1
 
 
 def _plant_agreements_out_of_order(mods):

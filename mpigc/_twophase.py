@@ -1,0 +1,424 @@
+"""The two phases of a compressed call, pipelined or not: one path.
+
+A call is cut into chunks (``cuts[c][j]``: the range of shard j that
+chunk c covers); a call that is not pipelined is one chunk of whole
+shards. Phase 1 (reduce-scatter): each rank compresses chunk after
+chunk and sends each piece to its owner at once; owners decode-
+accumulate each chunk's pieces in rank order as they arrive (on a
+device, all of a chunk's with one launch once they are in). Phase 2
+(allreduce's gather): each owner recompresses chunk c of its shard with
+its owner residual (or sends it exact) as soon as chunk c is reduced,
+while later chunks are still arriving, and everyone puts each piece in
+place as it arrives.
+
+When the counts of non-finite and out-of-range values are known
+decides the rest. Not pipelined, the one chunk was compressed before
+the agreement (terngrad: its scale before, the payloads at once
+after), its counts travelled in the rows, the verdict is in and the
+residual committed before the call gets here; its payloads may even
+have come with the rows (inline). Pipelined, nothing is compressed
+before the agreement: after the last chunk each rank sends every peer
+its two counts (the trailer, tag tags[2] + 1); once every trailer is in,
+the counts decide as the row would have. On a failure every rank first
+completes phase 1's transfers (all of them were posted), then raises
+or skips with nothing changed; otherwise the worker residual is
+committed and phase 2 starts.
+
+Device buffers go through the backend's wire (staging buffers without
+CUDA-aware MPI; the arrays themselves on the host).
+
+The call (:class:`mpigc._collective._Op`) has compressed what it could before
+the agreement and acted on the agreement; :class:`TwoPhase` holds the
+phases' own buffers and requests, and its :meth:`TwoPhase.steps` are the
+rest of the call's steps (effects of :mod:`mpigc._sched`).
+"""
+import numpy as np
+from mpi4py import MPI
+
+from . import _plan
+from . import _sched
+from . import _wire
+
+__all__ = ["TwoPhase"]
+
+_NBAD, _RANGE = _plan.NBAD, _plan.RANGE
+_HDR = _plan.ROW_BYTES  # at the head of each agreement message
+
+
+class TwoPhase:
+    """Phase 1 (reduce-scatter) and, for allreduce, phase 2 (the gather) of
+    one call ``op``; ``inline``: phase 1's payloads came with the rows."""
+
+    def __init__(self, op, inline):
+        """After the agreement: the layout, phase 1's receives (and the
+        trailers), the payloads of a call compressed before the agreement,
+        and phase 2's receives once the verdict is in."""
+        self.call = op
+        comm, r, size, comp, be = op.cs.comm, op.rank, op.size, op.comp, op.be
+        if op.chunks is not None:
+            self.cuts = op.chunks
+            self.psz, self.poff, o, self.sizes = _plan.piece_layout(
+                self.cuts, lambda k: comp.payload_nbytes(k, op.wdtype))
+            self.sendbuf = op.be.empty(o, np.uint8)
+            self.cpack, self.verdict = 0, None  # trailers decide
+        else:
+            self.cuts = [list(op.bounds)]
+            if comp.needs_global_scale:
+                op.pack_scaled()
+            self.sendbuf, self.sizes = op.sendbuf, op.sizes
+            self.psz, self.poff = [op.sizes], [op.offs[:-1]]
+            self.cpack, self.verdict = 1, "go"  # packed; the rows decided
+        nc = len(self.cuts)
+        self.rbase, o = [], 0  # phase 1's receives: a slot per sender, chunk by chunk
+        for c in range(nc):
+            self.rbase.append(o)
+            o += size * self.psz[c][r]
+        self.rreq1 = [[None] * size for _ in range(nc)]
+        tag = op.tags[0]
+        self.recvbuf = self.wire1 = None  # inline: the payloads are in op.adata
+        if not inline:
+            self.recvbuf = op.be.empty(o, np.uint8)
+            self.wire1 = be.wire(self.recvbuf)
+            for c in range(nc):
+                m = self.psz[c][r]
+                if m:
+                    for k in range(1, size):  # receives first, then sends
+                        j = (r - k) % size
+                        b = self.rbase[c] + j * m
+                        self.rreq1[c][j] = _wire.post(comm.Irecv, self.wire1[b:b + m], j, tag)
+        if self.verdict is None:
+            self.trail = np.zeros((size, 2), np.int64)
+            self.treq = [comm.Irecv(self.trail[j], source=j, tag=op.tags[2] + 1)
+                         for j in range(size) if j != r]
+        else:
+            self.treq = []
+            if not inline:
+                self._send_chunk(0)
+        lo, hi = op.bounds[r]
+        self.acc = op.be.empty(hi - lo, np.float64 if op.dtype == np.float64
+                               else np.float32)
+        self.c1 = self.src1 = self.c2 = self.nbad = 0
+        self.obad = False
+        self.rreq2, self.meta2, self.left2 = [], [], 0  # phase 2's receives
+        if self.verdict == "go":
+            self._start_gather()
+
+    def _pack_chunk(self):
+        """Compress chunk ``cpack`` (every shard's piece) and send each piece
+        to its owner; after the last one, the trailer (pipelined calls)."""
+        op = self.call
+        comm, r, size, c = op.cs.comm, op.rank, op.size, self.cpack
+        kw = {}
+        if op.comp.prescales_average and op.average:
+            kw = {"divisor": float(size)}
+        x, ei, eo = op.x, op.e_in, op.e_out
+        for j in range(size):
+            lo, hi = self.cuts[c][j]
+            if hi > lo:
+                if op.fill is not None:
+                    op.fill(lo, hi)
+                o = self.poff[c][j]
+                self.nbad += op.comp._encode(
+                    x[lo:hi], None if ei is None else ei[lo:hi],
+                    None if eo is None else eo[lo:hi],
+                    self.sendbuf[o:o + self.psz[c][j]], **kw)
+        self._send_chunk(c)
+        self.cpack += 1
+        if self.cpack == len(self.cuts):
+            row = _plan.new_row()
+            op.count_bad(row, self.nbad)
+            self.trail[r] = (row[_NBAD], row[_RANGE])
+            for k in range(1, size):
+                op.sendreqs.append(comm.Isend(self.trail[r], dest=(r + k) % size,
+                                                tag=op.tags[2] + 1))
+
+    def _send_chunk(self, c):
+        """Each of chunk ``c``'s packed pieces to its owner."""
+        op = self.call
+        comm, r, size = op.cs.comm, op.rank, op.size
+        op.be.sync()  # the payloads are packed before MPI reads them
+        send = op.be.wire(self.sendbuf, send=True)
+        for k in range(1, size):
+            j = (r + k) % size
+            m = self.psz[c][j]
+            if m:
+                o = self.poff[c][j]
+                op.sendreqs.append(_wire.post(comm.Isend, send[o:o + m], j, op.tags[0]))
+
+    def _piece1(self, c, j):
+        """Sender ``j``'s payload of chunk ``c`` of this rank's shard."""
+        op = self.call
+        r, m = op.rank, self.psz[c][op.rank]
+        if j == r:
+            return self.sendbuf[self.poff[c][r]:self.poff[c][r] + m]
+        if self.recvbuf is None:  # the payloads came with the rows
+            return op.adata[j][_HDR:]
+        return self.recvbuf[self.rbase[c] + j * m:self.rbase[c] + (j + 1) * m]
+
+    def _decode_phase1(self):
+        """Decode-accumulate phase 1's pieces that are in: chunk by chunk,
+        each chunk's in rank order (on a device, all of a chunk's with one
+        launch once they are in). True if any was."""
+        op = self.call
+        r, size = op.rank, op.size
+        lo_r = op.bounds[r][0]
+        moved = False
+        while self.c1 < self.cpack:  # this rank's own piece must be packed
+            c = self.c1
+            a, b = self.cuts[c][r]
+            m = self.psz[c][r]
+            acc = self.acc[a - lo_r:b - lo_r]
+            if op.be.batch_decode:
+                if not _sched.test([q for q in self.rreq1[c] if q is not None]):
+                    return moved
+                base = self.rbase[c]
+                for j in range(size):
+                    if self.rreq1[c][j] is not None:
+                        self.rreq1[c][j] = None
+                        op.be.unstage(self.recvbuf[base + j * m:base + (j + 1) * m],
+                                        self.wire1[base + j * m:base + (j + 1) * m])
+                if b > a:
+                    # the own payload joins the received ones (m bytes apart),
+                    # then one decode of all senders, summed in rank order
+                    op.be.assign(self.recvbuf[base + r * m:base + (r + 1) * m],
+                                 self._piece1(c, r))
+                    op.comp._decode_shards(self.recvbuf[base:base + size * m], m, size,
+                                             (0, b - a), (0,), acc, False)
+            else:
+                while self.src1 < size:
+                    j = self.src1
+                    req = self.rreq1[c][j]
+                    if req is not None:
+                        if not _sched.test([req]):
+                            return moved
+                        self.rreq1[c][j] = None
+                    if b > a:
+                        op.comp._decode(self._piece1(c, j), acc, j > 0)
+                    self.src1 += 1
+                    moved = True
+            if b > a and op.average and not op.comp.prescales_average:
+                op.be.divide(acc, size)
+            self.c1 += 1
+            self.src1 = 0
+            moved = True
+        return moved
+
+    def _decide(self):
+        """Every trailer is in: the counts decide (see the section's comment)."""
+        op = self.call
+        op.table[:, _NBAD] = self.trail[:, 0]
+        op.table[:, _RANGE] = self.trail[:, 1]
+        if _plan.nonfinite_verdict(op.table, op.nonfinite).kind != "go":
+            self.verdict = "stop"
+            return
+        self.verdict = "go"
+        op.commit()
+        self._start_gather()
+
+    def _start_gather(self):
+        """Phase 2's receives (allreduce), a piece per chunk and peer."""
+        op = self.call
+        if op.kind != "allreduce":
+            return
+        comm, r, size, cuts = op.cs.comm, op.rank, op.size, self.cuts
+        tag = op.tags[1]
+        if op.gather == "exact":
+            isz = op.dtype.itemsize
+            self.wire2 = wire = op.be.wire(op.flat.view(np.uint8))
+            for c in range(len(cuts)):
+                for k in range(1, size):
+                    j = (r - k) % size
+                    a, b = cuts[c][j]
+                    if b > a:
+                        self.meta2.append((c, j))
+                        self.rreq2.append(_wire.post(comm.Irecv, wire[a * isz:b * isz], j, tag))
+        else:
+            adt = self.acc.dtype
+            self.psz2, self.poff2, o, self.sizes2 = _plan.piece_layout(
+                cuts, lambda k: op.comp.payload_nbytes(k, adt))
+            self.recvbuf2 = op.be.empty(o, np.uint8)
+            self.wire2 = wire = op.be.wire(self.recvbuf2)
+            for c in range(len(cuts)):
+                for k in range(1, size):
+                    j = (r - k) % size
+                    m = self.psz2[c][j]
+                    if m:
+                        o = self.poff2[c][j]
+                        self.meta2.append((c, j))
+                        self.rreq2.append(_wire.post(comm.Irecv, wire[o:o + m], j, tag))
+            if op.use_ef:
+                lo, hi = op.bounds[r]
+                if op.entry.owner is None:
+                    op.entry.owner = op.be.zeros(hi - lo, op.wdtype)
+                self.owner_out = op.be.empty(hi - lo, op.wdtype)
+        self.left2 = len(self.rreq2)
+
+    def _gather_chunk(self):
+        """Phase 2 of chunk ``c2`` (reduced): this owner's piece to every
+        peer, recompressed with the owner residual (or exact), and into
+        place here."""
+        op = self.call
+        comm, r, size, c = op.cs.comm, op.rank, op.size, self.c2
+        lo = op.bounds[r][0]
+        a, b = self.cuts[c][r]
+        self.c2 += 1
+        if b == a:
+            return
+        acc = self.acc[a - lo:b - lo]
+        if op.gather == "exact":
+            op.be.assign(op.flat[a:b], acc)
+            isz = op.dtype.itemsize
+            src, p, q = op.flat.view(np.uint8), a * isz, b * isz
+        else:
+            p, q = self.poff2[c][r], self.poff2[c][r] + self.psz2[c][r]
+            src = self.recvbuf2
+            e = eo = None
+            if op.use_ef:
+                e, eo = op.entry.owner[a - lo:b - lo], self.owner_out[a - lo:b - lo]
+            kw, bad = {"offset": a}, 0
+            if op.comp.needs_global_scale:
+                amax, bound, bad = op.comp.local_scale(acc, e)
+                kw.update(scale=amax, clip_bound=bound, stream=op.stream(r, 1))
+            x = acc if acc.dtype == op.wdtype else op.be.converted(acc, op.wdtype)
+            bad += op.comp._encode(x, e, eo, src[p:q], **kw)
+            if bad:
+                # a reduced value beyond the wire format (a sum beyond fp16's
+                # or float32's range): this piece arrives non-finite
+                # everywhere, and the owner residual is kept whole
+                op.comp._mark_out_of_range(src[p:q], b - a)
+                self.obad = True
+        op.be.sync()
+        op.be.stage(self.wire2, src, p, q)
+        for k in range(1, size):
+            op.sendreqs.append(_wire.post(comm.Isend, self.wire2[p:q], (r + k) % size,
+                                       op.tags[1]))
+        if op.gather != "exact" and not op.be.batch_decode:
+            self._decode_piece(src[p:q], a, b)
+
+    def _bytes_sent(self):
+        """What this rank sent of the call's data."""
+        op = self.call
+        r = op.rank
+        sent = sum(self.sizes) - self.sizes[r]
+        if op.kind == "allreduce":
+            lo, hi = op.bounds[r]
+            own = (self.sizes2[r] if op.gather == "compressed"
+                   else (hi - lo) * op.dtype.itemsize)
+            sent += own * (op.size - 1)
+        return sent
+
+    def _decode_piece(self, payload, a, b):
+        """Decode ``payload`` into the user's buffer at ``[a, b)`` (through a
+        float32 copy for float16 buffers)."""
+        op = self.call
+        target = op.flat[a:b]
+        if target.dtype == np.float16:
+            tmp = op.be.empty(b - a, np.float32)
+            op.comp._decode(payload, tmp, False)
+            op.be.assign(target, tmp)
+        else:
+            op.comp._decode(payload, target, False)
+
+    def _decode_gathered(self):
+        """Every shard of a device call's gather into place with one decode
+        (one chunk: the device calls are not pipelined)."""
+        op = self.call
+        starts, offs = op.starts(), tuple(self.poff2[0])
+        if op.flat.dtype == np.float16:
+            tmp = op.be.empty(op.n, np.float32)
+            op.comp._decode_shards(self.recvbuf2, 0, 1, starts, offs, tmp, False)
+            op.be.assign(op.flat, tmp)
+        else:
+            op.comp._decode_shards(self.recvbuf2, 0, 1, starts, offs, op.flat, False)
+
+    def _arrived_gather(self):
+        """Phase 2's pieces that are in: into place. True if any was. Only
+        this method and :meth:`steps` complete these requests
+        (each is counted once: a completed request is null from then on)."""
+        if not self.left2:
+            return False
+        done = _sched.arrived(self.rreq2)
+        for i in done:
+            self._arrived_piece(i)
+        return bool(done)
+
+    def _arrived_piece(self, i):
+        """Phase 2's receive ``i`` completed: its piece into place (on a
+        device, decoded with the others once all are in)."""
+        op = self.call
+        self.left2 -= 1
+        c, j = self.meta2[i]
+        a, b = self.cuts[c][j]
+        if op.gather == "exact":
+            isz = op.dtype.itemsize
+            op.be.unstage(op.flat.view(np.uint8)[a * isz:b * isz],
+                            self.wire2[a * isz:b * isz])
+            return
+        o, m = self.poff2[c][j], self.psz2[c][j]
+        op.be.unstage(self.recvbuf2[o:o + m], self.wire2[o:o + m])
+        if not op.be.batch_decode:
+            self._decode_piece(self.recvbuf2[o:o + m], a, b)
+
+    def steps(self):
+        """Steps of a compressed call. A progress step compresses at most one
+        chunk (the engine lock is held meanwhile: :data:`mpigc._sched.PAUSE`)
+        and handles what has arrived; a blocking wait runs the call to its
+        end, waiting in MPI only when nothing is left to compute."""
+        op = self.call
+        nc = len(self.cuts)
+        while True:
+            moved = False
+            if self.cpack < nc:
+                self._pack_chunk()
+                moved = True
+            moved |= self._decode_phase1()
+            if self.verdict is None and self.cpack == nc and _sched.test(self.treq):
+                self._decide()
+                moved = True
+            if self.verdict == "stop":
+                # phase 1 was posted whole: complete it, then raise or skip
+                if self.c1 == nc:
+                    yield _sched.All(op.sendreqs)
+                    op.nonfinite_verdict()
+                    return
+            elif self.verdict == "go":
+                if op.kind == "allreduce":
+                    while self.c2 < self.c1:
+                        self._gather_chunk()
+                        moved = True
+                    moved |= self._arrived_gather()
+                    over = self.c2 == nc and not self.left2
+                else:
+                    over = self.c1 == nc
+                if over:
+                    if op.kind == "allreduce" and op.gather != "exact" \
+                            and op.be.batch_decode:
+                        self._decode_gathered()
+                    # reduce_scatter after phase 1: only the sends are left,
+                    # waited for like any step (a receiver that is waiting
+                    # for an earlier call of this rank would never take them)
+                    yield _sched.All(op.sendreqs)
+                    if op.use_ef and not self.obad and op.kind == "allreduce" \
+                            and op.gather != "exact":
+                        op.entry.owner = self.owner_out
+                    op.finish(self._bytes_sent(), self.acc)
+                    return
+            if moved:
+                if self.cpack < nc:
+                    yield _sched.PAUSE
+                continue  # nothing left to compress: handle all that is in
+            # nothing to compute: wait for whichever receive completes first.
+            # A phase 1 piece or a trailer stays null once completed and is
+            # handled by the next pass (a null request tests complete); a
+            # phase 2 piece is handled here, as a later Testsome will not
+            # report it
+            waiting = [q for q in self.rreq1[self.c1] if q] if self.c1 < nc else []
+            waiting += [q for q in self.treq if q]
+            first2 = len(waiting)
+            waiting += self.rreq2
+            if any(waiting):
+                i = yield _sched.Any(waiting)
+                if i != MPI.UNDEFINED and i >= first2:
+                    self._arrived_piece(i - first2)
+            else:
+                yield _sched.All(op.sendreqs)

@@ -57,14 +57,14 @@ from mpi4py import MPI
 from . import _comm
 from . import _dispatch
 from . import _plan
-from . import _reducer
+from . import _plainsum
 from . import _sched
 from . import _twophase
 from . import _wire
 from ._sched import PendingCall
 from ._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError,
                       MpigcError, NonFiniteError, code_of)
-from .compressors import SUPPORTED_DTYPES, NoCompression, get_compressor, work_dtype
+from .compressors import SUPPORTED_DTYPES, get_compressor, work_dtype
 from .feedback import get_default_feedback, shard_bounds
 from .kernels import cpu as _cpu
 
@@ -365,7 +365,6 @@ def _drain():
         else:
             keep.append((reqs, bufs))
     _draining[:] = keep
-_NONE = NoCompression()
 
 
 class _Op(PendingCall):
@@ -805,127 +804,6 @@ class _Op(PendingCall):
             if old is not None and not self.keep_replaced:
                 self.fb.give_spare(old)
 
-    # -- 3./4. data movement -------------------------------------------------
-    def _start_none(self, here):
-        """Start op="none" (or the small-buffer fallback): MPI's own
-        blocking sum, ``MPI_Allreduce`` / ``MPI_Reduce_scatter`` (whose bits
-        ``MPI_Iallreduce`` / ``MPI_Ireduce_scatter`` need not give: Open MPI
-        5.0's differ in the last bits on 3 ranks), for blocking and
-        nonblocking calls alike.
-
-        A nonblocking call hands it to its communicator's reduction thread
-        (:class:`mpigc._reducer.Reducer`) at once: the caller computes while that thread
-        waits in MPI. A blocking call runs it itself, in a blocking wait on
-        this very call once every earlier call of this rank is done (it is
-        then first in the queue: :data:`mpigc._sched.Alone`); never from a
-        progress step: blocking there, with the engine lock held, would keep
-        an earlier call from advancing while the peers wait for it. Once
-        several user threads call mpigc no wait blocks in MPI, and a
-        blocking call's sum runs in the reduction thread, on the same
-        communicator, once no earlier call of this communicator is pending
-        (the queue's order across communicators is the threads' timing, not
-        the same on every rank). Without ``MPI_THREAD_MULTIPLE`` there is no
-        reduction thread: a nonblocking call starts MPI's nonblocking sum
-        instead (other bits; see :func:`_reducer.Reducer.available`). The choice is
-        the same on every rank (blocking and nonblocking collectives do not
-        match, MPI-3.1 5.12).
-
-        ``here``: a blocking call may sum in this thread (the ``Alone``
-        effect said so). Returns what is left to wait for: the reduction
-        thread's job, the nonblocking sum's requests, or None (done)."""
-        sendbuf = self.none_buf
-        self.be.sync()
-        # staged: the full-precision values cross to the host
-        self.none_wire = self.be.wire(sendbuf, send=True)
-        if self.kind == "allreduce":
-            self.none_out = sendbuf
-        else:
-            lo, hi = self.bounds[self.rank]
-            recv = self._empty(hi - lo, sendbuf.dtype)
-            self.none_rwire = self.be.wire(recv)
-            self.none_out = recv
-        reqs, job = [], None
-        dev = self.be.device_id if self.be.device else None
-        self.state = "none"
-        if self.blocking and here:
-            self._none_reduce(self.cs.post, blocking=True)
-        elif self.blocking:
-            job = _reducer.Reducer.of(self.cs).submit(
-                lambda: self._none_reduce(self.cs.post, blocking=True), dev)
-        elif _reducer.Reducer.available():
-            job = _reducer.Reducer.of(self.cs).submit(
-                lambda: self._none_reduce(self.cs.reduce, blocking=True), dev)
-        else:
-            reqs = self._none_reduce(self.cs.post, blocking=False)
-        if job is not None:
-            return job
-        return _sched.All(reqs) if reqs else None
-
-    def _may_hand_over(self):
-        """A blocking call's sum may run in the reduction thread: several user
-        threads call mpigc, and no earlier call of this communicator is
-        pending."""
-        return (not _sched.may_block() and _reducer.Reducer.available()
-                and not any(op.cs is self.cs for op in _sched.earlier(self)))
-
-    def _none_reduce(self, comm, blocking):
-        """MPI's sum of ``none_wire`` on ``comm`` (reduce_scatter: this rank's
-        shard into ``none_rwire``), blocking or not (then it returns the
-        requests). A call of more than ``mpigc._wire.MAX_COUNT`` elements is summed in
-        pieces of at most that many: an allreduce slice by slice, a
-        reduce_scatter by one reduction to its owner per piece of each
-        shard (MPI's counts are C ints)."""
-        wire, reqs = self.none_wire, []
-        n = len(wire)
-        npieces = _plan.sum_pieces(n, _wire.MAX_COUNT)
-        self.trace._sum_pieces = npieces
-        if self.kind == "allreduce":
-            for a, b in shard_bounds(n, npieces):
-                if blocking:
-                    comm.Allreduce(MPI.IN_PLACE, wire[a:b], op=MPI.SUM)
-                else:
-                    reqs.append(comm.Iallreduce(MPI.IN_PLACE, wire[a:b], op=MPI.SUM))
-            return reqs
-        rwire = self.none_rwire
-        if npieces == 1:
-            counts = [h - l for l, h in self.bounds]
-            if blocking:
-                comm.Reduce_scatter(wire, rwire, counts, op=MPI.SUM)
-            else:
-                reqs.append(comm.Ireduce_scatter(wire, rwire, counts, op=MPI.SUM))
-            return reqs
-        for j, (lo, hi) in enumerate(self.bounds):
-            for a, b in shard_bounds(hi - lo, npieces):
-                if b == a:
-                    continue
-                recv = rwire[a:b] if j == self.rank else None
-                if blocking:
-                    comm.Reduce(wire[lo + a:lo + b], recv, op=MPI.SUM, root=j)
-                else:
-                    reqs.append(comm.Ireduce(wire[lo + a:lo + b], recv, op=MPI.SUM,
-                                             root=j))
-        return reqs
-
-    def _finish_none(self):
-        v = self.none_out
-        # staged: back to the device
-        self.be.unstage(v, self.none_wire if self.kind == "allreduce" else self.none_rwire)
-        N = self.size
-        factor = 2 * (N - 1) / N if self.kind == "allreduce" else (N - 1) / N
-        self._count(int(round(factor * self.none_buf.nbytes)))
-        if self.average:
-            self._divide(v, self.size)
-        if self.kind == "allreduce":
-            if v is not self.flat:
-                self._assign(self.flat, v)
-            self.result = self.buf
-        else:
-            self._set_rs_result(v)
-        self.be.sync()
-        self._release_staging()
-        self._release_agree()
-        self.state = "done"
-
     def _release_agree(self):
         """The call is over: its agreement buffers go back to the pool, the
         send buffers once MPI is done with them (see :func:`_drain`)."""
@@ -957,14 +835,24 @@ class _Op(PendingCall):
         else:
             self.result = v if v.dtype == self.dtype else self._converted(v, self.dtype)
 
-    def _finish_inline_plain(self):
-        """op="none" (or the fallback) on 2 ranks, the values in the
-        agreement messages: add the peer's to this rank's, in place."""
-        peer = self.adata[1 - self.rank][_HDR:]
-        # a + b == b + a: the same bits as MPI_Allreduce on 2 ranks
-        _NONE._decode(peer, self.none_buf, True)
-        self.none_out = self.none_wire = self.none_buf
-        self._finish_none()
+    def finish_plain(self, v, sent, pieces):
+        """The plain sum is over (:mod:`mpigc._plainsum`): ``v`` holds it
+        (allreduce: the buffer's values or a float32 copy; reduce_scatter:
+        this rank's shard), ``sent`` bytes went out, in ``pieces`` MPI sums."""
+        self.trace._sum_pieces = pieces
+        self._count(sent)
+        if self.average:
+            self._divide(v, self.size)
+        if self.kind == "allreduce":
+            if v is not self.flat:
+                self._assign(self.flat, v)
+            self.result = self.buf
+        else:
+            self._set_rs_result(v)
+        self.be.sync()
+        self._release_staging()
+        self._release_agree()
+        self.state = "done"
 
     def _count(self, sent):
         _traffic["calls"] += 1
@@ -1047,20 +935,18 @@ class _Op(PendingCall):
         self.trace._path = "plain" if self.plain else "two-phase"
         self.trace._inline = inline
         if self.plain:
+            # the steps of the plain sum (here, not as a sub-generator:
+            # small calls are made of such steps)
+            plain = _plainsum.PlainSum(self)
             if inline:
-                self._finish_inline_plain()
+                plain.add_inline()
                 return
-            # the steps of op="none" (here, not as a sub-generator: small
-            # calls are made of such steps)
-            here = (yield _sched.Alone(self._may_hand_over)) if self.blocking else True
-            left = self._start_none(here)
-            if isinstance(left, _reducer.Job):
-                yield _sched.Job(left.done)
-                if left.error is not None:
-                    raise left.error
-            elif left is not None:
+            here = (yield _sched.Alone(plain.may_hand_over)) if self.blocking else True
+            self.state = "none"
+            left = plain.start(here)
+            if left is not None:
                 yield left
-            self._finish_none()
+            plain.finish()
             return
         self.state = "phases"
         if self.chunks is not None:

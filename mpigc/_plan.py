@@ -183,6 +183,78 @@ def piece_layout(cuts, nbytes_of):
     return psz, poff, total, sizes
 
 
+class Phases(NamedTuple):
+    """The layout of a compressed call's two phases, the same on every rank
+    (:func:`phases`; carried out by :mod:`mpigc._twophase`). A call that is
+    not pipelined is one chunk of whole shards.
+
+    ``cuts[c][j]``: the elements ``(a, b)`` of shard j in chunk c; ``psz``,
+    ``poff``, ``total``, ``sizes``: phase 1's piece bytes, their offsets in
+    one send buffer (chunk after chunk, shard after shard), its size, and
+    each shard's bytes over all chunks (:func:`piece_layout`); ``psz2`` ...
+    ``sizes2``: the same for phase 2's compressed gather (None without
+    one: ``reduce_scatter``, ``gather="exact"``); ``counts``: where the
+    counts of non-finite and out-of-range values travel, ``"rows"`` (the
+    call was compressed before the agreement) or ``"trailer"`` (pipelined:
+    after the last chunk)."""
+    kind: str
+    gather: str
+    itemsize: int
+    bounds: tuple
+    cuts: tuple
+    psz: tuple
+    poff: tuple
+    total: int
+    sizes: tuple
+    psz2: tuple
+    poff2: tuple
+    total2: int
+    sizes2: tuple
+    counts: str
+
+    def recv_slots(self, r):
+        """Where owner ``r`` receives phase 1: a slot of ``psz[c][r]`` bytes
+        per sender in each chunk; ``(base of each chunk, total bytes)``."""
+        base, o = [], 0
+        for row in self.psz:
+            base.append(o)
+            o += len(self.bounds) * row[r]
+        return base, o
+
+    def bytes_sent(self, r):
+        """The data bytes rank ``r`` sends: phase 1's pieces to the other
+        owners, then (allreduce) its own shard to every peer."""
+        size = len(self.bounds)
+        sent = sum(self.sizes) - self.sizes[r]
+        if self.kind == "allreduce":
+            lo, hi = self.bounds[r]
+            own = self.sizes2[r] if self.psz2 is not None else (hi - lo) * self.itemsize
+            sent += own * (size - 1)
+        return sent
+
+
+def _frozen(rows):
+    return tuple(tuple(row) for row in rows)
+
+
+def phases(kind, gather, itemsize, bounds, cuts, nbytes_of, nbytes2_of):
+    """The :class:`Phases` of a compressed call: shards ``bounds``, chunk
+    ``cuts`` (:func:`chunk_cuts`; None: not pipelined), ``nbytes_of(k)`` /
+    ``nbytes2_of(k)``: the payload bytes of k elements in phase 1 / in the
+    compressed gather; ``itemsize``: of the buffer's dtype (the exact
+    gather)."""
+    counts = "rows" if cuts is None else "trailer"
+    cuts = _frozen([bounds] if cuts is None else cuts)
+    psz, poff, total, sizes = piece_layout(cuts, nbytes_of)
+    psz2 = poff2 = total2 = sizes2 = None
+    if kind == "allreduce" and gather == "compressed":
+        psz2, poff2, total2, sizes2 = piece_layout(cuts, nbytes2_of)
+        psz2, poff2, sizes2 = _frozen(psz2), _frozen(poff2), tuple(sizes2)
+    return Phases(kind, gather, itemsize, tuple(tuple(b) for b in bounds), cuts,
+                  _frozen(psz), _frozen(poff), total, tuple(sizes), psz2, poff2, total2,
+                  sizes2, counts)
+
+
 def sum_pieces(n, max_count):
     """How many MPI sums an ``op="none"`` call of ``n`` elements takes when
     no count handed to MPI may exceed ``max_count``."""

@@ -18,8 +18,9 @@ after), its counts travelled in the rows, the verdict is in and the
 residual committed before the call gets here; its payloads may even
 have come with the rows (inline). Pipelined, nothing is compressed
 before the agreement: after the last chunk each rank sends every peer
-its two counts (the trailer, tag tags[2] + 1); once every trailer is in,
-the counts decide as the row would have. On a failure every rank first
+its agreement row again with the two counts filled in (the trailer, tag
+tags[2] + 1); once every trailer is in, the table of trailers decides as the
+agreement's table would have. On a failure every rank first
 completes phase 1's transfers (all of them were posted), then raises
 or skips with nothing changed; otherwise the worker residual is
 committed and phase 2 starts.
@@ -41,7 +42,6 @@ from . import _wire
 
 __all__ = ["TwoPhase"]
 
-_NBAD, _RANGE = _plan.NBAD, _plan.RANGE
 _HDR = _plan.ROW_BYTES  # at the head of each agreement message
 
 
@@ -55,24 +55,22 @@ class TwoPhase:
         and phase 2's receives once the verdict is in."""
         self.call = op
         comm, r, size, comp, be = op.cs.comm, op.rank, op.size, op.comp, op.be
-        if op.chunks is not None:
-            self.cuts = op.chunks
-            self.psz, self.poff, o, self.sizes = _plan.piece_layout(
-                self.cuts, lambda k: comp.payload_nbytes(k, op.wdtype))
-            self.sendbuf = op.be.empty(o, np.uint8)
+        adt = np.float64 if op.dtype == np.float64 else np.float32  # the sums' dtype
+        self.plan = p = _plan.phases(op.kind, op.gather, op.dtype.itemsize, op.bounds,
+                                     op.chunks, lambda k: comp.payload_nbytes(k, op.wdtype),
+                                     lambda k: comp.payload_nbytes(k, adt))
+        self.cuts, self.psz, self.poff = p.cuts, p.psz, p.poff
+        if p.counts == "trailer":
+            self.sendbuf = be.empty(p.total, np.uint8)
             self.cpack, self.verdict = 0, None  # trailers decide
         else:
-            self.cuts = [list(op.bounds)]
             if comp.needs_global_scale:
                 op.pack_scaled()
-            self.sendbuf, self.sizes = op.sendbuf, op.sizes
-            self.psz, self.poff = [op.sizes], [op.offs[:-1]]
+            self.sendbuf = op.sendbuf  # laid out as p.poff[0] (payload_layout)
             self.cpack, self.verdict = 1, "go"  # packed; the rows decided
         nc = len(self.cuts)
-        self.rbase, o = [], 0  # phase 1's receives: a slot per sender, chunk by chunk
-        for c in range(nc):
-            self.rbase.append(o)
-            o += size * self.psz[c][r]
+        # phase 1's receives: a slot per sender, chunk by chunk
+        self.rbase, o = p.recv_slots(r)
         self.rreq1 = [[None] * size for _ in range(nc)]
         tag = op.tags[0]
         self.recvbuf = self.wire1 = None  # inline: the payloads are in op.adata
@@ -87,7 +85,7 @@ class TwoPhase:
                         b = self.rbase[c] + j * m
                         self.rreq1[c][j] = _wire.post(comm.Irecv, self.wire1[b:b + m], j, tag)
         if self.verdict is None:
-            self.trail = np.zeros((size, 2), np.int64)
+            self.trail = _plan.new_table(size)  # every rank's row, counts filled in
             self.treq = [comm.Irecv(self.trail[j], source=j, tag=op.tags[2] + 1)
                          for j in range(size) if j != r]
         else:
@@ -95,8 +93,7 @@ class TwoPhase:
             if not inline:
                 self._send_chunk(0)
         lo, hi = op.bounds[r]
-        self.acc = op.be.empty(hi - lo, np.float64 if op.dtype == np.float64
-                               else np.float32)
+        self.acc = be.empty(hi - lo, adt)
         self.c1 = self.src1 = self.c2 = self.nbad = 0
         self.obad = False
         self.rreq2, self.meta2, self.left2 = [], [], 0  # phase 2's receives
@@ -125,9 +122,9 @@ class TwoPhase:
         self._send_chunk(c)
         self.cpack += 1
         if self.cpack == len(self.cuts):
-            row = _plan.new_row()
+            row = self.trail[r]
+            row[:] = op.table[r]
             op.count_bad(row, self.nbad)
-            self.trail[r] = (row[_NBAD], row[_RANGE])
             for k in range(1, size):
                 op.sendreqs.append(comm.Isend(self.trail[r], dest=(r + k) % size,
                                                 tag=op.tags[2] + 1))
@@ -206,8 +203,7 @@ class TwoPhase:
     def _decide(self):
         """Every trailer is in: the counts decide (see the section's comment)."""
         op = self.call
-        op.table[:, _NBAD] = self.trail[:, 0]
-        op.table[:, _RANGE] = self.trail[:, 1]
+        op.table[:] = self.trail
         if _plan.nonfinite_verdict(op.table, op.nonfinite).kind != "go":
             self.verdict = "stop"
             return
@@ -233,10 +229,8 @@ class TwoPhase:
                         self.meta2.append((c, j))
                         self.rreq2.append(_wire.post(comm.Irecv, wire[a * isz:b * isz], j, tag))
         else:
-            adt = self.acc.dtype
-            self.psz2, self.poff2, o, self.sizes2 = _plan.piece_layout(
-                cuts, lambda k: op.comp.payload_nbytes(k, adt))
-            self.recvbuf2 = op.be.empty(o, np.uint8)
+            self.psz2, self.poff2 = self.plan.psz2, self.plan.poff2
+            self.recvbuf2 = op.be.empty(self.plan.total2, np.uint8)
             self.wire2 = wire = op.be.wire(self.recvbuf2)
             for c in range(len(cuts)):
                 for k in range(1, size):
@@ -294,18 +288,6 @@ class TwoPhase:
                                        op.tags[1]))
         if op.gather != "exact" and not op.be.batch_decode:
             self._decode_piece(src[p:q], a, b)
-
-    def _bytes_sent(self):
-        """What this rank sent of the call's data."""
-        op = self.call
-        r = op.rank
-        sent = sum(self.sizes) - self.sizes[r]
-        if op.kind == "allreduce":
-            lo, hi = op.bounds[r]
-            own = (self.sizes2[r] if op.gather == "compressed"
-                   else (hi - lo) * op.dtype.itemsize)
-            sent += own * (op.size - 1)
-        return sent
 
     def _decode_piece(self, payload, a, b):
         """Decode ``payload`` into the user's buffer at ``[a, b)`` (through a
@@ -401,7 +383,7 @@ class TwoPhase:
                     if op.use_ef and not self.obad and op.kind == "allreduce" \
                             and op.gather != "exact":
                         op.entry.owner = self.owner_out
-                    op.finish(self._bytes_sent(), self.acc)
+                    op.finish(self.plan.bytes_sent(op.rank), self.acc)
                     return
             if moved:
                 if self.cpack < nc:

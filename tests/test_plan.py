@@ -231,3 +231,51 @@ def test_payload_and_piece_layouts_follow_the_reference_sizes(fmt, kw):
     assert total == sum(map(sum, psz))
     assert per_shard == [sum(nbytes(b - a) for a, b in (ch[j] for ch in cuts))
                          for j in range(size)]
+
+
+@pytest.mark.parametrize("kind,gather", [("allreduce", "compressed"), ("allreduce", "exact"),
+                                         ("reduce_scatter", "compressed")])
+@pytest.mark.parametrize("fmt,kw", [("2bit", {}), ("1bit", {"block_size": 64}),
+                                    ("fp16", {})])
+@pytest.mark.parametrize("size", [1, 2, 3, 5])
+def test_the_two_phases_plan(kind, gather, fmt, kw, size):
+    """The plan of a compressed call's two phases: one chunk of whole shards
+    laid out as the payloads packed before the agreement, counts in the rows;
+    pipelined, the chunks' pieces tile every shard, counts in a trailer; the
+    bytes each rank sends are the wire format's table (phase 1: the other
+    owners' payloads; phase 2: its own shard, recompressed or exact, to every
+    peer), pipelined or not up to the pieces' own rounding."""
+    n = 10_007
+
+    def nbytes(k):
+        return ref.payload_nbytes(fmt, k, np.float32, **kw)
+    bounds = ref._bounds(n, size)
+    one = P.phases(kind, gather, 4, bounds, None, nbytes, nbytes)
+    sizes, offs = P.payload_layout(bounds, nbytes)
+    assert one.counts == "rows" and one.cuts == (tuple(bounds),)
+    assert one.psz == (tuple(sizes),) and one.poff == (tuple(offs[:-1]),)
+    assert one.total == offs[-1] and one.sizes == tuple(sizes)
+    assert (one.psz2 is None) == (kind != "allreduce" or gather == "exact")
+    for r, (lo, hi) in enumerate(bounds):
+        want = sum(sizes) - sizes[r]
+        if kind == "allreduce":
+            want += (size - 1) * (nbytes(hi - lo) if gather == "compressed" else (hi - lo) * 4)
+        assert one.bytes_sent(r) == want
+        assert one.recv_slots(r) == ([0], size * sizes[r])
+    with pytest.raises(AttributeError):
+        one.total = 0
+    cuts = P.chunk_cuts(bounds, n * 4, 64, 4096)
+    if size == 1 or cuts is None:
+        return
+    pip = P.phases(kind, gather, 4, bounds, cuts, nbytes, nbytes)
+    assert pip.counts == "trailer" and len(pip.cuts) == len(cuts) > 1
+    for j, (lo, hi) in enumerate(bounds):
+        edges = [lo] + [b for ch in pip.cuts for a, b in [ch[j]]]
+        assert edges[-1] == hi and all(x <= y for x, y in zip(edges, edges[1:]))
+        assert all(pip.cuts[c][j][0] == edges[c] for c in range(len(cuts)))
+    for r in range(size):
+        base, total = pip.recv_slots(r)
+        assert total == size * pip.sizes[r]
+        assert base == np.cumsum([0] + [size * row[r] for row in pip.psz])[:-1].tolist()
+        # the pieces' payloads round per piece: a few bytes more than unpipelined
+        assert 0 <= pip.bytes_sent(r) - one.bytes_sent(r) <= 16 * len(cuts) * size

@@ -1,0 +1,156 @@
+"""The plain sum of a call: ``op="none"`` and the small-buffer fallback of
+compressed ops, MPI's own ``MPI_Allreduce`` / ``MPI_Reduce_scatter`` with
+``MPI.SUM`` after the agreement (:class:`PlainSum`).
+
+Which thread sums, and when, is what keeps the bits those of the blocking
+calls and the ranks from waiting on each other:
+
+- a nonblocking call hands the sum to its communicator's reduction thread
+  (:class:`mpigc._reducer.Reducer`) at once: the caller computes while that
+  thread waits in MPI (``MPI_Iallreduce`` / ``MPI_Ireduce_scatter`` need not
+  give the blocking bits: Open MPI 5.0's differ in the last bits on 3 ranks);
+- a blocking call sums in its own thread, in a blocking wait on this very
+  call once every earlier call of this rank is done (it is then first in the
+  queue: :data:`mpigc._sched.Alone`); never from a progress step: blocking
+  there, with the engine lock held, would keep an earlier call from
+  advancing while the peers wait for it;
+- once several user threads call mpigc no wait blocks in MPI, and a blocking
+  call's sum runs in the reduction thread, on the same communicator, once no
+  earlier call of this communicator is pending (the queue's order across
+  communicators is the threads' timing, not the same on every rank);
+- without ``MPI_THREAD_MULTIPLE`` there is no reduction thread: a
+  nonblocking call starts MPI's nonblocking sum instead (other bits; see
+  :meth:`mpigc._reducer.Reducer.available`). The choice is the same on every
+  rank (blocking and nonblocking collectives do not match, MPI-3.1 5.12);
+- on 2 ranks the values may have come with the peer's agreement row: each
+  rank adds its peer's (a + b == b + a, the bits of ``MPI_Allreduce``).
+
+The steps that wait stay in the call's own generator
+(:meth:`mpigc._collective._Op._steps`): small calls are made of them, and a
+generator of its own would cost each call its creation.
+"""
+from mpi4py import MPI
+
+from . import _plan
+from . import _reducer
+from . import _sched
+from . import _wire
+from .compressors import NoCompression
+from .feedback import shard_bounds
+
+__all__ = ["PlainSum"]
+
+_NONE = NoCompression()
+_HDR = _plan.ROW_BYTES  # at the head of each agreement message
+
+
+class PlainSum:
+    """The plain sum of call ``op`` (its values in ``op.none_buf``)."""
+
+    __slots__ = ("call", "wire", "rwire", "out", "pieces", "job")
+
+    def __init__(self, op):
+        self.call = op
+        self.wire = self.rwire = self.out = self.job = None
+        self.pieces = 0  # MPI sums made (0: the values came with the rows)
+
+    def add_inline(self):
+        """On 2 ranks, the peer's values came with its row: add them to this
+        rank's, in place, and finish."""
+        op = self.call
+        peer = op.adata[1 - op.rank][_HDR:]
+        _NONE._decode(peer, op.none_buf, True)
+        self.out = self.wire = op.none_buf
+        self.finish()
+
+    def may_hand_over(self):
+        """A blocking call's sum may run in the reduction thread: several user
+        threads call mpigc, and no earlier call of this communicator is
+        pending."""
+        op = self.call
+        return (not _sched.may_block() and _reducer.Reducer.available()
+                and not any(o.cs is op.cs for o in _sched.earlier(op)))
+
+    def start(self, here):
+        """Start the sum (see the module's docstring). ``here``: a blocking
+        call may sum in this thread (the ``Alone`` effect said so). Returns
+        the effect left to wait for (the reduction thread's job, the
+        nonblocking sum's requests) or None (done)."""
+        op = self.call
+        be, cs = op.be, op.cs
+        sendbuf = op.none_buf
+        be.sync()
+        # staged: the full-precision values cross to the host
+        self.wire = be.wire(sendbuf, send=True)
+        if op.kind == "allreduce":
+            self.out = sendbuf
+        else:
+            lo, hi = op.bounds[op.rank]
+            recv = be.empty(hi - lo, sendbuf.dtype)
+            self.rwire = be.wire(recv)
+            self.out = recv
+        reqs = []
+        dev = be.device_id if be.device else None
+        if op.blocking and here:
+            self._reduce(cs.post, blocking=True)
+        elif op.blocking:
+            self.job = _reducer.Reducer.of(cs).submit(
+                lambda: self._reduce(cs.post, blocking=True), dev)
+        elif _reducer.Reducer.available():
+            self.job = _reducer.Reducer.of(cs).submit(
+                lambda: self._reduce(cs.reduce, blocking=True), dev)
+        else:
+            reqs = self._reduce(cs.post, blocking=False)
+        if self.job is not None:
+            return _sched.Job(self.job.done)
+        return _sched.All(reqs) if reqs else None
+
+    def _reduce(self, comm, blocking):
+        """MPI's sum of ``wire`` on ``comm`` (reduce_scatter: this rank's
+        shard into ``rwire``), blocking or not (then it returns the
+        requests). A call of more than ``mpigc._wire.MAX_COUNT`` elements is
+        summed in pieces of at most that many: an allreduce slice by slice, a
+        reduce_scatter by one reduction to its owner per piece of each shard
+        (MPI's counts are C ints)."""
+        op = self.call
+        wire, reqs = self.wire, []
+        n = len(wire)
+        self.pieces = npieces = _plan.sum_pieces(n, _wire.MAX_COUNT)
+        if op.kind == "allreduce":
+            for a, b in shard_bounds(n, npieces):
+                if blocking:
+                    comm.Allreduce(MPI.IN_PLACE, wire[a:b], op=MPI.SUM)
+                else:
+                    reqs.append(comm.Iallreduce(MPI.IN_PLACE, wire[a:b], op=MPI.SUM))
+            return reqs
+        rwire = self.rwire
+        if npieces == 1:
+            counts = [h - l for l, h in op.bounds]
+            if blocking:
+                comm.Reduce_scatter(wire, rwire, counts, op=MPI.SUM)
+            else:
+                reqs.append(comm.Ireduce_scatter(wire, rwire, counts, op=MPI.SUM))
+            return reqs
+        for j, (lo, hi) in enumerate(op.bounds):
+            for a, b in shard_bounds(hi - lo, npieces):
+                if b == a:
+                    continue
+                recv = rwire[a:b] if j == op.rank else None
+                if blocking:
+                    comm.Reduce(wire[lo + a:lo + b], recv, op=MPI.SUM, root=j)
+                else:
+                    reqs.append(comm.Ireduce(wire[lo + a:lo + b], recv, op=MPI.SUM,
+                                             root=j))
+        return reqs
+
+    def finish(self):
+        """The sum is in (or failed in the reduction thread: raise that)."""
+        if self.job is not None and self.job.error is not None:
+            raise self.job.error
+        op = self.call
+        v = self.out
+        # staged: back to the device
+        op.be.unstage(v, self.wire if op.kind == "allreduce" else self.rwire)
+        size = op.size
+        factor = 2 * (size - 1) / size if op.kind == "allreduce" else (size - 1) / size
+        op.finish_plain(v, int(round(factor * op.none_buf.nbytes)), self.pieces)

@@ -756,24 +756,15 @@ class _HierCall(_sched.PendingCall):
     # -- failure atomicity: the residuals an inter-node call replaced -------------------
     # (the inter-node calls keep the worker residual they replace: keep_replaced)
     def _snapshot(self, sk):
-        fb = self.fb
-        if fb is None:
-            return None
-        e = fb.entry(sk)
-        if e is None:
-            return (sk, None, None, None, None, None)
-        return (sk, e, e.worker, e.owner, e.calls, e.config)
+        return None if self.fb is None else self.fb.mark(sk)
 
     def _release_old(self, snap):
-        if snap is None or snap[2] is None or snap[1].worker is snap[2]:
-            return
-        self.fb.give_spare(snap[2])
+        if snap is not None:
+            self.fb.settle(snap)
 
     def _restore(self, snap):
-        if snap is None:
-            return
-        sk, e, worker, owner, calls, config = snap
-        self.fb.restore_entry(sk, e, worker, owner, calls, config)
+        if snap is not None:
+            self.fb.rollback(snap)
 
 
 def _texts(comm, text):

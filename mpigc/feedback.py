@@ -26,6 +26,7 @@ if its buffer is a device array. :meth:`ErrorFeedback.state_dict` and
 checkpoints always get host copies.
 """
 import threading
+from typing import NamedTuple
 
 import numpy as np
 
@@ -368,21 +369,39 @@ class ErrorFeedback:
         with self._lock:
             return dict(self._entries)
 
-    def restore_entry(self, key, entry, worker=None, owner=None, calls=0, config=None):
-        """For mpigc's own modules (a failed hierarchical call): put back
-        what ``key`` held before. ``entry`` None: the key had no entry, and
-        any entry it has now is dropped. Otherwise ``entry`` (the key's entry
-        then, as :meth:`entry` gave it) gets back ``worker``, ``owner``,
-        ``calls`` and ``config`` and is the key's entry again. Under the lock
-        (no :meth:`state_dict` sees a half-restored entry)."""
+    # -- a transaction of several calls, by reference --------------------------------
+    def mark(self, key):
+        """For mpigc's own modules (a hierarchical call): what ``key`` holds
+        now, by reference (no copy), to :meth:`rollback` to if the caller's
+        transaction fails or :meth:`settle` once it succeeded. The calls in
+        between must leave the arrays they replace intact (the engine's
+        ``keep_replaced``). Under the lock."""
         with self._lock:
-            if entry is None:
-                self._entries.pop(key, None)
-            else:
-                entry.worker, entry.owner, entry.calls, entry.config = \
-                    worker, owner, calls, config
-                self._entries[key] = entry
+            e = self._entries.get(key)
+            if e is None:
+                return _Mark(key, None, None, None, 0, None)
+            return _Mark(key, e, e.worker, e.owner, e.calls, e.config)
 
+    def rollback(self, mark):
+        """Put back what :meth:`mark` saw: the key's entry then (with its
+        arrays, call count and config), or no entry if it had none. Under the
+        lock (no :meth:`state_dict` sees a half-restored entry)."""
+        with self._lock:
+            if mark.entry is None:
+                self._entries.pop(mark.key, None)
+            else:
+                e = mark.entry
+                e.worker, e.owner, e.calls, e.config = \
+                    mark.worker, mark.owner, mark.calls, mark.config
+                self._entries[mark.key] = e
+
+    def settle(self, mark):
+        """The transaction that :meth:`mark` began succeeded: the worker
+        array the key held then, if it no longer does, becomes a spare."""
+        if mark.worker is not None and mark.entry.worker is not mark.worker:
+            self.give_spare(mark.worker)
+
+    # -- a step that may be rolled back, by copy ---------------------------------------
     def snapshot(self, key, reuse=None):
         """For mpigc's own modules (a step that may be rolled back, e.g.
         mpigc.torch's ``nonfinite="skip"``): a copy of ``key``'s residuals,
@@ -435,6 +454,16 @@ class ErrorFeedback:
             name = make_name()
             self._busy.add(name)
             return name
+
+
+class _Mark(NamedTuple):
+    """What :meth:`ErrorFeedback.mark` saw of a key."""
+    key: str
+    entry: object
+    worker: object
+    owner: object
+    calls: int
+    config: object
 
 
 def _copy_of(a, into=None):

@@ -54,6 +54,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
+from . import _agree
 from . import _comm
 from . import _dispatch
 from . import _plan
@@ -152,11 +153,6 @@ GATHER_MODES = ("compressed", "exact")
 _CODE, _NBAD, _SCALE, _RANGE, _INLINE = _plan.CODE, _plan.NBAD, _plan.SCALE, _plan.RANGE, \
     _plan.INLINE
 _N, _DTYPE, _FP, _CHUNK = _plan.N, _plan.DTYPE, _plan.FP, _plan.CHUNK
-_HDR = _plan.ROW_BYTES  # at the head of each agreement message
-# up to this many ranks the agreement travels point to point, each rank's row
-# in front of the data it sends to each peer (one round for the whole call
-# where the data fits); beyond, an Iallgather of the rows (log N rounds)
-_P2P_MAX_RANKS = 16
 def _f64_bits(x):
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
@@ -327,46 +323,6 @@ def _validate_settings(kind, dtype, size, op, params, key, average, gather, nonf
     return comp, average, gather, nonfinite, bounds, key, plain, settings, fp
 
 
-class _BufferPool:
-    """Reusable host byte buffers for agreement messages, by size: a fresh
-    ``np.empty`` of a large buffer costs page faults on every first touch.
-    Keeps at most ``per_size`` buffers of a size and ``max_bytes`` in all."""
-
-    def __init__(self, per_size=4, max_bytes=256 << 20):
-        self.free = {}
-        self.per_size, self.max_bytes, self.held = per_size, max_bytes, 0
-
-    def take(self, nbytes):
-        lst = self.free.get(nbytes)
-        if lst:
-            self.held -= nbytes
-            return lst.pop()
-        return np.empty(nbytes, np.uint8)
-
-    def give(self, a):
-        lst = self.free.setdefault(a.size, [])
-        if len(lst) < self.per_size and self.held + a.size <= self.max_bytes:
-            lst.append(a)
-            self.held += a.size
-
-
-_pool = _BufferPool()
-# sends of finished calls that MPI had not completed yet, with their buffers
-_draining = []
-
-
-def _drain():
-    """Recycle the buffers of finished calls' sends that have completed."""
-    keep = []
-    for reqs, bufs in _draining:
-        if _sched.test(reqs):
-            for a in bufs:
-                _pool.give(a)
-        else:
-            keep.append((reqs, bufs))
-    _draining[:] = keep
-
-
 class _Op(PendingCall):
     """One collective call (see the module docstring)."""
 
@@ -394,8 +350,7 @@ class _Op(PendingCall):
         self.fb = None
         self.key = None
         self.sendreqs = []
-        self.asend = []
-        self.abuf = None
+        self.rows = self.report = None
         self.local_error = None
         self.error = None
         self.plain = False
@@ -414,18 +369,7 @@ class _Op(PendingCall):
             row[_CODE] = code_of(exc)
             self._abandon()
         self.row = row
-        self.table = _plan.new_table(self.size)
-        self.agree_req = None
-        self.arecv = None
-        if _draining:
-            _drain()
-        if self.size > _P2P_MAX_RANKS:
-            # always the nonblocking form: whether anything is pending here
-            # depends on timing (the progress thread), and a blocking
-            # MPI_Allgather does not match another rank's MPI_Iallgather
-            self.agree_req = self.cs.comm.Iallgather(row, self.table)
-        else:
-            self._start_agree()
+        self._start_agree()
         self.steps = self._steps()
         _sched.enqueue(self)
 
@@ -472,33 +416,12 @@ class _Op(PendingCall):
 
     def _start_agree(self):
         """Send this rank's row, with its data where it can travel with it,
-        to every peer; receives are matched by probe (in :meth:`_steps`),
-        so a peer whose message has another size (a different buffer size, a
-        rank that failed early) is read, not truncated."""
-        comm, r, tag = self.cs.comm, self.rank, self.tags[2]
+        to every peer (:class:`mpigc._agree.Rows`)."""
         kind = self._inline_kind()  # once: it decides what is sent and expected
-        inline = self._inline_payloads(kind)
-        self.row[_INLINE] = 0 if inline is None else 1
-        self.table[r] = self.row
-        hdr = self.row.view(np.uint8)
-        self.asend = []
-        for k in range(1, self.size):
-            j = (r + k) % self.size
-            if inline is None:
-                msg = hdr
-            else:
-                p = inline[j]
-                msg = _pool.take(_HDR + p.size)
-                msg[:_HDR] = hdr
-                msg[_HDR:] = p
-                self.asend.append(msg)
-            self.sendreqs.append(comm.Isend([msg, MPI.BYTE], dest=j, tag=tag))
-        m = self._expected_inline(kind)
-        self.aslot = _HDR + m
-        # one pooled buffer, a slot per source (this rank's slot unused)
-        self.abuf = _pool.take(self.size * self.aslot)
-        self.arecv = [(r - k) % self.size for k in range(1, self.size)]  # sources
-        self.adata = {}
+        self.rows = _agree.Rows(self.cs.comm, self.rank, self.size, self.tags[2], self.row,
+                                self._inline_payloads(kind), self._expected_inline(kind),
+                                self.sendreqs)
+        self.table = self.rows.table
 
     # -- 1. prepare ----------------------------------------------------------
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
@@ -755,26 +678,9 @@ class _Op(PendingCall):
         return True
 
     def _start_report(self, comm, text, make_error):
-        """Gather every rank's message of a failed agreement (``text``, a str
-        or None; one slot per rank, :func:`mpigc._plan.report_slot`) with a
-        NONBLOCKING allgather; the steps wait for it, then raise
-        ``make_error(msgs)``. A blocking allgather here deadlocked: a progress step (the
-        progress thread's, or a test()) that reached this call's failed
-        agreement while an earlier call still owed the peers its next stage
-        blocked in the allgather, holding the engine lock, so that earlier
-        call never advanced, and the peers, blocked waiting for it, never
-        reached the allgather (seen in CI: test_random_faults, 2 ranks; the
-        model checker's plant "blocking-report" puts it back)."""
-        mine = _plan.report_slot(text)
-        allb = np.zeros(_plan.REPORT_SLOT * self.size, np.uint8)
-        self.report = (mine, allb, make_error)
-        self.report_req = comm.Iallgather([mine, MPI.BYTE], [allb, MPI.BYTE])
+        """The error report of a failed agreement (:class:`mpigc._agree.Report`)."""
+        self.report = _agree.Report(comm, self.size, text, make_error)
         self.state = "report"
-
-    def _report_error(self):
-        _, allb, make_error = self.report
-        self.report = None
-        return make_error(_plan.read_report(allb))
 
     def _finish_skipped(self):
         if self.kind == "allreduce":
@@ -806,27 +712,17 @@ class _Op(PendingCall):
 
     def _release_agree(self):
         """The call is over: its agreement buffers go back to the pool, the
-        send buffers once MPI is done with them (see :func:`_drain`)."""
-        if self.abuf is not None:
-            _pool.give(self.abuf)
-            self.abuf = None
-        if self.sendreqs:
-            if _sched.test(self.sendreqs):
-                self.sendreqs = []
-            else:
-                _draining.append((self.sendreqs, self.asend))
-                self.sendreqs, self.asend = [], []
-        for a in self.asend:
-            _pool.give(a)
-        self.asend = []
+        send buffers once MPI is done with them."""
+        if self.rows is not None:
+            self.rows.release(self.sendreqs)
+        self.sendreqs = []
 
     def _drop_agree(self):
         """A failed call: its sends (the agreement messages, which every peer
         receives before it decides) finish in the background."""
-        self.abuf = None
-        if self.sendreqs:
-            _draining.append((self.sendreqs, self.asend))
-            self.sendreqs, self.asend = [], []
+        if self.rows is not None:
+            self.rows.drop(self.sendreqs)
+        self.sendreqs = []
 
     def _set_rs_result(self, v):
         if self.out is not None:
@@ -893,25 +789,20 @@ class _Op(PendingCall):
                        for op in _sched.earlier(self))
 
     def _steps(self):
-        if self.agree_req is not None:
-            yield self.agree_req
-            self.agree_req = None
-        if self.arecv is not None:
+        rows = self.rows
+        if rows.req is not None:  # by allgather
+            yield rows.req
+            rows.req = None
+        if rows.sources is not None:
             # the peers' rows (and data), matched by probe (written here, not
             # as a sub-generator: small calls are made of such steps)
             comm, tag, reqs = self.cs.comm, self.tags[2], []
-            for j in self.arecv:
+            for j in rows.sources:
                 msg, count = yield _sched.Probe(comm, j, tag)
-                if count == self.aslot:
-                    buf = self.abuf[j * self.aslot:(j + 1) * self.aslot]
-                else:  # the call will fail: read the row, keep nothing
-                    buf = np.empty(max(count, _HDR), np.uint8)
-                self.adata[j] = buf
-                reqs.append(msg.Irecv([buf, count, MPI.BYTE]))
+                reqs.append(msg.Irecv([rows.slot(j, count), count, MPI.BYTE]))
             if not _sched.test(reqs):  # a small message is in at once
                 yield _sched.All(reqs)
-            for j in self.arecv:
-                self.table[j] = self.adata[j][:_HDR].view(np.int64)
+            rows.read()
         # what follows the agreement may start collectives (the error
         # report, op="none"): every rank must start them in the same
         # order, so calls act on their agreements in the order they began
@@ -921,9 +812,8 @@ class _Op(PendingCall):
         self.trace._agreement_done = True
         agreed = self._agreed()
         if agreed is None:  # failed: the error report is under way
-            yield self.report_req
-            self.report_req = None
-            raise self._report_error()
+            yield self.report.req
+            raise self.report.error()
         if not agreed:
             return
         if self.chunks is None:
@@ -931,7 +821,7 @@ class _Op(PendingCall):
             # non-finite values, known after its last chunk, agree too
             self.commit()
         # the data travelled with the rows when every row says so
-        inline = self.arecv is not None and bool(self.table[:, _INLINE].all())
+        inline = rows.sources is not None and bool(self.table[:, _INLINE].all())
         self.trace._path = "plain" if self.plain else "two-phase"
         self.trace._inline = inline
         if self.plain:

@@ -41,7 +41,6 @@ from .feedback import shard_bounds
 __all__ = ["PlainSum"]
 
 _NONE = NoCompression()
-_HDR = _plan.ROW_BYTES  # at the head of each agreement message
 
 
 class PlainSum:
@@ -58,7 +57,7 @@ class PlainSum:
         """On 2 ranks, the peer's values came with its row: add them to this
         rank's, in place, and finish."""
         op = self.call
-        peer = op.adata[1 - op.rank][_HDR:]
+        peer = op.rows.payload(1 - op.rank)
         _NONE._decode(peer, op.none_buf, True)
         self.out = self.wire = op.none_buf
         self.finish()

@@ -42,7 +42,6 @@ from . import _wire
 
 __all__ = ["TwoPhase"]
 
-_HDR = _plan.ROW_BYTES  # at the head of each agreement message
 
 
 class TwoPhase:
@@ -73,7 +72,7 @@ class TwoPhase:
         self.rbase, o = p.recv_slots(r)
         self.rreq1 = [[None] * size for _ in range(nc)]
         tag = op.tags[0]
-        self.recvbuf = self.wire1 = None  # inline: the payloads are in op.adata
+        self.recvbuf = self.wire1 = None  # inline: the payloads came with the rows
         if not inline:
             self.recvbuf = op.be.empty(o, np.uint8)
             self.wire1 = be.wire(self.recvbuf)
@@ -149,7 +148,7 @@ class TwoPhase:
         if j == r:
             return self.sendbuf[self.poff[c][r]:self.poff[c][r] + m]
         if self.recvbuf is None:  # the payloads came with the rows
-            return op.adata[j][_HDR:]
+            return op.rows.payload(j)
         return self.recvbuf[self.rbase[c] + j * m:self.rbase[c] + (j + 1) * m]
 
     def _decode_phase1(self):

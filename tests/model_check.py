@@ -41,13 +41,14 @@ import numpy as np
 
 import mpigc
 import mpigc.kernels  # noqa: F401 - shared by the copies
+from mpigc import _plan
 from mpigc import MpigcError
 
 import fakempi
 from scenarios import call_input, draw_calls, outcome, state_bytes
 
 # the engine's modules with MPI or state of their own: one copy per rank
-ENGINE = ("_sched", "_comm", "_reducer", "_wire", "_collective", "_twophase", "_plainsum",
+ENGINE = ("_sched", "_comm", "_reducer", "_wire", "_agree", "_collective", "_twophase", "_plainsum",
           "_hierarchy", "allreduce", "reduce_scatter")
 
 # the plain fallback, payloads in the agreement messages, after them, pipelined
@@ -311,28 +312,31 @@ def explore(calls, size, plant=None, max_runs=3000, seed=0):
 def _plant_blocking_report(mods):
     """3195820: a failed agreement's error report as a blocking allgather, in
     whatever step reaches it (a progress step included)."""
-    c = mods["_collective"]
-    orig = c._Op._start_report
+    r = mods["_agree"].Report
+    orig = r.__init__
 
-    def start_report(self, comm, text, make_error):
-        orig(self, comm, text, make_error)
-        self.report_req.Wait()
-    c._Op._start_report = start_report
+    def init(self, comm, size, text, make_error):
+        orig(self, comm, size, text, make_error)
+        self.req.Wait()
+    r.__init__ = init
 
 
 def _plant_no_row_on_early_error(mods):
     """e7f033e: a rank whose input is rejected before its size is read
     leaves the agreement (sends no row)."""
-    c = mods["_collective"]
-    orig = c._Op._start_agree
+    agree = mods["_agree"]
+    orig = agree.Rows.__init__
 
-    def start_agree(self):
-        if self.local_error is not None:
-            self.arecv, self.abuf, self.adata, self.aslot = [], None, {}, 0
-            self.table[self.rank] = self.row
+    def init(self, comm, rank, size, tag, row, inline, expected, sendreqs):
+        if not row[_plan.CODE] or size > agree.P2P_MAX_RANKS:
+            orig(self, comm, rank, size, tag, row, inline, expected, sendreqs)
             return
-        orig(self)
-    c._Op._start_agree = start_agree
+        self.table = _plan.new_table(size)
+        self.table[rank] = row
+        self.req = self.buf = None
+        self.data, self.held, self.size = {}, [], _plan.ROW_BYTES
+        self.sources = []  # sends nothing, receives nothing
+    agree.Rows.__init__ = init
 
 
 def _plant_sends_waited_in_a_step(mods):
@@ -367,8 +371,8 @@ def _plant_sum_in_a_step(mods):
 
 def _allgather_rows(mods):
     """Not a fault: the agreement rows travel by one allgather, as they do
-    beyond 16 ranks (``_P2P_MAX_RANKS``)."""
-    mods["_collective"]._P2P_MAX_RANKS = 1
+    beyond 16 ranks (``P2P_MAX_RANKS``)."""
+    mods["_agree"].P2P_MAX_RANKS = 1
 
 
 PLANTS = {

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import mpigc
-from mpigc import _collective
+from mpigc import _agree
 
 from conftest import assert_all, grads
 
@@ -200,7 +200,7 @@ def test_many_rank_agreement_is_the_same_collective_everywhere(comm, monkeypatch
     (MPI_Iallgather), or the two do not match: a hang (forced here)."""
     if not mpigc.diagnostics.progress_thread_enabled() or comm.size < 2:
         pytest.skip("2+ ranks with the progress thread")
-    monkeypatch.setattr(_collective, "_P2P_MAX_RANKS", 1)
+    monkeypatch.setattr(_agree, "P2P_MAX_RANKS", 1)
     want = mpigc.allreduce(np.ones(1 << 14, np.float32), "2bit", key="B",
                            feedback=mpigc.ErrorFeedback())
     cancel = _deadline()
@@ -230,7 +230,7 @@ def test_first_use_of_a_communicator_while_a_call_is_pending(comm, monkeypatch):
     pending calls first."""
     if comm.size < 3:
         pytest.skip("3+ ranks: a rank alone in its half")
-    monkeypatch.setattr(_collective, "_P2P_MAX_RANKS", 1)
+    monkeypatch.setattr(_agree, "P2P_MAX_RANKS", 1)
     monkeypatch.setenv("MPIGC_INLINE_PAYLOAD_BYTES", "4096")
     r = comm.rank
     half = comm.Split(r % 2, r)

@@ -1,6 +1,7 @@
-"""A flat call's agreement on the wire: every rank's row, and the data that
-can travel with it (:class:`Rows`), and the error report of a failed
-agreement (:class:`Report`).
+"""A call's agreement on the wire: every rank's row, and the data that can
+travel with it (:class:`Rows`), and the error report of a failed agreement
+(:class:`Report`); hierarchical calls use both too (their rows by
+allgather, the texts of their groups' outcome by a report).
 
 Up to :data:`P2P_MAX_RANKS` ranks each rank sends every peer its row point
 to point, in front of the data it sends that peer where the data is known
@@ -75,17 +76,19 @@ class Rows:
 
     __slots__ = ("table", "req", "sources", "buf", "size", "data", "held")
 
-    def __init__(self, comm, rank, size, tag, row, inline, expected, sendreqs):
+    def __init__(self, comm, rank, size, tag, row, inline, expected, sendreqs,
+                 by_allgather=False):
         """Send ``row`` to every peer, followed by ``inline[peer]`` (a uint8
         array) when ``inline`` is not None (the row's ``INLINE`` column says
         so); a peer that agrees with this rank sends ``expected`` bytes after
-        its row. The sends join ``sendreqs``."""
+        its row. The sends join ``sendreqs``. ``by_allgather``: the rows
+        alone, by allgather, whatever the size (hierarchical calls)."""
         self.table = _plan.new_table(size)
         self.req = self.sources = self.buf = None
         self.data, self.held = {}, []  # received messages; pooled send buffers
         if _draining:
             _drain()
-        if size > P2P_MAX_RANKS:
+        if by_allgather or size > P2P_MAX_RANKS:
             # always the nonblocking form: whether anything is pending here
             # depends on timing (the progress thread), and a blocking
             # MPI_Allgather does not match another rank's MPI_Iallgather
@@ -169,12 +172,16 @@ class Report:
 
     __slots__ = ("req", "mine", "all", "make_error")
 
-    def __init__(self, comm, size, text, make_error):
+    def __init__(self, comm, size, text, make_error=None):
         self.mine = _plan.report_slot(text)
         self.all = np.zeros(_plan.REPORT_SLOT * size, np.uint8)
         self.make_error = make_error
         self.req = comm.Iallgather([self.mine, MPI.BYTE], [self.all, MPI.BYTE])
 
+    def texts(self):
+        """Every rank's message (a str or None), once :attr:`req` is done."""
+        return _plan.read_report(self.all)
+
     def error(self):
         """``make_error(every rank's message)``, once :attr:`req` is done."""
-        return self.make_error(_plan.read_report(self.all))
+        return self.make_error(self.texts())

@@ -82,7 +82,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from . import _collective, _comm, _cuda, _dispatch, _plan, _sched
+from . import _agree, _collective, _comm, _cuda, _dispatch, _plan, _sched
 from ._errors import (CODES, ConfigError, DTypeError, MismatchError, MpigcError,
                       NonFiniteError, StateError, code_of)
 from .compressors import work_dtype
@@ -448,11 +448,12 @@ class _HierCall(_sched.PendingCall):
         self.need = 0
         if self.exc is None and not self.plain and not self.alone:
             self.need = self.n * self.wd.itemsize
-        self.table = _plan.new_table(lay.size)
         grow = self.need > lay.window_bytes()
         with _sched.lock:
             self.row = row  # MPI reads it until the rows are in
-            self.agree_req = lay.agree_comm.Iallgather(row, self.table)
+            rows = _agree.Rows(lay.agree_comm, lay.rank, lay.size, None, row, None, 0, None,
+                               by_allgather=True)
+            self.table, self.agree_req = rows.table, rows.req
             self.steps = self._steps()
             _sched.enqueue(self)
             if grow:
@@ -768,12 +769,11 @@ class _HierCall(_sched.PendingCall):
 
 
 def _texts(comm, text):
-    """Steps: every rank's ``text`` (a str, or None) by one nonblocking
-    allgather of the engine's report slots (:func:`mpigc._plan.report_slot`)."""
-    mine = _plan.report_slot(text)
-    allb = np.empty(_plan.REPORT_SLOT * comm.Get_size(), np.uint8)
-    yield comm.Iallgather([mine, MPI.BYTE], [allb, MPI.BYTE])
-    return _plan.read_report(allb)
+    """Steps: every rank's ``text`` (a str, or None) by the engine's report
+    (:class:`mpigc._agree.Report`)."""
+    report = _agree.Report(comm, comm.Get_size(), text)
+    yield report.req
+    return report.texts()
 
 
 # -- exact intra-node steps and data movement ---------------------------------------

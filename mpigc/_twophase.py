@@ -43,7 +43,6 @@ from . import _wire
 __all__ = ["TwoPhase"]
 
 
-
 class TwoPhase:
     """Phase 1 (reduce-scatter) and, for allreduce, phase 2 (the gather) of
     one call ``op``; ``inline``: phase 1's payloads came with the rows."""

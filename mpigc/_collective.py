@@ -18,18 +18,20 @@ tests: a blocking call is the same generator driven to its end by ``wait()``
    of its own; beyond 16 ranks, one small allgather. Any error, mismatch,
    non-finite or out-of-range value is raised on every rank, and no residual
    and no buffer has changed. Otherwise the worker residual is committed.
+   The messages: ``mpigc._agree``.
 3. *reduce-scatter*: each rank sends shard j's payload to rank j (with the
    row, or after the agreement as Isend/Irecv of packed bytes); the owner
    decodes and sums the N contributions in rank order (deterministic).
 4. *allgather* (allreduce only): the owner's reduced shard travels to all
    ranks, recompressed with the owner residual (``gather="compressed"``) or
    as it is (``gather="exact"``), and each rank decodes it into place.
+   Steps 3 and 4, pipelined in chunks or not: ``mpigc._twophase``.
 
 ``op="none"`` skips compression and is exactly MPI_Allreduce /
 MPI_Reduce_scatter with MPI.SUM after the agreement, nonblocking calls too
-(a thread per communicator runs their sums: ``mpigc._reducer``; on 2 ranks, up to
-1 MiB, each rank adds the values that came with its peer's row: a + b is
-b + a, the same bits). So do compressed ops on
+(``mpigc._plainsum``; a thread per communicator runs their sums:
+``mpigc._reducer``; on 2 ranks, up to 1 MiB, each rank adds the values that
+came with its peer's row: a + b is b + a, the same bits). So do compressed ops on
 buffers smaller than ``$MPIGC_MIN_COMPRESS_BYTES`` (default 8192 bytes; see
 :func:`min_compress_bytes`): below a few KiB the fixed cost of compressing
 exceeds what fewer bytes save. Such calls use and change no residual.

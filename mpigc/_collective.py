@@ -357,6 +357,7 @@ class _Op(PendingCall):
         self.error = None
         self.plain = False
         self.chunks = None  # a pipelined call's cuts (see _chunk_plan)
+        self.plan = None  # the two phases' layout, once known (two_phases)
         self.be = None  # the backend of the buffer's side (mpigc._backend)
         self.dev = False  # which side, for the error-feedback store
         # what the agreement step reads of a rank that failed early: defined
@@ -389,7 +390,7 @@ class _Op(PendingCall):
         pipelined = self.chunks is not None
         # the payloads' sizes are known before the agreement unless the call
         # is pipelined or waits for the global scale
-        sizes = None if self.plain or scaled or pipelined else self.sizes
+        sizes = None if self.plain or scaled or pipelined else self.plan.sizes
         return _plan.inline_data(
             self.kind, self.size, self.plain, self.none_buf.nbytes if self.plain else 0,
             sizes, scaled, device=self.be.device, pipelined=pipelined,
@@ -404,7 +405,8 @@ class _Op(PendingCall):
             return None
         if kind == "values":
             return {1 - self.rank: self.none_buf.view(np.uint8)}
-        return {j: self.sendbuf[self.offs[j]:self.offs[j + 1]]
+        off, psz = self.plan.poff[0], self.plan.psz[0]
+        return {j: self.sendbuf[off[j]:off[j] + psz[j]]
                 for j in range(self.size) if j != self.rank}
 
     def _expected_inline(self, kind):
@@ -414,7 +416,7 @@ class _Op(PendingCall):
             return 0
         if kind == "values":
             return self.none_buf.nbytes
-        return self.sizes[self.rank]
+        return self.plan.sizes[self.rank]
 
     def _start_agree(self):
         """Send this rank's row, with its data where it can travel with it,
@@ -526,9 +528,13 @@ class _Op(PendingCall):
         if self.be is not None:
             self.be.release()
 
-    def _payload_layout(self):
-        return _plan.payload_layout(self.bounds,
-                                    lambda k: self.comp.payload_nbytes(k, self.wdtype))
+    def two_phases(self):
+        """The layout of this call's two phases (:func:`mpigc._plan.phases`)."""
+        adt = np.float64 if self.dtype == np.float64 else np.float32  # the sums' dtype
+        comp, wdt = self.comp, self.wdtype
+        return _plan.phases(self.kind, self.gather, self.dtype.itemsize, self.bounds,
+                            self.chunks, lambda k: comp.payload_nbytes(k, wdt),
+                            lambda k: comp.payload_nbytes(k, adt))
 
     def stream(self, rank, stage):
         """terngrad's random stream: seed and key, rank, the key's call count
@@ -538,9 +544,10 @@ class _Op(PendingCall):
         return _cpu.ternary_stream(seed, rank, calls, stage)
 
     def pack_shards(self, row, scale=None):
-        sizes, offs = self._payload_layout()
-        self.sizes, self.offs = sizes, offs
-        self.sendbuf = self._empty(offs[-1], np.uint8)
+        """Compress every shard into one send buffer, laid out as the one
+        chunk of :meth:`two_phases` (``self.plan``, which the phases reuse)."""
+        self.plan = plan = self.two_phases()
+        self.sendbuf = self._empty(plan.total, np.uint8)
         kw = {}
         if self.comp.needs_global_scale:
             kw = {"scale": scale, "clip_bound": self.clip_bound,
@@ -549,7 +556,7 @@ class _Op(PendingCall):
             kw = {"divisor": float(self.size)}
         # every shard in one call: one kernel launch on a GPU (the host loops)
         nbad = self.comp._encode_shards(self.x, self.e_in, self.e_out, self.sendbuf,
-                                        self.starts(), tuple(offs[:-1]), **kw)
+                                        self.starts(), plan.poff[0], **kw)
         if row is not None:
             self.count_bad(row, nbad)
 
@@ -738,19 +745,9 @@ class _Op(PendingCall):
         (allreduce: the buffer's values or a float32 copy; reduce_scatter:
         this rank's shard), ``sent`` bytes went out, in ``pieces`` MPI sums."""
         self.trace._sum_pieces = pieces
-        self._count(sent)
         if self.average:
             self._divide(v, self.size)
-        if self.kind == "allreduce":
-            if v is not self.flat:
-                self._assign(self.flat, v)
-            self.result = self.buf
-        else:
-            self._set_rs_result(v)
-        self.be.sync()
-        self._release_staging()
-        self._release_agree()
-        self.state = "done"
+        self._done(v, sent)
 
     def _count(self, sent):
         _traffic["calls"] += 1
@@ -760,15 +757,23 @@ class _Op(PendingCall):
     def finish(self, sent, acc):
         """The two phases are over (:mod:`mpigc._twophase`): ``sent`` bytes
         of data went out; ``acc``: this rank's reduced shard."""
-        self._count(sent)
         self.sendreqs = []  # complete: the steps waited for them
         if self.entry is not None:
             self.entry.calls += 1
+        self._done(None if self.kind == "allreduce" else acc, sent)
+
+    def _done(self, v, sent):
+        """The call's result: the buffer (allreduce; ``v``, when not None,
+        copied into it first) or ``v`` (reduce_scatter); then its buffers go
+        back."""
+        self._count(sent)
         if self.kind == "allreduce":
+            if v is not None and v is not self.flat:
+                self._assign(self.flat, v)
             self.result = self.buf
         else:
-            self._set_rs_result(acc)
-        self.be.sync()  # the decoding kernels are asynchronous
+            self._set_rs_result(v)
+        self.be.sync()  # the kernels are asynchronous
         self._release_staging()
         self._release_agree()
         self._abandon()

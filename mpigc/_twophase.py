@@ -52,19 +52,17 @@ class TwoPhase:
         trailers), the payloads of a call compressed before the agreement,
         and phase 2's receives once the verdict is in."""
         self.call = op
-        comm, r, size, comp, be = op.cs.comm, op.rank, op.size, op.comp, op.be
-        adt = np.float64 if op.dtype == np.float64 else np.float32  # the sums' dtype
-        self.plan = p = _plan.phases(op.kind, op.gather, op.dtype.itemsize, op.bounds,
-                                     op.chunks, lambda k: comp.payload_nbytes(k, op.wdtype),
-                                     lambda k: comp.payload_nbytes(k, adt))
+        comm, r, size, be = op.cs.comm, op.rank, op.size, op.be
+        if op.chunks is None and op.plan is None:
+            op.pack_scaled()  # terngrad: packed only now, with the agreed scale
+        # laid out when the call packed (one chunk), else now (pipelined)
+        self.plan = p = op.plan if op.chunks is None else op.two_phases()
         self.cuts, self.psz, self.poff = p.cuts, p.psz, p.poff
         if p.counts == "trailer":
             self.sendbuf = be.empty(p.total, np.uint8)
             self.cpack, self.verdict = 0, None  # trailers decide
         else:
-            if comp.needs_global_scale:
-                op.pack_scaled()
-            self.sendbuf = op.sendbuf  # laid out as p.poff[0] (payload_layout)
+            self.sendbuf = op.sendbuf  # laid out as p.poff[0]
             self.cpack, self.verdict = 1, "go"  # packed; the rows decided
         nc = len(self.cuts)
         # phase 1's receives: a slot per sender, chunk by chunk
@@ -91,7 +89,7 @@ class TwoPhase:
             if not inline:
                 self._send_chunk(0)
         lo, hi = op.bounds[r]
-        self.acc = be.empty(hi - lo, adt)
+        self.acc = be.empty(hi - lo, np.float64 if op.dtype == np.float64 else np.float32)
         self.c1 = self.src1 = self.c2 = self.nbad = 0
         self.obad = False
         self.rreq2, self.meta2, self.left2 = [], [], 0  # phase 2's receives
@@ -227,15 +225,14 @@ class TwoPhase:
                         self.meta2.append((c, j))
                         self.rreq2.append(_wire.post(comm.Irecv, wire[a * isz:b * isz], j, tag))
         else:
-            self.psz2, self.poff2 = self.plan.psz2, self.plan.poff2
             self.recvbuf2 = op.be.empty(self.plan.total2, np.uint8)
             self.wire2 = wire = op.be.wire(self.recvbuf2)
             for c in range(len(cuts)):
                 for k in range(1, size):
                     j = (r - k) % size
-                    m = self.psz2[c][j]
+                    m = self.plan.psz2[c][j]
                     if m:
-                        o = self.poff2[c][j]
+                        o = self.plan.poff2[c][j]
                         self.meta2.append((c, j))
                         self.rreq2.append(_wire.post(comm.Irecv, wire[o:o + m], j, tag))
             if op.use_ef:
@@ -262,7 +259,7 @@ class TwoPhase:
             isz = op.dtype.itemsize
             src, p, q = op.flat.view(np.uint8), a * isz, b * isz
         else:
-            p, q = self.poff2[c][r], self.poff2[c][r] + self.psz2[c][r]
+            p, q = self.plan.poff2[c][r], self.plan.poff2[c][r] + self.plan.psz2[c][r]
             src = self.recvbuf2
             e = eo = None
             if op.use_ef:
@@ -303,7 +300,7 @@ class TwoPhase:
         """Every shard of a device call's gather into place with one decode
         (one chunk: the device calls are not pipelined)."""
         op = self.call
-        starts, offs = op.starts(), tuple(self.poff2[0])
+        starts, offs = op.starts(), tuple(self.plan.poff2[0])
         if op.flat.dtype == np.float16:
             tmp = op.be.empty(op.n, np.float32)
             op.comp._decode_shards(self.recvbuf2, 0, 1, starts, offs, tmp, False)
@@ -334,7 +331,7 @@ class TwoPhase:
             op.be.unstage(op.flat.view(np.uint8)[a * isz:b * isz],
                             self.wire2[a * isz:b * isz])
             return
-        o, m = self.poff2[c][j], self.psz2[c][j]
+        o, m = self.plan.poff2[c][j], self.plan.psz2[c][j]
         op.be.unstage(self.recvbuf2[o:o + m], self.wire2[o:o + m])
         if not op.be.batch_decode:
             self._decode_piece(self.recvbuf2[o:o + m], a, b)

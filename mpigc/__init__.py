@@ -11,7 +11,7 @@ from ._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError
                       MpigcError, NonFiniteError, StateError)
 from ._version import __version__
 from .allreduce import allreduce, iallreduce
-from ._collective import reset_traffic, traffic
+from ._wire import reset_traffic, traffic
 from ._sched import Request
 from ._cuda import CudaAwareness, cuda_aware_mpi, select_device
 from .compressors import (BF16, FP16, Compressor, NoCompression, OneBit, TernGrad,

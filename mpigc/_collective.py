@@ -47,10 +47,7 @@ default stream is synchronised before MPI reads device memory and before a
 call returns (see ``docs/gpu.md``).
 """
 import json
-import os
 import struct
-import sys
-import traceback
 import zlib
 
 import numpy as np
@@ -62,94 +59,18 @@ from . import _dispatch
 from . import _plan
 from . import _plainsum
 from . import _sched
+from . import _settings
+from . import _trace
 from . import _twophase
 from . import _wire
 from ._sched import PendingCall
-from ._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError,
-                      MpigcError, NonFiniteError, code_of)
-from .compressors import SUPPORTED_DTYPES, get_compressor, work_dtype
-from .feedback import get_default_feedback, shard_bounds
+from ._errors import MismatchError, MpigcError, NonFiniteError, code_of
+from .compressors import work_dtype
+from .feedback import get_default_feedback
 from .kernels import cpu as _cpu
 
-__all__ = ["start", "traffic", "reset_traffic", "CallTrace", "threads",
-           "internal_error"]
+__all__ = ["start"]
 
-_traffic = {"calls": 0, "bytes_sent": 0, "logical_bytes": 0}
-
-
-def traffic():
-    """Counters of this process's mpigc collectives since start (or reset).
-
-    ``calls``; ``bytes_sent``: payload bytes this rank handed to MPI sends
-    (for ``op="none"``, the ``2 (N-1)/N`` bytes per byte of a bandwidth-optimal
-    MPI allreduce, ``(N-1)/N`` for reduce-scatter: MPI does not report its
-    own); ``logical_bytes``: the size of the buffers reduced.
-    """
-    return dict(_traffic)
-
-
-def reset_traffic():
-    """Set the :func:`traffic` counters to zero."""
-    for k in _traffic:
-        _traffic[k] = 0
-
-
-class CallTrace:
-    """How one call ran, as far as it has got (:attr:`Request.trace`,
-    :func:`mpigc.diagnostics.last_trace`). Read-only; the engine fills it in as the call
-    advances.
-
-    - ``agreement_done``: this rank has every rank's agreement row and has
-      acted on it (the call went ahead, was skipped, or is failing);
-    - ``path``: None until the call went ahead; then ``"plain"`` (op="none"
-      or the small-buffer fallback: a plain sum), ``"two-phase"`` (a
-      compressed reduce-scatter, then for allreduce the gather), or
-      ``"hierarchical"`` (a ``hierarchy="node"`` call, at once; its
-      inter-node calls are engine calls of their own, which leave the other
-      fields at their defaults here);
-    - ``inline``: the data travelled in the agreement messages (plain: the
-      values, on 2 ranks; two-phase: phase 1's payloads);
-    - ``chunks``: the number of chunks of a pipelined call, 0 when not
-      pipelined;
-    - ``sum_pieces``: the number of MPI reductions a plain call's sum was
-      split into (1, or more beyond ``$MPIGC_MAX_COUNT`` elements); 0 when
-      MPI did not sum (the values came inline, or the call is compressed).
-    """
-
-    __slots__ = ("_agreement_done", "_path", "_inline", "_chunks", "_sum_pieces")
-
-    def __init__(self, path=None):
-        self._agreement_done = False
-        self._path = path
-        self._inline = False
-        self._chunks = 0
-        self._sum_pieces = 0
-
-    agreement_done = property(lambda self: self._agreement_done)
-    path = property(lambda self: self._path)
-    inline = property(lambda self: self._inline)
-    chunks = property(lambda self: self._chunks)
-    sum_pieces = property(lambda self: self._sum_pieces)
-
-    def __repr__(self):
-        return (f"CallTrace(agreement_done={self._agreement_done}, path={self._path!r}, "
-                f"inline={self._inline}, chunks={self._chunks}, "
-                f"sum_pieces={self._sum_pieces})")
-
-
-def threads(comm=None):
-    """Whether mpigc's background threads are running: ``{"progress": ...,
-    "reduce": ...}``, the process's progress thread and the reduction thread
-    of ``comm`` (default ``MPI.COMM_WORLD``; False for a communicator mpigc
-    has not used). Makes no MPI call beyond reading an attribute."""
-    cs = _comm.lookup(comm)
-    red = None if cs is None else cs.reducer
-    return {"progress": _sched.progress_thread_alive(),
-            "reduce": red is not None and red.thread is not None}
-
-
-NONFINITE_POLICIES = ("raise", "skip", "ignore")
-GATHER_MODES = ("compressed", "exact")
 
 # the columns of the agreement table (see mpigc._plan)
 _CODE, _NBAD, _SCALE, _RANGE, _INLINE = _plan.CODE, _plan.NBAD, _plan.SCALE, _plan.RANGE, \
@@ -161,168 +82,6 @@ def _f64_bits(x):
 
 def _bits_f64(i):
     return struct.unpack("<d", struct.pack("<q", int(i)))[0]
-
-
-def default_nonfinite():
-    return os.environ.get("MPIGC_NONFINITE", "raise")
-
-
-def internal_error(exc, comm, what):
-    """An exception that is not an :class:`MpigcError` escaped call ``what``
-    on this rank: a defect, a failed allocation, an MPI error, an interrupt.
-    mpigc raises its own errors on every rank together; such an exception is
-    this rank's alone, and its peers would wait forever for this call's
-    messages. So, where ``comm`` has peers, the job is aborted
-    (``comm.Abort``) after the rank, the call and the traceback are written to
-    stderr, as torch takes a process down on an asynchronous NCCL error.
-    ``MPIGC_ON_INTERNAL_ERROR=raise`` raises it instead (under a debugger; the
-    peers then hang). Returns when the exception is to be raised."""
-    if isinstance(exc, MpigcError) or comm.Get_size() == 1:
-        return
-    policy = os.environ.get("MPIGC_ON_INTERNAL_ERROR", "abort").strip().lower()
-    if policy == "raise":
-        return
-    bad = "" if policy == "abort" else (
-        f" (MPIGC_ON_INTERNAL_ERROR={policy!r} is not 'abort' or 'raise': aborting)")
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-    world = MPI.COMM_WORLD
-    sys.stderr.write(
-        f"mpigc: rank {world.Get_rank()} of {world.Get_size()} (rank {comm.Get_rank()} of "
-        f"{comm.Get_size()} in the call): {type(exc).__name__} in {what}, which its peers "
-        f"cannot learn of: aborting the job so that they do not wait forever{bad}. "
-        f"MPIGC_ON_INTERNAL_ERROR=raise raises it instead.\n{text}")
-    sys.stderr.flush()
-    comm.Abort(70)
-
-
-def min_compress_bytes():
-    """``$MPIGC_MIN_COMPRESS_BYTES``: compressed ops on smaller buffers (in
-    bytes, the buffer's own dtype) run as ``op="none"`` (plain MPI sum, no
-    residual used or changed). Default 8192; 0 always compresses. Ranks must
-    agree (a difference is reported as a settings mismatch)."""
-    return _wire.env_int("MPIGC_MIN_COMPRESS_BYTES", 8192)
-
-
-def chunk_bytes():
-    """``$MPIGC_CHUNK_BYTES``: compressed calls on host buffers of at least
-    twice this many bytes (the buffer's own dtype) are pipelined in chunks of
-    about this size: a chunk's payloads travel while the next chunk is
-    compressed, and an owner recompresses a chunk of its shard as soon as
-    every rank's contribution to it is in (see ``_Op._chunk_plan``).
-    Default 2 MiB; 0 turns pipelining off. The results are the same bits
-    either way. Ranks must agree (a difference is reported as a mismatch on
-    the chunking)."""
-    return _wire.env_int("MPIGC_CHUNK_BYTES", 2 << 20)
-
-
-# validated settings and their fingerprint per call signature (see _settings_key)
-_settings_cache = {}
-_SETTINGS_CACHE_MAX = 4096
-_SCALAR = (str, int, float, bool, type(None))
-
-
-def _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype, recvcounts,
-                  size):
-    """What the validated settings of a call depend on, as a hashable key, or
-    None where an argument is not a plain value (a dict op, a compressor
-    object: validated on every call). The environment variables that
-    settings read are part of the key, so changing them takes effect."""
-    if not (isinstance(op, str) and isinstance(average, bool)
-            and isinstance(gather, (str, type(None)))
-            and isinstance(nonfinite, (str, type(None)))
-            and isinstance(key, (str, int, type(None)))):
-        return None
-    if params and not all(isinstance(v, _SCALAR) for v in params.values()):
-        return None
-    if recvcounts is not None:
-        if not (isinstance(recvcounts, (list, tuple))
-                and all(type(c) is int for c in recvcounts)):
-            return None
-        recvcounts = tuple(recvcounts)
-    return (kind, op, repr(sorted(params.items())) if params else "", type(key), key,
-            average, gather, nonfinite, n, dtype, recvcounts, size,
-            _wire.getenv("MPIGC_NONFINITE"), _wire.getenv("MPIGC_MIN_COMPRESS_BYTES"),
-            _wire.MAX_COUNT)
-
-
-def adopt_input(kind, buf, cs):
-    """The checks every call (flat or hierarchical) makes of its buffer:
-    ``(backend, array, dtype)``, the array as the backend sees it (dtype and
-    shape come from it, never from ``buf``: a torch tensor's dtype is a torch
-    dtype); raises DTypeError or InvalidBufferError."""
-    be = _dispatch.backend(buf)
-    dbuf = be.adopt(buf, kind, cs)
-    dtype = np.dtype(dbuf.dtype)
-    if dtype not in SUPPORTED_DTYPES or not dtype.isnative:
-        raise DTypeError(f"{kind}: expected float16, float32 or float64 "
-                         f"(native byte order), got {dtype}")
-    if dbuf.size == 0:
-        raise InvalidBufferError(f"{kind}: expected a non-empty array, got shape "
-                                 f"{tuple(dbuf.shape)}")
-    if not be.is_c_contiguous(buf, dbuf):
-        raise InvalidBufferError(f"{kind}: expected a C-contiguous array; pass "
-                                 "a contiguous copy and copy the result back")
-    if kind == "allreduce" and not be.is_writable(buf):
-        raise InvalidBufferError("allreduce: expected a writable array (it reduces in "
-                                 "place), got a read-only one")
-    return be, dbuf, dtype
-
-
-def settings_for(kind, dtype, size, op, params, key, average, gather, nonfinite, n,
-                 recvcounts):
-    """A call's settings, validated (raises ConfigError or InvalidBufferError),
-    and their fingerprint: ``(comp, average, gather, nonfinite, bounds, key,
-    plain, settings, fingerprint)``; cached per :func:`_settings_key`."""
-    ck = _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype,
-                       recvcounts, size)
-    hit = None if ck is None else _settings_cache.get(ck)
-    if hit is None:
-        hit = _validate_settings(kind, dtype, size, op, params, key, average, gather,
-                                 nonfinite, n, recvcounts)
-        if ck is not None:
-            if len(_settings_cache) >= _SETTINGS_CACHE_MAX:
-                _settings_cache.clear()
-            _settings_cache[ck] = hit
-    return hit
-
-
-def _validate_settings(kind, dtype, size, op, params, key, average, gather, nonfinite, n,
-                       recvcounts):
-    comp = get_compressor(op, **params)
-    if gather not in GATHER_MODES:
-        raise ConfigError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
-    if nonfinite is None:
-        nonfinite = default_nonfinite()
-    if nonfinite not in NONFINITE_POLICIES:
-        raise ConfigError(f"nonfinite must be one of {NONFINITE_POLICIES}, got "
-                          f"{nonfinite!r}")
-    if key is not None and not isinstance(key, (str, int)):
-        raise ConfigError(f"key must be a str or int, got {type(key).__name__}")
-    average = bool(average)
-    if recvcounts is None:
-        bounds = shard_bounds(n, size)
-    else:
-        counts = [int(c) for c in recvcounts]
-        if len(counts) != size or min(counts) < 0 or sum(counts) != n:
-            raise InvalidBufferError(
-                f"recvcounts: expected {size} non-negative counts summing to {n}, "
-                f"got {list(recvcounts)}")
-        starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
-        bounds = list(zip(starts[:-1], starts[1:]))
-    key = (f"auto/{n}/{dtype.name}" if key is None else str(key))
-    # small buffers: plain MPI sum (see min_compress_bytes)
-    fallback = comp.codec_id != "none" and n * dtype.itemsize < min_compress_bytes()
-    plain = comp.codec_id == "none" or fallback
-    settings = {"kind": kind, "comp": comp.get_config(), "key": key,
-                "average": average, "gather": gather, "nonfinite": nonfinite,
-                "bounds": None if recvcounts is None else bounds,
-                "fallback": fallback}
-    if plain and n > _wire.MAX_COUNT:
-        # MPI sums this many pieces, one collective each: ranks that cut
-        # differently ($MPIGC_MAX_COUNT) would wait in different collectives
-        settings["sum_pieces"] = _plan.sum_pieces(n, _wire.MAX_COUNT)
-    fp = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
-    return comp, average, gather, nonfinite, bounds, key, plain, settings, fp
 
 
 class _Op(PendingCall):
@@ -341,7 +100,7 @@ class _Op(PendingCall):
         # time, so that the sums overlap with the transfers of a pipelined call)
         self.fill = fill
         self.cs = cs  # the communicator's CommState (start() resolved it)
-        self.trace = CallTrace()  # what Request.trace shows
+        self.trace = _trace.CallTrace()  # what Request.trace shows
         self.size, self.rank = self.cs.size, self.cs.rank
         self.seq = self.cs.seq
         self.tags = self.cs.next_tags()
@@ -431,7 +190,7 @@ class _Op(PendingCall):
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
                  recvcounts, out, row):
         _wire.read_limits()
-        be, dbuf, dtype = adopt_input(self.kind, buf, self.cs)
+        be, dbuf, dtype = _settings.adopt_input(self.kind, buf, self.cs)
         dev = be.device
         self.be, self.dev = be, dev
         self.buf = buf
@@ -442,7 +201,7 @@ class _Op(PendingCall):
         row[_N] = n
         row[_DTYPE] = _plan.DTYPE_CODE[dtype]
 
-        hit = settings_for(self.kind, dtype, self.size, op, params, key, average, gather,
+        hit = _settings.settings_for(self.kind, dtype, self.size, op, params, key, average, gather,
                            nonfinite, n, recvcounts)
         (self.comp, self.average, self.gather, self.nonfinite, self.bounds, self.key,
          self.plain, self.settings, row[_FP]) = hit
@@ -503,7 +262,7 @@ class _Op(PendingCall):
         if self.be.device or self.size < 2:
             return None
         return _plan.chunk_cuts(self.bounds, self.n * self.dtype.itemsize,
-                                self.comp.chunk_align(), chunk_bytes())
+                                self.comp.chunk_align(), _settings.chunk_bytes())
 
     def _check_out(self, out, n):
         """reduce_scatter's ``out``: on the side of ``buf`` (host or device)."""
@@ -749,11 +508,6 @@ class _Op(PendingCall):
             self._divide(v, self.size)
         self._done(v, sent)
 
-    def _count(self, sent):
-        _traffic["calls"] += 1
-        _traffic["bytes_sent"] += sent
-        _traffic["logical_bytes"] += self.flat.nbytes
-
     def finish(self, sent, acc):
         """The two phases are over (:mod:`mpigc._twophase`): ``sent`` bytes
         of data went out; ``acc``: this rank's reduced shard."""
@@ -766,7 +520,7 @@ class _Op(PendingCall):
         """The call's result: the buffer (allreduce; ``v``, when not None,
         copied into it first) or ``v`` (reduce_scatter); then its buffers go
         back."""
-        self._count(sent)
+        _wire.add_traffic(sent, self.flat.nbytes)
         if self.kind == "allreduce":
             if v is not None and v is not self.flat:
                 self._assign(self.flat, v)
@@ -781,7 +535,7 @@ class _Op(PendingCall):
 
     # -- the steps, driven by the scheduler (mpigc._sched.PendingCall) -----------
     def _failed(self, exc):
-        internal_error(exc, self.cs.comm, f"mpigc {self.kind}")
+        _comm.internal_error(exc, self.cs.comm, f"mpigc {self.kind}")
         self.error = exc
         self._abandon()
         self._drop_agree()

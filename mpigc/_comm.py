@@ -7,7 +7,9 @@ the next sequence number of that duplicate; its messages use tags derived from
 it, so concurrent nonblocking calls never match each other's messages.
 """
 import os
+import sys
 import threading
+import traceback
 
 import numpy as np
 from mpi4py import MPI
@@ -15,7 +17,8 @@ from mpi4py import MPI
 from . import _plan
 from ._errors import DTypeError, MpigcError, warn_caller
 
-__all__ = ["CommState", "resolve", "lookup", "creation_lock", "agree", "on_root"]
+__all__ = ["CommState", "resolve", "lookup", "creation_lock", "agree", "on_root",
+           "internal_error"]
 
 _KEYVAL = None
 # per user communicator (by handle), a lock held while its private state is
@@ -210,3 +213,32 @@ def _ranges(ranks):
             out.append(str(start) if start == r else f"{start}-{r}")
             start = None
     return ",".join(out)
+
+
+
+def internal_error(exc, comm, what):
+    """An exception that is not an :class:`MpigcError` escaped call ``what``
+    on this rank: a defect, a failed allocation, an MPI error, an interrupt.
+    mpigc raises its own errors on every rank together; such an exception is
+    this rank's alone, and its peers would wait forever for this call's
+    messages. So, where ``comm`` has peers, the job is aborted
+    (``comm.Abort``) after the rank, the call and the traceback are written to
+    stderr, as torch takes a process down on an asynchronous NCCL error.
+    ``MPIGC_ON_INTERNAL_ERROR=raise`` raises it instead (under a debugger; the
+    peers then hang). Returns when the exception is to be raised."""
+    if isinstance(exc, MpigcError) or comm.Get_size() == 1:
+        return
+    policy = os.environ.get("MPIGC_ON_INTERNAL_ERROR", "abort").strip().lower()
+    if policy == "raise":
+        return
+    bad = "" if policy == "abort" else (
+        f" (MPIGC_ON_INTERNAL_ERROR={policy!r} is not 'abort' or 'raise': aborting)")
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    world = MPI.COMM_WORLD
+    sys.stderr.write(
+        f"mpigc: rank {world.Get_rank()} of {world.Get_size()} (rank {comm.Get_rank()} of "
+        f"{comm.Get_size()} in the call): {type(exc).__name__} in {what}, which its peers "
+        f"cannot learn of: aborting the job so that they do not wait forever{bad}. "
+        f"MPIGC_ON_INTERNAL_ERROR=raise raises it instead.\n{text}")
+    sys.stderr.flush()
+    comm.Abort(70)

@@ -82,7 +82,7 @@ import zlib
 import numpy as np
 from mpi4py import MPI
 
-from . import _agree, _collective, _comm, _cuda, _dispatch, _plan, _sched
+from . import _agree, _collective, _comm, _cuda, _dispatch, _plan, _sched, _settings, _trace
 from ._errors import (CODES, ConfigError, DTypeError, MismatchError, MpigcError,
                       NonFiniteError, StateError, code_of)
 from .compressors import work_dtype
@@ -387,7 +387,7 @@ class _HierCall(_sched.PendingCall):
         self.feedback, self.nonfinite = feedback, nonfinite
         self.recvcounts, self.out = recvcounts, out
         self.cs = lay  # the engine orders calls by .cs; never one of its CommStates
-        self.trace = _collective.CallTrace("hierarchical")  # Request.trace
+        self.trace = _trace.CallTrace("hierarchical")  # Request.trace
         self.state = "pending"
         self.result = self.error = None
         # the buffer's backend (a device one's device_id is made current by the
@@ -410,7 +410,7 @@ class _HierCall(_sched.PendingCall):
         return not any(op.cs is self.cs for op in _sched.earlier(self))
 
     def _failed(self, exc):
-        _collective.internal_error(exc, self.lay.comm, f"hierarchical mpigc {self.kind}")
+        _comm.internal_error(exc, self.lay.comm, f"hierarchical mpigc {self.kind}")
         self.error = exc
 
     def _end(self):
@@ -478,7 +478,7 @@ class _HierCall(_sched.PendingCall):
         kind = self.kind
         # the checks and settings of a flat call (raise DTypeError where there
         # are no CUDA kernels for a device array: reported on every rank)
-        self.be, a, dtype = _collective.adopt_input(kind, self.buf,
+        self.be, a, dtype = _settings.adopt_input(kind, self.buf,
                                                     _comm.resolve(self.lay.comm))
         self.dev = self.be.device
         self.flat = a.reshape(a.size)  # the device array itself until _stage()
@@ -488,7 +488,7 @@ class _HierCall(_sched.PendingCall):
         row[_N] = n
         row[_DTYPE] = _plan.DTYPE_CODE[dtype]
         (self.comp, self.average, self.gather, self.nonfinite, self.bounds, self.key,
-         self.plain, flat_settings, _) = _collective.settings_for(
+         self.plain, flat_settings, _) = _settings.settings_for(
             kind, dtype, self.lay.size, self.op, self.params, self.key, self.average,
             self.gather, self.nonfinite, n, self.recvcounts)
         lo, hi = self.bounds[self.lay.rank]

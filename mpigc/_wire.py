@@ -2,16 +2,41 @@
 (:func:`post`), the largest counts handed to MPI and the sizes up to which
 data travels in the agreement messages (:func:`read_limits`, from the
 environment), the environment read cheaply (:func:`getenv`), and the
-counters of :func:`mpigc.diagnostics.counters`."""
+counters of :func:`mpigc.diagnostics.counters` and :func:`mpigc.traffic`."""
 import os
 
 from mpi4py import MPI
 
 from ._errors import ConfigError
 
-__all__ = ["counters", "count", "read_limits", "getenv", "env_int", "bytes_msg", "post"]
+__all__ = ["traffic", "reset_traffic", "add_traffic", "counters", "count", "read_limits", "getenv", "env_int", "bytes_msg", "post"]
 
 _counters = {"pipelined_calls": 0, "typed_messages": 0}
+_traffic = {"calls": 0, "bytes_sent": 0, "logical_bytes": 0}
+
+
+def traffic():
+    """Counters of this process's mpigc collectives since start (or reset).
+
+    ``calls``; ``bytes_sent``: payload bytes this rank handed to MPI sends
+    (for ``op="none"``, the ``2 (N-1)/N`` bytes per byte of a bandwidth-optimal
+    MPI allreduce, ``(N-1)/N`` for reduce-scatter: MPI does not report its
+    own); ``logical_bytes``: the size of the buffers reduced.
+    """
+    return dict(_traffic)
+
+
+def reset_traffic():
+    """Set the :func:`traffic` counters to zero."""
+    for k in _traffic:
+        _traffic[k] = 0
+
+
+def add_traffic(sent, logical):
+    """One call is over: it sent ``sent`` bytes for a buffer of ``logical``."""
+    _traffic["calls"] += 1
+    _traffic["bytes_sent"] += sent
+    _traffic["logical_bytes"] += logical
 
 
 def counters():

@@ -20,9 +20,21 @@ call. The environment variables that move the engine's internal limits
 ``$MPIGC_MAX_COUNT``, ``$MPIGC_REDUCE_IDLE_S``) are described in
 ``docs/user-guide.md`` (Diagnostics).
 """
-from ._collective import CallTrace, threads
+from . import _comm, _sched
+from ._trace import CallTrace
 from ._wire import counters
 from ._sched import hold_progress, last_trace, progress_thread_enabled, several_threads
 
 __all__ = ["CallTrace", "last_trace", "counters", "threads", "hold_progress",
            "progress_thread_enabled", "several_threads"]
+
+
+def threads(comm=None):
+    """Whether mpigc's background threads are running: ``{"progress": ...,
+    "reduce": ...}``, the process's progress thread and the reduction thread
+    of ``comm`` (default ``MPI.COMM_WORLD``; False for a communicator mpigc
+    has not used). Makes no MPI call beyond reading an attribute."""
+    cs = _comm.lookup(comm)
+    red = None if cs is None else cs.reducer
+    return {"progress": _sched.progress_thread_alive(),
+            "reduce": red is not None and red.thread is not None}

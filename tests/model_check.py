@@ -48,8 +48,8 @@ import fakempi
 from scenarios import call_input, draw_calls, outcome, state_bytes
 
 # the engine's modules with MPI or state of their own: one copy per rank
-ENGINE = ("_sched", "_comm", "_reducer", "_wire", "_agree", "_collective", "_twophase",
-          "_plainsum", "_hierarchy", "allreduce", "reduce_scatter")
+ENGINE = ("_sched", "_comm", "_reducer", "_wire", "_settings", "_agree", "_collective",
+          "_twophase", "_plainsum", "_hierarchy", "allreduce", "reduce_scatter")
 
 # the plain fallback, payloads in the agreement messages, after them, pipelined
 # (with the environment of :func:`environment`)

@@ -7,7 +7,7 @@ import re
 
 import numpy as np
 
-from mpigc import _collective
+from mpigc import _settings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -16,7 +16,7 @@ def test_fingerprint_example_is_the_codes(monkeypatch):
     for var in ("MPIGC_NONFINITE", "MPIGC_MIN_COMPRESS_BYTES"):
         monkeypatch.delenv(var, raising=False)
     # allreduce(buf, "2bit", key="w") on 4096 float32 values (16 KiB), one rank
-    *_, settings, fp = _collective.settings_for(
+    *_, settings, fp = _settings.settings_for(
         "allreduce", np.dtype(np.float32), 1, "2bit", {}, "w", False, "compressed", None,
         4096, None)
     with open(os.path.join(ROOT, "docs", "wire-format.md"), encoding="utf-8") as f:

@@ -1,0 +1,157 @@
+"""A call's settings: its arguments validated once per call signature
+(:func:`settings_for`), the buffer's checks (:func:`adopt_input`), and the
+environment variables that shape a call (:func:`min_compress_bytes`,
+:func:`chunk_bytes`, :func:`default_nonfinite`). No MPI, no state beyond a
+cache of validated settings."""
+import json
+import os
+import zlib
+
+import numpy as np
+
+from . import _dispatch
+from . import _plan
+from . import _wire
+from ._errors import ConfigError, DTypeError, InvalidBufferError
+from .compressors import SUPPORTED_DTYPES, get_compressor
+from .feedback import shard_bounds
+
+__all__ = ["NONFINITE_POLICIES", "GATHER_MODES", "default_nonfinite", "min_compress_bytes",
+           "chunk_bytes", "adopt_input", "settings_for"]
+
+NONFINITE_POLICIES = ("raise", "skip", "ignore")
+GATHER_MODES = ("compressed", "exact")
+
+
+def default_nonfinite():
+    return os.environ.get("MPIGC_NONFINITE", "raise")
+
+
+def min_compress_bytes():
+    """``$MPIGC_MIN_COMPRESS_BYTES``: compressed ops on smaller buffers (in
+    bytes, the buffer's own dtype) run as ``op="none"`` (plain MPI sum, no
+    residual used or changed). Default 8192; 0 always compresses. Ranks must
+    agree (a difference is reported as a settings mismatch)."""
+    return _wire.env_int("MPIGC_MIN_COMPRESS_BYTES", 8192)
+
+
+def chunk_bytes():
+    """``$MPIGC_CHUNK_BYTES``: compressed calls on host buffers of at least
+    twice this many bytes (the buffer's own dtype) are pipelined in chunks of
+    about this size: a chunk's payloads travel while the next chunk is
+    compressed, and an owner recompresses a chunk of its shard as soon as
+    every rank's contribution to it is in (see ``_Op._chunk_plan``).
+    Default 2 MiB; 0 turns pipelining off. The results are the same bits
+    either way. Ranks must agree (a difference is reported as a mismatch on
+    the chunking)."""
+    return _wire.env_int("MPIGC_CHUNK_BYTES", 2 << 20)
+
+
+# validated settings and their fingerprint per call signature (see _settings_key)
+_settings_cache = {}
+_SETTINGS_CACHE_MAX = 4096
+_SCALAR = (str, int, float, bool, type(None))
+
+
+def _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype, recvcounts,
+                  size):
+    """What the validated settings of a call depend on, as a hashable key, or
+    None where an argument is not a plain value (a dict op, a compressor
+    object: validated on every call). The environment variables that
+    settings read are part of the key, so changing them takes effect."""
+    if not (isinstance(op, str) and isinstance(average, bool)
+            and isinstance(gather, (str, type(None)))
+            and isinstance(nonfinite, (str, type(None)))
+            and isinstance(key, (str, int, type(None)))):
+        return None
+    if params and not all(isinstance(v, _SCALAR) for v in params.values()):
+        return None
+    if recvcounts is not None:
+        if not (isinstance(recvcounts, (list, tuple))
+                and all(type(c) is int for c in recvcounts)):
+            return None
+        recvcounts = tuple(recvcounts)
+    return (kind, op, repr(sorted(params.items())) if params else "", type(key), key,
+            average, gather, nonfinite, n, dtype, recvcounts, size,
+            _wire.getenv("MPIGC_NONFINITE"), _wire.getenv("MPIGC_MIN_COMPRESS_BYTES"),
+            _wire.MAX_COUNT)
+
+
+def adopt_input(kind, buf, cs):
+    """The checks every call (flat or hierarchical) makes of its buffer:
+    ``(backend, array, dtype)``, the array as the backend sees it (dtype and
+    shape come from it, never from ``buf``: a torch tensor's dtype is a torch
+    dtype); raises DTypeError or InvalidBufferError."""
+    be = _dispatch.backend(buf)
+    dbuf = be.adopt(buf, kind, cs)
+    dtype = np.dtype(dbuf.dtype)
+    if dtype not in SUPPORTED_DTYPES or not dtype.isnative:
+        raise DTypeError(f"{kind}: expected float16, float32 or float64 "
+                         f"(native byte order), got {dtype}")
+    if dbuf.size == 0:
+        raise InvalidBufferError(f"{kind}: expected a non-empty array, got shape "
+                                 f"{tuple(dbuf.shape)}")
+    if not be.is_c_contiguous(buf, dbuf):
+        raise InvalidBufferError(f"{kind}: expected a C-contiguous array; pass "
+                                 "a contiguous copy and copy the result back")
+    if kind == "allreduce" and not be.is_writable(buf):
+        raise InvalidBufferError("allreduce: expected a writable array (it reduces in "
+                                 "place), got a read-only one")
+    return be, dbuf, dtype
+
+
+def settings_for(kind, dtype, size, op, params, key, average, gather, nonfinite, n,
+                 recvcounts):
+    """A call's settings, validated (raises ConfigError or InvalidBufferError),
+    and their fingerprint: ``(comp, average, gather, nonfinite, bounds, key,
+    plain, settings, fingerprint)``; cached per :func:`_settings_key`."""
+    ck = _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype,
+                       recvcounts, size)
+    hit = None if ck is None else _settings_cache.get(ck)
+    if hit is None:
+        hit = _validate_settings(kind, dtype, size, op, params, key, average, gather,
+                                 nonfinite, n, recvcounts)
+        if ck is not None:
+            if len(_settings_cache) >= _SETTINGS_CACHE_MAX:
+                _settings_cache.clear()
+            _settings_cache[ck] = hit
+    return hit
+
+
+def _validate_settings(kind, dtype, size, op, params, key, average, gather, nonfinite, n,
+                       recvcounts):
+    comp = get_compressor(op, **params)
+    if gather not in GATHER_MODES:
+        raise ConfigError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
+    if nonfinite is None:
+        nonfinite = default_nonfinite()
+    if nonfinite not in NONFINITE_POLICIES:
+        raise ConfigError(f"nonfinite must be one of {NONFINITE_POLICIES}, got "
+                          f"{nonfinite!r}")
+    if key is not None and not isinstance(key, (str, int)):
+        raise ConfigError(f"key must be a str or int, got {type(key).__name__}")
+    average = bool(average)
+    if recvcounts is None:
+        bounds = shard_bounds(n, size)
+    else:
+        counts = [int(c) for c in recvcounts]
+        if len(counts) != size or min(counts) < 0 or sum(counts) != n:
+            raise InvalidBufferError(
+                f"recvcounts: expected {size} non-negative counts summing to {n}, "
+                f"got {list(recvcounts)}")
+        starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+        bounds = list(zip(starts[:-1], starts[1:]))
+    key = (f"auto/{n}/{dtype.name}" if key is None else str(key))
+    # small buffers: plain MPI sum (see min_compress_bytes)
+    fallback = comp.codec_id != "none" and n * dtype.itemsize < min_compress_bytes()
+    plain = comp.codec_id == "none" or fallback
+    settings = {"kind": kind, "comp": comp.get_config(), "key": key,
+                "average": average, "gather": gather, "nonfinite": nonfinite,
+                "bounds": None if recvcounts is None else bounds,
+                "fallback": fallback}
+    if plain and n > _wire.MAX_COUNT:
+        # MPI sums this many pieces, one collective each: ranks that cut
+        # differently ($MPIGC_MAX_COUNT) would wait in different collectives
+        settings["sum_pieces"] = _plan.sum_pieces(n, _wire.MAX_COUNT)
+    fp = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
+    return comp, average, gather, nonfinite, bounds, key, plain, settings, fp

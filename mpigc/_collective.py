@@ -613,7 +613,7 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
     # a communicator's first use is collective (Dup, a Sendrecv per peer),
     # outside the engine lock: the pending calls are completed first, as a
     # peer may wait for one of them (_sched.finish_pending). The user's
-    # thread was noted by mpigc._hierarchy.start: this function also starts a
+    # thread was noted by mpigc._hiercall.start: this function also starts a
     # hierarchical call's inter-node calls, in whatever thread advances it
     if not _sched.idle() and _comm.lookup(comm) is None:
         _sched.finish_pending()

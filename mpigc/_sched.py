@@ -2,7 +2,7 @@
 wait may block in MPI, the progress thread, and :class:`Request`.
 
 A call (an engine call, ``mpigc._collective._Op``, or a hierarchical call,
-``mpigc._hierarchy._HierCall``) is a :class:`PendingCall`: it is queued here
+``mpigc._hiercall._HierCall``) is a :class:`PendingCall`: it is queued here
 when it starts (:func:`enqueue`) and leaves the queue when it is done
 (:func:`dequeue`). Everything that advances calls holds :data:`lock`: a
 blocking call's wait and :meth:`Request.wait` (:func:`complete`),

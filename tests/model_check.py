@@ -3,8 +3,8 @@ fake MPI (``tests/fakempi.py``) whose every call is a point where a seeded
 random scheduler picks which rank runs next.
 
 Each simulated rank has an engine of its own: the modules that hold the
-engine's state and call MPI (``_sched``, ``_comm``, ``_collective``,
-``_hierarchy``, ``allreduce``, ``reduce_scatter``) are loaded once more per
+engine's state and call MPI (:data:`ENGINE`: ``_sched``, ``_comm``,
+``_collective``, ``_hiercall``, ...) are loaded once more per
 rank, as ``mpigc_sim<r>``, with ``from mpi4py import MPI`` bound to the fake;
 the rest (kernels, compressors, error feedback, the plan, errors) is
 shared, as it holds no MPI and no engine state. The engine code under test
@@ -49,7 +49,7 @@ from scenarios import call_input, draw_calls, outcome, state_bytes
 
 # the engine's modules with MPI or state of their own: one copy per rank
 ENGINE = ("_sched", "_comm", "_reducer", "_wire", "_settings", "_agree", "_collective",
-          "_twophase", "_plainsum", "_hierarchy", "allreduce", "reduce_scatter")
+          "_twophase", "_plainsum", "_hierarchy", "_hiercall", "allreduce", "reduce_scatter")
 
 # the plain fallback, payloads in the agreement messages, after them, pipelined
 # (with the environment of :func:`environment`)

@@ -11,7 +11,7 @@ import torch
 from mpi4py import MPI
 
 from .. import _comm
-from .._collective import GATHER_MODES, NONFINITE_POLICIES
+from .._settings import GATHER_MODES, NONFINITE_POLICIES
 from .._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError,
                        MpigcError, StateError)
 from ..compressors import get_compressor

@@ -1,0 +1,467 @@
+"""A hierarchical call on the scheduler (:class:`_HierCall`): the steps of
+:mod:`mpigc._hierarchy` (an exact intra-node reduce-scatter, compressed
+inter-node calls of the flat engine per slice, an intra-node allgather or
+redistribution) as a generator of effects, and :func:`start`, which routes
+every collective to the flat engine or here."""
+import itertools
+import json
+import zlib
+
+import numpy as np
+
+from . import _agree, _collective, _comm, _cuda, _dispatch, _plan, _sched, _settings, _trace
+from ._errors import (CODES, ConfigError, MismatchError, MpigcError, NonFiniteError,
+                      StateError, code_of)
+from ._hierarchy import (HIERARCHY_MODES, layout, node_sum_fill, redistribute, slice_key,
+                         store_for_peers, segment)
+from .compressors import work_dtype
+from .feedback import get_default_feedback, shard_bounds
+
+__all__ = ["start"]
+
+# the agreement row of the flat calls (mpigc._plan), with the columns a
+# hierarchical call fills: code, size, dtype, settings
+_CODE, _N, _DTYPE, _FP = _plan.CODE, _plan.N, _plan.DTYPE, _plan.FP
+_NONFINITE_CODE = code_of(NonFiniteError())
+_call_ids = itertools.count(1)
+
+
+def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,
+          recvcounts=None, out=None, hierarchy="flat", blocking):
+    """Route one collective: the flat engine, or the hierarchical path. Returns
+    what :class:`mpigc.Request` wraps (an engine call, or a :class:`_HierCall`
+    in the engine's queue)."""
+    _sched.note_caller()
+    if hierarchy not in HIERARCHY_MODES:
+        # decides which collective runs, so it is checked here, on this rank:
+        # like the function called, it must be the same on every rank
+        raise ConfigError(f"hierarchy must be one of {HIERARCHY_MODES}, got {hierarchy!r}")
+    flat = hierarchy == "flat"
+    if not flat:
+        lay = layout(comm)
+        flat = not lay.hierarchical(hierarchy)
+    if flat:
+        return _collective.start(kind, buf, op, params, comm=comm, key=key, average=average,
+                                 gather=gather, feedback=feedback, nonfinite=nonfinite,
+                                 recvcounts=recvcounts, out=out, blocking=blocking)
+    call = _HierCall(lay, kind, buf, op, params, comm, key, average, gather, feedback,
+                     nonfinite, recvcounts, out)
+    call.begin()
+    if not blocking and call.state != "done":
+        _sched.wake()
+    return call
+
+
+class _HierCall(_sched.PendingCall):
+    """One hierarchical call, held in the engine's queue of pending calls
+    (``mpigc._sched``) like an engine call, with the same protocol
+    (``progress``, ``done_or_failed``, ``finished``, ``result``, ``cs``).
+
+    Its steps are a generator (:meth:`_steps`) that yields what it waits for:
+    an MPI request, or engine calls (its inter-node calls). Every step after
+    :meth:`begin` is nonblocking MPI on communicators private to the layout
+    (``lay.comm``, the node's, the slice groups, and the engine's duplicates of
+    ``lay.comm`` and the groups), so a progress step never blocks in MPI (the
+    progress thread holds the engine lock while it steps). On each rank the
+    hierarchical calls of one layout advance one at a time, the oldest first
+    (:meth:`_head`): they issue their collectives on those communicators in the
+    same order everywhere, and one call at a time uses the node's window.
+    Only the agreement rows go out at :meth:`begin`, in program order, on a
+    communicator of their own (``lay.agree_comm``)."""
+
+    polite = True  # blocking waits test and sleep (see _sched._wait_politely)
+
+    def __init__(self, lay, kind, buf, op, params, comm, key, average, gather, feedback,
+                 nonfinite, recvcounts, out):
+        self.lay, self.kind, self.buf, self.op, self.params = lay, kind, buf, op, params
+        self.comm, self.key, self.average, self.gather = comm, key, average, gather
+        self.feedback, self.nonfinite = feedback, nonfinite
+        self.recvcounts, self.out = recvcounts, out
+        self.cs = lay  # the engine orders calls by .cs; never one of its CommStates
+        self.trace = _trace.CallTrace("hierarchical")  # Request.trace
+        self.state = "pending"
+        self.result = self.error = None
+        # the buffer's backend (a device one's device_id is made current by the
+        # progress thread); for device arrays, the caller's buffer as a flat
+        # Numba device array and the pinned host buffer that holds its values
+        # while the call runs
+        self.be = self.dflat = self.staging = None
+        self.dev = False
+        self.busy = None  # this call's name in the store's keys in use (_hold_key)
+
+    # -- the engine's protocol (PendingCall) -------------------------------------------
+    def settle(self):
+        """The caller saw the call done: its key is no longer in use."""
+        if self.busy is not None:
+            self.fb.release(self.busy)
+            self.busy = None
+
+    def _head(self):
+        """No earlier hierarchical call of this layout is pending here."""
+        return not any(op.cs is self.cs for op in _sched.earlier(self))
+
+    def _failed(self, exc):
+        _comm.internal_error(exc, self.lay.comm, f"hierarchical mpigc {self.kind}")
+        self.error = exc
+
+    def _end(self):
+        self.state = "done"
+        if self.staging is not None:
+            _cuda.sync()  # the last copies out of the pinned buffer
+            _cuda.staging_pool.give(self.staging)
+            self.staging = None
+        _sched.dequeue(self)
+
+    # -- 1. the start and the input agreement ------------------------------------------
+    def begin(self):
+        """Check the input, send the agreement rows and queue the call.
+
+        The rows go out on ``lay.agree_comm`` now, in program order. The first
+        call of a size larger than the node's window so far (a collective
+        allocation on the node) completes the earlier hierarchical calls of
+        the layout, waits for the agreement and grows the window here: every
+        node rank with the same valid input does the same, at the same call.
+        Meanwhile every other pending call advances (a peer may be waiting
+        for one of them before it starts this call), and this call's own
+        steps wait: none of them runs before the window has grown. The rest
+        of the call is progressed from the queue."""
+        lay = self.lay
+        lay.ready_for_calls()
+        row = _plan.new_row()
+        self.exc = None
+        self.plain = False
+        try:
+            self._prepare(row)
+        except Exception as e:  # noqa: BLE001 - reported collectively
+            self.exc = e
+            row[_CODE] = code_of(e)
+        self.alone = lay.node_comm.Get_size() == 1
+        self.need = 0
+        if self.exc is None and not self.plain and not self.alone:
+            self.need = self.n * self.wd.itemsize
+        grow = self.need > lay.window_bytes()
+        with _sched.lock:
+            self.row = row  # MPI reads it until the rows are in
+            rows = _agree.Rows(lay.agree_comm, lay.rank, lay.size, None, row, None, 0, None,
+                               by_allgather=True)
+            self.table, self.agree_req = rows.table, rows.req
+            self.steps = self._steps()
+            _sched.enqueue(self)
+            if grow:
+                self.running = True  # held: progress() passes it by
+                try:
+                    for op in list(_sched.earlier(self)):
+                        if op.cs is lay:
+                            _sched.complete(op)
+                    self._await_rows()
+                    if self._verdict().kind == "go":
+                        lay.shared(self.need)  # every node rank, at this call
+                finally:
+                    self.running = False
+
+    def _await_rows(self):
+        """Wait for the agreement rows, advancing every other pending call
+        meanwhile; politely, as a blocking wait of its steps (begin() of a call that grows
+        the window)."""
+        _sched.poll(self.agree_req.Test)
+
+    def _prepare(self, row):
+        kind = self.kind
+        # the checks and settings of a flat call (raise DTypeError where there
+        # are no CUDA kernels for a device array: reported on every rank)
+        self.be, a, dtype = _settings.adopt_input(kind, self.buf,
+                                                    _comm.resolve(self.lay.comm))
+        self.dev = self.be.device
+        self.flat = a.reshape(a.size)  # the device array itself until _stage()
+        self.n = n = a.size
+        self.dtype = dtype
+        self.wd = np.dtype(work_dtype(dtype))
+        row[_N] = n
+        row[_DTYPE] = _plan.DTYPE_CODE[dtype]
+        (self.comp, self.average, self.gather, self.nonfinite, self.bounds, self.key,
+         self.plain, flat_settings, _) = _settings.settings_for(
+            kind, dtype, self.lay.size, self.op, self.params, self.key, self.average,
+            self.gather, self.nonfinite, n, self.recvcounts)
+        lo, hi = self.bounds[self.lay.rank]
+        self.dout = None
+        if self.out is not None:
+            self.dout = self.be.adopt_out(self.out, hi - lo, dtype)  # or raises
+        self.fb = None
+        if self.feedback is not False:
+            self.fb = get_default_feedback() if self.feedback is None else self.feedback
+        self.settings = settings = dict(flat_settings, layout=self.lay.describe())
+        row[_FP] = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
+        if self.dev and not self.plain:
+            self._stage()
+        if self.fb is not None and not self.plain:
+            # (a plain call, op="none" or a small buffer, uses no residual: as
+            # on the flat path, it does not hold the key)
+            self._hold_key()  # last: nothing after it can fail
+        # no pass over the input for non-finite values: a non-finite input makes
+        # its node's sum non-finite (NaN and inf propagate through the sum), which
+        # the inter-node call detects before any residual changes; the ranks
+        # that hold them are named then (_input_nonfinite)
+
+    def _hold_key(self):
+        """Report the call to the residual store as a pending user of its key
+        (a checkpoint raises StateError until it is done, as for a flat call,
+        whose own keys are busy from its start), under a name of its own,
+        ``"{key}@hier (call N)"``; StateError if a pending hierarchical call
+        of the same store holds the key already (rule 3 of the nonblocking
+        calls: raised in ``_prepare``, its code travels in the row, so every
+        rank raises it)."""
+        prefix = f"{self.key}@hier (call "
+        busy = self.fb.hold_name(prefix, lambda: f"{prefix}{next(_call_ids)})")
+        if busy is None:
+            raise StateError(f"key {self.key!r} is already used by a pending "
+                             "hierarchical collective; wait for it, or use distinct "
+                             "keys")
+        self.busy = busy
+
+    def _stage(self):
+        """A device call: the input's values into a pinned host buffer, now
+        (the caller's thread, the GPU current; ``as_device`` waited for the
+        stream that produced them). The intra-node steps read this copy."""
+        d = self.flat
+        b = _cuda.staging_pool.take(max(d.nbytes, 1))
+        self.staging = b
+        self.dflat = d
+        self.flat = b[:d.nbytes].view(d.dtype)
+        _cuda.to_host(d, self.flat)
+
+    def _verdict(self):
+        """The agreed table's verdict; no non-finite counts here: the
+        inter-node calls check those."""
+        return _plan.verdict(self.table, self.lay.rank, "ignore")
+
+    def _disagreement(self, v):
+        """The agreement failed (``v``, the table's :class:`mpigc._plan.Verdict`):
+        the error, raised on every rank (steps)."""
+        lay = self.lay
+        if v.kind == "mismatch":
+            mine = ""
+            if _plan.complete(self.table[lay.rank]):
+                mine = {"size": str(self.n), "dtype": str(self.dtype),
+                        "settings": json.dumps(self.settings, sort_keys=True)}[v.what]
+            allv = yield from _texts(lay.comm, mine)
+            detail = ", ".join(f"rank {r}: {x}" for r, x in enumerate(allv) if x)
+            raise MismatchError(f"{self.kind}: ranks disagree on the {v.what} ({detail})")
+        exc = self.exc
+        msg = "" if exc is None else (str(exc) if isinstance(exc, MpigcError)
+                                      else f"{type(exc).__name__}: {exc}")
+        msgs = yield from _texts(lay.comm, msg)
+        detail = "; ".join(f"rank {r}: {msgs[r]}" for r in v.ranks)
+        raise v.error(f"{self.kind} failed on {len(v.ranks)} of {lay.size} rank(s): "
+                      f"{detail}") from exc
+
+    # -- the steps ---------------------------------------------------------------------
+    def _steps(self):
+        lay = self.lay
+        # the hierarchical calls of a layout advance one at a time, oldest first
+        yield _sched.Turn(self._head)
+        if lay.read_fence is not None:
+            # the node's ranks have read the last call's results out of the window
+            yield lay.read_fence
+            lay.read_fence = None
+        # while the rows travel: this rank's values into its segment of the
+        # node's window (when it is large enough already)
+        stored = self.need and lay.window_bytes() >= self.need
+        if stored:
+            store_for_peers(lay, lay.shared(self.need), self.flat, self.n, self.wd)
+        yield self.agree_req
+        v = self._verdict()  # the window is large enough then (begin)
+        if v.kind != "go":
+            yield from self._disagreement(v)
+        if self.plain:
+            # op="none" and small buffers: the flat engine (a plain MPI sum), on
+            # the layout's own communicator (the same ranks in the same order)
+            sub = _collective.start(self.kind, self.buf, self.op, self.params,
+                                    comm=lay.comm, key=self.key, average=self.average,
+                                    gather=self.gather, feedback=self.feedback,
+                                    nonfinite=self.nonfinite, recvcounts=self.recvcounts,
+                                    out=self.out, blocking=False)
+            yield _sched.Calls([sub])
+            sub.settle()
+            sub.finished()
+            return sub.result
+        n, wd = self.n, self.wd
+        lo, hi = lay.element_range(lay.rank, n)
+        if self.alone:  # a node of one rank: nothing to sum
+            segs = None
+            acc = self.flat[lo:hi].astype(wd)
+        else:
+            # the node's sums of this rank's range are made in this rank's own
+            # segment (where no peer reads), slice by slice as the inter-node
+            # call reads them (fill): the sums overlap with its transfers
+            segs = lay.shared(self.need)
+            if not stored:
+                store_for_peers(lay, segs, self.flat, n, wd)
+            yield from lay.node_fence()
+            acc = segment(segs, lay.node_comm.Get_rank(), n, wd)[lo:hi]
+        # 2. one inter-node engine call per slice this rank handles, all started
+        # now, in slice order on every rank
+        sb = shard_bounds(n, lay.L)
+        saved, subs, parts = [], [], []
+        for s in lay.slices_of(lay.rank):
+            slo, shi = sb[s]
+            v = acc[slo - lo:shi - lo]
+            if shi == slo:  # fewer elements than slices: nothing to reduce
+                parts.append(v.copy())
+                continue
+            sk = slice_key(self.key, s, lay.L, n)
+            saved.append(self._snapshot(sk))
+            fill = None if self.alone else node_sum_fill(lay, segs, self.flat, n, wd, slo)
+            if self.dev:
+                # a device call: the node's sums now, to the device, where the
+                # engine reduces them between the nodes (its residuals there)
+                if fill is not None:
+                    fill(0, shi - slo)
+                    fill = None
+                v = _cuda.to_device(v)
+            sub = _collective.start(self.kind, v, self.op, self.params,
+                                    comm=lay.groups[s], key=sk, average=False,
+                                    gather=self.gather,
+                                    feedback=False if self.fb is None else self.fb,
+                                    nonfinite="ignore" if self.nonfinite == "ignore"
+                                    else "raise", blocking=False, fill=fill,
+                                    keep_replaced=True)
+            subs.append((s, sub))
+            parts.append(sub)
+        if subs:
+            yield _sched.Calls([sub for _, sub in subs])
+            for _, sub in subs:
+                sub.settle()  # this call saw them done: their keys are free
+        # the outcome of every group, agreed inside the node only: an inter-node
+        # call fails or succeeds on all of its group, and every node has a handler
+        # of every slice, so each node learns every group's outcome without a
+        # collective across the nodes. Decided on the set of failed slices
+        # (the same on every node), never on which rank reported them.
+        codes = np.zeros(lay.L, np.int64)
+        texts, cause = {}, None
+        for s, sub in subs:
+            if sub.error is not None:
+                cause = cause or sub.error
+                codes[s] = code_of(sub.error)
+                texts[s] = str(sub.error)
+        table = np.zeros((lay.node_comm.Get_size(), lay.L), np.int64)
+        yield lay.node_comm.Iallgather(codes, table)
+        failed = {s: int(c) for s, c in enumerate(table.max(axis=0)) if c}
+        if failed:
+            for snap in saved:
+                self._restore(snap)
+            got = yield from _texts(lay.node_comm, _plan.fit_json(texts))
+            for t in got:
+                texts.update({int(s): v for s, v in json.loads(t).items()})
+            what = "; ".join(f"slice {s}: {texts[s]}" for s in sorted(failed))
+            if all(c == _NONFINITE_CODE for c in failed.values()):
+                ranks = yield from self._input_nonfinite()
+                return self._nonfinite(ranks or (
+                    "a node's sum is not finite, or beyond the range of the wire format ("
+                    + what + ")"))
+            code = next(c for s, c in sorted(failed.items()) if c != _NONFINITE_CODE)
+            raise (CODES.get(code) or MpigcError)(
+                f"{self.kind} (hierarchical) failed in {len(failed)} of {lay.L} slice "
+                f"group(s): {what}; no residual changed") from cause
+        for snap in saved:
+            self._release_old(snap)
+        # 3.
+        parts = [p.result if isinstance(p, _sched.PendingCall) else p for p in parts]
+        if self.dev:
+            # a device call: the reduced slices back to the host (into the
+            # window for allreduce, where the node's ranks read them)
+            if self.kind == "allreduce":
+                for s, p in zip(lay.slices_of(lay.rank), parts):
+                    if _dispatch.is_device_array(p):
+                        slo, shi = sb[s]
+                        _cuda.to_host(p, acc[slo - lo:shi - lo])
+            else:
+                parts = [_cuda.to_host(p) if _dispatch.is_device_array(p) else p
+                         for p in parts]
+        if self.kind == "allreduce":
+            if self.average:
+                acc /= lay.size
+            if self.alone:
+                self.flat[lo:hi] = acc
+            else:
+                # every node rank's range, reduced in place in its segment
+                yield from lay.node_fence()
+                for k, r in enumerate(lay.members[lay.node]):
+                    a, b = lay.element_range(r, n)
+                    self.flat[a:b] = segment(segs, k, n, wd)[a:b]
+                # the next call's stores wait for every node rank's reads (a
+                # peer's new values may land where this call's results were)
+                lay.read_fence = lay.node_comm.Ibarrier()
+            if self.dev:
+                _cuda.copy(self.dflat, self.flat)  # the result, in place on the device
+                _cuda.sync()
+            return self.buf
+        pieces = [(a, b, p) for (_, a, b), p in zip(lay.owned_ranges(lay.rank, n), parts)]
+        res = yield from redistribute(lay, pieces, self.bounds, n, wd)
+        if self.average:
+            res /= lay.size
+        return self._shard_result(res.astype(self.dtype, copy=False))
+
+    def _shard_result(self, res):
+        """reduce_scatter's result ``res`` (host, the input's dtype) where the
+        caller wants it: ``out``, or a new array on the side of ``buf``."""
+        if self.out is None:
+            return _cuda.to_device(res) if self.dev else res
+        if not self.dev:
+            self.dout.reshape(-1)[...] = res
+        elif res.size:
+            _cuda.copy(self.dout, res)
+            _cuda.sync()
+        return self.out
+
+    def _input_nonfinite(self):
+        """Steps, on the failure path only: "non-finite values in the input on
+        rank r (count), ..." when any rank's input holds some, else an empty
+        string (the node sum overflowed, or nonfinite="skip", whose result
+        says nothing; the policy is agreed, so every rank skips alike)."""
+        if self.nonfinite != "raise":
+            return ""
+        mine = np.array([np.count_nonzero(~np.isfinite(self.flat))], np.int64)
+        nbad = np.zeros(self.lay.size, np.int64)
+        yield self.lay.comm.Iallgather(mine, nbad)
+        if not nbad.any():
+            return ""
+        return "non-finite values in the input on " + ", ".join(
+            f"rank {r} ({c})" for r, c in enumerate(nbad.tolist()) if c)
+
+    def _nonfinite(self, what):
+        if self.nonfinite == "raise":
+            raise NonFiniteError(
+                f"{self.kind}: {what}; no buffer or residual changed (nonfinite='skip' "
+                "fills the result with NaN instead of raising)")
+        if self.fb is not None:
+            self.fb.skipped_steps += 1
+        if self.kind == "allreduce":
+            if self.dev:
+                self.be.fill_nan(self.dflat)
+                _cuda.sync()
+            else:
+                self.flat[...] = np.nan
+            return self.buf
+        lo, hi = self.bounds[self.lay.rank]
+        return self._shard_result(np.full(hi - lo, np.nan, self.dtype))
+
+    # -- failure atomicity: the residuals an inter-node call replaced -------------------
+    # (the inter-node calls keep the worker residual they replace: keep_replaced)
+    def _snapshot(self, sk):
+        return None if self.fb is None else self.fb.mark(sk)
+
+    def _release_old(self, snap):
+        if snap is not None:
+            self.fb.settle(snap)
+
+    def _restore(self, snap):
+        if snap is not None:
+            self.fb.rollback(snap)
+
+
+def _texts(comm, text):
+    """Steps: every rank's ``text`` (a str, or None) by the engine's report
+    (:class:`mpigc._agree.Report`)."""
+    report = _agree.Report(comm, comm.Get_size(), text)
+    yield report.req
+    return report.texts()

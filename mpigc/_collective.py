@@ -106,9 +106,7 @@ class _Op(PendingCall):
         self.tags = self.cs.next_tags()
         self.state = "agree"
         self.result = None
-        self.entry = None
-        self.spare = None
-        self.fb = None
+        self.txn = None  # the residual transaction (mpigc.feedback.Transaction)
         self.key = None
         self.sendreqs = []
         self.rows = self.report = None
@@ -118,7 +116,6 @@ class _Op(PendingCall):
         self.chunks = None  # a pipelined call's cuts (see _chunk_plan)
         self.plan = None  # the two phases' layout, once known (two_phases)
         self.be = None  # the backend of the buffer's side (mpigc._backend)
-        self.dev = False  # which side, for the error-feedback store
         # what the agreement step reads of a rank that failed early: defined
         # before anything can raise, so every rank evaluates it the same way
         self.n = self.dtype = self.settings = self.nonfinite = None
@@ -192,7 +189,7 @@ class _Op(PendingCall):
         _wire.read_limits()
         be, dbuf, dtype = _settings.adopt_input(self.kind, buf, self.cs)
         dev = be.device
-        self.be, self.dev = be, dev
+        self.be = be
         self.buf = buf
         self.flat = dbuf.reshape(dbuf.size)
         self.n = n = self.flat.size
@@ -223,10 +220,8 @@ class _Op(PendingCall):
         self.uses_state = not self.plain and feedback is not False
         self.use_ef = self.uses_state and comp.uses_feedback
         if self.uses_state:
-            self.fb = get_default_feedback() if feedback is None else feedback
-            self.entry = self.fb.acquire(self.key, n, self.wdtype, self.size, self.rank,
-                                         dev)
-            self.busy_key = True
+            fb = get_default_feedback() if feedback is None else feedback
+            self.txn = fb.begin(self.key, n, self.wdtype, self.size, self.rank, dev)
 
         if self.plain:
             # MPI has no float16 sum: reduce a float32 copy
@@ -237,15 +232,14 @@ class _Op(PendingCall):
             return
         self.x = self.flat if self.dtype == self.wdtype else self._converted(self.flat,
                                                                              self.wdtype)
-        self.e_in = None if (self.entry is None or not self.use_ef) else self.entry.worker
+        self.e_in = self.txn.worker() if self.use_ef else None
         if comp.needs_global_scale:
             amax, self.clip_bound, nbad = comp.local_scale(self.x, self.e_in)
             self.count_bad(row, nbad)
             row[_SCALE] = _f64_bits(amax)
             return
         # compress every shard now; the new residual goes to a scratch buffer
-        self.e_out = self.fb.take_spare(n, self.wdtype, dev) if self.use_ef else None
-        self.spare = self.e_out
+        self.e_out = self.txn.take_scratch() if self.use_ef else None
         if self.chunks is not None:
             return  # pipelined: chunk by chunk once the rows agree (mpigc._twophase)
         self.pack_shards(row)
@@ -298,7 +292,8 @@ class _Op(PendingCall):
     def stream(self, rank, stage):
         """terngrad's random stream: seed and key, rank, the key's call count
         (the communicator's call count for calls without state), stage."""
-        calls = self.entry.calls if self.entry is not None else self.seq
+        entry = None if self.txn is None else self.txn.entry
+        calls = entry.calls if entry is not None else self.seq
         seed = self.comp.seed ^ (zlib.crc32(self.key.encode()) << 32)
         return _cpu.ternary_stream(seed, rank, calls, stage)
 
@@ -323,9 +318,10 @@ class _Op(PendingCall):
         """terngrad quantizes only once the rows agree, with the scale all
         ranks agreed on (the largest)."""
         if self.use_ef:
-            if self.entry.worker is None:
-                self.entry.worker = self._empty(self.n, self.wdtype)
-            self.e_out = self.entry.worker
+            entry = self.txn.entry
+            if entry.worker is None:
+                entry.worker = self._empty(self.n, self.wdtype)
+            self.e_out = entry.worker
         else:
             self.e_out = None
         self.pack_shards(None, scale=max(_bits_f64(v) for v in self.table[:, _SCALE]))
@@ -348,26 +344,17 @@ class _Op(PendingCall):
     # -- 2. agree ------------------------------------------------------------
     def _abandon(self):
         """Undo the local effects of a call that will not go ahead."""
-        if self.spare is not None:
-            self.fb.give_spare(self.spare)
-            self.spare = None
-        if self.fb is not None and getattr(self, "busy_key", False):
-            if _sched.in_progress_thread():
-                # completed by the progress thread: the key stays in use until
-                # the caller's test() or wait() sees the call done, as without
-                # the thread (see Request.settle)
-                self.key_deferred = True
-                return
-            self.fb.release(self.key)
-            self.busy_key = False
+        if self.txn is not None:
+            # completed by the progress thread: the key stays in use until
+            # the caller's test() or wait() sees the call done, as without
+            # the thread (see Request.settle)
+            self.txn.end(defer=_sched.in_progress_thread())
 
     def settle(self):
         """The caller saw the call done: release a key that the progress
         thread left in use."""
-        if getattr(self, "key_deferred", False):
-            self.key_deferred = False
-            self.busy_key = False
-            self.fb.release(self.key)
+        if self.txn is not None:
+            self.txn.settle()
 
     def _agreed(self):
         """Act on the table's verdict (:func:`mpigc._plan.verdict`): True (go
@@ -438,8 +425,8 @@ class _Op(PendingCall):
                 raise NonFiniteError(
                     f"{self.kind}: {'; '.join(what)}; no buffer or residual changed "
                     "(nonfinite='skip' fills the result with NaN instead of raising)")
-            if self.fb is not None:
-                self.fb.skipped_steps += 1
+            if self.txn is not None:
+                self.txn.skipped()
             self._finish_skipped()
             self._release_agree()
             return False
@@ -467,16 +454,8 @@ class _Op(PendingCall):
 
     def commit(self):
         """The call goes ahead: install the new worker residual."""
-        if not self.uses_state:
-            return
-        e = self.fb.commit(self.key, self.entry, self.n, self.wdtype, self.size, self.rank,
-                           self.comp.get_config(), self.dev)
-        self.entry, self.busy_key = e, True
-        if self.spare is not None:
-            old, e.worker = e.worker, self.spare
-            self.spare = None
-            if old is not None and not self.keep_replaced:
-                self.fb.give_spare(old)
+        if self.txn is not None:
+            self.txn.commit(self.comp.get_config(), self.keep_replaced)
 
     def _release_agree(self):
         """The call is over: its agreement buffers go back to the pool, the
@@ -512,8 +491,8 @@ class _Op(PendingCall):
         """The two phases are over (:mod:`mpigc._twophase`): ``sent`` bytes
         of data went out; ``acc``: this rank's reduced shard."""
         self.sendreqs = []  # complete: the steps waited for them
-        if self.entry is not None:
-            self.entry.calls += 1
+        if self.txn is not None and self.txn.entry is not None:
+            self.txn.entry.calls += 1
         self._done(None if self.kind == "allreduce" else acc, sent)
 
     def _done(self, v, sent):

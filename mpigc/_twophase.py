@@ -237,8 +237,8 @@ class TwoPhase:
                         self.rreq2.append(_wire.post(comm.Irecv, wire[o:o + m], j, tag))
             if op.use_ef:
                 lo, hi = op.bounds[r]
-                if op.entry.owner is None:
-                    op.entry.owner = op.be.zeros(hi - lo, op.wdtype)
+                if op.txn.entry.owner is None:
+                    op.txn.entry.owner = op.be.zeros(hi - lo, op.wdtype)
                 self.owner_out = op.be.empty(hi - lo, op.wdtype)
         self.left2 = len(self.rreq2)
 
@@ -263,7 +263,7 @@ class TwoPhase:
             src = self.recvbuf2
             e = eo = None
             if op.use_ef:
-                e, eo = op.entry.owner[a - lo:b - lo], self.owner_out[a - lo:b - lo]
+                e, eo = op.txn.entry.owner[a - lo:b - lo], self.owner_out[a - lo:b - lo]
             kw, bad = {"offset": a}, 0
             if op.comp.needs_global_scale:
                 amax, bound, bad = op.comp.local_scale(acc, e)
@@ -377,7 +377,7 @@ class TwoPhase:
                     yield _sched.All(op.sendreqs)
                     if op.use_ef and not self.obad and op.kind == "allreduce" \
                             and op.gather != "exact":
-                        op.entry.owner = self.owner_out
+                        op.txn.entry.owner = self.owner_out
                     op.finish(self.plan.bytes_sent(op.rank), self.acc)
                     return
             if moved:

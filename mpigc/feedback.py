@@ -369,6 +369,13 @@ class ErrorFeedback:
         with self._lock:
             return dict(self._entries)
 
+    # -- one call's transaction --------------------------------------------------------
+    def begin(self, key, n, dtype, world_size, rank, device=False):
+        """For mpigc's own modules: a :class:`Transaction` of one call on
+        ``key``, which holds the key (:meth:`acquire`: raises StateError,
+        and then nothing changed)."""
+        return Transaction(self, key, n, dtype, world_size, rank, device)
+
     # -- a transaction of several calls, by reference --------------------------------
     def mark(self, key):
         """For mpigc's own modules (a hierarchical call): what ``key`` holds
@@ -454,6 +461,74 @@ class ErrorFeedback:
             name = make_name()
             self._busy.add(name)
             return name
+
+
+class Transaction:
+    """One call's use of a key (:meth:`ErrorFeedback.begin`). The key is held
+    from the start to :meth:`end`. The new worker residual is written to a
+    scratch array (:meth:`take_scratch`) and installed by :meth:`commit`, so
+    a call that does not go ahead leaves the old one; ``entry`` is the key's
+    entry (None before a first call's commit)."""
+
+    __slots__ = ("fb", "key", "entry", "scratch", "held", "deferred", "_shape")
+
+    def __init__(self, fb, key, n, dtype, world_size, rank, device):
+        self.entry = fb.acquire(key, n, dtype, world_size, rank, device)
+        self.fb, self.key = fb, key
+        self._shape = (n, dtype, world_size, rank, bool(device))
+        self.scratch = None
+        self.held = True
+        self.deferred = False
+
+    def worker(self):
+        """The worker residual before the call (None: none yet)."""
+        return None if self.entry is None else self.entry.worker
+
+    def take_scratch(self):
+        """The array the call writes its new worker residual to."""
+        n, dtype, _, _, device = self._shape
+        self.scratch = self.fb.take_spare(n, dtype, device)
+        return self.scratch
+
+    def commit(self, config, keep_replaced=False):
+        """The call goes ahead: the key's entry (made for a first call) takes
+        ``config`` and the scratch array as its worker residual; the array it
+        replaces becomes a spare, unless ``keep_replaced`` (the caller may put
+        it back: :meth:`ErrorFeedback.rollback`). Returns the entry."""
+        n, dtype, size, rank, device = self._shape
+        e = self.entry = self.fb.commit(self.key, self.entry, n, dtype, size, rank, config,
+                                        device)
+        if self.scratch is not None:
+            old, e.worker = e.worker, self.scratch
+            self.scratch = None
+            if old is not None and not keep_replaced:
+                self.fb.give_spare(old)
+        return e
+
+    def skipped(self):
+        """The call was skipped on every rank (``nonfinite="skip"``)."""
+        self.fb.skipped_steps += 1
+
+    def end(self, defer=False):
+        """The call is over, or will not go ahead: an unused scratch array
+        becomes a spare and the key is released; with ``defer``, only at
+        :meth:`settle` (a call the progress thread completed keeps its key
+        until its caller sees it done)."""
+        if self.scratch is not None:
+            self.fb.give_spare(self.scratch)
+            self.scratch = None
+        if self.held:
+            if defer:
+                self.deferred = True
+                return
+            self.fb.release(self.key)
+            self.held = False
+
+    def settle(self):
+        """The caller saw the call done: release a key :meth:`end` deferred."""
+        if self.deferred:
+            self.deferred = self.held = False
+            self.fb.release(self.key)
 
 
 class _Mark(NamedTuple):

@@ -64,7 +64,7 @@ from . import _trace
 from . import _twophase
 from . import _wire
 from ._sched import PendingCall
-from ._errors import MismatchError, MpigcError, NonFiniteError, code_of
+from ._errors import code_of
 from .compressors import work_dtype
 from .feedback import get_default_feedback
 from .kernels import cpu as _cpu
@@ -376,29 +376,13 @@ class _Op(PendingCall):
                 mine = str({"size": self.n, "dtype": str(self.dtype),
                             "settings": json.dumps(self.settings, sort_keys=True),
                             "chunking": chunking}[what])
-
-            def mismatch(allv):
-                detail = ", ".join(f"rank {r}: {x}" for r, x in enumerate(allv)
-                                   if x is not None)
-                hint = ("; pipelining takes host buffers only and "
-                        "$MPIGC_CHUNK_BYTES must be the same on every rank"
-                        if what == "chunking" else "")
-                return MismatchError(f"{self.kind}: ranks disagree on the {what} "
-                                     f"({detail}){hint}")
-            self._start_report(comm, mine, mismatch)
+            self._start_report(comm, mine,
+                               lambda allv: _plan.mismatch_error(self.kind, what, allv))
             return None
         if v.kind == "failed":
-            exc = self.local_error
-            msg = "" if exc is None else (str(exc) if isinstance(exc, MpigcError)
-                                          else f"{type(exc).__name__}: {exc}")
-
-            def failed(msgs):
-                detail = "; ".join(f"rank {r}: {msgs[r]}" for r in v.ranks)
-                exc = v.error(f"{self.kind} failed on {len(v.ranks)} of {self.size} "
-                              f"rank(s): {detail}")
-                exc.__cause__ = self.local_error
-                return exc
-            self._start_report(comm, msg, failed)
+            self._start_report(comm, _plan.error_text(self.local_error),
+                               lambda texts: _plan.failed_error(self.kind, v, self.size, texts,
+                                                                self.local_error))
             return None
         return self.nonfinite_verdict()
 
@@ -408,23 +392,12 @@ class _Op(PendingCall):
         NonFiniteError on every rank; nothing has changed in the last two
         cases."""
         t = self.table
-        nbad, nrange = t[:, _NBAD], t[:, _RANGE]
         v = _plan.nonfinite_verdict(t, self.nonfinite)
         if v.kind != "go":
             self._abandon()
             if v.kind == "nonfinite":
-                what = []
-                if np.any(nbad):
-                    what.append("non-finite values in the input on " + ", ".join(
-                        f"rank {r} ({int(c)})" for r, c in enumerate(nbad) if c))
-                if np.any(nrange):
-                    what.append(
-                        f"finite values beyond the range of the {self.comp.codec_id} wire "
-                        f"format ({self.comp.wire_range}) on " + ", ".join(
-                            f"rank {r} ({int(c)})" for r, c in enumerate(nrange) if c))
-                raise NonFiniteError(
-                    f"{self.kind}: {'; '.join(what)}; no buffer or residual changed "
-                    "(nonfinite='skip' fills the result with NaN instead of raising)")
+                raise _plan.nonfinite_error(self.kind, _plan.nonfinite_causes(
+                    t[:, _NBAD], t[:, _RANGE], self.comp.codec_id, self.comp.wire_range))
             if self.txn is not None:
                 self.txn.skipped()
             self._finish_skipped()

@@ -10,8 +10,7 @@ import zlib
 import numpy as np
 
 from . import _agree, _collective, _comm, _cuda, _dispatch, _plan, _sched, _settings, _trace
-from ._errors import (CODES, ConfigError, MismatchError, MpigcError, NonFiniteError,
-                      StateError, code_of)
+from ._errors import CODES, ConfigError, MpigcError, NonFiniteError, StateError, code_of
 from ._hierarchy import (HIERARCHY_MODES, layout, node_sum_fill, redistribute, slice_key,
                          store_for_peers, segment)
 from .compressors import work_dtype
@@ -244,15 +243,9 @@ class _HierCall(_sched.PendingCall):
                 mine = {"size": str(self.n), "dtype": str(self.dtype),
                         "settings": json.dumps(self.settings, sort_keys=True)}[v.what]
             allv = yield from _texts(lay.comm, mine)
-            detail = ", ".join(f"rank {r}: {x}" for r, x in enumerate(allv) if x)
-            raise MismatchError(f"{self.kind}: ranks disagree on the {v.what} ({detail})")
-        exc = self.exc
-        msg = "" if exc is None else (str(exc) if isinstance(exc, MpigcError)
-                                      else f"{type(exc).__name__}: {exc}")
-        msgs = yield from _texts(lay.comm, msg)
-        detail = "; ".join(f"rank {r}: {msgs[r]}" for r in v.ranks)
-        raise v.error(f"{self.kind} failed on {len(v.ranks)} of {lay.size} rank(s): "
-                      f"{detail}") from exc
+            raise _plan.mismatch_error(self.kind, v.what, allv)
+        texts = yield from _texts(lay.comm, _plan.error_text(self.exc))
+        raise _plan.failed_error(self.kind, v, lay.size, texts, self.exc)
 
     # -- the steps ---------------------------------------------------------------------
     def _steps(self):
@@ -423,16 +416,11 @@ class _HierCall(_sched.PendingCall):
         mine = np.array([np.count_nonzero(~np.isfinite(self.flat))], np.int64)
         nbad = np.zeros(self.lay.size, np.int64)
         yield self.lay.comm.Iallgather(mine, nbad)
-        if not nbad.any():
-            return ""
-        return "non-finite values in the input on " + ", ".join(
-            f"rank {r} ({c})" for r, c in enumerate(nbad.tolist()) if c)
+        return _plan.nonfinite_causes(nbad)
 
     def _nonfinite(self, what):
         if self.nonfinite == "raise":
-            raise NonFiniteError(
-                f"{self.kind}: {what}; no buffer or residual changed (nonfinite='skip' "
-                "fills the result with NaN instead of raising)")
+            raise _plan.nonfinite_error(self.kind, what)
         if self.fb is not None:
             self.fb.skipped_steps += 1
         if self.kind == "allreduce":

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._errors import CODES, MpigcError
+from ._errors import CODES, MismatchError, MpigcError, NonFiniteError
 
 CODE, NBAD, N, DTYPE, FP, SCALE, RANGE, INLINE, CHUNK, NCOLS = range(10)
 ROW_BYTES = NCOLS * 8
@@ -103,6 +103,58 @@ def verdict(table, rank, nonfinite):
         return Verdict("failed", ranks=tuple(int(r) for r in bad),
                        error=CODES.get(int(table[int(bad[0]), CODE])) or MpigcError)
     return nonfinite_verdict(table, nonfinite)
+
+
+def mismatch_error(kind, what, values):
+    """The MismatchError of ``Verdict("mismatch", what)``: ``values`` is every
+    rank's value of the column as text (None or "" where its row is not
+    complete)."""
+    detail = ", ".join(f"rank {r}: {x}" for r, x in enumerate(values) if x)
+    hint = ("; pipelining takes host buffers only and $MPIGC_CHUNK_BYTES must be the same "
+            "on every rank" if what == "chunking" else "")
+    return MismatchError(f"{kind}: ranks disagree on the {what} ({detail}){hint}")
+
+
+def error_text(exc):
+    """What a failed rank reports of its error ``exc`` (None: none)."""
+    if exc is None:
+        return ""
+    return str(exc) if isinstance(exc, MpigcError) else f"{type(exc).__name__}: {exc}"
+
+
+def failed_error(kind, v, size, texts, cause=None):
+    """The error of ``Verdict("failed", ...)`` ``v`` on ``size`` ranks, with
+    the failed ranks' :func:`error_text` from ``texts``."""
+    detail = "; ".join(f"rank {r}: {texts[r]}" for r in v.ranks)
+    exc = v.error(f"{kind} failed on {len(v.ranks)} of {size} rank(s): {detail}")
+    exc.__cause__ = cause
+    return exc
+
+
+def per_rank(counts):
+    """``"rank r (count), ..."`` for the ranks whose count is not 0."""
+    return ", ".join(f"rank {r} ({int(c)})" for r, c in enumerate(counts) if c)
+
+
+def nonfinite_error(kind, what):
+    """The NonFiniteError of ``Verdict("nonfinite")``; ``what``: the causes,
+    as text (:func:`nonfinite_causes`)."""
+    return NonFiniteError(
+        f"{kind}: {what}; no buffer or residual changed (nonfinite='skip' fills the "
+        "result with NaN instead of raising)")
+
+
+def nonfinite_causes(nbad, nrange=(), codec_id=None, wire_range=None):
+    """The causes of a non-finite verdict as text: the ranks with non-finite
+    input values (``nbad``, per rank), and those with finite values beyond
+    the range of the ``codec_id`` wire format (``nrange``)."""
+    what = []
+    if np.any(nbad):
+        what.append("non-finite values in the input on " + per_rank(nbad))
+    if np.any(nrange):
+        what.append(f"finite values beyond the range of the {codec_id} wire format "
+                    f"({wire_range}) on " + per_rank(nrange))
+    return "; ".join(what)
 
 
 def inline_data(kind, size, plain, nbytes, payload_sizes, needs_scale, *, device,

@@ -107,6 +107,33 @@ def test_every_small_table_reads_the_same_on_every_rank():
             assert (v == P.GO) == clean, (rows, policy, v)
 
 
+def test_the_verdicts_errors_name_every_rank_and_cause():
+    """The errors raised on every rank, as flat and hierarchical calls build
+    them from the verdict and the gathered texts."""
+    e = P.mismatch_error("allreduce", "size", ["10", None, "12"])
+    assert isinstance(e, mpigc.MismatchError)
+    assert str(e) == "allreduce: ranks disagree on the size (rank 0: 10, rank 2: 12)"
+    assert "$MPIGC_CHUNK_BYTES must be the same" in str(
+        P.mismatch_error("allreduce", "chunking", ["2 chunks", "not pipelined"]))
+
+    cause = ValueError("boom")
+    assert P.error_text(cause) == "ValueError: boom"
+    assert P.error_text(StateError("key 'k' busy")) == "key 'k' busy"
+    assert P.error_text(None) == ""
+    v = P.Verdict("failed", ranks=(1, 3), error=StateError)
+    e = P.failed_error("reduce_scatter", v, 4, ["", "a", "", "b"], cause)
+    assert type(e) is StateError and e.__cause__ is cause and e.__suppress_context__
+    assert str(e) == "reduce_scatter failed on 2 of 4 rank(s): rank 1: a; rank 3: b"
+
+    what = P.nonfinite_causes(np.array([0, 3, 1]), np.array([2, 0, 0]), "fp16", "|x| <= 65504")
+    assert what == ("non-finite values in the input on rank 1 (3), rank 2 (1); finite values "
+                    "beyond the range of the fp16 wire format (|x| <= 65504) on rank 0 (2)")
+    assert P.nonfinite_causes(np.zeros(2, np.int64)) == ""
+    e = P.nonfinite_error("allreduce", what)
+    assert isinstance(e, mpigc.NonFiniteError) and str(e).startswith("allreduce: " + what)
+    assert "no buffer or residual changed" in str(e)
+
+
 # -- the layout --------------------------------------------------------------------------
 def test_offsets():
     assert P.offsets([3, 0, 5]) == [0, 3, 3, 8]

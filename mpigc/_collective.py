@@ -214,7 +214,7 @@ class _Op(PendingCall):
         lo, hi = self.bounds[self.rank]
         self.out_given = out  # what reduce_scatter returns (the caller's object)
         if out is not None:
-            out = self._check_out(out, hi - lo)
+            out = self.be.adopt_out(out, hi - lo, dtype)  # on the side of buf
         self.out = out
 
         self.uses_state = not self.plain and feedback is not False
@@ -225,13 +225,13 @@ class _Op(PendingCall):
 
         if self.plain:
             # MPI has no float16 sum: reduce a float32 copy
-            self.none_buf = self._converted(self.flat, np.float32) \
+            self.none_buf = self.be.converted(self.flat, np.float32) \
                 if self.dtype == np.float16 else self.flat
             if nonfinite != "ignore":
                 row[_NBAD] = be.count_nonfinite(self.none_buf)
             return
-        self.x = self.flat if self.dtype == self.wdtype else self._converted(self.flat,
-                                                                             self.wdtype)
+        self.x = self.flat if self.dtype == self.wdtype else self.be.converted(self.flat,
+                                                                               self.wdtype)
         self.e_in = self.txn.worker() if self.use_ef else None
         if comp.needs_global_scale:
             amax, self.clip_bound, nbad = comp.local_scale(self.x, self.e_in)
@@ -258,29 +258,6 @@ class _Op(PendingCall):
         return _plan.chunk_cuts(self.bounds, self.n * self.dtype.itemsize,
                                 self.comp.chunk_align(), _settings.chunk_bytes())
 
-    def _check_out(self, out, n):
-        """reduce_scatter's ``out``: on the side of ``buf`` (host or device)."""
-        return self.be.adopt_out(out, n, self.dtype)
-
-    # -- arrays, on the buffer's side (the backend) ----------------------------
-    def _empty(self, n, dtype):
-        return self.be.empty(n, dtype)
-
-    def _converted(self, a, dtype):
-        """``a.astype(dtype)``, on the side of ``a``."""
-        return self.be.converted(a, dtype)
-
-    def _assign(self, dst, src):
-        """``dst[...] = src`` (with numpy's casting), on the side of ``dst``."""
-        self.be.assign(dst, src)
-
-    def _divide(self, a, d):
-        self.be.divide(a, d)
-
-    def _release_staging(self):
-        if self.be is not None:
-            self.be.release()
-
     def two_phases(self):
         """The layout of this call's two phases (:func:`mpigc._plan.phases`)."""
         adt = np.float64 if self.dtype == np.float64 else np.float32  # the sums' dtype
@@ -301,7 +278,7 @@ class _Op(PendingCall):
         """Compress every shard into one send buffer, laid out as the one
         chunk of :meth:`two_phases` (``self.plan``, which the phases reuse)."""
         self.plan = plan = self.two_phases()
-        self.sendbuf = self._empty(plan.total, np.uint8)
+        self.sendbuf = self.be.empty(plan.total, np.uint8)
         kw = {}
         if self.comp.needs_global_scale:
             kw = {"scale": scale, "clip_bound": self.clip_bound,
@@ -320,7 +297,7 @@ class _Op(PendingCall):
         if self.use_ef:
             entry = self.txn.entry
             if entry.worker is None:
-                entry.worker = self._empty(self.n, self.wdtype)
+                entry.worker = self.be.empty(self.n, self.wdtype)
             self.e_out = entry.worker
         else:
             self.e_out = None
@@ -412,18 +389,15 @@ class _Op(PendingCall):
 
     def _finish_skipped(self):
         if self.kind == "allreduce":
-            self._fill_nan(self.flat)
+            self.be.fill_nan(self.flat)
             self.result = self.buf
         else:
             lo, hi = self.bounds[self.rank]
-            res = self.out if self.out is not None else self._empty(hi - lo, self.dtype)
-            self._fill_nan(res)
+            res = self.out if self.out is not None else self.be.empty(hi - lo, self.dtype)
+            self.be.fill_nan(res)
             self.result = res if self.out is None else self.out_given
         self.be.sync()
         self.state = "done"
-
-    def _fill_nan(self, a):
-        self.be.fill_nan(a)
 
     def commit(self):
         """The call goes ahead: install the new worker residual."""
@@ -446,10 +420,10 @@ class _Op(PendingCall):
 
     def _set_rs_result(self, v):
         if self.out is not None:
-            self._assign(self.out, v)
+            self.be.assign(self.out, v)
             self.result = self.out_given
         else:
-            self.result = v if v.dtype == self.dtype else self._converted(v, self.dtype)
+            self.result = v if v.dtype == self.dtype else self.be.converted(v, self.dtype)
 
     def finish_plain(self, v, sent, pieces):
         """The plain sum is over (:mod:`mpigc._plainsum`): ``v`` holds it
@@ -457,7 +431,7 @@ class _Op(PendingCall):
         this rank's shard), ``sent`` bytes went out, in ``pieces`` MPI sums."""
         self.trace._sum_pieces = pieces
         if self.average:
-            self._divide(v, self.size)
+            self.be.divide(v, self.size)
         self._done(v, sent)
 
     def finish(self, sent, acc):
@@ -475,12 +449,13 @@ class _Op(PendingCall):
         _wire.add_traffic(sent, self.flat.nbytes)
         if self.kind == "allreduce":
             if v is not None and v is not self.flat:
-                self._assign(self.flat, v)
+                self.be.assign(self.flat, v)
             self.result = self.buf
         else:
             self._set_rs_result(v)
         self.be.sync()  # the kernels are asynchronous
-        self._release_staging()
+        if self.be is not None:
+            self.be.release()  # the staging buffers
         self._release_agree()
         self._abandon()
         self.state = "done"

@@ -9,7 +9,8 @@ import zlib
 
 import numpy as np
 
-from . import _agree, _collective, _comm, _cuda, _dispatch, _plan, _sched, _settings, _trace
+from . import (_agree, _collective, _comm, _cuda, _dispatch, _plan, _sched, _settings,
+               _trace, _wire)
 from ._errors import CODES, ConfigError, MpigcError, NonFiniteError, StateError, code_of
 from ._hierarchy import (HIERARCHY_MODES, layout, node_sum_fill, redistribute, slice_key,
                          store_for_peers, segment)
@@ -166,6 +167,9 @@ class _HierCall(_sched.PendingCall):
 
     def _prepare(self, row):
         kind = self.kind
+        # the limits the settings depend on, from the environment now, as a
+        # flat call reads them (else: whatever the last flat call here read)
+        _wire.read_limits()
         # the checks and settings of a flat call (raise DTypeError where there
         # are no CUDA kernels for a device array: reported on every rank)
         self.be, a, dtype = _settings.adopt_input(kind, self.buf,

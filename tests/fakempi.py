@@ -22,12 +22,18 @@ What it models, as strictly as MPI allows:
   undefined: a hang or wrong data); nonblocking ones complete once every
   rank has started them, blocking ones wait for that; sums add in rank
   order;
-- communicators: ``Dup``, ``Split``, ``Split_type`` (every rank on one
-  node), attributes; ``Query_thread`` is ``THREAD_SERIALIZED``, so the
-  engine runs no progress thread and no reduction thread (the checker's
-  programs call ``test()`` instead).
+- communicators: ``Dup``, ``Split`` (``UNDEFINED``: ``COMM_NULL``),
+  ``Split_type`` (every rank on one node), attributes; ``Query_thread`` is
+  ``THREAD_SERIALIZED``, so the engine runs no progress thread and no
+  reduction thread (the checker's programs call ``test()`` instead);
+- what hierarchical calls add: pickled ``allgather``, ``allreduce``,
+  ``bcast``, ``alltoall``; ``Alltoallv`` and ``Ialltoallv`` (counts in
+  elements of the buffer's dtype, or of a given datatype); shared-memory
+  windows (``Win.Allocate_shared`` and ``Win.Free`` collective and blocking,
+  ``Shared_query`` the segments every rank of the node sees at once,
+  ``Sync`` and the locks points of the schedule).
 
-Only what mpigc's flat engine uses is here; anything else raises.
+Only what mpigc's engine uses is here; anything else raises.
 """
 import sys
 import threading
@@ -39,6 +45,8 @@ import numpy as np
 UNDEFINED = -32766
 THREAD_SINGLE, THREAD_FUNNELED, THREAD_SERIALIZED, THREAD_MULTIPLE = 0, 1, 2, 3
 COMM_TYPE_SHARED = 1
+MODE_NOCHECK = 1024
+COMM_NULL = None  # what Split gives a rank of color UNDEFINED
 
 
 class Unwind(BaseException):
@@ -701,13 +709,64 @@ class Intracomm:
     def Barrier(self):
         self._blocking("barrier", None, lambda args: None)
 
+    # -- pickled collectives (values, not buffers)
+    def allgather(self, obj):
+        return list(self._blocking("allgather(obj)", obj,
+                                   lambda args: [args[r] for r in range(len(args))]))
+
+    def allreduce(self, obj, op=SUM):
+        return self._blocking("allreduce(obj)", obj,
+                              lambda args: sum(args[r] for r in range(len(args))))
+
+    def bcast(self, obj, root=0):
+        return self._blocking(f"bcast(root {root})", obj, lambda args: args[root])
+
+    def alltoall(self, objs):
+        res = self._blocking("alltoall(obj)", list(objs),
+                             lambda args: [[args[s][r] for s in range(len(args))]
+                                           for r in range(len(args))])
+        return res[self.rank]
+
+    # -- all to all, by counts and displacements
+    @staticmethod
+    def _vspec(spec):
+        """``[buf, (counts, displs)]`` or ``[buf, (counts, displs), datatype]``:
+        the buffer's bytes and each peer's byte range."""
+        buf, (counts, displs) = spec[0], spec[1]
+        size = spec[2].size if len(spec) == 3 else np.asarray(buf).itemsize
+        return _bytes(buf), [(int(d) * size, (int(d) + int(c)) * size)
+                             for c, d in zip(counts, displs)]
+
+    def _alltoallv_args(self, sendspec, recvspec):
+        sb, sr = self._vspec(sendspec)
+        rb, rr = self._vspec(recvspec)
+        return ([sb[a:b].copy() for a, b in sr], rb, rr)
+
+    @staticmethod
+    def _alltoallv(args):
+        for r, (_, rb, rr) in args.items():
+            for s in range(len(args)):
+                part = args[s][0][r]
+                a, b = rr[s]
+                if len(part) != b - a:
+                    raise RuntimeError(f"alltoallv: rank {s} sends {len(part)} bytes to rank "
+                                       f"{r}, which expects {b - a}")
+                rb[a:b] = part
+
+    def Ialltoallv(self, sendspec, recvspec):
+        return self._start("alltoallv", self._alltoallv_args(sendspec, recvspec),
+                           self._alltoallv)
+
+    def Alltoallv(self, sendspec, recvspec):
+        self._blocking("alltoallv", self._alltoallv_args(sendspec, recvspec), self._alltoallv)
+
     # -- communicators
     def _split(self, args):
         w = world()
         groups = {}
         for r in sorted(args):
             color, key = args[r]
-            if color is not None:
+            if color is not None and color != UNDEFINED:
                 groups.setdefault(color, []).append((key, r))
         out = {}
         for members in groups.values():
@@ -719,6 +778,8 @@ class Intracomm:
 
     def Split(self, color=0, key=0):
         res = self._blocking("split", (color, key), self._split)
+        if self.rank not in res:
+            return COMM_NULL
         ctx, i = res[self.rank]
         return Intracomm(ctx, i)
 
@@ -727,6 +788,36 @@ class Intracomm:
 
     def Split_type(self, split_type, key=0, info=None):
         return self.Split(0, key)
+
+
+class Win:
+    """A shared-memory window of a node's communicator: every rank's segment
+    is one array of this process, seen by all of them at once."""
+
+    def __init__(self, comm, segs):
+        self.comm, self.segs = comm, segs
+
+    @staticmethod
+    def Allocate_shared(size, disp_unit=1, info=None, comm=None):
+        segs = comm._blocking("win_allocate_shared", int(size),
+                              lambda args: [bytearray(args[r]) for r in range(len(args))])
+        return Win(comm, segs)
+
+    def Shared_query(self, rank):
+        world().point()
+        return memoryview(self.segs[rank]), 1
+
+    def Lock_all(self, assertion=0):
+        world().point()
+
+    def Unlock_all(self):
+        world().point()
+
+    def Sync(self):
+        world().point()
+
+    def Free(self):
+        self.comm._blocking("win_free", None, lambda args: None)
 
 
 class _CollRequest(Request):
@@ -771,8 +862,9 @@ def module():
     MPI`` binds in the engine's copies)."""
     m = types.ModuleType("mpi4py.MPI")
     for name in ("UNDEFINED", "THREAD_SINGLE", "THREAD_FUNNELED", "THREAD_SERIALIZED",
-                 "THREAD_MULTIPLE", "COMM_TYPE_SHARED", "IN_PLACE", "SUM", "BYTE",
-                 "Request", "Status", "Message", "Intracomm", "Comm", "Datatype",
+                 "THREAD_MULTIPLE", "COMM_TYPE_SHARED", "MODE_NOCHECK", "COMM_NULL",
+                 "IN_PLACE", "SUM", "BYTE", "Request", "Status", "Message", "Intracomm", "Comm",
+                 "Datatype", "Win",
                  "Is_initialized", "Is_finalized", "Query_thread"):
         setattr(m, name, globals()[name])
     m.COMM_WORLD = _WorldComm()

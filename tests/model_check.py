@@ -153,14 +153,32 @@ def forget(eng):
 
 
 # -- scenarios ---------------------------------------------------------------------
-def draw(seed, size):
-    """The scenario of ``seed``: a list of call specs, the same on every rank."""
-    return draw_calls(np.random.default_rng([seed, 7]), size, SIZES, comms=COMMS)
+def draw(seed, size, hier=False):
+    """The scenario of ``seed``: a list of call specs, the same on every rank;
+    with ``hier``, about half of them hierarchical (``hierarchy="node"`` on
+    emulated nodes of 2 ranks: :func:`hierarchical`), drawn apart so that
+    the flat scenarios of a seed stay what they were."""
+    calls = draw_calls(np.random.default_rng([seed, 7]), size, SIZES, comms=COMMS)
+    if hier:
+        pick = np.random.default_rng([seed, 13])
+        for c in calls:
+            c["hier"] = bool(pick.random() < 0.5)
+    return calls
 
 
-def _program(eng, calls, world_ctx, rng, blocking_only):
+def hierarchical():
+    """The environment of hierarchical scenarios: nodes of 2 ranks
+    (``$MPIGC_NODE_SPLIT``), so 3 ranks make nodes of 2 and 1, 4 ranks two of
+    2, and a call on a communicator of 2 ranks has one node."""
+    return _setenv({"MPIGC_NODE_SPLIT": "2"})
+
+
+def _program(eng, calls, world_ctx, rng, blocking_only, early=None):
     """Rank ``fakempi.rank()``'s user program: its communicators, then the
-    calls; returns the outcomes and the residuals."""
+    calls; returns the outcomes and the residuals. ``early``: a generator
+    that draws, before each call, which pending requests this rank waits for
+    first (each rank its own: ranks may complete requests in different
+    orders); None: every wait after the last call."""
     def run():
         r = fakempi.rank()
         world = fakempi.world_comm(world_ctx)
@@ -172,7 +190,8 @@ def _program(eng, calls, world_ctx, rng, blocking_only):
         def start(c, x, blocking):
             f = getattr(eng, ("" if blocking else "i") + c["kind"])
             return f(x, c["op"], key=f"c{c['i']}", feedback=fb, comm=comms[c["comm"]],
-                     nonfinite="skip" if c["fault"] == "nan-skip" else "raise")
+                     nonfinite="skip" if c["fault"] == "nan-skip" else "raise",
+                     hierarchy="node" if c.get("hier") else "flat")
 
         def polls():
             for i in list(pending):
@@ -188,6 +207,8 @@ def _program(eng, calls, world_ctx, rng, blocking_only):
                 outs[c["i"]] = outcome(lambda c=c, x=x: start(c, x, True))
                 continue
             polls()
+            for i in [i for i in sorted(pending) if early is not None and early.random() < 0.25]:
+                outs[i] = outcome(pending.pop(i).wait)
             try:
                 pending[c["i"]] = start(c, x, False)
             except MpigcError as e:  # raised at the start: on every rank
@@ -210,8 +231,11 @@ def run(calls, size, seed, blocking_only=False, plants=(), max_steps=200_000,
         world.append(w)
     ctx = w.new_ctx(list(range(size)))
     engines = [engine(r, plants) for r in range(size)]
+    hier = any(c.get("hier") for c in calls)  # hierarchical scenarios wait early too
     programs = [_program(engines[r], calls, ctx, np.random.default_rng([seed, r, 3]),
-                         blocking_only) for r in range(size)]
+                         blocking_only,
+                         np.random.default_rng([seed, r, 5]) if hier else None)
+                for r in range(size)]
     try:
         return w.run(programs)
     except fakempi.RunFailed as e:
@@ -253,15 +277,16 @@ def limits(seed):
     return _setenv(SMALL_LIMITS if seed % 4 == 1 else {})
 
 
-def check(seed, size, schedules=1, plant=None, scenario=None):
+def check(seed, size, schedules=1, plant=None, scenario=None, hier=False):
     """Scenario ``seed`` on ``size`` ranks: the reference (blocking, in
     order), then ``schedules`` interleavings of the calls as drawn, with
     ``plant`` (a :data:`PLANTS` name) in every rank's engine; returns a list
     of differences (empty when every run ended as the reference). Raises
-    RunFailed on a hang or a mismatched collective."""
-    calls = draw(seed, size) if scenario is None else scenario
+    RunFailed on a hang or a mismatched collective. ``hier``: the scenario
+    of :func:`draw` with hierarchical calls."""
+    calls = draw(seed, size, hier) if scenario is None else scenario
     v = variant(seed)
-    with limits(seed):
+    with limits(seed), (hierarchical() if hier else contextlib.nullcontext()):
         ref = run(calls, size, seed=[seed, 0], blocking_only=True, plants=v)
         runs = [run(calls, size, seed=[seed, 1 + k],
                     plants=v + (() if plant is None else (plant,)))
@@ -369,6 +394,13 @@ def _plant_sum_in_a_step(mods):
     s.Alone.ready = lambda self, call, block: (True, True)
 
 
+def _plant_rows_awaited_alone(mods):
+    """cb392f2: a hierarchical call that grows the node window waits for its
+    agreement rows in a blocking wait on its own request, advancing no other
+    pending call (a flat call a peer must finish first never advances)."""
+    mods["_hiercall"]._HierCall._await_rows = lambda self: self.agree_req.Wait()
+
+
 def _allgather_rows(mods):
     """Not a fault: the agreement rows travel by one allgather, as they do
     beyond 16 ranks (``P2P_MAX_RANKS``)."""
@@ -377,6 +409,7 @@ def _allgather_rows(mods):
 
 PLANTS = {
     "allgather-rows": _allgather_rows,
+    "rows-awaited-alone": _plant_rows_awaited_alone,
     "blocking-report": _plant_blocking_report,
     "no-row-on-early-error": _plant_no_row_on_early_error,
     "sends-waited-in-a-step": _plant_sends_waited_in_a_step,

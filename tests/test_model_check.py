@@ -10,6 +10,11 @@ the seed that replays it.
   ``$MPIGC_MODEL_SEEDS`` (default ``0:150``), two interleavings each, at 2,
   3 and 4 ranks: no hang, and the outcomes and residuals of the blocking
   calls made in order.
+- :func:`test_hierarchical_interleavings_end_as_blocking_calls_in_order`:
+  the same with hierarchical calls (about half of each scenario's, on
+  emulated nodes of 2 ranks), and ranks that wait for some requests before
+  they start the next call, each rank its own (``$MPIGC_MODEL_HIER_SEEDS``,
+  default ``0:60``).
 - :func:`test_search_finds_a_planted_cause`: each historical hang's cause,
   planted back into the engine (``model_check.PLANTS``), is found within a
   bounded search.
@@ -139,6 +144,24 @@ def test_interleavings_end_as_blocking_calls_in_order(size):
     assert not failures, "\n\n".join(failures)
 
 
+def _hier_seeds():
+    a, _, b = os.environ.get("MPIGC_MODEL_HIER_SEEDS", "0:60").partition(":")
+    return range(int(a), int(b))
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_hierarchical_interleavings_end_as_blocking_calls_in_order(size):
+    failures = []
+    for seed in _hier_seeds():
+        try:
+            failures += mc.check(seed, size, schedules=2, hier=True)
+        except fakempi.RunFailed as e:
+            failures.append(f"seed {seed}: {e.kind}: {e.detail}")
+        if len(failures) >= 3:
+            break
+    assert not failures, "\n\n".join(failures)
+
+
 def _call(i, kind="allreduce", op="none", n=3001, fault="none", culprit=1, comm="world"):
     return dict(i=i, kind=kind, op=op, n=n, blocking=False, fault=fault, culprit=culprit,
                 comm=comm)
@@ -149,13 +172,14 @@ def _call(i, kind="allreduce", op="none", n=3001, fault="none", culprit=1, comm=
 REPORTS_AND_SUMS = [_call(0, fault="size"), _call(1), _call(2, kind="reduce_scatter"),
                     _call(3, op="2bit", fault="reject", culprit=2), _call(4)]
 
-# plant: (scenario, or None for the drawn ones; seeds searched)
+# plant: (scenario, or None for the drawn ones; seeds searched; hierarchical)
 SEARCHES = {
-    "blocking-report": (None, 60),
-    "no-row-on-early-error": (None, 60),
-    "sends-waited-in-a-step": (None, 200),
-    "agreements-out-of-order": (REPORTS_AND_SUMS, 200),
-    "sum-in-a-step": (None, 200),
+    "blocking-report": (None, 60, False),
+    "no-row-on-early-error": (None, 60, False),
+    "sends-waited-in-a-step": (None, 200, False),
+    "agreements-out-of-order": (REPORTS_AND_SUMS, 200, False),
+    "sum-in-a-step": (None, 200, False),
+    "rows-awaited-alone": (None, 100, True),
 }
 
 
@@ -163,10 +187,10 @@ SEARCHES = {
 def test_search_finds_a_planted_cause(plant):
     """3 ranks, two interleavings per scenario; the seed that finds it is
     reported by the test's name in the log of a run with ``-s``."""
-    scenario, budget = SEARCHES[plant]
+    scenario, budget, hier = SEARCHES[plant]
     for seed in range(budget):
         try:
-            diffs = mc.check(seed, 3, schedules=2, plant=plant, scenario=scenario)
+            diffs = mc.check(seed, 3, schedules=2, plant=plant, scenario=scenario, hier=hier)
         except fakempi.RunFailed as e:
             print(f"{plant}: seed {seed}: {e.kind}")
             return

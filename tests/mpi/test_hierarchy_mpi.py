@@ -485,6 +485,24 @@ def test_none_takes_the_flat_path_bit_for_bit(comm, split, kind):
 
 
 @pytest.mark.mpi
+def test_settings_read_the_limits_whichever_call_came_first(comm, split, monkeypatch):
+    """A hierarchical call reads ``$MPIGC_MAX_COUNT`` itself, as a flat call
+    does: its settings' fingerprint names the number of MPI sums of a large
+    ``op="none"`` call. It read the value the last flat call of the process
+    had read, so ranks that had made different flat calls since the
+    variable changed disagreed ("ranks disagree on the settings"). Found by
+    the model checker (seed 133 of its hierarchical scenarios, with a planted
+    cause that changed the order in which the ranks started flat calls)."""
+    monkeypatch.setenv("MPIGC_MAX_COUNT", "1500")
+    if comm.rank == 0:  # reads the new limit; the other ranks have not yet
+        mpigc.allreduce(np.ones(4, np.float32), "none", comm=MPI.COMM_SELF)
+    x = grads(comm.rank, 3001, np.float32)
+    got = np.asarray(mpigc.allreduce(x.copy(), "none", hierarchy="node")).tobytes()
+    want = np.asarray(mpigc.allreduce(x.copy(), "none")).tobytes()  # after: a flat call reads
+    assert_all(got == want, "differs from the flat call", comm)
+
+
+@pytest.mark.mpi
 def test_nonfinite_ignore_passes_nan_through(comm, fb, split):
     g = grads(comm.rank, 300)
     if comm.rank == 0:

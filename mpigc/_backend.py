@@ -99,6 +99,33 @@ class HostBackend:
     def unstage(self, dst, wire):
         """After a receive into ``wire`` (from :meth:`wire`): into ``dst``."""
 
+    # -- a whole call on the host (hierarchical calls: the node's shared window) --
+    def host_copy(self, a):
+        """The values of ``a`` in host memory, for steps that run on the host:
+        ``a`` itself here."""
+        return a
+
+    def for_engine(self, h, fill=None):
+        """Host array ``h`` as a flat call takes it on this side, with its
+        ``fill(lo, hi)`` hook (which writes ``h`` just in time): both as
+        they are here."""
+        return h, fill
+
+    def to_host(self, a, out=None):
+        """A flat call's result ``a`` on the host, into ``out`` if given (the
+        host array :meth:`for_engine` made ``a`` of: there already here);
+        returns it."""
+        return a if out is None else out
+
+    def to_side(self, h):
+        """Host array ``h`` as a new array of this side: ``h`` here."""
+        return h
+
+    def put(self, dst, h):
+        """Host values ``h`` into ``dst`` (of this side), synchronised."""
+        if dst is not h:
+            dst.reshape(-1)[...] = h
+
     def release(self):
         """The call is over: give back what it took."""
 
@@ -202,7 +229,38 @@ class DeviceBackend:
         if not self.aware.aware and dst.size:
             _cuda.copy(dst, wire)
 
+    # -- a whole call on the host (hierarchical calls: the node's shared window) --
+    def host_copy(self, a):
+        """A copy of device array ``a`` in a pinned staging buffer (now, in the
+        caller's thread: ``adopt`` waited for the stream that produced it),
+        given back by :meth:`release`."""
+        b = _cuda.staging_pool.take(max(a.nbytes, 1))
+        self.staged.append(b)
+        h = b[:a.nbytes].view(a.dtype)
+        _cuda.to_host(a, h)
+        return h
+
+    def for_engine(self, h, fill=None):
+        """Filled now and copied to the device (the engine's fill hook is for
+        host buffers only)."""
+        if fill is not None:
+            fill(0, h.size)
+        return _cuda.to_device(h), None
+
+    def to_host(self, a, out=None):
+        return _cuda.to_host(a, out)
+
+    def to_side(self, h):
+        return _cuda.to_device(h)
+
+    def put(self, dst, h):
+        if h.size:
+            _cuda.copy(dst, h)
+            _cuda.sync()
+
     def release(self):
+        """The call is over (and synchronised: :meth:`sync`): its staging
+        buffers go back to the pool."""
         for b in self.staged:
             _cuda.staging_pool.give(b)
         self.staged = []

@@ -9,8 +9,7 @@ import zlib
 
 import numpy as np
 
-from . import (_agree, _collective, _comm, _cuda, _dispatch, _plan, _sched, _settings,
-               _trace, _wire)
+from . import _agree, _collective, _comm, _plan, _sched, _settings, _trace, _wire
 from ._errors import CODES, ConfigError, MpigcError, NonFiniteError, StateError, code_of
 from ._hierarchy import (HIERARCHY_MODES, layout, node_sum_fill, redistribute, slice_key,
                          store_for_peers, segment)
@@ -82,11 +81,10 @@ class _HierCall(_sched.PendingCall):
         self.state = "pending"
         self.result = self.error = None
         # the buffer's backend (a device one's device_id is made current by the
-        # progress thread); for device arrays, the caller's buffer as a flat
-        # Numba device array and the pinned host buffer that holds its values
-        # while the call runs
-        self.be = self.dflat = self.staging = None
-        self.dev = False
+        # progress thread); the caller's buffer, flat, on its side (side_flat)
+        # and in host memory (flat: the same array for a host buffer, a
+        # staging copy for a device one), where the intra-node steps run
+        self.be = self.side_flat = None
         self.busy = None  # this call's name in the store's keys in use (_hold_key)
 
     # -- the engine's protocol (PendingCall) -------------------------------------------
@@ -106,10 +104,9 @@ class _HierCall(_sched.PendingCall):
 
     def _end(self):
         self.state = "done"
-        if self.staging is not None:
-            _cuda.sync()  # the last copies out of the pinned buffer
-            _cuda.staging_pool.give(self.staging)
-            self.staging = None
+        if self.be is not None:
+            self.be.sync()  # the last copies out of its staging buffers
+            self.be.release()
         _sched.dequeue(self)
 
     # -- 1. the start and the input agreement ------------------------------------------
@@ -174,8 +171,7 @@ class _HierCall(_sched.PendingCall):
         # are no CUDA kernels for a device array: reported on every rank)
         self.be, a, dtype = _settings.adopt_input(kind, self.buf,
                                                     _comm.resolve(self.lay.comm))
-        self.dev = self.be.device
-        self.flat = a.reshape(a.size)  # the device array itself until _stage()
+        self.flat = self.side_flat = a.reshape(a.size)  # on the host: _prepare's end
         self.n = n = a.size
         self.dtype = dtype
         self.wd = np.dtype(work_dtype(dtype))
@@ -194,8 +190,10 @@ class _HierCall(_sched.PendingCall):
             self.fb = get_default_feedback() if self.feedback is None else self.feedback
         self.settings = settings = dict(flat_settings, layout=self.lay.describe())
         row[_FP] = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
-        if self.dev and not self.plain:
-            self._stage()
+        if not self.plain:
+            # a device buffer's values to the host now (the caller's thread,
+            # the GPU current; adopt waited for the stream that produced them)
+            self.flat = self.be.host_copy(self.side_flat)
         if self.fb is not None and not self.plain:
             # (a plain call, op="none" or a small buffer, uses no residual: as
             # on the flat path, it does not hold the key)
@@ -220,17 +218,6 @@ class _HierCall(_sched.PendingCall):
                              "hierarchical collective; wait for it, or use distinct "
                              "keys")
         self.busy = busy
-
-    def _stage(self):
-        """A device call: the input's values into a pinned host buffer, now
-        (the caller's thread, the GPU current; ``as_device`` waited for the
-        stream that produced them). The intra-node steps read this copy."""
-        d = self.flat
-        b = _cuda.staging_pool.take(max(d.nbytes, 1))
-        self.staging = b
-        self.dflat = d
-        self.flat = b[:d.nbytes].view(d.dtype)
-        _cuda.to_host(d, self.flat)
 
     def _verdict(self):
         """The agreed table's verdict; no non-finite counts here: the
@@ -308,14 +295,10 @@ class _HierCall(_sched.PendingCall):
             sk = slice_key(self.key, s, lay.L, n)
             saved.append(self._snapshot(sk))
             fill = None if self.alone else node_sum_fill(lay, segs, self.flat, n, wd, slo)
-            if self.dev:
-                # a device call: the node's sums now, to the device, where the
-                # engine reduces them between the nodes (its residuals there)
-                if fill is not None:
-                    fill(0, shi - slo)
-                    fill = None
-                v = _cuda.to_device(v)
-            sub = _collective.start(self.kind, v, self.op, self.params,
+            # on a device, the node's sums made now and copied there, where the
+            # engine reduces them between the nodes (its residuals there)
+            sv, fill = self.be.for_engine(v, fill)
+            sub = _collective.start(self.kind, sv, self.op, self.params,
                                     comm=lay.groups[s], key=sk, average=False,
                                     gather=self.gather,
                                     feedback=False if self.fb is None else self.fb,
@@ -323,7 +306,7 @@ class _HierCall(_sched.PendingCall):
                                     else "raise", blocking=False, fill=fill,
                                     keep_replaced=True)
             subs.append((s, sub))
-            parts.append(sub)
+            parts.append((v, sub))
         if subs:
             yield _sched.Calls([sub for _, sub in subs])
             for _, sub in subs:
@@ -362,18 +345,12 @@ class _HierCall(_sched.PendingCall):
         for snap in saved:
             self._release_old(snap)
         # 3.
-        parts = [p.result if isinstance(p, _sched.PendingCall) else p for p in parts]
-        if self.dev:
-            # a device call: the reduced slices back to the host (into the
-            # window for allreduce, where the node's ranks read them)
-            if self.kind == "allreduce":
-                for s, p in zip(lay.slices_of(lay.rank), parts):
-                    if _dispatch.is_device_array(p):
-                        slo, shi = sb[s]
-                        _cuda.to_host(p, acc[slo - lo:shi - lo])
-            else:
-                parts = [_cuda.to_host(p) if _dispatch.is_device_array(p) else p
-                         for p in parts]
+        # the reduced slices on the host (in the window for allreduce, where
+        # the node's ranks read them); a host call's are there already
+        for i, p in enumerate(parts):
+            if isinstance(p, tuple):  # (the node sums, their inter-node call)
+                v, sub = p
+                parts[i] = self.be.to_host(sub.result, v if self.kind == "allreduce" else None)
         if self.kind == "allreduce":
             if self.average:
                 acc /= lay.size
@@ -388,9 +365,7 @@ class _HierCall(_sched.PendingCall):
                 # the next call's stores wait for every node rank's reads (a
                 # peer's new values may land where this call's results were)
                 lay.read_fence = lay.node_comm.Ibarrier()
-            if self.dev:
-                _cuda.copy(self.dflat, self.flat)  # the result, in place on the device
-                _cuda.sync()
+            self.be.put(self.side_flat, self.flat)  # a device buffer's result, in place
             return self.buf
         pieces = [(a, b, p) for (_, a, b), p in zip(lay.owned_ranges(lay.rank, n), parts)]
         res = yield from redistribute(lay, pieces, self.bounds, n, wd)
@@ -402,12 +377,8 @@ class _HierCall(_sched.PendingCall):
         """reduce_scatter's result ``res`` (host, the input's dtype) where the
         caller wants it: ``out``, or a new array on the side of ``buf``."""
         if self.out is None:
-            return _cuda.to_device(res) if self.dev else res
-        if not self.dev:
-            self.dout.reshape(-1)[...] = res
-        elif res.size:
-            _cuda.copy(self.dout, res)
-            _cuda.sync()
+            return self.be.to_side(res)
+        self.be.put(self.dout, res)
         return self.out
 
     def _input_nonfinite(self):
@@ -428,11 +399,8 @@ class _HierCall(_sched.PendingCall):
         if self.fb is not None:
             self.fb.skipped_steps += 1
         if self.kind == "allreduce":
-            if self.dev:
-                self.be.fill_nan(self.dflat)
-                _cuda.sync()
-            else:
-                self.flat[...] = np.nan
+            self.be.fill_nan(self.side_flat)
+            self.be.sync()
             return self.buf
         lo, hi = self.bounds[self.lay.rank]
         return self._shard_result(np.full(hi - lo, np.nan, self.dtype))

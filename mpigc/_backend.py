@@ -19,7 +19,14 @@ import numpy as np
 from . import _cuda
 from ._errors import DTypeError, InvalidBufferError
 
-__all__ = ["HostBackend", "DeviceBackend"]
+__all__ = ["HostBackend", "DeviceBackend", "part"]
+
+
+def part(a, lo, hi):
+    """``a[lo:hi]`` of a 1-d array, or ``a`` itself when that is all of it: a
+    Numba device array's slice costs tens of microseconds of Python (a call
+    that is one chunk of whole shards would make several per call)."""
+    return a if lo == 0 and hi == a.shape[0] else a[lo:hi]
 
 
 class HostBackend:
@@ -177,7 +184,7 @@ class DeviceBackend:
 
     # -- arrays ----------------------------------------------------------------
     def empty(self, n, dtype):
-        return _cuda.empty(max(int(n), 1), dtype)[:n]
+        return part(_cuda.empty(max(int(n), 1), dtype), 0, int(n))
 
     def zeros(self, n, dtype):
         return _cuda.zeros(n, dtype)
@@ -218,12 +225,12 @@ class DeviceBackend:
             send = (0, a.size)
         if send is not None and send[1] > send[0]:
             lo, hi = send
-            _cuda.copy(w[lo:hi], a[lo:hi])
+            _cuda.copy(part(w, lo, hi), part(a, lo, hi))
         return w
 
     def stage(self, wire, a, lo, hi):
         if not self.aware.aware and hi > lo:
-            _cuda.copy(wire[lo:hi], a[lo:hi])
+            _cuda.copy(part(wire, lo, hi), part(a, lo, hi))
 
     def unstage(self, dst, wire):
         if not self.aware.aware and dst.size:

@@ -39,6 +39,7 @@ from mpi4py import MPI
 from . import _plan
 from . import _sched
 from . import _wire
+from ._backend import part
 
 __all__ = ["TwoPhase"]
 
@@ -143,7 +144,7 @@ class TwoPhase:
         op = self.call
         r, m = op.rank, self.psz[c][op.rank]
         if j == r:
-            return self.sendbuf[self.poff[c][r]:self.poff[c][r] + m]
+            return part(self.sendbuf, self.poff[c][r], self.poff[c][r] + m)
         if self.recvbuf is None:  # the payloads came with the rows
             return op.rows.payload(j)
         return self.recvbuf[self.rbase[c] + j * m:self.rbase[c] + (j + 1) * m]
@@ -160,22 +161,23 @@ class TwoPhase:
             c = self.c1
             a, b = self.cuts[c][r]
             m = self.psz[c][r]
-            acc = self.acc[a - lo_r:b - lo_r]
+            acc = part(self.acc, a - lo_r, b - lo_r)
             if op.be.batch_decode:
                 if not _sched.test([q for q in self.rreq1[c] if q is not None]):
                     return moved
                 base = self.rbase[c]
-                for j in range(size):
-                    if self.rreq1[c][j] is not None:
-                        self.rreq1[c][j] = None
-                        op.be.unstage(self.recvbuf[base + j * m:base + (j + 1) * m],
-                                        self.wire1[base + j * m:base + (j + 1) * m])
+                if any(q is not None for q in self.rreq1[c]):
+                    # every sender's piece off the wire in one copy (this
+                    # rank's slot too, which the assign below writes over)
+                    op.be.unstage(part(self.recvbuf, base, base + size * m),
+                                  part(self.wire1, base, base + size * m))
+                    self.rreq1[c] = [None] * size
                 if b > a:
                     # the own payload joins the received ones (m bytes apart),
                     # then one decode of all senders, summed in rank order
-                    op.be.assign(self.recvbuf[base + r * m:base + (r + 1) * m],
+                    op.be.assign(part(self.recvbuf, base + r * m, base + (r + 1) * m),
                                  self._piece1(c, r))
-                    op.comp._decode_shards(self.recvbuf[base:base + size * m], m, size,
+                    op.comp._decode_shards(part(self.recvbuf, base, base + size * m), m, size,
                                              (0, b - a), (0,), acc, False)
             else:
                 while self.src1 < size:
@@ -253,7 +255,7 @@ class TwoPhase:
         self.c2 += 1
         if b == a:
             return
-        acc = self.acc[a - lo:b - lo]
+        acc = part(self.acc, a - lo, b - lo)
         if op.gather == "exact":
             op.be.assign(op.flat[a:b], acc)
             isz = op.dtype.itemsize
@@ -263,13 +265,14 @@ class TwoPhase:
             src = self.recvbuf2
             e = eo = None
             if op.use_ef:
-                e, eo = op.txn.entry.owner[a - lo:b - lo], self.owner_out[a - lo:b - lo]
+                e, eo = (part(op.txn.entry.owner, a - lo, b - lo),
+                         part(self.owner_out, a - lo, b - lo))
             kw, bad = {"offset": a}, 0
             if op.comp.needs_global_scale:
                 amax, bound, bad = op.comp.local_scale(acc, e)
                 kw.update(scale=amax, clip_bound=bound, stream=op.stream(r, 1))
             x = acc if acc.dtype == op.wdtype else op.be.converted(acc, op.wdtype)
-            bad += op.comp._encode(x, e, eo, src[p:q], **kw)
+            bad += op.comp._encode(x, e, eo, part(src, p, q), **kw)
             if bad:
                 # a reduced value beyond the wire format (a sum beyond fp16's
                 # or float32's range): this piece arrives non-finite
@@ -324,6 +327,8 @@ class TwoPhase:
         device, decoded with the others once all are in)."""
         op = self.call
         self.left2 -= 1
+        if op.be.batch_decode:
+            return  # off the wire with the others (_unstage_gathered)
         c, j = self.meta2[i]
         a, b = self.cuts[c][j]
         if op.gather == "exact":
@@ -333,8 +338,16 @@ class TwoPhase:
             return
         o, m = self.plan.poff2[c][j], self.plan.psz2[c][j]
         op.be.unstage(self.recvbuf2[o:o + m], self.wire2[o:o + m])
-        if not op.be.batch_decode:
-            self._decode_piece(self.recvbuf2[o:o + m], a, b)
+        self._decode_piece(self.recvbuf2[o:o + m], a, b)
+
+    def _unstage_gathered(self):
+        """A device call's gathered pieces off the wire, in one copy: this
+        owner's own piece too, staged from the same bytes before it went out
+        (one chunk: the device calls are not pipelined)."""
+        op = self.call
+        if op.size > 1:
+            dst = op.flat.view(np.uint8) if op.gather == "exact" else self.recvbuf2
+            op.be.unstage(dst, self.wire2)
 
     def steps(self):
         """Steps of a compressed call. A progress step compresses at most one
@@ -368,9 +381,10 @@ class TwoPhase:
                 else:
                     over = self.c1 == nc
                 if over:
-                    if op.kind == "allreduce" and op.gather != "exact" \
-                            and op.be.batch_decode:
-                        self._decode_gathered()
+                    if op.kind == "allreduce" and op.be.batch_decode:
+                        self._unstage_gathered()
+                        if op.gather != "exact":
+                            self._decode_gathered()
                     # reduce_scatter after phase 1: only the sends are left,
                     # waited for like any step (a receiver that is waiting
                     # for an earlier call of this rank would never take them)

@@ -26,7 +26,7 @@ out = np.empty(c.payload_nbytes(n), np.uint8)
 
 def scratch_form():
     eo = np.empty_like(e)
-    c._encode(x, e, eo, out)
+    c.encode_into(x, e, eo, out)
     e[...] = eo
 
 

@@ -76,6 +76,8 @@ __all__ = ["start"]
 _CODE, _NBAD, _SCALE, _RANGE, _INLINE = _plan.CODE, _plan.NBAD, _plan.SCALE, _plan.RANGE, \
     _plan.INLINE
 _N, _DTYPE, _FP, _CHUNK = _plan.N, _plan.DTYPE, _plan.FP, _plan.CHUNK
+
+
 def _f64_bits(x):
     return struct.unpack("<q", struct.pack("<d", float(x)))[0]
 
@@ -198,8 +200,8 @@ class _Op(PendingCall):
         row[_N] = n
         row[_DTYPE] = _plan.DTYPE_CODE[dtype]
 
-        hit = _settings.settings_for(self.kind, dtype, self.size, op, params, key, average, gather,
-                           nonfinite, n, recvcounts)
+        hit = _settings.settings_for(self.kind, dtype, self.size, op, params, key, average,
+                                     gather, nonfinite, n, recvcounts)
         (self.comp, self.average, self.gather, self.nonfinite, self.bounds, self.key,
          self.plain, self.settings, row[_FP]) = hit
         comp, nonfinite = self.comp, self.nonfinite
@@ -286,8 +288,8 @@ class _Op(PendingCall):
         elif self.comp.prescales_average and self.average:
             kw = {"divisor": float(self.size)}
         # every shard in one call: one kernel launch on a GPU (the host loops)
-        nbad = self.comp._encode_shards(self.x, self.e_in, self.e_out, self.sendbuf,
-                                        self.starts(), plan.poff[0], **kw)
+        nbad = self.comp.encode_shards(self.x, self.e_in, self.e_out, self.sendbuf,
+                                       self.starts(), plan.poff[0], **kw)
         if row is not None:
             self.count_bad(row, nbad)
 
@@ -429,7 +431,7 @@ class _Op(PendingCall):
         """The plain sum is over (:mod:`mpigc._plainsum`): ``v`` holds it
         (allreduce: the buffer's values or a float32 copy; reduce_scatter:
         this rank's shard), ``sent`` bytes went out, in ``pieces`` MPI sums."""
-        self.trace._sum_pieces = pieces
+        self.trace.record(sum_pieces=pieces)
         if self.average:
             self.be.divide(v, self.size)
         self._done(v, sent)
@@ -497,7 +499,7 @@ class _Op(PendingCall):
         if not self._my_turn():
             yield _sched.Turn(self._my_turn)
         self.state = "agreed"
-        self.trace._agreement_done = True
+        self.trace.record(agreement_done=True)
         agreed = self._agreed()
         if agreed is None:  # failed: the error report is under way
             yield self.report.req
@@ -510,8 +512,7 @@ class _Op(PendingCall):
             self.commit()
         # the data travelled with the rows when every row says so
         inline = rows.sources is not None and bool(self.table[:, _INLINE].all())
-        self.trace._path = "plain" if self.plain else "two-phase"
-        self.trace._inline = inline
+        self.trace.record(path="plain" if self.plain else "two-phase", inline=inline)
         if self.plain:
             # the steps of the plain sum (here, not as a sub-generator:
             # small calls are made of such steps)
@@ -528,7 +529,7 @@ class _Op(PendingCall):
             return
         self.state = "phases"
         if self.chunks is not None:
-            self.trace._chunks = len(self.chunks)
+            self.trace.record(chunks=len(self.chunks))
             _wire.count("pipelined_calls")
         yield from _twophase.TwoPhase(self, inline).steps()
 

@@ -215,7 +215,6 @@ def _ranges(ranks):
     return ",".join(out)
 
 
-
 def internal_error(exc, comm, what):
     """An exception that is not an :class:`MpigcError` escaped call ``what``
     on this rank: a defect, a failed allocation, an MPI error, an interrupt.

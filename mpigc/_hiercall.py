@@ -170,7 +170,7 @@ class _HierCall(_sched.PendingCall):
         # the checks and settings of a flat call (raise DTypeError where there
         # are no CUDA kernels for a device array: reported on every rank)
         self.be, a, dtype = _settings.adopt_input(kind, self.buf,
-                                                    _comm.resolve(self.lay.comm))
+                                                  _comm.resolve(self.lay.comm))
         self.flat = self.side_flat = a.reshape(a.size)  # on the host: _prepare's end
         self.n = n = a.size
         self.dtype = dtype

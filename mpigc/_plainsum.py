@@ -58,7 +58,7 @@ class PlainSum:
         rank's, in place, and finish."""
         op = self.call
         peer = op.rows.payload(1 - op.rank)
-        _NONE._decode(peer, op.none_buf, True)
+        _NONE.decode_into(peer, op.none_buf, True)
         self.out = self.wire = op.none_buf
         self.finish()
 

@@ -41,6 +41,12 @@ class CallTrace:
     chunks = property(lambda self: self._chunks)
     sum_pieces = property(lambda self: self._sum_pieces)
 
+    def record(self, **fields):
+        """For the engine: set ``fields`` (by their public names) as the
+        call advances."""
+        for k, v in fields.items():
+            setattr(self, "_" + k, v)
+
     def __repr__(self):
         return (f"CallTrace(agreement_done={self._agreement_done}, path={self._path!r}, "
                 f"inline={self._inline}, chunks={self._chunks}, "

@@ -112,7 +112,7 @@ class TwoPhase:
                 if op.fill is not None:
                     op.fill(lo, hi)
                 o = self.poff[c][j]
-                self.nbad += op.comp._encode(
+                self.nbad += op.comp.encode_into(
                     x[lo:hi], None if ei is None else ei[lo:hi],
                     None if eo is None else eo[lo:hi],
                     self.sendbuf[o:o + self.psz[c][j]], **kw)
@@ -124,7 +124,7 @@ class TwoPhase:
             op.count_bad(row, self.nbad)
             for k in range(1, size):
                 op.sendreqs.append(comm.Isend(self.trail[r], dest=(r + k) % size,
-                                                tag=op.tags[2] + 1))
+                                              tag=op.tags[2] + 1))
 
     def _send_chunk(self, c):
         """Each of chunk ``c``'s packed pieces to its owner."""
@@ -177,8 +177,8 @@ class TwoPhase:
                     # then one decode of all senders, summed in rank order
                     op.be.assign(part(self.recvbuf, base + r * m, base + (r + 1) * m),
                                  self._piece1(c, r))
-                    op.comp._decode_shards(part(self.recvbuf, base, base + size * m), m, size,
-                                             (0, b - a), (0,), acc, False)
+                    op.comp.decode_shards(part(self.recvbuf, base, base + size * m), m, size,
+                                          (0, b - a), (0,), acc, False)
             else:
                 while self.src1 < size:
                     j = self.src1
@@ -188,7 +188,7 @@ class TwoPhase:
                             return moved
                         self.rreq1[c][j] = None
                     if b > a:
-                        op.comp._decode(self._piece1(c, j), acc, j > 0)
+                        op.comp.decode_into(self._piece1(c, j), acc, j > 0)
                     self.src1 += 1
                     moved = True
             if b > a and op.average and not op.comp.prescales_average:
@@ -272,18 +272,18 @@ class TwoPhase:
                 amax, bound, bad = op.comp.local_scale(acc, e)
                 kw.update(scale=amax, clip_bound=bound, stream=op.stream(r, 1))
             x = acc if acc.dtype == op.wdtype else op.be.converted(acc, op.wdtype)
-            bad += op.comp._encode(x, e, eo, part(src, p, q), **kw)
+            bad += op.comp.encode_into(x, e, eo, part(src, p, q), **kw)
             if bad:
                 # a reduced value beyond the wire format (a sum beyond fp16's
                 # or float32's range): this piece arrives non-finite
                 # everywhere, and the owner residual is kept whole
-                op.comp._mark_out_of_range(src[p:q], b - a)
+                op.comp.mark_out_of_range(src[p:q], b - a)
                 self.obad = True
         op.be.sync()
         op.be.stage(self.wire2, src, p, q)
         for k in range(1, size):
             op.sendreqs.append(_wire.post(comm.Isend, self.wire2[p:q], (r + k) % size,
-                                       op.tags[1]))
+                                          op.tags[1]))
         if op.gather != "exact" and not op.be.batch_decode:
             self._decode_piece(src[p:q], a, b)
 
@@ -294,10 +294,10 @@ class TwoPhase:
         target = op.flat[a:b]
         if target.dtype == np.float16:
             tmp = op.be.empty(b - a, np.float32)
-            op.comp._decode(payload, tmp, False)
+            op.comp.decode_into(payload, tmp, False)
             op.be.assign(target, tmp)
         else:
-            op.comp._decode(payload, target, False)
+            op.comp.decode_into(payload, target, False)
 
     def _decode_gathered(self):
         """Every shard of a device call's gather into place with one decode
@@ -306,10 +306,10 @@ class TwoPhase:
         starts, offs = op.starts(), tuple(self.plan.poff2[0])
         if op.flat.dtype == np.float16:
             tmp = op.be.empty(op.n, np.float32)
-            op.comp._decode_shards(self.recvbuf2, 0, 1, starts, offs, tmp, False)
+            op.comp.decode_shards(self.recvbuf2, 0, 1, starts, offs, tmp, False)
             op.be.assign(op.flat, tmp)
         else:
-            op.comp._decode_shards(self.recvbuf2, 0, 1, starts, offs, op.flat, False)
+            op.comp.decode_shards(self.recvbuf2, 0, 1, starts, offs, op.flat, False)
 
     def _arrived_gather(self):
         """Phase 2's pieces that are in: into place. True if any was. Only
@@ -334,7 +334,7 @@ class TwoPhase:
         if op.gather == "exact":
             isz = op.dtype.itemsize
             op.be.unstage(op.flat.view(np.uint8)[a * isz:b * isz],
-                            self.wire2[a * isz:b * isz])
+                          self.wire2[a * isz:b * isz])
             return
         o, m = self.plan.poff2[c][j], self.plan.psz2[c][j]
         op.be.unstage(self.recvbuf2[o:o + m], self.wire2[o:o + m])

@@ -189,41 +189,41 @@ class Compressor:
         only for ``none``)."""
         raise NotImplementedError
 
-    def _encode(self, x, e_in, e_out, payload, *, scale=None, stream=0, offset=0,
-                divisor=1.0):
+    def encode_into(self, x, e_in, e_out, payload, *, scale=None, stream=0, offset=0,
+                    divisor=1.0):
         """Pack ``x + e_in`` into ``payload`` (exactly ``payload_nbytes``
         bytes), residual to ``e_out``. Return the non-finite count."""
         raise NotImplementedError
 
-    def _decode(self, payload, out, accumulate):
+    def decode_into(self, payload, out, accumulate):
         """Decode ``out.size`` values from ``payload`` into (or onto) ``out``."""
-        return self._decode_shards(payload, 0, 1, (0, out.size), (0,), out, accumulate)
+        return self.decode_shards(payload, 0, 1, (0, out.size), (0,), out, accumulate)
 
-    def _encode_shards(self, x, e_in, e_out, payload, starts, offs, *, offset=0, **kw):
-        """:meth:`_encode` of every shard ``x[starts[j]:starts[j + 1]]`` into
+    def encode_shards(self, x, e_in, e_out, payload, starts, offs, *, offset=0, **kw):
+        """:meth:`encode_into` of every shard ``x[starts[j]:starts[j + 1]]`` into
         ``payload[offs[j]:]`` (``starts``, ``offs``: tuples of ints); element
         i of ``x`` has global index ``offset + i``. Returns the total bad
         count. The built-in compressors hand all shards to one kernel call
-        (one launch on a GPU); this default loops over :meth:`_encode`."""
+        (one launch on a GPU); this default loops over :meth:`encode_into`."""
         nbad = 0
         for j in range(len(starts) - 1):
             lo, hi = starts[j], starts[j + 1]
             if hi > lo:
-                nbad += self._encode(x[lo:hi], None if e_in is None else e_in[lo:hi],
-                                     None if e_out is None else e_out[lo:hi],
-                                     payload[offs[j]:offs[j] + self.payload_nbytes(hi - lo,
-                                                                                    x.dtype)],
-                                     offset=offset + lo, **kw)
+                nbad += self.encode_into(
+                    x[lo:hi], None if e_in is None else e_in[lo:hi],
+                    None if e_out is None else e_out[lo:hi],
+                    payload[offs[j]:offs[j] + self.payload_nbytes(hi - lo, x.dtype)],
+                    offset=offset + lo, **kw)
         return nbad
 
-    def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
+    def decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
         """Decode shard j of ``nsrc`` payloads (sender s's at ``payload[s *
         stride + offs[j]:]``) onto ``out[starts[j]:starts[j + 1]]``: sender 0
         written (added when ``accumulate``), the others added, in order."""
         raise NotImplementedError
 
-    def _mark_out_of_range(self, payload, n):
-        """Make the payload of ``n`` values, which ``_encode`` counted as not
+    def mark_out_of_range(self, payload, n):
+        """Make the payload of ``n`` values, which ``encode_into`` counted as not
         fitting the wire format, decode visibly non-finite. fp16's and bf16's
         inf values and 1bit's inf means do that by themselves, so by default
         nothing changes."""
@@ -276,14 +276,14 @@ class Compressor:
         if check_finite:
             # pass 1 writes no residual (e_out None): a non-finite value raises
             # with ``residual`` untouched, and no scratch residual is allocated
-            nbad = self._encode(xf, e, None, out, **kw)
+            nbad = self.encode_into(xf, e, None, out, **kw)
             if nbad:
                 raise NonFiniteError(f"x holds {nbad} value(s) that are NaN or Inf, or would "
                                      f"be on the wire (beyond the {self.codec_id} range); "
                                      "residual unchanged")
             if e is None:
                 return out
-        self._encode(xf, e, e, out, **kw)  # in place (deterministic: the same payload)
+        self.encode_into(xf, e, e, out, **kw)  # in place (deterministic: the same payload)
         return out
 
     def decompress(self, payload, n, out=None, *, accumulate=False, dtype=np.float32):
@@ -309,10 +309,10 @@ class Compressor:
                                      f"got {payload.size}")
         if of.dtype == np.float16:
             tmp = of.astype(np.float32) if accumulate else np.empty(n, np.float32)
-            self._decode(payload, tmp, accumulate)
+            self.decode_into(payload, tmp, accumulate)
             of[...] = tmp
         else:
-            self._decode(payload, of, accumulate)
+            self.decode_into(payload, of, accumulate)
         return out
 
 
@@ -328,27 +328,27 @@ class NoCompression(Compressor):
     def payload_nbytes(self, n, dtype=np.float32):
         return int(n) * np.dtype(dtype).itemsize
 
-    def _encode(self, x, e_in, e_out, payload, **kw):
+    def encode_into(self, x, e_in, e_out, payload, **kw):
         v = x if e_in is None else x + e_in
         payload[...] = v.view(np.uint8)
         if e_out is not None:
             e_out[...] = 0
         return _dispatch.kernels(x).count_nonfinite(v)
 
-    def _decode(self, payload, out, accumulate):
+    def decode_into(self, payload, out, accumulate):
         v = payload.view(out.dtype)
         if accumulate:
             out += v
         else:
             out[...] = v
 
-    def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
+    def decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
         isz = np.dtype(out.dtype).itemsize
         for j in range(len(starts) - 1):
             lo, hi = starts[j], starts[j + 1]
             for s in range(nsrc if hi > lo else 0):
                 b = s * stride + offs[j]
-                self._decode(payload[b:b + isz * (hi - lo)], out[lo:hi], accumulate or s > 0)
+                self.decode_into(payload[b:b + isz * (hi - lo)], out[lo:hi], accumulate or s > 0)
 
 
 class _TwoByte(Compressor):
@@ -365,18 +365,18 @@ class _TwoByte(Compressor):
     def payload_nbytes(self, n, dtype=np.float32):
         return 2 * int(n)
 
-    def _encode(self, x, e_in, e_out, payload, *, divisor=1.0, **kw):
+    def encode_into(self, x, e_in, e_out, payload, *, divisor=1.0, **kw):
         pack = getattr(_dispatch.kernels(x), "pack_" + self._kernel)
         return pack(x, e_in, e_out, payload.view(np.uint16), divisor)
 
-    def _encode_shards(self, x, e_in, e_out, payload, starts, offs, *, divisor=1.0, **kw):
+    def encode_shards(self, x, e_in, e_out, payload, starts, offs, *, divisor=1.0, **kw):
         # the payloads of contiguous shards are the values, contiguous: one call
         lo, hi = starts[0], starts[-1]
-        return self._encode(x[lo:hi], None if e_in is None else e_in[lo:hi],
-                            None if e_out is None else e_out[lo:hi],
-                            payload[offs[0]:offs[0] + 2 * (hi - lo)], divisor=divisor)
+        return self.encode_into(x[lo:hi], None if e_in is None else e_in[lo:hi],
+                                None if e_out is None else e_out[lo:hi],
+                                payload[offs[0]:offs[0] + 2 * (hi - lo)], divisor=divisor)
 
-    def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
+    def decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
         unpack = getattr(_dispatch.kernels(out), f"unpack_{self._kernel}_shards")
         unpack(payload, stride, nsrc, starts, offs, out, accumulate)
 
@@ -524,10 +524,10 @@ class TwoBit(Compressor):
             return (int(n) + 3) // 4 + 4 * self._nblocks(n)
         return (int(n) + 3) // 4
 
-    def _encode(self, x, e_in, e_out, payload, **kw):
-        return self._encode_shards(x, e_in, e_out, payload, (0, x.size), (0,), **kw)
+    def encode_into(self, x, e_in, e_out, payload, **kw):
+        return self.encode_shards(x, e_in, e_out, payload, (0, x.size), (0,), **kw)
 
-    def _encode_shards(self, x, e_in, e_out, payload, starts, offs, **kw):
+    def encode_shards(self, x, e_in, e_out, payload, starts, offs, **kw):
         k = _dispatch.kernels(x)
         if not self.relative:
             return k.pack_2bit_shards(x, e_in, e_out, payload, starts, offs, self.threshold)
@@ -535,7 +535,7 @@ class TwoBit(Compressor):
         return k.pack_2bit_rel_shards(x, e_in, e_out, payload, starts, offs,
                                       self.rel_threshold, self.block_size)
 
-    def _mark_out_of_range(self, payload, n):
+    def mark_out_of_range(self, payload, n):
         """Relative mode: a block whose threshold overflows selects nothing
         and would decode to 0, so every code becomes ``11`` and every
         magnitude NaN: the payload decodes to NaN. (The absolute mode sends
@@ -546,7 +546,7 @@ class TwoBit(Compressor):
         nan = np.full(self._nblocks(n), np.nan, "<f4").view(np.uint8)
         _dispatch.put_bytes(payload, np.concatenate([np.full(nb, 0xFF, np.uint8), nan]))
 
-    def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
+    def decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
         k = _dispatch.kernels(out)
         if not self.relative:
             k.unpack_2bit_shards(payload, stride, nsrc, starts, offs, out, self.threshold,
@@ -586,15 +586,15 @@ class OneBit(Compressor):
     def payload_nbytes(self, n, dtype=np.float32):
         return (int(n) + 7) // 8 + 8 * self._nblocks(n)
 
-    def _encode(self, x, e_in, e_out, payload, **kw):
-        return self._encode_shards(x, e_in, e_out, payload, (0, x.size), (0,), **kw)
+    def encode_into(self, x, e_in, e_out, payload, **kw):
+        return self.encode_shards(x, e_in, e_out, payload, (0, x.size), (0,), **kw)
 
-    def _encode_shards(self, x, e_in, e_out, payload, starts, offs, **kw):
+    def encode_shards(self, x, e_in, e_out, payload, starts, offs, **kw):
         # bits, then the pairs (little-endian float32) per shard
         return _dispatch.kernels(x).pack_1bit_shards(x, e_in, e_out, payload, starts, offs,
                                                      self.block_size)
 
-    def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
+    def decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
         _dispatch.kernels(out).unpack_1bit_shards(payload, stride, nsrc, starts, offs, out,
                                                   self.block_size, accumulate)
 
@@ -653,11 +653,11 @@ class TernGrad(Compressor):
                 nbad = int(not np.isfinite(np.float32(amax)))
         return amax, bound, nbad
 
-    def _encode(self, x, e_in, e_out, payload, **kw):
-        return self._encode_shards(x, e_in, e_out, payload, (0, x.size), (0,), **kw)
+    def encode_into(self, x, e_in, e_out, payload, **kw):
+        return self.encode_shards(x, e_in, e_out, payload, (0, x.size), (0,), **kw)
 
-    def _encode_shards(self, x, e_in, e_out, payload, starts, offs, *, scale=None, stream=0,
-                       offset=0, clip_bound=None, **kw):
+    def encode_shards(self, x, e_in, e_out, payload, starts, offs, *, scale=None, stream=0,
+                      offset=0, clip_bound=None, **kw):
         if x.size == 0:
             return 0
         nbad = 0
@@ -672,15 +672,15 @@ class TernGrad(Compressor):
             x, e_in, e_out, payload, starts, offs, s32, clip_bound, stream, offset)
         return max(nbad, nbad_pack)
 
-    def _mark_out_of_range(self, payload, n):
+    def mark_out_of_range(self, payload, n):
         """Every code ``11`` and the scale NaN: the payload decodes to NaN (an
         owner's sum that is NaN would otherwise get scale 0 and decode to 0)."""
         if n == 0:
             return
         nb = (n + 3) // 4
         _dispatch.put_bytes(payload, np.concatenate([np.full(nb, 0xFF, np.uint8),
-                                            np.array([np.nan], "<f4").view(np.uint8)]))
+                                                     np.array([np.nan], "<f4").view(np.uint8)]))
 
-    def _decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
+    def decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
         _dispatch.kernels(out).unpack_ternary_shards(payload, stride, nsrc, starts, offs, out,
                                                      accumulate)

@@ -300,8 +300,9 @@ def _meta_crc(meta):
     return zlib.crc32(json.dumps(m, sort_keys=True, separators=(",", ":")).encode())
 
 
-def _hier_groups(entries):
-    """``{(key, L, n): {slice: entry}}``: the hierarchical residuals among
+def hier_groups(entries):
+    """For mpigc's own modules (checkpoints, mpigc.torch's state records):
+    ``{(key, L, n): {slice: entry}}``: the hierarchical residuals among
     ``entries`` (``{key: entry}``), grouped by the user's key and layout."""
     hier = {}
     for k, e in entries.items():
@@ -311,8 +312,8 @@ def _hier_groups(entries):
     return hier
 
 
-def _hier_rows(c, hier):
-    """``{(key, L, n): (dtype name, config json, calls)}`` of every
+def hier_rows(c, hier):
+    """For mpigc's own modules: ``{(key, L, n): (dtype name, config json, calls)}`` of every
     hierarchical key held by any rank (collective), and ``hier`` completed
     with an empty ``{}`` for those this rank holds no slice of (a buffer of
     fewer elements than slices leaves some ranks without one). Raises on
@@ -340,10 +341,10 @@ def _hier_rows(c, hier):
     return rows
 
 
-def _hier_to_flat(c, lay, hier, rows, size, rank):
+def hier_to_flat(c, lay, hier, rows, size, rank):
     """``{key@hier: _Entry}``: each hierarchical key's residuals of this rank
     in the flat layout of the communicator (collective; ``hier`` and ``rows``
-    from :func:`_hier_rows`; see ``mpigc._hierarchy.to_flat_form``)."""
+    from :func:`hier_rows`; see ``mpigc._hierarchy.to_flat_form``)."""
     flags = []
     for (b, L, n), ents in sorted(hier.items()):
         flags.append([int(any(e.worker is not None for e in ents.values())),
@@ -445,8 +446,8 @@ def _saved_hierarchy(meta, comm, skip=()):
         "hierarchy=)) the value the collectives are called with")
 
 
-def _to_layout(c, comm, entries, mode):
-    """The loaded entries (flat layout) in the form the collectives will use
+def to_layout(c, comm, entries, mode):
+    """For mpigc's own modules: the loaded entries (flat layout) in the form the collectives will use
     on ``comm`` with ``hierarchy=mode``: hierarchical residuals (keys
     ``key@hier[...]``) where that is hierarchical, flat ones (``key``)
     otherwise (collective)."""
@@ -550,7 +551,7 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None,
             raise ConfigError(f"step: expected an int or None, got {step!r}")
         check_hierarchy_mode(hierarchy)
         held = fb.hold_entries()
-        hier = _hier_groups(held)
+        hier = hier_groups(held)
         for key in sorted(held):
             e = held[key]
             if _hierarchy.parse_slice_key(key) is not None:
@@ -561,7 +562,7 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None,
                     f"this is rank {rank} of {size}: save with the communicator the key "
                     "was used on")
             rows.append((key, *_layout_of(e)))
-        for b, _, _ in hier:  # several layouts of one key: _hier_rows, on every rank
+        for b, _, _ in hier:  # several layouts of one key: hier_rows, on every rank
             if b + HIER_SUFFIX in held:
                 raise StateError(f"key {b!r} clashes with the row of its hierarchical "
                                  f"residuals ({b + HIER_SUFFIX!r} is a key too)")
@@ -571,7 +572,7 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None,
     extra = {}
     try:
         _agree(c, exc, "save_checkpoint")
-        hrows = _hier_rows(c, hier)
+        hrows = hier_rows(c, hier)
         for (b, L, n), (dtype, config, calls) in sorted(hrows.items()):
             rows.append((b + HIER_SUFFIX, n, dtype, config, calls))
         digests = c.allgather((_digest(rows), len(rows), hierarchy))
@@ -587,7 +588,7 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None,
             # every rank has the same rows: the hierarchical residuals go to the
             # flat layout (collective), with the node layout recorded
             lay = _hierarchy.layout(comm)
-            held.update(_hier_to_flat(c, lay, hier, hrows, size, rank))
+            held.update(hier_to_flat(c, lay, hier, hrows, size, rank))
             extra["hierarchy"] = json.dumps(lay.describe(), sort_keys=True)
         # rank 0 makes the directory for this save's data
         exc = None
@@ -1036,7 +1037,7 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
     except Exception as e:  # noqa: BLE001
         exc = e if isinstance(e, MpigcError) else CheckpointError(f"{type(e).__name__}: {e}")
     _agree(c, exc, "load_checkpoint")
-    entries = _to_layout(c, comm, entries, hierarchy)
+    entries = to_layout(c, comm, entries, hierarchy)
     exc = None
     try:
         fb.replace_entries(entries)

@@ -239,10 +239,10 @@ def hier_to_flat(c, lay, fbs, size, rank):
     from .. import checkpoint
     tmp = ErrorFeedback()
     tmp.load_state_dict(fbs)
-    hier = checkpoint._hier_groups(tmp.entries())
-    rows = checkpoint._hier_rows(c, hier)
+    hier = checkpoint.hier_groups(tmp.entries())
+    rows = checkpoint.hier_rows(c, hier)
     out = dict(fbs)
-    for k, e in checkpoint._hier_to_flat(c, lay, hier, rows, size, rank).items():
+    for k, e in checkpoint.hier_to_flat(c, lay, hier, rows, size, rank).items():
         out[k[:-len(checkpoint.HIER_SUFFIX)]] = {
             "worker": e.worker, "owner": e.owner, "config": e.config, "calls": e.calls,
             "world_size": size, "rank": rank, "n": e.n, "dtype": e.dtype.name}
@@ -267,4 +267,4 @@ def flat_to_hier(c, comm, new, hierarchy, who):
         exc = StateError(f"{who}: ranks' states cover different buckets (" + "; ".join(
             f"rank {r}: {len(k)} bucket(s)" for r, k in enumerate(keys)) + ")")
     raise_everywhere(c, exc, who)
-    return checkpoint._to_layout(c, comm, tmp.entries(), hierarchy)
+    return checkpoint.to_layout(c, comm, tmp.entries(), hierarchy)

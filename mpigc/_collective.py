@@ -431,7 +431,7 @@ class _Op(PendingCall):
         """The plain sum is over (:mod:`mpigc._plainsum`): ``v`` holds it
         (allreduce: the buffer's values or a float32 copy; reduce_scatter:
         this rank's shard), ``sent`` bytes went out, in ``pieces`` MPI sums."""
-        self.trace.record(sum_pieces=pieces)
+        self.trace.summed(pieces)
         if self.average:
             self.be.divide(v, self.size)
         self._done(v, sent)
@@ -499,7 +499,7 @@ class _Op(PendingCall):
         if not self._my_turn():
             yield _sched.Turn(self._my_turn)
         self.state = "agreed"
-        self.trace.record(agreement_done=True)
+        self.trace.agreed()
         agreed = self._agreed()
         if agreed is None:  # failed: the error report is under way
             yield self.report.req
@@ -512,7 +512,7 @@ class _Op(PendingCall):
             self.commit()
         # the data travelled with the rows when every row says so
         inline = rows.sources is not None and bool(self.table[:, _INLINE].all())
-        self.trace.record(path="plain" if self.plain else "two-phase", inline=inline)
+        self.trace.went("plain" if self.plain else "two-phase", inline)
         if self.plain:
             # the steps of the plain sum (here, not as a sub-generator:
             # small calls are made of such steps)
@@ -529,7 +529,7 @@ class _Op(PendingCall):
             return
         self.state = "phases"
         if self.chunks is not None:
-            self.trace.record(chunks=len(self.chunks))
+            self.trace.pipelined(len(self.chunks))
             _wire.count("pipelined_calls")
         yield from _twophase.TwoPhase(self, inline).steps()
 

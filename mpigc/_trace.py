@@ -41,11 +41,18 @@ class CallTrace:
     chunks = property(lambda self: self._chunks)
     sum_pieces = property(lambda self: self._sum_pieces)
 
-    def record(self, **fields):
-        """For the engine: set ``fields`` (by their public names) as the
-        call advances."""
-        for k, v in fields.items():
-            setattr(self, "_" + k, v)
+    # for the engine, as the call advances (positional: a small call's hot path)
+    def agreed(self):
+        self._agreement_done = True
+
+    def went(self, path, inline):
+        self._path, self._inline = path, inline
+
+    def pipelined(self, chunks):
+        self._chunks = chunks
+
+    def summed(self, pieces):
+        self._sum_pieces = pieces
 
     def __repr__(self):
         return (f"CallTrace(agreement_done={self._agreement_done}, path={self._path!r}, "

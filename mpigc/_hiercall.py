@@ -120,8 +120,9 @@ class _HierCall(_sched.PendingCall):
         node rank with the same valid input does the same, at the same call.
         Meanwhile every other pending call advances (a peer may be waiting
         for one of them before it starts this call), and this call's own
-        steps wait: none of them runs before the window has grown. The rest
-        of the call is progressed from the queue."""
+        steps wait: none of them runs before the window has grown. The window
+        grows outside the engine lock (a blocking collective on the node). The
+        rest of the call is progressed from the queue."""
         lay = self.lay
         lay.ready_for_calls()
         row = _plan.new_row()
@@ -151,9 +152,21 @@ class _HierCall(_sched.PendingCall):
                         if op.cs is lay:
                             _sched.complete(op)
                     self._await_rows()
-                    if self._verdict().kind == "go":
-                        lay.shared(self.need)  # every node rank, at this call
-                finally:
+                    grow = self._verdict().kind == "go"
+                except BaseException:
+                    self.running = False
+                    raise
+                self.running = grow
+        if grow:
+            # every node rank, at this call; outside the lock, as it blocks in
+            # MPI: a rank's other user thread may need the lock to start the
+            # call that a peer's other thread waits for before it comes here
+            # (the model checker's two-thread hierarchical scenarios, seed 30
+            # at 2 ranks, hung with the window grown under the lock)
+            try:
+                lay.shared(self.need)
+            finally:
+                with _sched.lock:
                     self.running = False
 
     def _await_rows(self):

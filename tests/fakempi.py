@@ -23,9 +23,14 @@ What it models, as strictly as MPI allows:
   rank has started them, blocking ones wait for that; sums add in rank
   order;
 - communicators: ``Dup``, ``Split`` (``UNDEFINED``: ``COMM_NULL``),
-  ``Split_type`` (every rank on one node), attributes; ``Query_thread`` is
-  ``THREAD_SERIALIZED``, so the engine runs no progress thread and no
-  reduction thread (the checker's programs call ``test()`` instead);
+  ``Split_type`` (every rank on one node), attributes;
+- threads: ``Query_thread`` gives the run's level (``THREAD_SERIALIZED``
+  by default: the engine then starts no thread, and the checker's programs
+  call ``test()`` instead). At ``THREAD_MULTIPLE``, an engine copy made with
+  :func:`threading_module` (and :func:`time_module`) has locks, conditions,
+  events, sleeps and threads whose every blocking step is a point of the
+  schedule: its progress and reduction threads, and a rank's second user
+  thread (:meth:`World.spawn`), are interleaved like ranks;
 - what hierarchical calls add: pickled ``allgather``, ``allreduce``,
   ``bcast``, ``alltoall``; ``Alltoallv`` and ``Ialltoallv`` (counts in
   elements of the buffer's dtype, or of a given datatype); shared-memory
@@ -65,14 +70,16 @@ class RunFailed(Exception):
 
 
 class _Thread:
-    __slots__ = ("name", "ready", "done", "ident", "error")
+    __slots__ = ("name", "ready", "done", "ident", "error", "rank", "daemon")
 
-    def __init__(self, name):
+    def __init__(self, name, rank, daemon=False):
         self.name = name
         self.ready = None  # None: runnable; else a predicate
         self.done = False
         self.ident = None
         self.error = None
+        self.rank = rank
+        self.daemon = daemon  # the run ends without it (it unwinds)
 
 
 _current = threading.local()  # the World of the running simulated thread
@@ -92,8 +99,13 @@ class World:
 
     SPIN = 50  # a systematic run's running thread that polls this long yields
 
-    def __init__(self, size, seed, max_steps=200_000, idle_steps=20_000, choices=None):
+    def __init__(self, size, seed, max_steps=200_000, idle_steps=20_000, choices=None,
+                 thread_level=THREAD_SERIALIZED):
         self.size = size
+        # what Query_thread gives: THREAD_MULTIPLE lets the engine start its
+        # threads (engine copies made with threads=True: :func:`threading_module`)
+        self.thread_level = thread_level
+        self.over = False  # every rank's program has returned: daemons unwind
         # choices: the decisions of a systematic run (see _pick); None: random
         self.choices = choices
         self.decisions = []
@@ -104,6 +116,7 @@ class World:
         self.max_steps = max_steps
         self.cv = threading.Condition()
         self.threads = []
+        self._joined = {}  # spawned thread: its OS thread
         self.turn = None
         self.failed = None
         self.steps = 0
@@ -138,8 +151,10 @@ class World:
                        "ranks that run only poll")
             return
         live = [t for t in self.threads if not t.done]
-        if not live:
+        if not any(not t.daemon for t in live):
+            self.over = self.over or bool(live)  # the engine's daemon threads unwind
             self.turn = None
+            self.cv.notify_all()
             return
         ok = [t for t in live if t.ready is None or t.ready()]
         if not ok:
@@ -168,7 +183,7 @@ class World:
         self.cv.notify_all()
 
     def _fail(self, kind, why):
-        if self.failed is None:
+        if self.failed is None and not self.over:  # (over: a daemon's unwinding)
             frames = sys._current_frames()
             stacks = []
             for t in self.threads:
@@ -191,9 +206,9 @@ class World:
                 raise Unwind()
             me.ready = ready
             self._pick(me)
-            while self.turn is not me and not self.failed:
+            while self.turn is not me and not self.failed and not self.over:
                 self.cv.wait()
-            if self.failed:
+            if self.failed or self.over:
                 raise Unwind()
             me.ready = None
 
@@ -207,34 +222,17 @@ class World:
         r's program runs in the same thread in every run (:func:`_worker`),
         as a rank's user thread would: the engine notes which threads call it."""
         results = [None] * len(programs)
-        self.threads = [_Thread(f"rank {r}") for r in range(len(programs))]
+        self.threads = [_Thread(f"rank {r}", r) for r in range(len(programs))]
         finished = threading.Semaphore(0)
 
-        def body(r, t, fn):
-            _current.world, _current.thread, _current.rank = self, t, r
-            with self.cv:
-                t.ident = threading.get_ident()
-                self.cv.notify_all()
-                while self.turn is not t and not self.failed:
-                    self.cv.wait()
-            try:
-                if not self.failed:
-                    results[r] = fn()
-            except Unwind:
-                pass
-            except BaseException as e:  # noqa: BLE001 - the run's error
-                t.error = e
-            finally:
-                _current.world = _current.thread = None
-                with self.cv:
-                    t.done = True
-                    if self.turn is t or self.turn is None:
-                        self._pick()
-                    self.cv.notify_all()
-                finished.release()
+        def main(r, t, fn):
+            def program():
+                results[r] = fn()
+            self._body(t, program)
+            finished.release()
 
         for r, (t, fn) in enumerate(zip(self.threads, programs)):
-            _worker(r).put((body, (r, t, fn)))
+            _worker(r).put((main, (r, t, fn)))
         with self.cv:
             while any(t.ident is None for t in self.threads):
                 self.cv.wait(0.01)
@@ -244,6 +242,8 @@ class World:
                 with self.cv:
                     self._fail("stuck", "a simulated thread blocked outside the fake MPI")
                 raise RunFailed(*self.failed)
+        for t in self.threads[len(programs):]:  # the engine's threads: unwound
+            self._joined[t].join(timeout)
         if self.failed:
             raise RunFailed(*self.failed)
         for t in self.threads:
@@ -251,13 +251,58 @@ class World:
                 raise t.error
         return results
 
+    def _body(self, t, fn):
+        """Run ``fn`` as the simulated thread ``t`` (in the calling OS thread)."""
+        _current.world, _current.thread, _current.rank = self, t, t.rank
+        with self.cv:
+            t.ident = threading.get_ident()
+            self.cv.notify_all()
+            while self.turn is not t and not self.failed and not self.over:
+                self.cv.wait()
+        try:
+            if not self.failed and not self.over:
+                fn()
+        except Unwind:
+            pass
+        except BaseException as e:  # noqa: BLE001 - the run's error
+            t.error = e
+        finally:
+            _current.world = _current.thread = None
+            with self.cv:
+                t.done = True
+                if self.turn is t or self.turn is None:
+                    self._pick()
+                self.cv.notify_all()
+
+    def spawn(self, fn, name, daemon=False):
+        """Start ``fn`` as a new simulated thread of the running rank (an
+        OS thread of its own, run one at a time like every other); returns
+        its :class:`_Thread`. A daemon does not keep the run going: once
+        every non-daemon thread has ended, it unwinds at its next point."""
+        me = self._me()
+        t = _Thread(f"{me.name.split('/')[0]}/{name}", me.rank, daemon)
+        with self.cv:
+            self.threads.append(t)
+        os_thread = threading.Thread(target=self._body, args=(t, fn), daemon=True,
+                                     name=f"sim-{t.name}")
+        self._joined[t] = os_thread
+        os_thread.start()
+        with self.cv:
+            while t.ident is None:
+                self.cv.wait(0.01)
+        self.point()  # the new thread may run first
+        return t
+
+    def join(self, t):
+        """The running thread waits until the simulated thread ``t`` ends."""
+        self.point(lambda: t.done)
+
     def new_ctx(self, ranks):
         self._next_ctx += 1
         ctx = _Ctx(self._next_ctx, ranks)
         if self.world_ctx is None:
             self.world_ctx = ctx
         return ctx
-
 
 
 def rank():
@@ -854,7 +899,8 @@ def Is_finalized():
 
 
 def Query_thread():
-    return THREAD_SERIALIZED
+    w = getattr(_current, "world", None)
+    return THREAD_SERIALIZED if w is None else w.thread_level
 
 
 def module():
@@ -884,3 +930,184 @@ class _WorldComm:
 def world_comm(ctx):
     """The running rank's handle of the communicator ``ctx``."""
     return Intracomm(ctx, rank())
+
+
+# -- threads -------------------------------------------------------------------------
+# What an engine copy made with threads (model_check.engine(threads=True)) has
+# for ``threading``, ``time`` and ``atexit``: locks, conditions, events and
+# threads whose every blocking step is a point of the run's schedule, so that
+# the engine's progress and reduction threads and a rank's second user thread
+# are interleaved like ranks. A condition or event waited for with a timeout
+# may wake at any point (as if the time had passed); time is the run's step
+# count (a run replays whatever the machine's speed); ``sleep`` is a point.
+# Outside a run (the copy's import) they do nothing.
+
+def _running():
+    return getattr(_current, "world", None)
+
+
+class _Lock:
+    def __init__(self, reentrant=False):
+        self.owner = None
+        self.count = 0
+        self.reentrant = reentrant
+
+    def _free_for(self, me):
+        return self.owner is None or (self.reentrant and self.owner is me)
+
+    def acquire(self, blocking=True, timeout=-1):
+        w = _running()
+        if w is None:
+            return True
+        me = w._me()
+        if not blocking and not self._free_for(me):
+            w.point()
+            return False
+        w.point(lambda: self._free_for(me))
+        self.owner = me
+        self.count += 1
+        return True
+
+    def release(self):
+        if _running() is None:
+            return
+        if self.owner is not _running()._me():
+            raise RuntimeError("release of a lock this thread does not hold")
+        self.count -= 1
+        if self.count == 0:
+            self.owner = None
+
+    def __enter__(self):
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+
+class _Condition:
+    def __init__(self, lock=None):
+        self.lock = lock if lock is not None else _Lock(True)
+        self.waiters = []
+
+    def acquire(self, *args):
+        return self.lock.acquire(*args)
+
+    def release(self):
+        self.lock.release()
+
+    def __enter__(self):
+        self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc):
+        self.lock.release()
+
+    def wait(self, timeout=None):
+        """True when notified; False when it woke as if timed out."""
+        w = _running()
+        if w is None:
+            return False
+        me, lk = w._me(), self.lock
+        if lk.owner is not me:
+            raise RuntimeError("wait on a condition whose lock this thread does not hold")
+        count, lk.owner, lk.count = lk.count, None, 0
+        token = [False]
+        self.waiters.append(token)
+        try:
+            w.point(lambda: (token[0] or timeout is not None) and lk._free_for(me))
+        finally:  # held again (when unwinding too: the caller's ``with`` releases it)
+            if token in self.waiters:
+                self.waiters.remove(token)
+            lk.owner, lk.count = me, count
+        return token[0]
+
+    def notify(self, n=1):
+        for token in self.waiters[:n]:
+            token[0] = True
+        del self.waiters[:n]
+
+    def notify_all(self):
+        self.notify(len(self.waiters))
+
+
+class _Event:
+    def __init__(self):
+        self.flag = False
+
+    def set(self):
+        self.flag = True
+
+    def clear(self):
+        self.flag = False
+
+    def is_set(self):
+        # a point: a thread that polls another's event (without MPI) lets it run
+        w = _running()
+        if w is not None:
+            w.point()
+        return self.flag
+
+    def wait(self, timeout=None):
+        w = _running()
+        if w is not None and not self.flag:
+            w.point(lambda: self.flag or timeout is not None)
+        return self.flag
+
+
+class _SimThread:
+    def __init__(self, group=None, target=None, name=None, args=(), kwargs=None, *,
+                 daemon=None):
+        self.target, self.args, self.kwargs = target, args, kwargs or {}
+        self.name, self.daemon = name or "thread", bool(daemon)
+        self.sim = None
+
+    def start(self):
+        self.sim = world().spawn(lambda: self.target(*self.args, **self.kwargs), self.name,
+                                 self.daemon)
+
+    def is_alive(self):
+        return self.sim is not None and not self.sim.done
+
+    def join(self, timeout=None):
+        w = _running()
+        if w is not None and self.sim is not None:
+            w.join(self.sim)
+
+
+def _sleep(seconds):
+    w = _running()
+    if w is not None:
+        w.point()
+
+
+def _clock():
+    w = _running()
+    return w.steps * 1e-6 if w is not None else 0.0
+
+
+def threading_module():
+    """``threading`` for an engine copy (see above)."""
+    m = types.ModuleType("threading")
+    m.Lock = _Lock
+    m.RLock = lambda: _Lock(True)
+    m.Condition, m.Event, m.Thread = _Condition, _Event, _SimThread
+    m.local, m.get_ident = threading.local, threading.get_ident
+    return m
+
+
+def time_module():
+    """``time`` for an engine copy: the run's steps for its clock."""
+    m = types.ModuleType("time")
+    m.sleep = _sleep
+    m.perf_counter = m.monotonic = m.time = _clock
+    return m
+
+
+def atexit_module():
+    """``atexit`` for an engine copy: nothing runs at the interpreter's exit
+    (the copies are gone by then)."""
+    m = types.ModuleType("atexit")
+    m.register = lambda fn, *a, **k: fn
+    m.unregister = lambda fn: None
+    return m

@@ -25,9 +25,15 @@ outcome and residual with the same calls made blocking and in order; a
 hang (every rank waiting, or a rank polling forever) or a mismatched
 collective is a :class:`fakempi.RunFailed` with every rank's stack.
 
+With ``threads`` (:data:`THREADS`) a run gives ``MPI_THREAD_MULTIPLE``:
+the engine's progress and reduction threads run, interleaved like ranks,
+and with ``"two"`` each rank makes its calls on communicator ``"a"`` from a
+second user thread.
+
 Planted causes (:data:`PLANTS`) put a historical hang's cause back into one
 rank's engine copies, to show that the search finds it.
 """
+import builtins
 import contextlib
 import importlib
 import importlib.abc
@@ -82,6 +88,7 @@ class _Loader(importlib.abc.Loader, importlib.abc.MetaPathFinder):
     """Loads the engine's modules for a copy (``mpigc_simN.<module>``) from
     code compiled once: a copy per rank per run costs a few milliseconds."""
     codes = {}
+    builtins = None  # the copy's builtins: its own ``__import__`` (threads=True)
 
     def find_spec(self, fullname, path=None, target=None):
         head, _, base = fullname.partition(".")
@@ -100,6 +107,8 @@ class _Loader(importlib.abc.Loader, importlib.abc.MetaPathFinder):
             with open(path) as f:
                 code = self.codes[base] = compile(f.read(), path, "exec")
         module.__file__ = path
+        if self.builtins is not None:
+            module.__builtins__ = self.builtins
         exec(code, module.__dict__)
 
 
@@ -107,10 +116,29 @@ _loader = _Loader()
 _copies = itertools.count()
 
 
-def engine(r, plants=()):
+def _threaded_builtins():
+    """Builtins whose ``import`` gives the fake MPI's ``threading``, ``time``
+    and ``atexit`` (:func:`fakempi.threading_module`): the engine's locks,
+    conditions, sleeps and threads become points of the run's schedule."""
+    fakes = {"threading": fakempi.threading_module(), "time": fakempi.time_module(),
+             "atexit": fakempi.atexit_module()}
+    real = builtins.__import__
+
+    def imp(name, globals=None, locals=None, fromlist=(), level=0):
+        if level == 0 and name in fakes:
+            return fakes[name]
+        return real(name, globals, locals, fromlist, level)
+    return dict(builtins.__dict__, __import__=imp)
+
+
+def engine(r, plants=(), threads=False):
     """A fresh engine for rank r: a namespace of its ``allreduce``,
     ``iallreduce``, ``reduce_scatter``, ``ireduce_scatter`` and modules.
     ``plants``: names of :data:`PLANTS` entries, applied to this copy.
+    ``threads``: its locks, conditions and threads those of the fake MPI, so
+    that a run with ``THREAD_MULTIPLE`` interleaves its progress and
+    reduction threads and several user threads (without: real ones, and the
+    run gives ``THREAD_SERIALIZED``, so the engine starts no thread).
     Every run gets fresh copies, so that a seed or a list of choices replays
     the same run whatever ran before; :func:`forget` drops them."""
     name = f"mpigc_sim{next(_copies)}"
@@ -128,9 +156,11 @@ def engine(r, plants=()):
     sys.modules.update(added)
     sys.modules["mpi4py"], sys.modules["mpi4py.MPI"] = fake_pkg, fake
     sys.meta_path.insert(0, _loader)
+    _loader.builtins = _threaded_builtins() if threads else None
     try:
         mods = {m: importlib.import_module(f"{name}.{m}") for m in ENGINE}
     finally:
+        _loader.builtins = None
         sys.meta_path.remove(_loader)
         for k, v in saved.items():
             if v is None:
@@ -173,19 +203,21 @@ def hierarchical():
     return _setenv({"MPIGC_NODE_SPLIT": "2"})
 
 
-def _program(eng, calls, world_ctx, rng, blocking_only, early=None):
+def _program(eng, calls, world_ctx, rng, blocking_only, early=None, second=None):
     """Rank ``fakempi.rank()``'s user program: its communicators, then the
     calls; returns the outcomes and the residuals. ``early``: a generator
     that draws, before each call, which pending requests this rank waits for
     first (each rank its own: ranks may complete requests in different
-    orders); None: every wait after the last call."""
+    orders); None: every wait after the last call. ``second``: the
+    generators ``(rng, early)`` of a second user thread, which makes the
+    calls on communicator ``"a"`` (made by the first thread, as
+    docs/engine.md asks) while the first makes the others."""
     def run():
         r = fakempi.rank()
         world = fakempi.world_comm(world_ctx)
         comms = {"world": world, "a": world.Dup(), "half": world.Split(r % 2, r)}
         fb = mpigc.ErrorFeedback()
         outs = [None] * len(calls)
-        pending = {}
 
         def start(c, x, blocking):
             f = getattr(eng, ("" if blocking else "i") + c["kind"])
@@ -193,54 +225,83 @@ def _program(eng, calls, world_ctx, rng, blocking_only, early=None):
                      nonfinite="skip" if c["fault"] == "nan-skip" else "raise",
                      hierarchy="node" if c.get("hier") else "flat")
 
-        def polls():
-            for i in list(pending):
-                if rng.random() < 0.3:
-                    try:
-                        pending[i].test()
-                    except MpigcError:
-                        pass  # raised again by wait() below
+        def drive(mine, rng, early):
+            pending = {}
 
-        for c in calls:
-            x = call_input(c, r)
-            if blocking_only or c["blocking"]:
-                outs[c["i"]] = outcome(lambda c=c, x=x: start(c, x, True))
-                continue
-            polls()
-            for i in [i for i in sorted(pending) if early is not None and early.random() < 0.25]:
-                outs[i] = outcome(pending.pop(i).wait)
-            try:
-                pending[c["i"]] = start(c, x, False)
-            except MpigcError as e:  # raised at the start: on every rank
-                outs[c["i"]] = ("error", type(e).__name__)
-        for i in rng.permutation(sorted(pending)):
-            polls()
-            outs[int(i)] = outcome(pending.pop(int(i)).wait)
+            def polls():
+                for i in list(pending):
+                    if rng.random() < 0.3:
+                        try:
+                            pending[i].test()
+                        except MpigcError:
+                            pass  # raised again by wait() below
+
+            for c in mine:
+                x = call_input(c, r)
+                if blocking_only or c["blocking"]:
+                    outs[c["i"]] = outcome(lambda c=c, x=x: start(c, x, True))
+                    continue
+                polls()
+                for i in [i for i in sorted(pending)
+                          if early is not None and early.random() < 0.25]:
+                    outs[i] = outcome(pending.pop(i).wait)
+                try:
+                    pending[c["i"]] = start(c, x, False)
+                except MpigcError as e:  # raised at the start: on every rank
+                    outs[c["i"]] = ("error", type(e).__name__)
+            for i in rng.permutation(sorted(pending)):
+                polls()
+                outs[int(i)] = outcome(pending.pop(int(i)).wait)
+
+        if second is None:
+            drive(calls, rng, early)
+        else:
+            w = fakempi.world()
+            other = w.spawn(lambda: drive([c for c in calls if c["comm"] == "a"], *second),
+                            "user thread 2")
+            drive([c for c in calls if c["comm"] != "a"], rng, early)
+            w.join(other)
+            if other.error is not None:
+                raise other.error
         return outs, state_bytes(fb)
     return run
 
 
+# how a run's ranks use threads: None (MPI gives THREAD_SERIALIZED: no thread
+# but the user's), "progress" (THREAD_MULTIPLE: the engine's progress and
+# reduction threads run, interleaved like ranks), "two" (that, and each rank
+# makes its calls from two user threads)
+THREADS = (None, "progress", "two")
+
+
 def run(calls, size, seed, blocking_only=False, plants=(), max_steps=200_000,
-        choices=None, world=None):
+        choices=None, world=None, threads=None):
     """Run ``calls`` on ``size`` simulated ranks under the interleaving of
     ``seed`` (every rank's engine with ``plants``; ``choices``: a systematic
-    run, see :class:`fakempi.World`); the ranks' ``(outcomes, residuals)``,
-    or RunFailed. ``world``: a list that receives the World."""
-    w = fakempi.World(size, seed, max_steps=max_steps, choices=choices)
+    run, see :class:`fakempi.World`; ``threads``: one of :data:`THREADS`);
+    the ranks' ``(outcomes, residuals)``, or RunFailed. ``world``: a list
+    that receives the World."""
+    assert threads in THREADS
+    w = fakempi.World(size, seed, max_steps=max_steps, choices=choices,
+                      thread_level=fakempi.THREAD_SERIALIZED if threads is None
+                      else fakempi.THREAD_MULTIPLE)
     if world is not None:
         world.append(w)
     ctx = w.new_ctx(list(range(size)))
-    engines = [engine(r, plants) for r in range(size)]
+    engines = [engine(r, plants, threads=threads is not None) for r in range(size)]
     hier = any(c.get("hier") for c in calls)  # hierarchical scenarios wait early too
     programs = [_program(engines[r], calls, ctx, np.random.default_rng([seed, r, 3]),
                          blocking_only,
-                         np.random.default_rng([seed, r, 5]) if hier else None)
+                         np.random.default_rng([seed, r, 5]) if hier else None,
+                         (np.random.default_rng([seed, r, 9]),
+                          np.random.default_rng([seed, r, 11]) if hier else None)
+                         if threads == "two" and not blocking_only else None)
                 for r in range(size)]
     try:
-        return w.run(programs)
+        return w.run(programs, timeout=30)
     except fakempi.RunFailed as e:
         e.detail += "\n" + "\n".join(f"rank {r} pending: {queue(engines[r])}"
-                                      for r in range(size))
+                                     for r in range(size))
         raise
     finally:
         for eng in engines:
@@ -277,7 +338,7 @@ def limits(seed):
     return _setenv(SMALL_LIMITS if seed % 4 == 1 else {})
 
 
-def check(seed, size, schedules=1, plant=None, scenario=None, hier=False):
+def check(seed, size, schedules=1, plant=None, scenario=None, hier=False, threads=None):
     """Scenario ``seed`` on ``size`` ranks: the reference (blocking, in
     order), then ``schedules`` interleavings of the calls as drawn, with
     ``plant`` (a :data:`PLANTS` name) in every rank's engine; returns a list
@@ -289,7 +350,7 @@ def check(seed, size, schedules=1, plant=None, scenario=None, hier=False):
     with limits(seed), (hierarchical() if hier else contextlib.nullcontext()):
         ref = run(calls, size, seed=[seed, 0], blocking_only=True, plants=v)
         runs = [run(calls, size, seed=[seed, 1 + k],
-                    plants=v + (() if plant is None else (plant,)))
+                    plants=v + (() if plant is None else (plant,)), threads=threads)
                 for k in range(schedules)]
     diffs = []
     for k, got in enumerate(runs):
@@ -401,6 +462,25 @@ def _plant_rows_awaited_alone(mods):
     mods["_hiercall"]._HierCall._await_rows = lambda self: self.agree_req.Wait()
 
 
+def _plant_waits_block_with_two_threads(mods):
+    """0d1380e: waits block in MPI, holding the engine lock, whatever the
+    number of user threads (the rank's other thread cannot start the call a
+    peer waits for). Only two-thread runs can find it."""
+    mods["_sched"].note_caller = lambda: None
+
+
+def _plant_sum_handed_over_in_process_order(mods):
+    """59f8eb8: with several user threads, a blocking op="none" call hands
+    its sum to the reduction thread once it is first in the process's queue,
+    whose order across communicators is the threads' timing (not once no
+    earlier call of its communicator is pending). Only two-thread runs can
+    find it."""
+    p = mods["_plainsum"].PlainSum
+    sched, reducer = mods["_sched"], mods["_reducer"]
+    p.may_hand_over = lambda self: (not sched.may_block() and reducer.Reducer.available()
+                                    and sched.at(0) is self.call)
+
+
 def _allgather_rows(mods):
     """Not a fault: the agreement rows travel by one allgather, as they do
     beyond 16 ranks (``P2P_MAX_RANKS``)."""
@@ -415,4 +495,6 @@ PLANTS = {
     "sends-waited-in-a-step": _plant_sends_waited_in_a_step,
     "agreements-out-of-order": _plant_agreements_out_of_order,
     "sum-in-a-step": _plant_sum_in_a_step,
+    "waits-block-with-two-threads": _plant_waits_block_with_two_threads,
+    "sum-handed-over-in-process-order": _plant_sum_handed_over_in_process_order,
 }

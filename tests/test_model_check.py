@@ -123,6 +123,76 @@ def test_fake_mpi_finds_a_rank_that_polls_forever():
     assert e.value.kind in ("livelock", "deadlock")
 
 
+def _threaded_run(size, seed, program):
+    w = fakempi.World(size, seed, idle_steps=2000, thread_level=fakempi.THREAD_MULTIPLE)
+    ctx = w.new_ctx(list(range(size)))
+    return w.run([lambda: program(fakempi.world_comm(ctx)) for _ in range(size)], timeout=30)
+
+
+def test_fake_threads_find_a_lock_order_deadlock():
+    """Two threads of a rank that take two locks in opposite orders, with an
+    MPI call between: some interleaving deadlocks, and the search finds it."""
+    th = fakempi.threading_module()
+
+    def program(comm):
+        a, b = th.Lock(), th.Lock()
+
+        def take(first, second):
+            with first:
+                fakempi.world().point()
+                with second:
+                    pass
+        t = th.Thread(target=take, args=(b, a))
+        t.start()
+        take(a, b)
+        t.join()
+
+    kinds = set()
+    for seed in range(20):
+        try:
+            _threaded_run(2, seed, program)
+        except fakempi.RunFailed as e:
+            kinds.add(e.kind)
+    assert kinds == {"deadlock"}
+
+
+def test_fake_threads_wait_notify_and_daemons_end_with_the_run():
+    """A condition's waiter runs once notified; a daemon thread that waits
+    forever does not keep the run going; a thread's error fails the run."""
+    th = fakempi.threading_module()
+
+    def program(comm):
+        cond, box = th.Condition(), []
+
+        def daemon():
+            with cond:
+                while True:
+                    cond.wait()
+
+        def worker():
+            with cond:
+                box.append(comm.Get_rank())
+                cond.notify_all()
+        th.Thread(target=daemon, daemon=True).start()
+        th.Thread(target=worker).start()
+        with cond:
+            while not box:
+                cond.wait()
+        return box
+
+    for seed in range(10):
+        assert _threaded_run(2, seed, program) == [[0], [1]]
+
+    def failing(comm):
+        def boom():
+            raise KeyError("in a thread")
+        t = th.Thread(target=boom)
+        t.start()
+        t.join()
+    with pytest.raises(KeyError):
+        _threaded_run(2, 0, failing)
+
+
 def test_a_seed_replays_its_interleaving():
     calls = mc.draw(5, 3)
     a = mc.run(calls, 3, seed=[5, 1])
@@ -162,6 +232,31 @@ def test_hierarchical_interleavings_end_as_blocking_calls_in_order(size):
     assert not failures, "\n\n".join(failures)
 
 
+def _thread_seeds():
+    a, _, b = os.environ.get("MPIGC_MODEL_THREAD_SEEDS", "0:40").partition(":")
+    return range(int(a), int(b))
+
+
+@pytest.mark.parametrize("threads", ["progress", "two"])
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_threaded_interleavings_end_as_blocking_calls_in_order(size, threads):
+    """With ``MPI_THREAD_MULTIPLE``: the engine's progress and reduction
+    threads interleaved like ranks ("progress"), and each rank's calls made
+    from two user threads ("two"); flat scenarios ``$MPIGC_MODEL_THREAD_SEEDS``
+    (default ``0:40``), hierarchical ones half as many."""
+    failures = []
+    seeds = _thread_seeds()
+    for seed, hier in [(s, False) for s in seeds] + [(s, True) for s in seeds[::2]]:
+        try:
+            failures += mc.check(seed, size, schedules=2, hier=hier, threads=threads)
+        except fakempi.RunFailed as e:
+            failures.append(f"seed {seed}{' (hierarchical)' if hier else ''}: "
+                            f"{e.kind}: {e.detail}")
+        if len(failures) >= 3:
+            break
+    assert not failures, "\n\n".join(failures)
+
+
 def _call(i, kind="allreduce", op="none", n=3001, fault="none", culprit=1, comm="world"):
     return dict(i=i, kind=kind, op=op, n=n, blocking=False, fault=fault, culprit=culprit,
                 comm=comm)
@@ -172,14 +267,21 @@ def _call(i, kind="allreduce", op="none", n=3001, fault="none", culprit=1, comm=
 REPORTS_AND_SUMS = [_call(0, fault="size"), _call(1), _call(2, kind="reduce_scatter"),
                     _call(3, op="2bit", fault="reject", culprit=2), _call(4)]
 
-# plant: (scenario, or None for the drawn ones; seeds searched; hierarchical)
+# blocking op="none" calls from both user threads (the second makes those on "a")
+TWO_THREAD_SUMS = [dict(_call(i, comm=comm), blocking=True)
+                   for i, comm in enumerate(["world", "a", "world", "a", "half", "a"])]
+
+# plant: (scenario, or None for the drawn ones; seeds searched; hierarchical;
+# threads, as model_check.run takes them)
 SEARCHES = {
-    "blocking-report": (None, 60, False),
-    "no-row-on-early-error": (None, 60, False),
-    "sends-waited-in-a-step": (None, 200, False),
-    "agreements-out-of-order": (REPORTS_AND_SUMS, 200, False),
-    "sum-in-a-step": (None, 200, False),
-    "rows-awaited-alone": (None, 100, True),
+    "blocking-report": (None, 60, False, None),
+    "no-row-on-early-error": (None, 60, False, None),
+    "sends-waited-in-a-step": (None, 200, False, None),
+    "agreements-out-of-order": (REPORTS_AND_SUMS, 200, False, None),
+    "sum-in-a-step": (None, 200, False, None),
+    "rows-awaited-alone": (None, 100, True, None),
+    "waits-block-with-two-threads": (None, 60, False, "two"),
+    "sum-handed-over-in-process-order": (TWO_THREAD_SUMS, 60, False, "two"),
 }
 
 
@@ -187,10 +289,11 @@ SEARCHES = {
 def test_search_finds_a_planted_cause(plant):
     """3 ranks, two interleavings per scenario; the seed that finds it is
     reported by the test's name in the log of a run with ``-s``."""
-    scenario, budget, hier = SEARCHES[plant]
+    scenario, budget, hier, threads = SEARCHES[plant]
     for seed in range(budget):
         try:
-            diffs = mc.check(seed, 3, schedules=2, plant=plant, scenario=scenario, hier=hier)
+            diffs = mc.check(seed, 3, schedules=2, plant=plant, scenario=scenario, hier=hier,
+                             threads=threads)
         except fakempi.RunFailed as e:
             print(f"{plant}: seed {seed}: {e.kind}")
             return
@@ -200,9 +303,10 @@ def test_search_finds_a_planted_cause(plant):
     pytest.fail(f"{plant}: not found in {budget} scenarios")
 
 
-def test_the_searched_scenario_passes_unplanted():
+def test_the_searched_scenarios_pass_unplanted():
     for seed in range(40):
         assert not mc.check(seed, 3, schedules=2, scenario=REPORTS_AND_SUMS)
+        assert not mc.check(seed, 3, schedules=2, scenario=TWO_THREAD_SUMS, threads="two")
 
 
 SMALL = {

@@ -46,16 +46,15 @@ fallback and ``gather="exact"`` move full-precision values there). The
 default stream is synchronised before MPI reads device memory and before a
 call returns (see ``docs/gpu.md``).
 """
-import json
 import struct
 import zlib
 
 import numpy as np
 from mpi4py import MPI
 
-from . import _agree
 from . import _comm
 from . import _dispatch
+from . import _flatagree
 from . import _plan
 from . import _plainsum
 from . import _sched
@@ -128,62 +127,11 @@ class _Op(PendingCall):
         except Exception as exc:  # noqa: BLE001 - reported collectively below
             self.local_error = exc
             row[_CODE] = code_of(exc)
-            self._abandon()
+            self.abandon()
         self.row = row
-        self._start_agree()
+        _flatagree.start_rows(self)
         self.steps = self._steps()
         _sched.enqueue(self)
-
-    # -- 2a. the agreement, point to point -----------------------------------
-    def _inline_kind(self):
-        """``"values"``, ``"payloads"`` or None: what this rank's agreement
-        messages carry after its row (:func:`mpigc._plan.inline_data`). A
-        rank that failed early sends its row alone. The row says
-        (``_INLINE``) whether data follows, so the decision need not be the
-        same on every rank: the data path is taken only when every row says
-        so."""
-        if self.local_error is not None or self.be is None:
-            return None
-        scaled = not self.plain and self.comp.needs_global_scale
-        pipelined = self.chunks is not None
-        # the payloads' sizes are known before the agreement unless the call
-        # is pipelined or waits for the global scale
-        sizes = None if self.plain or scaled or pipelined else self.plan.sizes
-        return _plan.inline_data(
-            self.kind, self.size, self.plain, self.none_buf.nbytes if self.plain else 0,
-            sizes, scaled, device=self.be.device, pipelined=pipelined,
-            plain_max=_wire.INLINE_PLAIN_MAX, payload_max=_wire.INLINE_PAYLOAD_MAX)
-
-    def _inline_payloads(self, kind):
-        """What this rank's agreement message to each peer carries after its
-        row (``{peer: uint8 array}``), or None (rows only), for ``kind``
-        (:meth:`_inline_kind`): the values of ``op="none"`` on 2 ranks, or
-        the payload of the peer's shard (phase 1 itself)."""
-        if kind is None:
-            return None
-        if kind == "values":
-            return {1 - self.rank: self.none_buf.view(np.uint8)}
-        off, psz = self.plan.poff[0], self.plan.psz[0]
-        return {j: self.sendbuf[off[j]:off[j] + psz[j]]
-                for j in range(self.size) if j != self.rank}
-
-    def _expected_inline(self, kind):
-        """Bytes of data that a peer that agrees with this rank sends after
-        its row (0: rows only), for this rank's ``kind``."""
-        if kind is None:
-            return 0
-        if kind == "values":
-            return self.none_buf.nbytes
-        return self.plan.sizes[self.rank]
-
-    def _start_agree(self):
-        """Send this rank's row, with its data where it can travel with it,
-        to every peer (:class:`mpigc._agree.Rows`)."""
-        kind = self._inline_kind()  # once: it decides what is sent and expected
-        self.rows = _agree.Rows(self.cs.comm, self.rank, self.size, self.tags[2], self.row,
-                                self._inline_payloads(kind), self._expected_inline(kind),
-                                self.sendreqs)
-        self.table = self.rows.table
 
     # -- 1. prepare ----------------------------------------------------------
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
@@ -321,7 +269,7 @@ class _Op(PendingCall):
         row[_RANGE] = max(nbad - nf, 0)
 
     # -- 2. agree ------------------------------------------------------------
-    def _abandon(self):
+    def abandon(self):
         """Undo the local effects of a call that will not go ahead."""
         if self.txn is not None:
             # completed by the progress thread: the key stays in use until
@@ -335,78 +283,12 @@ class _Op(PendingCall):
         if self.txn is not None:
             self.txn.settle()
 
-    def _agreed(self):
-        """Act on the table's verdict (:func:`mpigc._plan.verdict`): True (go
-        ahead), False (skipped: NaN results), None (failed: the error report
-        is under way), or raise NonFiniteError on every rank."""
-        v = _plan.verdict(self.table, self.rank, self.nonfinite)
-        if v.kind == "go":
-            return True
-        comm = self.cs.post  # collectives started after an agreement
-        if v.kind == "mismatch":
-            self._abandon()
-            what = v.what
-            # only complete rows have these values; the allgather is reached
-            # by every rank whatever this one holds
-            mine = None
-            if _plan.complete(self.table[self.rank]):
-                chunking = (f"{len(self.chunks)} chunks" if self.chunks is not None
-                            else "not pipelined")
-                mine = str({"size": self.n, "dtype": str(self.dtype),
-                            "settings": json.dumps(self.settings, sort_keys=True),
-                            "chunking": chunking}[what])
-            self._start_report(comm, mine,
-                               lambda allv: _plan.mismatch_error(self.kind, what, allv))
-            return None
-        if v.kind == "failed":
-            self._start_report(comm, _plan.error_text(self.local_error),
-                               lambda texts: _plan.failed_error(self.kind, v, self.size, texts,
-                                                                self.local_error))
-            return None
-        return self.nonfinite_verdict()
-
-    def nonfinite_verdict(self):
-        """The table's non-finite and out-of-range counts decide: True (go
-        ahead), False (skipped on every rank: NaN results) or raise
-        NonFiniteError on every rank; nothing has changed in the last two
-        cases."""
-        t = self.table
-        v = _plan.nonfinite_verdict(t, self.nonfinite)
-        if v.kind != "go":
-            self._abandon()
-            if v.kind == "nonfinite":
-                raise _plan.nonfinite_error(self.kind, _plan.nonfinite_causes(
-                    t[:, _NBAD], t[:, _RANGE], self.comp.codec_id, self.comp.wire_range))
-            if self.txn is not None:
-                self.txn.skipped()
-            self._finish_skipped()
-            self._release_agree()
-            return False
-        return True
-
-    def _start_report(self, comm, text, make_error):
-        """The error report of a failed agreement (:class:`mpigc._agree.Report`)."""
-        self.report = _agree.Report(comm, self.size, text, make_error)
-        self.state = "report"
-
-    def _finish_skipped(self):
-        if self.kind == "allreduce":
-            self.be.fill_nan(self.flat)
-            self.result = self.buf
-        else:
-            lo, hi = self.bounds[self.rank]
-            res = self.out if self.out is not None else self.be.empty(hi - lo, self.dtype)
-            self.be.fill_nan(res)
-            self.result = res if self.out is None else self.out_given
-        self.be.sync()
-        self.state = "done"
-
     def commit(self):
         """The call goes ahead: install the new worker residual."""
         if self.txn is not None:
             self.txn.commit(self.comp.get_config(), self.keep_replaced)
 
-    def _release_agree(self):
+    def release_agree(self):
         """The call is over: its agreement buffers go back to the pool, the
         send buffers once MPI is done with them."""
         if self.rows is not None:
@@ -458,15 +340,15 @@ class _Op(PendingCall):
         self.be.sync()  # the kernels are asynchronous
         if self.be is not None:
             self.be.release()  # the staging buffers
-        self._release_agree()
-        self._abandon()
+        self.release_agree()
+        self.abandon()
         self.state = "done"
 
     # -- the steps, driven by the scheduler (mpigc._sched.PendingCall) -----------
     def _failed(self, exc):
         _comm.internal_error(exc, self.cs.comm, f"mpigc {self.kind}")
         self.error = exc
-        self._abandon()
+        self.abandon()
         self._drop_agree()
 
     def _end(self):
@@ -500,7 +382,7 @@ class _Op(PendingCall):
             yield _sched.Turn(self._my_turn)
         self.state = "agreed"
         self.trace.agreed()
-        agreed = self._agreed()
+        agreed = _flatagree.act(self)
         if agreed is None:  # failed: the error report is under way
             yield self.report.req
             raise self.report.error()

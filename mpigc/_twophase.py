@@ -36,6 +36,7 @@ rest of the call's steps (effects of :mod:`mpigc._sched`).
 import numpy as np
 from mpi4py import MPI
 
+from . import _flatagree
 from . import _plan
 from . import _sched
 from . import _wire
@@ -369,7 +370,7 @@ class TwoPhase:
                 # phase 1 was posted whole: complete it, then raise or skip
                 if self.c1 == nc:
                     yield _sched.All(op.sendreqs)
-                    op.nonfinite_verdict()
+                    _flatagree.nonfinite_verdict(op)
                     return
             elif self.verdict == "go":
                 if op.kind == "allreduce":

@@ -15,6 +15,11 @@ the seed that replays it.
   emulated nodes of 2 ranks), and ranks that wait for some requests before
   they start the next call, each rank its own (``$MPIGC_MODEL_HIER_SEEDS``,
   default ``0:60``).
+- :func:`test_threaded_interleavings_end_as_blocking_calls_in_order`: at
+  ``MPI_THREAD_MULTIPLE``, with the engine's progress and reduction threads
+  interleaved like ranks, and with two user threads per rank
+  (``$MPIGC_MODEL_THREAD_SEEDS``, default ``0:40``, and half as many
+  hierarchical scenarios).
 - :func:`test_search_finds_a_planted_cause`: each historical hang's cause,
   planted back into the engine (``model_check.PLANTS``), is found within a
   bounded search.

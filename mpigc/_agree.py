@@ -19,7 +19,7 @@ from mpi4py import MPI
 from . import _plan
 from . import _sched
 
-__all__ = ["P2P_MAX_RANKS", "Rows", "Report"]
+__all__ = ["P2P_MAX_RANKS", "Rows", "Report", "Outcomes"]
 
 # up to this many ranks the agreement travels point to point, each rank's row
 # in front of the data it sends to each peer (one round for the whole call
@@ -185,3 +185,23 @@ class Report:
     def error(self):
         """``make_error(every rank's message)``, once :attr:`req` is done."""
         return self.make_error(self.texts())
+
+
+class Outcomes:
+    """The outcomes of several parts of a call (one int64 code per part: 0
+    for success, else its error's :func:`mpigc._errors.code_of`) from every
+    rank of ``comm``, by one nonblocking allgather: a hierarchical call's
+    slice groups, each of which every node handles. The steps wait for
+    :attr:`req`, then read :meth:`failed`."""
+
+    __slots__ = ("req", "codes", "table")
+
+    def __init__(self, comm, codes):
+        self.codes = np.ascontiguousarray(codes, np.int64)
+        self.table = np.zeros((comm.Get_size(), self.codes.size), np.int64)
+        self.req = comm.Iallgather(self.codes, self.table)
+
+    def failed(self):
+        """``{part: code}`` of the parts that failed on any rank (the largest
+        code reported), once :attr:`req` is done."""
+        return {s: int(c) for s, c in enumerate(self.table.max(axis=0)) if c}

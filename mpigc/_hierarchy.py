@@ -84,8 +84,8 @@ from ._errors import ConfigError, DTypeError, MismatchError, MpigcError
 from .feedback import shard_bounds
 
 __all__ = ["HIERARCHY_MODES", "Layout", "layout", "slice_key", "parse_slice_key", "segment",
-           "store_for_peers", "sum_in_order", "node_sum_fill", "intra_reduce_scatter",
-           "redistribute", "redistribute_ranges", "to_flat_form", "from_flat_form"]
+           "store_for_peers", "own_sums", "read_node_results", "sum_in_order", "node_sum_fill",
+           "intra_reduce_scatter", "redistribute", "redistribute_ranges", "to_flat_form", "from_flat_form"]
 
 HIERARCHY_MODES = ("auto", "flat", "node")
 _KEYVAL = None
@@ -338,6 +338,29 @@ def store_for_peers(lay, segs, flat, n, wd):
     seg = segment(segs, lay.node_comm.Get_rank(), n, wd)
     seg[:lo] = flat[:lo]
     seg[hi:] = flat[hi:]
+
+
+def own_sums(lay, segs, flat, n, wd, stored):
+    """Steps: this rank's range of its segment, where the node's sums of that
+    range are made (slice by slice, as the inter-node calls read them:
+    :func:`node_sum_fill`), once every node rank has stored its values for
+    its peers (``stored``: this rank's are in already)."""
+    if not stored:
+        store_for_peers(lay, segs, flat, n, wd)
+    yield from lay.node_fence()
+    lo, hi = lay.element_range(lay.rank, n)
+    return segment(segs, lay.node_comm.Get_rank(), n, wd)[lo:hi]
+
+
+def read_node_results(lay, segs, flat, n, wd):
+    """Steps: every node rank's range, reduced in place in its segment, into
+    ``flat``; the next call's stores then wait for every node rank's reads
+    (``lay.read_fence``: a peer's new values may land where these were)."""
+    yield from lay.node_fence()
+    for k, r in enumerate(lay.members[lay.node]):
+        a, b = lay.element_range(r, n)
+        flat[a:b] = segment(segs, k, n, wd)[a:b]
+    lay.read_fence = lay.node_comm.Ibarrier()
 
 
 def sum_in_order(parts, out):

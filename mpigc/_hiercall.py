@@ -11,8 +11,8 @@ import numpy as np
 
 from . import _agree, _collective, _comm, _plan, _sched, _settings, _trace, _wire
 from ._errors import CODES, ConfigError, MpigcError, NonFiniteError, StateError, code_of
-from ._hierarchy import (HIERARCHY_MODES, layout, node_sum_fill, redistribute, slice_key,
-                         store_for_peers, segment)
+from ._hierarchy import (HIERARCHY_MODES, layout, node_sum_fill, own_sums, read_node_results,
+                         redistribute, slice_key, store_for_peers)
 from .compressors import work_dtype
 from .feedback import get_default_feedback, shard_bounds
 
@@ -270,35 +270,53 @@ class _HierCall(_sched.PendingCall):
         if v.kind != "go":
             yield from self._disagreement(v)
         if self.plain:
-            # op="none" and small buffers: the flat engine (a plain MPI sum), on
-            # the layout's own communicator (the same ranks in the same order)
-            sub = _collective.start(self.kind, self.buf, self.op, self.params,
-                                    comm=lay.comm, key=self.key, average=self.average,
-                                    gather=self.gather, feedback=self.feedback,
-                                    nonfinite=self.nonfinite, recvcounts=self.recvcounts,
-                                    out=self.out, blocking=False)
-            yield _sched.Calls([sub])
-            sub.settle()
-            sub.finished()
-            return sub.result
-        n, wd = self.n, self.wd
-        lo, hi = lay.element_range(lay.rank, n)
+            return (yield from self._plain())
+        segs, acc = yield from self._node_sums(stored)
+        parts, skipped = yield from self._inter_node(segs, acc)
+        if skipped is not None:  # nonfinite="skip" on every rank: NaN results
+            return skipped
+        if self.kind == "allreduce":
+            return (yield from self._allreduce_result(segs, acc, parts))
+        return (yield from self._reduce_scatter_result(parts))
+
+    def _plain(self):
+        """Steps of op="none" and small buffers: the flat engine (a plain MPI
+        sum), on the layout's own communicator (the same ranks in the same
+        order)."""
+        sub = _collective.start(self.kind, self.buf, self.op, self.params,
+                                comm=self.lay.comm, key=self.key, average=self.average,
+                                gather=self.gather, feedback=self.feedback,
+                                nonfinite=self.nonfinite, recvcounts=self.recvcounts,
+                                out=self.out, blocking=False)
+        yield _sched.Calls([sub])
+        sub.settle()
+        sub.finished()
+        return sub.result
+
+    def _node_sums(self, stored):
+        """Steps of stage 1: the node's window (``segs``, None on a node of
+        one rank) and this rank's range of the node's sum (``acc``). The sums
+        are made in this rank's own segment (where no peer reads), slice by
+        slice as the inter-node calls read them (their ``fill``), so that they
+        overlap with those calls' transfers."""
+        lay = self.lay
         if self.alone:  # a node of one rank: nothing to sum
-            segs = None
-            acc = self.flat[lo:hi].astype(wd)
-        else:
-            # the node's sums of this rank's range are made in this rank's own
-            # segment (where no peer reads), slice by slice as the inter-node
-            # call reads them (fill): the sums overlap with its transfers
-            segs = lay.shared(self.need)
-            if not stored:
-                store_for_peers(lay, segs, self.flat, n, wd)
-            yield from lay.node_fence()
-            acc = segment(segs, lay.node_comm.Get_rank(), n, wd)[lo:hi]
-        # 2. one inter-node engine call per slice this rank handles, all started
-        # now, in slice order on every rank
+            lo, hi = lay.element_range(lay.rank, self.n)
+            return None, self.flat[lo:hi].astype(self.wd)
+        segs = lay.shared(self.need)
+        acc = yield from own_sums(lay, segs, self.flat, self.n, self.wd, stored)
+        return segs, acc
+
+    def _inter_node(self, segs, acc):
+        """Steps of stage 2: one inter-node engine call per slice this rank
+        handles, all started now, in slice order on every rank; then every
+        group's outcome. Returns this rank's reduced slices on the host, in
+        slice order, and None; or None and the call's result where it is
+        skipped (:meth:`_group_outcome`)."""
+        lay, n, wd = self.lay, self.n, self.wd
+        lo = lay.element_range(lay.rank, n)[0]
         sb = shard_bounds(n, lay.L)
-        saved, subs, parts = [], [], []
+        marks, subs, parts = [], [], []
         for s in lay.slices_of(lay.rank):
             slo, shi = sb[s]
             v = acc[slo - lo:shi - lo]
@@ -306,7 +324,10 @@ class _HierCall(_sched.PendingCall):
                 parts.append(v.copy())
                 continue
             sk = slice_key(self.key, s, lay.L, n)
-            saved.append(self._snapshot(sk))
+            # the inter-node calls keep the worker residual they replace
+            # (keep_replaced): put back if another group fails
+            if self.fb is not None:
+                marks.append(self.fb.mark(sk))
             fill = None if self.alone else node_sum_fill(lay, segs, self.flat, n, wd, slo)
             # on a device, the node's sums made now and copied there, where the
             # engine reduces them between the nodes (its residuals there)
@@ -324,11 +345,27 @@ class _HierCall(_sched.PendingCall):
             yield _sched.Calls([sub for _, sub in subs])
             for _, sub in subs:
                 sub.settle()  # this call saw them done: their keys are free
-        # the outcome of every group, agreed inside the node only: an inter-node
-        # call fails or succeeds on all of its group, and every node has a handler
-        # of every slice, so each node learns every group's outcome without a
-        # collective across the nodes. Decided on the set of failed slices
-        # (the same on every node), never on which rank reported them.
+        skipped = yield from self._group_outcome(subs, marks)
+        if skipped is not None:
+            return None, skipped
+        for mark in marks:
+            self.fb.settle(mark)
+        # the reduced slices on the host (in the window for allreduce, where
+        # the node's ranks read them); a host call's are there already
+        return [self.be.to_host(p[1].result, p[0] if self.kind == "allreduce" else None)
+                if isinstance(p, tuple) else p for p in parts], None
+
+    def _group_outcome(self, subs, marks):
+        """Steps: the outcome of every group, agreed inside the node only
+        (:class:`mpigc._agree.Outcomes`): an inter-node call fails or succeeds
+        on all of its group, and every node has a handler of every slice, so
+        each node learns every group's outcome without a collective across
+        the nodes. Decided on the set of failed slices (the same on every
+        node), never on which rank reported them. Where one failed, the
+        residuals of ``marks`` are put back and the call raises, or, where
+        every failure is a non-finite sum under nonfinite="skip", returns its
+        NaN result (None: every group succeeded)."""
+        lay = self.lay
         codes = np.zeros(lay.L, np.int64)
         texts, cause = {}, None
         for s, sub in subs:
@@ -336,52 +373,47 @@ class _HierCall(_sched.PendingCall):
                 cause = cause or sub.error
                 codes[s] = code_of(sub.error)
                 texts[s] = str(sub.error)
-        table = np.zeros((lay.node_comm.Get_size(), lay.L), np.int64)
-        yield lay.node_comm.Iallgather(codes, table)
-        failed = {s: int(c) for s, c in enumerate(table.max(axis=0)) if c}
-        if failed:
-            for snap in saved:
-                self._restore(snap)
-            got = yield from _texts(lay.node_comm, _plan.fit_json(texts))
-            for t in got:
-                texts.update({int(s): v for s, v in json.loads(t).items()})
-            what = "; ".join(f"slice {s}: {texts[s]}" for s in sorted(failed))
-            if all(c == _NONFINITE_CODE for c in failed.values()):
-                ranks = yield from self._input_nonfinite()
-                return self._nonfinite(ranks or (
-                    "a node's sum is not finite, or beyond the range of the wire format ("
-                    + what + ")"))
-            code = next(c for s, c in sorted(failed.items()) if c != _NONFINITE_CODE)
-            raise (CODES.get(code) or MpigcError)(
-                f"{self.kind} (hierarchical) failed in {len(failed)} of {lay.L} slice "
-                f"group(s): {what}; no residual changed") from cause
-        for snap in saved:
-            self._release_old(snap)
-        # 3.
-        # the reduced slices on the host (in the window for allreduce, where
-        # the node's ranks read them); a host call's are there already
-        for i, p in enumerate(parts):
-            if isinstance(p, tuple):  # (the node sums, their inter-node call)
-                v, sub = p
-                parts[i] = self.be.to_host(sub.result, v if self.kind == "allreduce" else None)
-        if self.kind == "allreduce":
-            if self.average:
-                acc /= lay.size
-            if self.alone:
-                self.flat[lo:hi] = acc
-            else:
-                # every node rank's range, reduced in place in its segment
-                yield from lay.node_fence()
-                for k, r in enumerate(lay.members[lay.node]):
-                    a, b = lay.element_range(r, n)
-                    self.flat[a:b] = segment(segs, k, n, wd)[a:b]
-                # the next call's stores wait for every node rank's reads (a
-                # peer's new values may land where this call's results were)
-                lay.read_fence = lay.node_comm.Ibarrier()
-            self.be.put(self.side_flat, self.flat)  # a device buffer's result, in place
-            return self.buf
+        outcomes = _agree.Outcomes(lay.node_comm, codes)
+        yield outcomes.req
+        failed = outcomes.failed()
+        if not failed:
+            return None
+        for mark in marks:
+            self.fb.rollback(mark)
+        got = yield from _texts(lay.node_comm, _plan.fit_json(texts))
+        for t in got:
+            texts.update({int(s): v for s, v in json.loads(t).items()})
+        what = "; ".join(f"slice {s}: {texts[s]}" for s in sorted(failed))
+        if all(c == _NONFINITE_CODE for c in failed.values()):
+            ranks = yield from self._input_nonfinite()
+            return self._nonfinite(ranks or (
+                "a node's sum is not finite, or beyond the range of the wire format ("
+                + what + ")"))
+        code = next(c for s, c in sorted(failed.items()) if c != _NONFINITE_CODE)
+        raise (CODES.get(code) or MpigcError)(
+            f"{self.kind} (hierarchical) failed in {len(failed)} of {lay.L} slice "
+            f"group(s): {what}; no residual changed") from cause
+
+    def _allreduce_result(self, segs, acc, parts):
+        """Steps of stage 3 of allreduce: every node rank's range, reduced in
+        place in its segment (``parts`` are there), read into the buffer."""
+        lay = self.lay
+        if self.average:
+            acc /= lay.size
+        if self.alone:
+            lo, hi = lay.element_range(lay.rank, self.n)
+            self.flat[lo:hi] = acc
+        else:
+            yield from read_node_results(lay, segs, self.flat, self.n, self.wd)
+        self.be.put(self.side_flat, self.flat)  # a device buffer's result, in place
+        return self.buf
+
+    def _reduce_scatter_result(self, parts):
+        """Steps of stage 3 of reduce_scatter: the reduced slices to the ranks
+        whose shards they hold."""
+        lay, n = self.lay, self.n
         pieces = [(a, b, p) for (_, a, b), p in zip(lay.owned_ranges(lay.rank, n), parts)]
-        res = yield from redistribute(lay, pieces, self.bounds, n, wd)
+        res = yield from redistribute(lay, pieces, self.bounds, n, self.wd)
         if self.average:
             res /= lay.size
         return self._shard_result(res.astype(self.dtype, copy=False))
@@ -417,19 +449,6 @@ class _HierCall(_sched.PendingCall):
             return self.buf
         lo, hi = self.bounds[self.lay.rank]
         return self._shard_result(np.full(hi - lo, np.nan, self.dtype))
-
-    # -- failure atomicity: the residuals an inter-node call replaced -------------------
-    # (the inter-node calls keep the worker residual they replace: keep_replaced)
-    def _snapshot(self, sk):
-        return None if self.fb is None else self.fb.mark(sk)
-
-    def _release_old(self, snap):
-        if snap is not None:
-            self.fb.settle(snap)
-
-    def _restore(self, snap):
-        if snap is not None:
-            self.fb.rollback(snap)
 
 
 def _texts(comm, text):

@@ -42,7 +42,7 @@ from . import _sched
 from . import _wire
 from ._backend import part
 
-__all__ = ["TwoPhase"]
+__all__ = ["TwoPhase", "Gather"]
 
 
 class TwoPhase:
@@ -92,9 +92,8 @@ class TwoPhase:
                 self._send_chunk(0)
         lo, hi = op.bounds[r]
         self.acc = be.empty(hi - lo, np.float64 if op.dtype == np.float64 else np.float32)
-        self.c1 = self.src1 = self.c2 = self.nbad = 0
-        self.obad = False
-        self.rreq2, self.meta2, self.left2 = [], [], 0  # phase 2's receives
+        self.c1 = self.src1 = self.nbad = 0
+        self.gather = None  # phase 2 (allreduce), once the verdict is in
         if self.verdict == "go":
             self._start_gather()
 
@@ -211,144 +210,8 @@ class TwoPhase:
         self._start_gather()
 
     def _start_gather(self):
-        """Phase 2's receives (allreduce), a piece per chunk and peer."""
-        op = self.call
-        if op.kind != "allreduce":
-            return
-        comm, r, size, cuts = op.cs.comm, op.rank, op.size, self.cuts
-        tag = op.tags[1]
-        if op.gather == "exact":
-            isz = op.dtype.itemsize
-            self.wire2 = wire = op.be.wire(op.flat.view(np.uint8))
-            for c in range(len(cuts)):
-                for k in range(1, size):
-                    j = (r - k) % size
-                    a, b = cuts[c][j]
-                    if b > a:
-                        self.meta2.append((c, j))
-                        self.rreq2.append(_wire.post(comm.Irecv, wire[a * isz:b * isz], j, tag))
-        else:
-            self.recvbuf2 = op.be.empty(self.plan.total2, np.uint8)
-            self.wire2 = wire = op.be.wire(self.recvbuf2)
-            for c in range(len(cuts)):
-                for k in range(1, size):
-                    j = (r - k) % size
-                    m = self.plan.psz2[c][j]
-                    if m:
-                        o = self.plan.poff2[c][j]
-                        self.meta2.append((c, j))
-                        self.rreq2.append(_wire.post(comm.Irecv, wire[o:o + m], j, tag))
-            if op.use_ef:
-                lo, hi = op.bounds[r]
-                if op.txn.entry.owner is None:
-                    op.txn.entry.owner = op.be.zeros(hi - lo, op.wdtype)
-                self.owner_out = op.be.empty(hi - lo, op.wdtype)
-        self.left2 = len(self.rreq2)
-
-    def _gather_chunk(self):
-        """Phase 2 of chunk ``c2`` (reduced): this owner's piece to every
-        peer, recompressed with the owner residual (or exact), and into
-        place here."""
-        op = self.call
-        comm, r, size, c = op.cs.comm, op.rank, op.size, self.c2
-        lo = op.bounds[r][0]
-        a, b = self.cuts[c][r]
-        self.c2 += 1
-        if b == a:
-            return
-        acc = part(self.acc, a - lo, b - lo)
-        if op.gather == "exact":
-            op.be.assign(op.flat[a:b], acc)
-            isz = op.dtype.itemsize
-            src, p, q = op.flat.view(np.uint8), a * isz, b * isz
-        else:
-            p, q = self.plan.poff2[c][r], self.plan.poff2[c][r] + self.plan.psz2[c][r]
-            src = self.recvbuf2
-            e = eo = None
-            if op.use_ef:
-                e, eo = (part(op.txn.entry.owner, a - lo, b - lo),
-                         part(self.owner_out, a - lo, b - lo))
-            kw, bad = {"offset": a}, 0
-            if op.comp.needs_global_scale:
-                amax, bound, bad = op.comp.local_scale(acc, e)
-                kw.update(scale=amax, clip_bound=bound, stream=op.stream(r, 1))
-            x = acc if acc.dtype == op.wdtype else op.be.converted(acc, op.wdtype)
-            bad += op.comp.encode_into(x, e, eo, part(src, p, q), **kw)
-            if bad:
-                # a reduced value beyond the wire format (a sum beyond fp16's
-                # or float32's range): this piece arrives non-finite
-                # everywhere, and the owner residual is kept whole
-                op.comp.mark_out_of_range(src[p:q], b - a)
-                self.obad = True
-        op.be.sync()
-        op.be.stage(self.wire2, src, p, q)
-        for k in range(1, size):
-            op.sendreqs.append(_wire.post(comm.Isend, self.wire2[p:q], (r + k) % size,
-                                          op.tags[1]))
-        if op.gather != "exact" and not op.be.batch_decode:
-            self._decode_piece(src[p:q], a, b)
-
-    def _decode_piece(self, payload, a, b):
-        """Decode ``payload`` into the user's buffer at ``[a, b)`` (through a
-        float32 copy for float16 buffers)."""
-        op = self.call
-        target = op.flat[a:b]
-        if target.dtype == np.float16:
-            tmp = op.be.empty(b - a, np.float32)
-            op.comp.decode_into(payload, tmp, False)
-            op.be.assign(target, tmp)
-        else:
-            op.comp.decode_into(payload, target, False)
-
-    def _decode_gathered(self):
-        """Every shard of a device call's gather into place with one decode
-        (one chunk: the device calls are not pipelined)."""
-        op = self.call
-        starts, offs = op.starts(), tuple(self.plan.poff2[0])
-        if op.flat.dtype == np.float16:
-            tmp = op.be.empty(op.n, np.float32)
-            op.comp.decode_shards(self.recvbuf2, 0, 1, starts, offs, tmp, False)
-            op.be.assign(op.flat, tmp)
-        else:
-            op.comp.decode_shards(self.recvbuf2, 0, 1, starts, offs, op.flat, False)
-
-    def _arrived_gather(self):
-        """Phase 2's pieces that are in: into place. True if any was. Only
-        this method and :meth:`steps` complete these requests
-        (each is counted once: a completed request is null from then on)."""
-        if not self.left2:
-            return False
-        done = _sched.arrived(self.rreq2)
-        for i in done:
-            self._arrived_piece(i)
-        return bool(done)
-
-    def _arrived_piece(self, i):
-        """Phase 2's receive ``i`` completed: its piece into place (on a
-        device, decoded with the others once all are in)."""
-        op = self.call
-        self.left2 -= 1
-        if op.be.batch_decode:
-            return  # off the wire with the others (_unstage_gathered)
-        c, j = self.meta2[i]
-        a, b = self.cuts[c][j]
-        if op.gather == "exact":
-            isz = op.dtype.itemsize
-            op.be.unstage(op.flat.view(np.uint8)[a * isz:b * isz],
-                          self.wire2[a * isz:b * isz])
-            return
-        o, m = self.plan.poff2[c][j], self.plan.psz2[c][j]
-        op.be.unstage(self.recvbuf2[o:o + m], self.wire2[o:o + m])
-        self._decode_piece(self.recvbuf2[o:o + m], a, b)
-
-    def _unstage_gathered(self):
-        """A device call's gathered pieces off the wire, in one copy: this
-        owner's own piece too, staged from the same bytes before it went out
-        (one chunk: the device calls are not pipelined)."""
-        op = self.call
-        if op.size > 1:
-            dst = op.flat.view(np.uint8) if op.gather == "exact" else self.recvbuf2
-            op.be.unstage(dst, self.wire2)
+        if self.call.kind == "allreduce":
+            self.gather = Gather(self.call, self.plan, self.acc)
 
     def steps(self):
         """Steps of a compressed call. A progress step compresses at most one
@@ -373,26 +236,26 @@ class TwoPhase:
                     _flatagree.nonfinite_verdict(op)
                     return
             elif self.verdict == "go":
-                if op.kind == "allreduce":
-                    while self.c2 < self.c1:
-                        self._gather_chunk()
+                g = self.gather
+                if g is not None:
+                    while g.c < self.c1:
+                        g.send_chunk()
                         moved = True
-                    moved |= self._arrived_gather()
-                    over = self.c2 == nc and not self.left2
+                    moved |= g.arrived()
+                    over = g.c == nc and not g.left
                 else:
                     over = self.c1 == nc
                 if over:
-                    if op.kind == "allreduce" and op.be.batch_decode:
-                        self._unstage_gathered()
+                    if g is not None and op.be.batch_decode:
+                        g.unstage_all()
                         if op.gather != "exact":
-                            self._decode_gathered()
+                            g.decode_all()
                     # reduce_scatter after phase 1: only the sends are left,
                     # waited for like any step (a receiver that is waiting
                     # for an earlier call of this rank would never take them)
                     yield _sched.All(op.sendreqs)
-                    if op.use_ef and not self.obad and op.kind == "allreduce" \
-                            and op.gather != "exact":
-                        op.txn.entry.owner = self.owner_out
+                    if g is not None:
+                        g.keep_owner()
                     op.finish(self.plan.bytes_sent(op.rank), self.acc)
                     return
             if moved:
@@ -407,10 +270,167 @@ class TwoPhase:
             waiting = [q for q in self.rreq1[self.c1] if q] if self.c1 < nc else []
             waiting += [q for q in self.treq if q]
             first2 = len(waiting)
-            waiting += self.rreq2
+            if self.gather is not None:
+                waiting += self.gather.reqs
             if any(waiting):
                 i = yield _sched.Any(waiting)
                 if i != MPI.UNDEFINED and i >= first2:
-                    self._arrived_piece(i - first2)
+                    self.gather.arrived_piece(i - first2)
             else:
                 yield _sched.All(op.sendreqs)
+
+
+class Gather:
+    """Phase 2 of an allreduce (:class:`TwoPhase`): each owner's reduced
+    shard, chunk by chunk, to every peer, recompressed with the owner
+    residual (``gather="compressed"``) or as it is (``"exact"``), and every
+    peer's into place in the caller's buffer."""
+
+    def __init__(self, op, plan, acc):
+        """Phase 2's receives, a piece per chunk and peer; ``acc``: this
+        rank's reduced shard, filled by phase 1 chunk by chunk."""
+        self.call, self.plan, self.acc, self.cuts = op, plan, acc, plan.cuts
+        self.c = 0  # chunks sent
+        self.obad = False  # a piece beyond the wire format: the owner residual kept
+        self.reqs, self.meta = [], []  # receives, and their (chunk, sender)
+        comm, r, size, cuts = op.cs.comm, op.rank, op.size, self.cuts
+        tag = op.tags[1]
+        if op.gather == "exact":
+            isz = op.dtype.itemsize
+            self.wire = wire = op.be.wire(op.flat.view(np.uint8))
+            for c in range(len(cuts)):
+                for k in range(1, size):
+                    j = (r - k) % size
+                    a, b = cuts[c][j]
+                    if b > a:
+                        self.meta.append((c, j))
+                        self.reqs.append(_wire.post(comm.Irecv, wire[a * isz:b * isz], j, tag))
+        else:
+            self.recvbuf = op.be.empty(self.plan.total2, np.uint8)
+            self.wire = wire = op.be.wire(self.recvbuf)
+            for c in range(len(cuts)):
+                for k in range(1, size):
+                    j = (r - k) % size
+                    m = self.plan.psz2[c][j]
+                    if m:
+                        o = self.plan.poff2[c][j]
+                        self.meta.append((c, j))
+                        self.reqs.append(_wire.post(comm.Irecv, wire[o:o + m], j, tag))
+            if op.use_ef:
+                lo, hi = op.bounds[r]
+                if op.txn.entry.owner is None:
+                    op.txn.entry.owner = op.be.zeros(hi - lo, op.wdtype)
+                self.owner_out = op.be.empty(hi - lo, op.wdtype)
+        self.left = len(self.reqs)
+
+    def send_chunk(self):
+        """Phase 2 of chunk ``c`` (reduced): this owner's piece to every
+        peer, recompressed with the owner residual (or exact), and into
+        place here."""
+        op = self.call
+        comm, r, size, c = op.cs.comm, op.rank, op.size, self.c
+        lo = op.bounds[r][0]
+        a, b = self.cuts[c][r]
+        self.c += 1
+        if b == a:
+            return
+        acc = part(self.acc, a - lo, b - lo)
+        if op.gather == "exact":
+            op.be.assign(op.flat[a:b], acc)
+            isz = op.dtype.itemsize
+            src, p, q = op.flat.view(np.uint8), a * isz, b * isz
+        else:
+            p, q = self.plan.poff2[c][r], self.plan.poff2[c][r] + self.plan.psz2[c][r]
+            src = self.recvbuf
+            e = eo = None
+            if op.use_ef:
+                e, eo = (part(op.txn.entry.owner, a - lo, b - lo),
+                         part(self.owner_out, a - lo, b - lo))
+            kw, bad = {"offset": a}, 0
+            if op.comp.needs_global_scale:
+                amax, bound, bad = op.comp.local_scale(acc, e)
+                kw.update(scale=amax, clip_bound=bound, stream=op.stream(r, 1))
+            x = acc if acc.dtype == op.wdtype else op.be.converted(acc, op.wdtype)
+            bad += op.comp.encode_into(x, e, eo, part(src, p, q), **kw)
+            if bad:
+                # a reduced value beyond the wire format (a sum beyond fp16's
+                # or float32's range): this piece arrives non-finite
+                # everywhere, and the owner residual is kept whole
+                op.comp.mark_out_of_range(src[p:q], b - a)
+                self.obad = True
+        op.be.sync()
+        op.be.stage(self.wire, src, p, q)
+        for k in range(1, size):
+            op.sendreqs.append(_wire.post(comm.Isend, self.wire[p:q], (r + k) % size,
+                                          op.tags[1]))
+        if op.gather != "exact" and not op.be.batch_decode:
+            self._decode_piece(src[p:q], a, b)
+
+    def _decode_piece(self, payload, a, b):
+        """Decode ``payload`` into the user's buffer at ``[a, b)`` (through a
+        float32 copy for float16 buffers)."""
+        op = self.call
+        target = op.flat[a:b]
+        if target.dtype == np.float16:
+            tmp = op.be.empty(b - a, np.float32)
+            op.comp.decode_into(payload, tmp, False)
+            op.be.assign(target, tmp)
+        else:
+            op.comp.decode_into(payload, target, False)
+
+    def decode_all(self):
+        """Every shard of a device call's gather into place with one decode
+        (one chunk: the device calls are not pipelined)."""
+        op = self.call
+        starts, offs = op.starts(), tuple(self.plan.poff2[0])
+        if op.flat.dtype == np.float16:
+            tmp = op.be.empty(op.n, np.float32)
+            op.comp.decode_shards(self.recvbuf, 0, 1, starts, offs, tmp, False)
+            op.be.assign(op.flat, tmp)
+        else:
+            op.comp.decode_shards(self.recvbuf, 0, 1, starts, offs, op.flat, False)
+
+    def arrived(self):
+        """Phase 2's pieces that are in: into place. True if any was. Only
+        this method and :meth:`TwoPhase.steps` complete these requests
+        (each is counted once: a completed request is null from then on)."""
+        if not self.left:
+            return False
+        done = _sched.arrived(self.reqs)
+        for i in done:
+            self.arrived_piece(i)
+        return bool(done)
+
+    def arrived_piece(self, i):
+        """Phase 2's receive ``i`` completed: its piece into place (on a
+        device, decoded with the others once all are in)."""
+        op = self.call
+        self.left -= 1
+        if op.be.batch_decode:
+            return  # off the wire with the others (unstage_all)
+        c, j = self.meta[i]
+        a, b = self.cuts[c][j]
+        if op.gather == "exact":
+            isz = op.dtype.itemsize
+            op.be.unstage(op.flat.view(np.uint8)[a * isz:b * isz],
+                          self.wire[a * isz:b * isz])
+            return
+        o, m = self.plan.poff2[c][j], self.plan.psz2[c][j]
+        op.be.unstage(self.recvbuf[o:o + m], self.wire[o:o + m])
+        self._decode_piece(self.recvbuf[o:o + m], a, b)
+
+    def unstage_all(self):
+        """A device call's gathered pieces off the wire, in one copy: this
+        owner's own piece too, staged from the same bytes before it went out
+        (one chunk: the device calls are not pipelined)."""
+        op = self.call
+        if op.size > 1:
+            dst = op.flat.view(np.uint8) if op.gather == "exact" else self.recvbuf
+            op.be.unstage(dst, self.wire)
+
+    def keep_owner(self):
+        """The call is over: the new owner residual replaces the old, unless
+        a piece was beyond the wire format (the old one is kept whole)."""
+        op = self.call
+        if op.use_ef and not self.obad and op.gather != "exact":
+            op.txn.entry.owner = self.owner_out

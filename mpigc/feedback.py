@@ -117,8 +117,8 @@ class ErrorFeedback:
     The user API is the mapping-like view (``keys()``, ``in``, ``len``),
     :meth:`state_dict`, :meth:`load_state_dict`, :meth:`reset` and
     ``skipped_steps``. The methods of the residual transaction API
-    (:meth:`acquire` to :meth:`hold_name`, :meth:`snapshot` and :meth:`restore`) are for mpigc's
-    own modules.
+    (:meth:`acquire` to :meth:`hold_name`; :func:`snapshot` and :func:`restore`) are for
+    mpigc's own modules.
 
     Examples
     --------
@@ -408,45 +408,6 @@ class ErrorFeedback:
         if mark.worker is not None and mark.entry.worker is not mark.worker:
             self.give_spare(mark.worker)
 
-    # -- a step that may be rolled back, by copy ---------------------------------------
-    def snapshot(self, key, reuse=None):
-        """For mpigc's own modules (a step that may be rolled back, e.g.
-        mpigc.torch's ``nonfinite="skip"``): a copy of ``key``'s residuals,
-        ``(worker, owner, calls)``, or None if the key has none yet. Copies
-        stay on their side: device residuals are copied on the device, never
-        to the host. The arrays of ``reuse`` (an older snapshot of the key, no
-        longer needed) are written over when they fit, so a step allocates
-        nothing. Read while the caller knows no call uses the key."""
-        e = self._entries.get(key)
-        if e is None:
-            return None
-        old_w, old_o = (reuse[0], reuse[1]) if reuse is not None else (None, None)
-        return _copy_of(e.worker, old_w), _copy_of(e.owner, old_o), e.calls
-
-    def restore(self, key, snap):
-        """For mpigc's own modules: put back what :meth:`snapshot` took
-        (copied: the snapshot's arrays stay the snapshot's); a snapshot of
-        None forgets the key (:meth:`reset`). KeyError if the key has no entry
-        to restore into."""
-        if snap is None:
-            self.reset(key)
-            return
-        e = self._entries.get(key)
-        if e is None:
-            raise KeyError(key)
-        worker, owner, calls = snap
-        for name, old in (("worker", worker), ("owner", owner)):
-            cur = getattr(e, name)
-            if old is None or cur is None or cur.size != old.size:
-                setattr(e, name, _copy_of(old))
-            elif _dispatch.is_device_array(cur) or _dispatch.is_device_array(old):
-                from . import _cuda
-                if cur.size:
-                    _cuda.copy(cur, old)
-            else:
-                cur[...] = old
-        e.calls = calls
-
     def hold_name(self, prefix, make_name):
         """For mpigc's own modules (hierarchical calls): mark a name of the
         caller's busy, so :meth:`state_dict`, :meth:`load_state_dict`,
@@ -461,6 +422,48 @@ class ErrorFeedback:
             name = make_name()
             self._busy.add(name)
             return name
+
+
+# -- a step that may be rolled back, by copy (mpigc.torch's nonfinite="skip") ---------
+def snapshot(fb, key, reuse=None):
+    """For mpigc's own modules (a step that may be rolled back, e.g.
+    mpigc.torch's ``nonfinite="skip"``): a copy of the residuals of ``key``
+    in the store ``fb`` (an :class:`ErrorFeedback`),
+    ``(worker, owner, calls)``, or None if the key has none yet. Copies
+    stay on their side: device residuals are copied on the device, never
+    to the host. The arrays of ``reuse`` (an older snapshot of the key, no
+    longer needed) are written over when they fit, so a step allocates
+    nothing. Read while the caller knows no call uses the key."""
+    e = fb.entry(key)
+    if e is None:
+        return None
+    old_w, old_o = (reuse[0], reuse[1]) if reuse is not None else (None, None)
+    return _copy_of(e.worker, old_w), _copy_of(e.owner, old_o), e.calls
+
+
+def restore(fb, key, snap):
+    """For mpigc's own modules: put back into ``fb`` what :func:`snapshot` took
+    (copied: the snapshot's arrays stay the snapshot's); a snapshot of
+    None forgets the key (:meth:`ErrorFeedback.reset`). KeyError if the key has no entry
+    to restore into."""
+    if snap is None:
+        fb.reset(key)
+        return
+    e = fb.entry(key)
+    if e is None:
+        raise KeyError(key)
+    worker, owner, calls = snap
+    for name, old in (("worker", worker), ("owner", owner)):
+        cur = getattr(e, name)
+        if old is None or cur is None or cur.size != old.size:
+            setattr(e, name, _copy_of(old))
+        elif _dispatch.is_device_array(cur) or _dispatch.is_device_array(old):
+            from . import _cuda
+            if cur.size:
+                _cuda.copy(cur, old)
+        else:
+            cur[...] = old
+    e.calls = calls
 
 
 class Transaction:

@@ -9,25 +9,25 @@ import numpy as np
 from .. import _hierarchy
 from .._errors import ConfigError, MismatchError, MpigcError, StateError
 from ..compressors import get_compressor
-from ..feedback import ErrorFeedback, shard_bounds
+from ..feedback import ErrorFeedback, restore, shard_bounds, snapshot
 
 from ._common import raise_everywhere
 from ._record import is_record, state_for_rank
 
 
 def snapshot_keys(fb, keys, reuse=None):
-    """:meth:`ErrorFeedback.snapshot` of each of ``keys`` (a bucket's
+    """:func:`mpigc.feedback.snapshot` of each of ``keys`` (a bucket's
     residual keys): ``{key: snapshot}``; ``reuse``: an older such dict whose
     arrays are written over."""
     reuse = reuse or {}
-    return {k: fb.snapshot(k, reuse.get(k)) for k in keys}
+    return {k: snapshot(fb, k, reuse.get(k)) for k in keys}
 
 
 def restore_keys(fb, snaps):
     """Put back :func:`snapshot_keys`'s ``snaps`` (keys without residuals
     then are forgotten)."""
     for k, snap in snaps.items():
-        fb.restore(k, snap)
+        restore(fb, k, snap)
 
 
 class Layout:

@@ -237,20 +237,6 @@ class _HierCall(_sched.PendingCall):
         inter-node calls check those."""
         return _plan.verdict(self.table, self.lay.rank, "ignore")
 
-    def _disagreement(self, v):
-        """The agreement failed (``v``, the table's :class:`mpigc._plan.Verdict`):
-        the error, raised on every rank (steps)."""
-        lay = self.lay
-        if v.kind == "mismatch":
-            mine = ""
-            if _plan.complete(self.table[lay.rank]):
-                mine = {"size": str(self.n), "dtype": str(self.dtype),
-                        "settings": json.dumps(self.settings, sort_keys=True)}[v.what]
-            allv = yield from _texts(lay.comm, mine)
-            raise _plan.mismatch_error(self.kind, v.what, allv)
-        texts = yield from _texts(lay.comm, _plan.error_text(self.exc))
-        raise _plan.failed_error(self.kind, v, lay.size, texts, self.exc)
-
     # -- the steps ---------------------------------------------------------------------
     def _steps(self):
         lay = self.lay
@@ -268,7 +254,9 @@ class _HierCall(_sched.PendingCall):
         yield self.agree_req
         v = self._verdict()  # the window is large enough then (begin)
         if v.kind != "go":
-            yield from self._disagreement(v)
+            yield from _disagreement(self.kind, lay, self.table, v, self.exc, lambda: {
+                "size": str(self.n), "dtype": str(self.dtype),
+                "settings": json.dumps(self.settings, sort_keys=True)})
         if self.plain:
             return (yield from self._plain())
         segs, acc = yield from self._node_sums(stored)
@@ -356,42 +344,26 @@ class _HierCall(_sched.PendingCall):
                 if isinstance(p, tuple) else p for p in parts], None
 
     def _group_outcome(self, subs, marks):
-        """Steps: the outcome of every group, agreed inside the node only
-        (:class:`mpigc._agree.Outcomes`): an inter-node call fails or succeeds
-        on all of its group, and every node has a handler of every slice, so
-        each node learns every group's outcome without a collective across
-        the nodes. Decided on the set of failed slices (the same on every
-        node), never on which rank reported them. Where one failed, the
-        residuals of ``marks`` are put back and the call raises, or, where
-        every failure is a non-finite sum under nonfinite="skip", returns its
-        NaN result (None: every group succeeded)."""
-        lay = self.lay
-        codes = np.zeros(lay.L, np.int64)
-        texts, cause = {}, None
-        for s, sub in subs:
-            if sub.error is not None:
-                cause = cause or sub.error
-                codes[s] = code_of(sub.error)
-                texts[s] = str(sub.error)
-        outcomes = _agree.Outcomes(lay.node_comm, codes)
-        yield outcomes.req
-        failed = outcomes.failed()
-        if not failed:
+        """Steps: every group's outcome (:func:`_group_failures`). Where one
+        failed, the residuals of ``marks`` are put back and the call raises,
+        or, where every failure is a non-finite sum under nonfinite="skip",
+        returns its NaN result (None: every group succeeded)."""
+        failed = yield from _group_failures(self.lay, subs)
+        if failed is None:
             return None
+        codes, what, cause = failed
         for mark in marks:
             self.fb.rollback(mark)
-        got = yield from _texts(lay.node_comm, _plan.fit_json(texts))
-        for t in got:
-            texts.update({int(s): v for s, v in json.loads(t).items()})
-        what = "; ".join(f"slice {s}: {texts[s]}" for s in sorted(failed))
-        if all(c == _NONFINITE_CODE for c in failed.values()):
-            ranks = yield from self._input_nonfinite()
+        if all(c == _NONFINITE_CODE for c in codes.values()):
+            ranks = ""
+            if self.nonfinite == "raise":
+                ranks = yield from _input_nonfinite(self.lay.comm, self.flat)
             return self._nonfinite(ranks or (
                 "a node's sum is not finite, or beyond the range of the wire format ("
                 + what + ")"))
-        code = next(c for s, c in sorted(failed.items()) if c != _NONFINITE_CODE)
+        code = next(c for s, c in sorted(codes.items()) if c != _NONFINITE_CODE)
         raise (CODES.get(code) or MpigcError)(
-            f"{self.kind} (hierarchical) failed in {len(failed)} of {lay.L} slice "
+            f"{self.kind} (hierarchical) failed in {len(codes)} of {self.lay.L} slice "
             f"group(s): {what}; no residual changed") from cause
 
     def _allreduce_result(self, segs, acc, parts):
@@ -426,18 +398,6 @@ class _HierCall(_sched.PendingCall):
         self.be.put(self.dout, res)
         return self.out
 
-    def _input_nonfinite(self):
-        """Steps, on the failure path only: "non-finite values in the input on
-        rank r (count), ..." when any rank's input holds some, else an empty
-        string (the node sum overflowed, or nonfinite="skip", whose result
-        says nothing; the policy is agreed, so every rank skips alike)."""
-        if self.nonfinite != "raise":
-            return ""
-        mine = np.array([np.count_nonzero(~np.isfinite(self.flat))], np.int64)
-        nbad = np.zeros(self.lay.size, np.int64)
-        yield self.lay.comm.Iallgather(mine, nbad)
-        return _plan.nonfinite_causes(nbad)
-
     def _nonfinite(self, what):
         if self.nonfinite == "raise":
             raise _plan.nonfinite_error(self.kind, what)
@@ -449,6 +409,57 @@ class _HierCall(_sched.PendingCall):
             return self.buf
         lo, hi = self.bounds[self.lay.rank]
         return self._shard_result(np.full(hi - lo, np.nan, self.dtype))
+
+
+def _disagreement(kind, lay, table, v, exc, describe):
+    """Steps: the agreement failed (``v``, the table's
+    :class:`mpigc._plan.Verdict`): the error, raised on every rank;
+    ``describe()``: this rank's size, dtype and settings, as texts, for a
+    mismatch (called only where this rank's row is complete: a rank that
+    failed early has none); ``exc``: this rank's own error, if any."""
+    if v.kind == "mismatch":
+        mine = describe()[v.what] if _plan.complete(table[lay.rank]) else ""
+        allv = yield from _texts(lay.comm, mine)
+        raise _plan.mismatch_error(kind, v.what, allv)
+    texts = yield from _texts(lay.comm, _plan.error_text(exc))
+    raise _plan.failed_error(kind, v, lay.size, texts, exc)
+
+
+def _group_failures(lay, subs):
+    """Steps: the outcome of every slice group, agreed inside the node only
+    (:class:`mpigc._agree.Outcomes`): an inter-node call (``subs``, ``(slice,
+    call)`` of this rank's) fails or succeeds on all of its group, and every
+    node has a handler of every slice, so each node learns every group's
+    outcome without a collective across the nodes. Decided on the set of
+    failed slices (the same on every node), never on which rank reported
+    them. None when every group succeeded, else ``({slice: code}, what,
+    cause)``: the failed slices, their errors' texts, this rank's first error."""
+    codes = np.zeros(lay.L, np.int64)
+    texts, cause = {}, None
+    for s, sub in subs:
+        if sub.error is not None:
+            cause = cause or sub.error
+            codes[s] = code_of(sub.error)
+            texts[s] = str(sub.error)
+    outcomes = _agree.Outcomes(lay.node_comm, codes)
+    yield outcomes.req
+    failed = outcomes.failed()
+    if not failed:
+        return None
+    got = yield from _texts(lay.node_comm, _plan.fit_json(texts))
+    for t in got:
+        texts.update({int(s): v for s, v in json.loads(t).items()})
+    return failed, "; ".join(f"slice {s}: {texts[s]}" for s in sorted(failed)), cause
+
+
+def _input_nonfinite(comm, flat):
+    """Steps, on the failure path only: "non-finite values in the input on
+    rank r (count), ..." when any rank's input (``flat``, on the host) holds
+    some, else an empty string (the node sum overflowed)."""
+    mine = np.array([np.count_nonzero(~np.isfinite(flat))], np.int64)
+    nbad = np.zeros(comm.Get_size(), np.int64)
+    yield comm.Iallgather(mine, nbad)
+    return _plan.nonfinite_causes(nbad)
 
 
 def _texts(comm, text):

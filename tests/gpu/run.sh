@@ -17,7 +17,11 @@
 #      sharing the GPU): GradientSync with device buckets (none, 2bit, 1bit) vs the
 #      host-staged path (device_buckets=False) vs DDP over gloo; skipped (exit 0,
 #      said in its log) where torch is missing or sees no GPU;
-#   6. one JSON summary: $OUT/gpu-summary.json ($OUT if set, else the log folder).
+#   6. tests/gpu/lightning_gpu.py under mpirun, 2 ranks sharing the GPU: Lightning
+#      with mpigc.torch.lightning.MpigcCommHook trains as DDP with the hook does by
+#      hand (parameters and residuals bit for bit, residuals on the GPU); skipped
+#      in the simulator and where Lightning or a GPU is missing;
+#   7. one JSON summary: $OUT/gpu-summary.json ($OUT if set, else the log folder).
 #
 #   bash tests/gpu/run.sh [WHEELS]
 #
@@ -185,7 +189,19 @@ else
     echo "== torch_step: skipped (no mpirun, or torch missing or without a CUDA GPU)"
 fi
 
-# 6. the summary
+# 6. Lightning with MpigcCommHook on the GPU, 2 ranks sharing it: as DDP with the hook
+LT_CHECK="import torch, lightning; assert torch.cuda.is_available()"
+if [ "$SIM" != 1 ] && [ -n "$MPIRUN" ] && (cd "$WORK" && "$PYTHON" -c "$LT_CHECK") >/dev/null 2>&1; then
+    step lightning "$LOGS/lightning.json" "$MPIRUN" --oversubscribe "${MPI_ENV[@]}" -n 2 "$PYTHON" \
+        "$ROOT/tests/gpu/lightning_gpu.py" --device cuda --json "$LOGS/lightning.json"
+else
+    echo "skipped: the simulator, no mpirun, or Lightning, torch or a CUDA GPU missing" \
+        >"$LOGS/lightning.log"
+    printf 'lightning\t0\t0\t%s\t-\n' "$LOGS/lightning.log" >>"$STEPS"
+    echo "== lightning: skipped (the simulator, or Lightning or a CUDA GPU missing)"
+fi
+
+# 7. the summary
 "$PYTHON" - "$STEPS" "$SUMMARY_DIR/gpu-summary.json" "$SIM" <<'EOF'
 import json, sys
 import xml.etree.ElementTree as ET

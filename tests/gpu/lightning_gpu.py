@@ -32,8 +32,20 @@ import mpigc
 import mpigc.torch as mt
 from mpigc.torch.lightning import CHECKPOINT_KEY, MpigcCommHook
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mpi"))
+from lightning_toy import Net as ToyNet, loader as toy_loader  # noqa: E402
+
 OP = {"op": "2bit", "threshold": 2.0 ** -6}
 STEPS, BATCH = 4, 16
+SIZES, LR = (64, 256, 8), 0.05
+
+
+def Net():
+    return ToyNet(SIZES, LR)
+
+
+def loader(rank):
+    return toy_loader(rank, STEPS * BATCH, BATCH, SIZES)
 
 
 class OneDevicePerRank(MPIEnvironment):
@@ -44,32 +56,6 @@ class OneDevicePerRank(MPIEnvironment):
 
     def node_rank(self):
         return self.global_rank()
-
-
-class Net(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(),
-                                       torch.nn.Linear(256, 8))
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return ((self(x) - y) ** 2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-
-
-def loader(rank):
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(STEPS * BATCH, 64, generator=g)
-    y = torch.randn(STEPS * BATCH, 8, generator=g)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
-                                       batch_size=BATCH, shuffle=False)
 
 
 def main():

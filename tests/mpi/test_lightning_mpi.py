@@ -30,35 +30,15 @@ from mpigc.compressors import get_compressor  # noqa: E402
 from mpigc.feedback import shard_bounds  # noqa: E402
 from mpigc.torch.lightning import CHECKPOINT_KEY, MpigcCommHook, residuals_for_rank  # noqa: E402
 
+from lightning_toy import Net, loader as toy_loader  # noqa: E402
+
 OP = {"op": "2bit", "threshold": 2.0 ** -6}  # sums of +-t are exact: any bucket layout
 BATCHES, BATCH = 2, 8                        # per epoch and rank
 
 
-class Net(L.LightningModule):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(torch.nn.Linear(12, 16), torch.nn.Tanh(),
-                                       torch.nn.Linear(16, 3))
-
-    def forward(self, x):
-        return self.net(x)
-
-    def training_step(self, batch, batch_idx):
-        x, y = batch
-        return ((self(x) - y) ** 2).mean()
-
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.1)
-
-
 def loader(rank):
     """This rank's own shard, the same batches in every epoch."""
-    g = torch.Generator().manual_seed(100 + rank)
-    x = torch.randn(BATCHES * BATCH, 12, generator=g)
-    y = torch.randn(BATCHES * BATCH, 3, generator=g)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y),
-                                       batch_size=BATCH, shuffle=False)
+    return toy_loader(rank, BATCHES * BATCH, BATCH)
 
 
 def trainer(root, callbacks=(), strategy=None, **kw):

@@ -407,10 +407,8 @@ def _request_ready(call, req, block):
 
 class _Pause:
     """An effect: a progress step stops here (the lock is held while a step
-    computes: one chunk at a time); a blocking wait goes straight on."""
-
-    def ready(self, call, block):
-        return True, None
+    computes: one chunk at a time); a blocking wait goes straight on. Handled
+    by :meth:`PendingCall.progress` itself, never waited for."""
 
 
 PAUSE = _Pause()

@@ -46,14 +46,11 @@ fallback and ``gather="exact"`` move full-precision values there). The
 default stream is synchronised before MPI reads device memory and before a
 call returns (see ``docs/gpu.md``).
 """
-import struct
-import zlib
 
 import numpy as np
 from mpi4py import MPI
 
 from . import _comm
-from . import _dispatch
 from . import _flatagree
 from . import _plan
 from . import _plainsum
@@ -66,23 +63,13 @@ from ._sched import PendingCall
 from ._errors import code_of
 from .compressors import work_dtype
 from .feedback import get_default_feedback
-from .kernels import cpu as _cpu
 
 __all__ = ["start"]
 
 
 # the columns of the agreement table (see mpigc._plan)
-_CODE, _NBAD, _SCALE, _RANGE, _INLINE = _plan.CODE, _plan.NBAD, _plan.SCALE, _plan.RANGE, \
-    _plan.INLINE
+_CODE, _NBAD, _SCALE, _INLINE = _plan.CODE, _plan.NBAD, _plan.SCALE, _plan.INLINE
 _N, _DTYPE, _FP, _CHUNK = _plan.N, _plan.DTYPE, _plan.FP, _plan.CHUNK
-
-
-def _f64_bits(x):
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
-
-
-def _bits_f64(i):
-    return struct.unpack("<d", struct.pack("<q", int(i)))[0]
 
 
 class _Op(PendingCall):
@@ -115,7 +102,7 @@ class _Op(PendingCall):
         self.error = None
         self.plain = False
         self.chunks = None  # a pipelined call's cuts (see _chunk_plan)
-        self.plan = None  # the two phases' layout, once known (two_phases)
+        self.plan = None  # the two phases' layout, once known (_twophase.layout)
         self.be = None  # the backend of the buffer's side (mpigc._backend)
         # what the agreement step reads of a rank that failed early: defined
         # before anything can raise, so every rank evaluates it the same way
@@ -185,14 +172,14 @@ class _Op(PendingCall):
         self.e_in = self.txn.worker() if self.use_ef else None
         if comp.needs_global_scale:
             amax, self.clip_bound, nbad = comp.local_scale(self.x, self.e_in)
-            self.count_bad(row, nbad)
-            row[_SCALE] = _f64_bits(amax)
+            _twophase.count_bad(self, row, nbad)
+            row[_SCALE] = _twophase.f64_bits(amax)
             return
         # compress every shard now; the new residual goes to a scratch buffer
         self.e_out = self.txn.take_scratch() if self.use_ef else None
         if self.chunks is not None:
             return  # pipelined: chunk by chunk once the rows agree (mpigc._twophase)
-        self.pack_shards(row)
+        _twophase.pack_shards(self, row)
 
     def _chunk_plan(self):
         """How a pipelined call cuts the buffer: ``plan[c][j]`` is the range
@@ -207,66 +194,6 @@ class _Op(PendingCall):
             return None
         return _plan.chunk_cuts(self.bounds, self.n * self.dtype.itemsize,
                                 self.comp.chunk_align(), _settings.chunk_bytes())
-
-    def two_phases(self):
-        """The layout of this call's two phases (:func:`mpigc._plan.phases`)."""
-        adt = np.float64 if self.dtype == np.float64 else np.float32  # the sums' dtype
-        comp, wdt = self.comp, self.wdtype
-        return _plan.phases(self.kind, self.gather, self.dtype.itemsize, self.bounds,
-                            self.chunks, lambda k: comp.payload_nbytes(k, wdt),
-                            lambda k: comp.payload_nbytes(k, adt))
-
-    def stream(self, rank, stage):
-        """terngrad's random stream: seed and key, rank, the key's call count
-        (the communicator's call count for calls without state), stage."""
-        entry = None if self.txn is None else self.txn.entry
-        calls = entry.calls if entry is not None else self.seq
-        seed = self.comp.seed ^ (zlib.crc32(self.key.encode()) << 32)
-        return _cpu.ternary_stream(seed, rank, calls, stage)
-
-    def pack_shards(self, row, scale=None):
-        """Compress every shard into one send buffer, laid out as the one
-        chunk of :meth:`two_phases` (``self.plan``, which the phases reuse)."""
-        self.plan = plan = self.two_phases()
-        self.sendbuf = self.be.empty(plan.total, np.uint8)
-        kw = {}
-        if self.comp.needs_global_scale:
-            kw = {"scale": scale, "clip_bound": self.clip_bound,
-                  "stream": self.stream(self.rank, 0)}
-        elif self.comp.prescales_average and self.average:
-            kw = {"divisor": float(self.size)}
-        # every shard in one call: one kernel launch on a GPU (the host loops)
-        nbad = self.comp.encode_shards(self.x, self.e_in, self.e_out, self.sendbuf,
-                                       self.starts(), plan.poff[0], **kw)
-        if row is not None:
-            self.count_bad(row, nbad)
-
-    def pack_scaled(self):
-        """terngrad quantizes only once the rows agree, with the scale all
-        ranks agreed on (the largest)."""
-        if self.use_ef:
-            entry = self.txn.entry
-            if entry.worker is None:
-                entry.worker = self.be.empty(self.n, self.wdtype)
-            self.e_out = entry.worker
-        else:
-            self.e_out = None
-        self.pack_shards(None, scale=max(_bits_f64(v) for v in self.table[:, _SCALE]))
-
-    def starts(self):
-        return _plan.shard_starts(self.bounds, self.n)
-
-    def count_bad(self, row, nbad):
-        """Split the encoder's bad count ``nbad`` into the non-finite values of
-        ``x + e`` (column ``_NBAD``) and the finite values that the wire format
-        cannot carry (column ``_RANGE``); the exact count runs only when
-        ``nbad`` is not 0, and not at all under ``nonfinite="ignore"``."""
-        if nbad == 0 or self.nonfinite == "ignore":
-            row[_NBAD] = nbad
-            return
-        nf = _dispatch.kernels(self.x).stats(self.x, self.e_in)[3]
-        row[_NBAD] = nf
-        row[_RANGE] = max(nbad - nf, 0)
 
     # -- 2. agree ------------------------------------------------------------
     def abandon(self):

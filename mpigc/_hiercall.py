@@ -51,6 +51,97 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
     return call
 
 
+class _Input:
+    """A hierarchical call's input and settings, checked (:meth:`adopt`, the
+    checks and settings of a flat call), and its hold on its key. A rank
+    whose input fails keeps what was adopted before the error (its backend,
+    to release)."""
+
+    def __init__(self):
+        # the buffer's backend (a device one's device_id is made current by the
+        # progress thread); the caller's buffer, flat, on its side (side_flat)
+        # and in host memory (flat: the same array for a host buffer, a
+        # staging copy for a device one), where the intra-node steps run
+        self.be = self.side_flat = self.flat = None
+        self.n = self.dtype = self.settings = None
+        self.plain = False
+        self.fb = None  # the residual store, None with feedback=False
+        self.busy = None  # this call's name in the store's keys in use (_hold_key)
+
+    def adopt(self, lay, kind, buf, op, params, key, average, gather, feedback, nonfinite,
+              recvcounts, out, row):
+        """Check the input and fill this rank's agreement ``row``; raises
+        what a flat call would (its code travels in the row)."""
+        # the limits the settings depend on, from the environment now, as a
+        # flat call reads them (else: whatever the last flat call here read)
+        _wire.read_limits()
+        # (raises DTypeError where there are no CUDA kernels for a device
+        # array: reported on every rank)
+        self.be, a, dtype = _settings.adopt_input(kind, buf, _comm.resolve(lay.comm))
+        self.flat = self.side_flat = a.reshape(a.size)  # on the host: below
+        self.n = n = a.size
+        self.dtype = dtype
+        self.wd = np.dtype(work_dtype(dtype))
+        row[_N] = n
+        row[_DTYPE] = _plan.DTYPE_CODE[dtype]
+        (self.comp, self.average, self.gather, self.nonfinite, self.bounds, self.key,
+         self.plain, flat_settings, _) = _settings.settings_for(
+            kind, dtype, lay.size, op, params, key, average, gather, nonfinite, n, recvcounts)
+        lo, hi = self.bounds[lay.rank]
+        self.out, self.dout = out, None
+        if out is not None:
+            self.dout = self.be.adopt_out(out, hi - lo, dtype)  # or raises
+        if feedback is not False:
+            self.fb = get_default_feedback() if feedback is None else feedback
+        self.settings = settings = dict(flat_settings, layout=lay.describe())
+        row[_FP] = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
+        if not self.plain:
+            # a device buffer's values to the host now (the caller's thread,
+            # the GPU current; adopt waited for the stream that produced them)
+            self.flat = self.be.host_copy(self.side_flat)
+            if self.fb is not None:
+                # (a plain call, op="none" or a small buffer, uses no residual:
+                # as on the flat path, it does not hold the key)
+                self._hold_key()  # last: nothing after it can fail
+        # no pass over the input for non-finite values: a non-finite input makes
+        # its node's sum non-finite (NaN and inf propagate through the sum), which
+        # the inter-node call detects before any residual changes; the ranks
+        # that hold them are named then (_input_nonfinite)
+
+    def _hold_key(self):
+        """Report the call to the residual store as a pending user of its key
+        (a checkpoint raises StateError until it is done, as for a flat call,
+        whose own keys are busy from its start), under a name of its own,
+        ``"{key}@hier (call N)"``; StateError if a pending hierarchical call
+        of the same store holds the key already (rule 3 of the nonblocking
+        calls: its code travels in the row, so every rank raises it)."""
+        prefix = f"{self.key}@hier (call "
+        busy = self.fb.hold_name(prefix, lambda: f"{prefix}{next(_call_ids)})")
+        if busy is None:
+            raise StateError(f"key {self.key!r} is already used by a pending "
+                             "hierarchical collective; wait for it, or use distinct "
+                             "keys")
+        self.busy = busy
+
+    def release_key(self):
+        if self.busy is not None:
+            self.fb.release(self.busy)
+            self.busy = None
+
+    def describe(self):
+        """This rank's size, dtype and settings, as texts (a mismatch's)."""
+        return {"size": str(self.n), "dtype": str(self.dtype),
+                "settings": json.dumps(self.settings, sort_keys=True)}
+
+    def shard_result(self, res):
+        """reduce_scatter's result ``res`` (host, the input's dtype) where the
+        caller wants it: ``out``, or a new array on the side of the buffer."""
+        if self.out is None:
+            return self.be.to_side(res)
+        self.be.put(self.dout, res)
+        return self.out
+
+
 class _HierCall(_sched.PendingCall):
     """One hierarchical call, held in the engine's queue of pending calls
     (``mpigc._sched``) like an engine call, with the same protocol
@@ -73,26 +164,18 @@ class _HierCall(_sched.PendingCall):
     def __init__(self, lay, kind, buf, op, params, comm, key, average, gather, feedback,
                  nonfinite, recvcounts, out):
         self.lay, self.kind, self.buf, self.op, self.params = lay, kind, buf, op, params
-        self.comm, self.key, self.average, self.gather = comm, key, average, gather
-        self.feedback, self.nonfinite = feedback, nonfinite
-        self.recvcounts, self.out = recvcounts, out
+        self.args = (key, average, gather, feedback, nonfinite, recvcounts, out)
+        self.comm = comm
         self.cs = lay  # the engine orders calls by .cs; never one of its CommStates
         self.trace = _trace.CallTrace("hierarchical")  # Request.trace
         self.state = "pending"
         self.result = self.error = None
-        # the buffer's backend (a device one's device_id is made current by the
-        # progress thread); the caller's buffer, flat, on its side (side_flat)
-        # and in host memory (flat: the same array for a host buffer, a
-        # staging copy for a device one), where the intra-node steps run
-        self.be = self.side_flat = None
-        self.busy = None  # this call's name in the store's keys in use (_hold_key)
+        self.x = _Input()
 
     # -- the engine's protocol (PendingCall) -------------------------------------------
     def settle(self):
         """The caller saw the call done: its key is no longer in use."""
-        if self.busy is not None:
-            self.fb.release(self.busy)
-            self.busy = None
+        self.x.release_key()
 
     def _head(self):
         """No earlier hierarchical call of this layout is pending here."""
@@ -104,9 +187,9 @@ class _HierCall(_sched.PendingCall):
 
     def _end(self):
         self.state = "done"
-        if self.be is not None:
-            self.be.sync()  # the last copies out of its staging buffers
-            self.be.release()
+        if self.x.be is not None:
+            self.x.be.sync()  # the last copies out of its staging buffers
+            self.x.be.release()
         _sched.dequeue(self)
 
     # -- 1. the start and the input agreement ------------------------------------------
@@ -123,20 +206,19 @@ class _HierCall(_sched.PendingCall):
         steps wait: none of them runs before the window has grown. The window
         grows outside the engine lock (a blocking collective on the node). The
         rest of the call is progressed from the queue."""
-        lay = self.lay
+        lay, x = self.lay, self.x
         lay.ready_for_calls()
         row = _plan.new_row()
         self.exc = None
-        self.plain = False
         try:
-            self._prepare(row)
+            x.adopt(lay, self.kind, self.buf, self.op, self.params, *self.args, row)
         except Exception as e:  # noqa: BLE001 - reported collectively
             self.exc = e
             row[_CODE] = code_of(e)
         self.alone = lay.node_comm.Get_size() == 1
         self.need = 0
-        if self.exc is None and not self.plain and not self.alone:
-            self.need = self.n * self.wd.itemsize
+        if self.exc is None and not x.plain and not self.alone:
+            self.need = x.n * x.wd.itemsize
         grow = self.need > lay.window_bytes()
         with _sched.lock:
             self.row = row  # MPI reads it until the rows are in
@@ -175,63 +257,6 @@ class _HierCall(_sched.PendingCall):
         the window)."""
         _sched.poll(self.agree_req.Test)
 
-    def _prepare(self, row):
-        kind = self.kind
-        # the limits the settings depend on, from the environment now, as a
-        # flat call reads them (else: whatever the last flat call here read)
-        _wire.read_limits()
-        # the checks and settings of a flat call (raise DTypeError where there
-        # are no CUDA kernels for a device array: reported on every rank)
-        self.be, a, dtype = _settings.adopt_input(kind, self.buf,
-                                                  _comm.resolve(self.lay.comm))
-        self.flat = self.side_flat = a.reshape(a.size)  # on the host: _prepare's end
-        self.n = n = a.size
-        self.dtype = dtype
-        self.wd = np.dtype(work_dtype(dtype))
-        row[_N] = n
-        row[_DTYPE] = _plan.DTYPE_CODE[dtype]
-        (self.comp, self.average, self.gather, self.nonfinite, self.bounds, self.key,
-         self.plain, flat_settings, _) = _settings.settings_for(
-            kind, dtype, self.lay.size, self.op, self.params, self.key, self.average,
-            self.gather, self.nonfinite, n, self.recvcounts)
-        lo, hi = self.bounds[self.lay.rank]
-        self.dout = None
-        if self.out is not None:
-            self.dout = self.be.adopt_out(self.out, hi - lo, dtype)  # or raises
-        self.fb = None
-        if self.feedback is not False:
-            self.fb = get_default_feedback() if self.feedback is None else self.feedback
-        self.settings = settings = dict(flat_settings, layout=self.lay.describe())
-        row[_FP] = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
-        if not self.plain:
-            # a device buffer's values to the host now (the caller's thread,
-            # the GPU current; adopt waited for the stream that produced them)
-            self.flat = self.be.host_copy(self.side_flat)
-        if self.fb is not None and not self.plain:
-            # (a plain call, op="none" or a small buffer, uses no residual: as
-            # on the flat path, it does not hold the key)
-            self._hold_key()  # last: nothing after it can fail
-        # no pass over the input for non-finite values: a non-finite input makes
-        # its node's sum non-finite (NaN and inf propagate through the sum), which
-        # the inter-node call detects before any residual changes; the ranks
-        # that hold them are named then (_input_nonfinite)
-
-    def _hold_key(self):
-        """Report the call to the residual store as a pending user of its key
-        (a checkpoint raises StateError until it is done, as for a flat call,
-        whose own keys are busy from its start), under a name of its own,
-        ``"{key}@hier (call N)"``; StateError if a pending hierarchical call
-        of the same store holds the key already (rule 3 of the nonblocking
-        calls: raised in ``_prepare``, its code travels in the row, so every
-        rank raises it)."""
-        prefix = f"{self.key}@hier (call "
-        busy = self.fb.hold_name(prefix, lambda: f"{prefix}{next(_call_ids)})")
-        if busy is None:
-            raise StateError(f"key {self.key!r} is already used by a pending "
-                             "hierarchical collective; wait for it, or use distinct "
-                             "keys")
-        self.busy = busy
-
     def _verdict(self):
         """The agreed table's verdict; no non-finite counts here: the
         inter-node calls check those."""
@@ -239,7 +264,7 @@ class _HierCall(_sched.PendingCall):
 
     # -- the steps ---------------------------------------------------------------------
     def _steps(self):
-        lay = self.lay
+        lay, x = self.lay, self.x
         # the hierarchical calls of a layout advance one at a time, oldest first
         yield _sched.Turn(self._head)
         if lay.read_fence is not None:
@@ -250,32 +275,30 @@ class _HierCall(_sched.PendingCall):
         # node's window (when it is large enough already)
         stored = self.need and lay.window_bytes() >= self.need
         if stored:
-            store_for_peers(lay, lay.shared(self.need), self.flat, self.n, self.wd)
+            store_for_peers(lay, lay.shared(self.need), x.flat, x.n, x.wd)
         yield self.agree_req
         v = self._verdict()  # the window is large enough then (begin)
         if v.kind != "go":
-            yield from _disagreement(self.kind, lay, self.table, v, self.exc, lambda: {
-                "size": str(self.n), "dtype": str(self.dtype),
-                "settings": json.dumps(self.settings, sort_keys=True)})
-        if self.plain:
+            yield from _disagreement(self.kind, lay, self.table, v, self.exc, x.describe)
+        if x.plain:
             return (yield from self._plain())
         segs, acc = yield from self._node_sums(stored)
         parts, skipped = yield from self._inter_node(segs, acc)
         if skipped is not None:  # nonfinite="skip" on every rank: NaN results
             return skipped
         if self.kind == "allreduce":
-            return (yield from self._allreduce_result(segs, acc, parts))
+            return (yield from self._allreduce_result(segs, acc))
         return (yield from self._reduce_scatter_result(parts))
 
     def _plain(self):
         """Steps of op="none" and small buffers: the flat engine (a plain MPI
         sum), on the layout's own communicator (the same ranks in the same
         order)."""
+        x, (_, _, _, feedback, _, recvcounts, out) = self.x, self.args
         sub = _collective.start(self.kind, self.buf, self.op, self.params,
-                                comm=self.lay.comm, key=self.key, average=self.average,
-                                gather=self.gather, feedback=self.feedback,
-                                nonfinite=self.nonfinite, recvcounts=self.recvcounts,
-                                out=self.out, blocking=False)
+                                comm=self.lay.comm, key=x.key, average=x.average,
+                                gather=x.gather, feedback=feedback, nonfinite=x.nonfinite,
+                                recvcounts=recvcounts, out=out, blocking=False)
         yield _sched.Calls([sub])
         sub.settle()
         sub.finished()
@@ -287,12 +310,12 @@ class _HierCall(_sched.PendingCall):
         are made in this rank's own segment (where no peer reads), slice by
         slice as the inter-node calls read them (their ``fill``), so that they
         overlap with those calls' transfers."""
-        lay = self.lay
+        lay, x = self.lay, self.x
         if self.alone:  # a node of one rank: nothing to sum
-            lo, hi = lay.element_range(lay.rank, self.n)
-            return None, self.flat[lo:hi].astype(self.wd)
+            lo, hi = lay.element_range(lay.rank, x.n)
+            return None, x.flat[lo:hi].astype(x.wd)
         segs = lay.shared(self.need)
-        acc = yield from own_sums(lay, segs, self.flat, self.n, self.wd, stored)
+        acc = yield from own_sums(lay, segs, x.flat, x.n, x.wd, stored)
         return segs, acc
 
     def _inter_node(self, segs, acc):
@@ -301,7 +324,8 @@ class _HierCall(_sched.PendingCall):
         group's outcome. Returns this rank's reduced slices on the host, in
         slice order, and None; or None and the call's result where it is
         skipped (:meth:`_group_outcome`)."""
-        lay, n, wd = self.lay, self.n, self.wd
+        lay, x = self.lay, self.x
+        n, wd, fb = x.n, x.wd, x.fb
         lo = lay.element_range(lay.rank, n)[0]
         sb = shard_bounds(n, lay.L)
         marks, subs, parts = [], [], []
@@ -311,20 +335,20 @@ class _HierCall(_sched.PendingCall):
             if shi == slo:  # fewer elements than slices: nothing to reduce
                 parts.append(v.copy())
                 continue
-            sk = slice_key(self.key, s, lay.L, n)
+            sk = slice_key(x.key, s, lay.L, n)
             # the inter-node calls keep the worker residual they replace
             # (keep_replaced): put back if another group fails
-            if self.fb is not None:
-                marks.append(self.fb.mark(sk))
-            fill = None if self.alone else node_sum_fill(lay, segs, self.flat, n, wd, slo)
+            if fb is not None:
+                marks.append(fb.mark(sk))
+            fill = None if self.alone else node_sum_fill(lay, segs, x.flat, n, wd, slo)
             # on a device, the node's sums made now and copied there, where the
             # engine reduces them between the nodes (its residuals there)
-            sv, fill = self.be.for_engine(v, fill)
+            sv, fill = x.be.for_engine(v, fill)
             sub = _collective.start(self.kind, sv, self.op, self.params,
                                     comm=lay.groups[s], key=sk, average=False,
-                                    gather=self.gather,
-                                    feedback=False if self.fb is None else self.fb,
-                                    nonfinite="ignore" if self.nonfinite == "ignore"
+                                    gather=x.gather,
+                                    feedback=False if fb is None else fb,
+                                    nonfinite="ignore" if x.nonfinite == "ignore"
                                     else "raise", blocking=False, fill=fill,
                                     keep_replaced=True)
             subs.append((s, sub))
@@ -337,10 +361,10 @@ class _HierCall(_sched.PendingCall):
         if skipped is not None:
             return None, skipped
         for mark in marks:
-            self.fb.settle(mark)
+            fb.settle(mark)
         # the reduced slices on the host (in the window for allreduce, where
         # the node's ranks read them); a host call's are there already
-        return [self.be.to_host(p[1].result, p[0] if self.kind == "allreduce" else None)
+        return [x.be.to_host(p[1].result, p[0] if self.kind == "allreduce" else None)
                 if isinstance(p, tuple) else p for p in parts], None
 
     def _group_outcome(self, subs, marks):
@@ -353,11 +377,11 @@ class _HierCall(_sched.PendingCall):
             return None
         codes, what, cause = failed
         for mark in marks:
-            self.fb.rollback(mark)
+            self.x.fb.rollback(mark)
         if all(c == _NONFINITE_CODE for c in codes.values()):
             ranks = ""
-            if self.nonfinite == "raise":
-                ranks = yield from _input_nonfinite(self.lay.comm, self.flat)
+            if self.x.nonfinite == "raise":
+                ranks = yield from _input_nonfinite(self.lay.comm, self.x.flat)
             return self._nonfinite(ranks or (
                 "a node's sum is not finite, or beyond the range of the wire format ("
                 + what + ")"))
@@ -366,49 +390,43 @@ class _HierCall(_sched.PendingCall):
             f"{self.kind} (hierarchical) failed in {len(codes)} of {self.lay.L} slice "
             f"group(s): {what}; no residual changed") from cause
 
-    def _allreduce_result(self, segs, acc, parts):
+    def _allreduce_result(self, segs, acc):
         """Steps of stage 3 of allreduce: every node rank's range, reduced in
-        place in its segment (``parts`` are there), read into the buffer."""
-        lay = self.lay
-        if self.average:
+        place in its segment (the reduced slices are there), read into the
+        buffer."""
+        lay, x = self.lay, self.x
+        if x.average:
             acc /= lay.size
         if self.alone:
-            lo, hi = lay.element_range(lay.rank, self.n)
-            self.flat[lo:hi] = acc
+            lo, hi = lay.element_range(lay.rank, x.n)
+            x.flat[lo:hi] = acc
         else:
-            yield from read_node_results(lay, segs, self.flat, self.n, self.wd)
-        self.be.put(self.side_flat, self.flat)  # a device buffer's result, in place
+            yield from read_node_results(lay, segs, x.flat, x.n, x.wd)
+        x.be.put(x.side_flat, x.flat)  # a device buffer's result, in place
         return self.buf
 
     def _reduce_scatter_result(self, parts):
         """Steps of stage 3 of reduce_scatter: the reduced slices to the ranks
         whose shards they hold."""
-        lay, n = self.lay, self.n
-        pieces = [(a, b, p) for (_, a, b), p in zip(lay.owned_ranges(lay.rank, n), parts)]
-        res = yield from redistribute(lay, pieces, self.bounds, n, self.wd)
-        if self.average:
+        lay, x = self.lay, self.x
+        pieces = [(a, b, p) for (_, a, b), p in zip(lay.owned_ranges(lay.rank, x.n), parts)]
+        res = yield from redistribute(lay, pieces, x.bounds, x.n, x.wd)
+        if x.average:
             res /= lay.size
-        return self._shard_result(res.astype(self.dtype, copy=False))
-
-    def _shard_result(self, res):
-        """reduce_scatter's result ``res`` (host, the input's dtype) where the
-        caller wants it: ``out``, or a new array on the side of ``buf``."""
-        if self.out is None:
-            return self.be.to_side(res)
-        self.be.put(self.dout, res)
-        return self.out
+        return x.shard_result(res.astype(x.dtype, copy=False))
 
     def _nonfinite(self, what):
-        if self.nonfinite == "raise":
+        x = self.x
+        if x.nonfinite == "raise":
             raise _plan.nonfinite_error(self.kind, what)
-        if self.fb is not None:
-            self.fb.skipped_steps += 1
+        if x.fb is not None:
+            x.fb.skipped_steps += 1
         if self.kind == "allreduce":
-            self.be.fill_nan(self.side_flat)
-            self.be.sync()
+            x.be.fill_nan(x.side_flat)
+            x.be.sync()
             return self.buf
-        lo, hi = self.bounds[self.lay.rank]
-        return self._shard_result(np.full(hi - lo, np.nan, self.dtype))
+        lo, hi = x.bounds[self.lay.rank]
+        return x.shard_result(np.full(hi - lo, np.nan, x.dtype))
 
 
 def _disagreement(kind, lay, table, v, exc, describe):

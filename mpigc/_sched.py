@@ -16,7 +16,7 @@ called mpigc (:func:`note_caller`), no wait blocks in MPI at all: a thread
 blocked there holds the lock, and another thread of the rank could not start
 or advance the call that a peer waits for (found by the schedule search with
 two threads); waits then poll, giving the lock up between polls
-(:func:`yield_lock`).
+(:func:`poll`).
 
 Calls read the queue through :func:`earlier`, :func:`at` and :func:`idle`,
 and never change it but through :func:`enqueue` and :func:`dequeue`.
@@ -26,6 +26,7 @@ import contextlib
 import os
 import threading
 import time
+import types
 
 from mpi4py import MPI
 
@@ -34,7 +35,7 @@ from . import _cuda
 __all__ = ["lock", "Request", "PendingCall", "Turn", "All", "Any", "Probe", "Job", "Calls",
            "Alone", "PAUSE", "test", "arrived", "complete", "in_order", "progress_all",
            "enqueue", "dequeue", "earlier", "at", "idle", "pending", "wake",
-           "note_caller", "several_threads", "may_block", "yield_lock", "poll", "finish_pending",
+           "note_caller", "several_threads", "may_block", "poll", "finish_pending",
            "in_progress_thread", "progress_thread_alive", "progress_thread_enabled",
            "last_trace", "hold_progress"]
 
@@ -44,7 +45,7 @@ __all__ = ["lock", "Request", "PendingCall", "Turn", "All", "Any", "Probe", "Job
 lock = threading.RLock()
 
 _pending = []  # calls started and not done, in start order
-# a wait that polls sleeps on this, the lock given up meanwhile (yield_lock)
+# a wait that polls sleeps on this, the lock given up meanwhile (poll)
 _changed = threading.Condition(lock)
 # the user threads that called mpigc: the first one's id, then True for several
 _first_caller = None
@@ -69,8 +70,8 @@ def note_caller():
     """A user thread calls mpigc (a start, a wait, a test; before it takes
     the lock). Only at the entry points a user calls: the engine's own
     threads (the progress thread, which starts a hierarchical call's
-    inter-node calls) are not user threads. Once a second thread has, waits stop blocking in MPI for the
-    rest of the process (:func:`may_block`)."""
+    inter-node calls) are not user threads. Once a second thread has, waits
+    stop blocking in MPI for the rest of the process (:func:`may_block`)."""
     global _first_caller, _several
     if _several:
         return
@@ -91,12 +92,6 @@ def may_block():
     """Whether a wait may block in MPI, holding the lock: only while one user
     thread has called mpigc."""
     return not _several
-
-
-def yield_lock(seconds):
-    """Under :data:`lock`: give it up (every level of it) for up to
-    ``seconds``, or until a call is queued or finished, then take it back."""
-    _changed.wait(seconds)
 
 
 def idle():
@@ -236,7 +231,8 @@ def poll(done):
         progress_all()
         if done():
             return
-        yield_lock(0 if time.perf_counter() - t0 < 200e-6 else 100e-6)
+        # the lock (every level of it) given up meanwhile
+        _changed.wait(0 if time.perf_counter() - t0 < 200e-6 else 100e-6)
 
 
 def in_order(op):
@@ -292,14 +288,20 @@ class All:
         self.reqs = reqs
 
     def ready(self, call, block):
-        if not block:
-            return MPI.Request.Testall(self.reqs), None
-        if call.polite:
-            for r in self.reqs:
-                _wait_politely(r)
-        else:
-            MPI.Request.Waitall(self.reqs)
-        return True, None
+        return _all_ready(call, self.reqs, block), None
+
+
+def _all_ready(call, reqs, block):
+    """Whether every request of ``reqs`` is complete (:class:`All`); waits
+    for them with ``block``."""
+    if not block:
+        return MPI.Request.Testall(reqs)
+    if call.polite:
+        for r in reqs:
+            _wait_politely(r)
+    else:
+        MPI.Request.Waitall(reqs)
+    return True
 
 
 class Any:
@@ -394,17 +396,6 @@ class Alone:
         return False, None
 
 
-def _request_ready(call, req, block):
-    """One ``MPI.Request`` yielded alone: as ``All([req])``."""
-    if not block:
-        return req.Test(), None
-    if call.polite:
-        _wait_politely(req)
-    else:
-        req.Wait()
-    return True, None
-
-
 class _Pause:
     """An effect: a progress step stops here (the lock is held while a step
     computes: one chunk at a time); a blocking wait goes straight on. Handled
@@ -448,8 +439,8 @@ class PendingCall:
             while True:
                 w = self.waiting
                 if w is not None:
-                    if isinstance(w, MPI.Request):
-                        ok, value = _request_ready(self, w, block)
+                    if isinstance(w, MPI.Request):  # as All([w])
+                        ok = _all_ready(self, (w,), block)
                     else:
                         ok, value = w.ready(self, block)
                     if not ok:
@@ -501,25 +492,16 @@ def arrived(reqs):
 
 def _wait_politely(req):
     """Wait for ``req``: tested for up to 200 µs, then every 100 µs with the
-    core given up in between. Where ranks outnumber cores (tests, the emulated
-    cluster) a spinning wait takes the core from the very peer it waits for
-    (docs/cluster.md: with the node fences waited for by sleeping alone, the
-    earlier form, a 32 MiB 2bit call on the 2-core emulated cluster took 124
-    instead of 138 ms of CPU, summed over 4 ranks; this form was not measured
-    against spinning)."""
+    core given up in between: where ranks outnumber cores, a spinning wait
+    takes the core from the very peer it waits for (docs/cluster.md)."""
     t0 = time.perf_counter()
     while not req.Test():
         if time.perf_counter() - t0 > 200e-6:
             time.sleep(100e-6)
 
 
-class _Driver:
-    """Who is advancing calls now (under :data:`lock`): the progress thread or
-    the caller."""
-    thread = False
-
-
-_driver = _Driver()
+# who is advancing calls now (under lock): the progress thread or the caller
+_driver = types.SimpleNamespace(thread=False)
 
 
 def progress_thread_enabled():

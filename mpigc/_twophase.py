@@ -33,16 +33,96 @@ the agreement and acted on the agreement; :class:`TwoPhase` holds the
 phases' own buffers and requests, and its :meth:`TwoPhase.steps` are the
 rest of the call's steps (effects of :mod:`mpigc._sched`).
 """
+import struct
+import zlib
+
 import numpy as np
 from mpi4py import MPI
 
+from . import _dispatch
 from . import _flatagree
 from . import _plan
 from . import _sched
 from . import _wire
 from ._backend import part
+from .kernels import cpu as _cpu
 
-__all__ = ["TwoPhase", "Gather"]
+__all__ = ["TwoPhase", "Gather", "layout", "pack_shards", "count_bad", "f64_bits"]
+
+
+# -- what a call compresses before the agreement, and what both phases share ----------
+# (functions of the call ``op``, a mpigc._collective._Op, that prepare runs
+# before the agreement and the phases after it)
+
+def f64_bits(x):
+    """A float64's bits as an int64 (terngrad's scale travels in the rows so)."""
+    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+
+
+def _bits_f64(i):
+    return struct.unpack("<d", struct.pack("<q", int(i)))[0]
+
+
+def layout(op):
+    """The layout of the call's two phases (:func:`mpigc._plan.phases`)."""
+    adt = np.float64 if op.dtype == np.float64 else np.float32  # the sums' dtype
+    comp, wdt = op.comp, op.wdtype
+    return _plan.phases(op.kind, op.gather, op.dtype.itemsize, op.bounds, op.chunks,
+                        lambda k: comp.payload_nbytes(k, wdt),
+                        lambda k: comp.payload_nbytes(k, adt))
+
+
+def _stream(op, rank, stage):
+    """terngrad's random stream: seed and key, rank, the key's call count
+    (the communicator's call count for calls without state), stage."""
+    entry = None if op.txn is None else op.txn.entry
+    calls = entry.calls if entry is not None else op.seq
+    seed = op.comp.seed ^ (zlib.crc32(op.key.encode()) << 32)
+    return _cpu.ternary_stream(seed, rank, calls, stage)
+
+
+def pack_shards(op, row, scale=None):
+    """Compress every shard into one send buffer (``op.sendbuf``), laid out
+    as the one chunk of :func:`layout` (``op.plan``, which the phases
+    reuse); the bad counts into ``row`` (when not None)."""
+    op.plan = plan = layout(op)
+    op.sendbuf = op.be.empty(plan.total, np.uint8)
+    kw = {}
+    if op.comp.needs_global_scale:
+        kw = {"scale": scale, "clip_bound": op.clip_bound, "stream": _stream(op, op.rank, 0)}
+    elif op.comp.prescales_average and op.average:
+        kw = {"divisor": float(op.size)}
+    # every shard in one call: one kernel launch on a GPU (the host loops)
+    nbad = op.comp.encode_shards(op.x, op.e_in, op.e_out, op.sendbuf,
+                                 _plan.shard_starts(op.bounds, op.n), plan.poff[0], **kw)
+    if row is not None:
+        count_bad(op, row, nbad)
+
+
+def _pack_scaled(op):
+    """terngrad quantizes only once the rows agree, with the scale all
+    ranks agreed on (the largest)."""
+    if op.use_ef:
+        entry = op.txn.entry
+        if entry.worker is None:
+            entry.worker = op.be.empty(op.n, op.wdtype)
+        op.e_out = entry.worker
+    else:
+        op.e_out = None
+    pack_shards(op, None, scale=max(_bits_f64(v) for v in op.table[:, _plan.SCALE]))
+
+
+def count_bad(op, row, nbad):
+    """Split the encoder's bad count ``nbad`` into the non-finite values of
+    ``x + e`` (column ``NBAD``) and the finite values that the wire format
+    cannot carry (column ``RANGE``); the exact count runs only when ``nbad``
+    is not 0, and not at all under ``nonfinite="ignore"``."""
+    if nbad == 0 or op.nonfinite == "ignore":
+        row[_plan.NBAD] = nbad
+        return
+    nf = _dispatch.kernels(op.x).stats(op.x, op.e_in)[3]
+    row[_plan.NBAD] = nf
+    row[_plan.RANGE] = max(nbad - nf, 0)
 
 
 class TwoPhase:
@@ -56,9 +136,9 @@ class TwoPhase:
         self.call = op
         comm, r, size, be = op.cs.comm, op.rank, op.size, op.be
         if op.chunks is None and op.plan is None:
-            op.pack_scaled()  # terngrad: packed only now, with the agreed scale
+            _pack_scaled(op)  # terngrad: packed only now, with the agreed scale
         # laid out when the call packed (one chunk), else now (pipelined)
-        self.plan = p = op.plan if op.chunks is None else op.two_phases()
+        self.plan = p = op.plan if op.chunks is None else layout(op)
         self.cuts, self.psz, self.poff = p.cuts, p.psz, p.poff
         if p.counts == "trailer":
             self.sendbuf = be.empty(p.total, np.uint8)
@@ -121,7 +201,7 @@ class TwoPhase:
         if self.cpack == len(self.cuts):
             row = self.trail[r]
             row[:] = op.table[r]
-            op.count_bad(row, self.nbad)
+            count_bad(op, row, self.nbad)
             for k in range(1, size):
                 op.sendreqs.append(comm.Isend(self.trail[r], dest=(r + k) % size,
                                               tag=op.tags[2] + 1))
@@ -349,7 +429,7 @@ class Gather:
             kw, bad = {"offset": a}, 0
             if op.comp.needs_global_scale:
                 amax, bound, bad = op.comp.local_scale(acc, e)
-                kw.update(scale=amax, clip_bound=bound, stream=op.stream(r, 1))
+                kw.update(scale=amax, clip_bound=bound, stream=_stream(op, r, 1))
             x = acc if acc.dtype == op.wdtype else op.be.converted(acc, op.wdtype)
             bad += op.comp.encode_into(x, e, eo, part(src, p, q), **kw)
             if bad:
@@ -382,7 +462,7 @@ class Gather:
         """Every shard of a device call's gather into place with one decode
         (one chunk: the device calls are not pipelined)."""
         op = self.call
-        starts, offs = op.starts(), tuple(self.plan.poff2[0])
+        starts, offs = _plan.shard_starts(op.bounds, op.n), tuple(self.plan.poff2[0])
         if op.flat.dtype == np.float16:
             tmp = op.be.empty(op.n, np.float32)
             op.comp.decode_shards(self.recvbuf, 0, 1, starts, offs, tmp, False)

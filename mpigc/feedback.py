@@ -187,27 +187,7 @@ class ErrorFeedback:
         next collective moves its residuals to the GPU if its buffer is a
         device array.
         """
-        entries = {}
-        for key, s in state.items():
-            get_compressor(dict(s["config"]))  # validates the config
-            n = int(s["n"]) if "n" in s else int(np.asarray(s["worker"]).size)
-            dtype = np.dtype(s.get("dtype") or np.asarray(s["worker"]).dtype)
-            e = _Entry(n, dtype, int(s["world_size"]), int(s["rank"]), dict(s["config"]))
-            e.calls = int(s.get("calls", 0))
-            if s.get("worker") is not None:
-                w = np.array(_host_array(s["worker"]), dtype=dtype).reshape(-1)
-                if w.size != n:
-                    raise StateError(f"key {key!r}: worker residual has {w.size} values, "
-                                     f"expected {n}")
-                e.worker = w
-            if s.get("owner") is not None:
-                lo, hi = shard_bounds(n, e.world_size)[e.rank]
-                o = np.array(_host_array(s["owner"]), dtype=dtype).reshape(-1)
-                if o.size != hi - lo:
-                    raise StateError(f"key {key!r}: owner residual has {o.size} values, "
-                                     f"expected {hi - lo} (shard of rank {e.rank})")
-                e.owner = o
-            entries[str(key)] = e
+        entries = {str(key): _entry_from_state(key, s) for key, s in state.items()}
         with self._lock:
             if self._busy:
                 raise StateError("a collective is pending; wait for it before loading")
@@ -248,7 +228,8 @@ class ErrorFeedback:
                 raise StateError(f"key {key!r} is already used by a pending collective; "
                                  "wait for it, or use distinct keys")
             e = self._entries.get(key)
-            if e is not None and (e.n, e.dtype, e.world_size, e.rank) != (n, np.dtype(dtype), world_size, rank):
+            if e is not None and (e.n, e.dtype, e.world_size, e.rank) != (
+                    n, np.dtype(dtype), world_size, rank):
                 raise StateError(
                     f"key {key!r} holds residuals of {e.describe()} (rank {e.rank}); this "
                     f"call has {n} values of {np.dtype(dtype)} on {world_size} rank(s) "
@@ -425,6 +406,30 @@ class ErrorFeedback:
 
 
 # -- a step that may be rolled back, by copy (mpigc.torch's nonfinite="skip") ---------
+def _entry_from_state(key, s):
+    """A key's entry from its state (as :func:`_entry_state` gives it),
+    checked; the residuals copied to the host."""
+    get_compressor(dict(s["config"]))  # validates the config
+    n = int(s["n"]) if "n" in s else int(np.asarray(s["worker"]).size)
+    dtype = np.dtype(s.get("dtype") or np.asarray(s["worker"]).dtype)
+    e = _Entry(n, dtype, int(s["world_size"]), int(s["rank"]), dict(s["config"]))
+    e.calls = int(s.get("calls", 0))
+    if s.get("worker") is not None:
+        w = np.array(_host_array(s["worker"]), dtype=dtype).reshape(-1)
+        if w.size != n:
+            raise StateError(f"key {key!r}: worker residual has {w.size} values, "
+                             f"expected {n}")
+        e.worker = w
+    if s.get("owner") is not None:
+        lo, hi = shard_bounds(n, e.world_size)[e.rank]
+        o = np.array(_host_array(s["owner"]), dtype=dtype).reshape(-1)
+        if o.size != hi - lo:
+            raise StateError(f"key {key!r}: owner residual has {o.size} values, "
+                             f"expected {hi - lo} (shard of rank {e.rank})")
+        e.owner = o
+    return e
+
+
 def snapshot(fb, key, reuse=None):
     """For mpigc's own modules (a step that may be rolled back, e.g.
     mpigc.torch's ``nonfinite="skip"``): a copy of the residuals of ``key``

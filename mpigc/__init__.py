@@ -23,7 +23,7 @@ from . import diagnostics
 __all__ = [
     "__version__",
     "allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "Request",
-    "traffic", "reset_traffic", "diagnostics",
+    "traffic", "reset_traffic", "diagnostics", "timeline",
     "cuda_aware_mpi", "CudaAwareness", "select_device",
     "get_compressor", "register_compressor", "available_compressors",
     "Compressor", "NoCompression", "FP16", "BF16", "TwoBit", "OneBit", "TernGrad",
@@ -40,4 +40,7 @@ def __getattr__(name):
     if name in ("save_checkpoint", "load_checkpoint"):
         from . import checkpoint
         return getattr(checkpoint, name)
+    if name == "timeline":  # loads on first use too: python -m mpigc.timeline
+        import importlib
+        return importlib.import_module(".timeline", __name__)
     raise AttributeError(f"module 'mpigc' has no attribute {name!r}")

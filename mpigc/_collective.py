@@ -282,6 +282,14 @@ class _Op(PendingCall):
         self.state = "done"
         _sched.dequeue(self)
 
+    def trace_args(self):
+        comp = getattr(self, "comp", None)
+        name = f"{self.kind} {comp.codec_id if comp is not None else '?'}"
+        return name, {"bytes": 0 if self.n is None else self.n * self.dtype.itemsize,
+                      "dtype": str(self.dtype), "key": self.key, "ranks": self.size,
+                      "blocking": self.blocking,
+                      "error": None if self.error is None else str(self.error)}
+
     def _my_turn(self):
         """Every earlier call of this communicator has acted on its agreement."""
         return not any(op.cs is self.cs and op.state == "agree"

@@ -63,7 +63,7 @@ class _Input:
         # and in host memory (flat: the same array for a host buffer, a
         # staging copy for a device one), where the intra-node steps run
         self.be = self.side_flat = self.flat = None
-        self.n = self.dtype = self.settings = None
+        self.n = self.dtype = self.settings = self.key = None
         self.plain = False
         self.fb = None  # the residual store, None with feedback=False
         self.busy = None  # this call's name in the store's keys in use (_hold_key)
@@ -191,6 +191,13 @@ class _HierCall(_sched.PendingCall):
             self.x.be.sync()  # the last copies out of its staging buffers
             self.x.be.release()
         _sched.dequeue(self)
+
+    def trace_args(self):
+        x = self.x
+        return f"{self.kind} (hierarchical)", {
+            "bytes": 0 if x.n is None else x.n * x.dtype.itemsize, "key": x.key,
+            "ranks": self.lay.size, "slices": self.lay.L,
+            "error": None if self.error is None else str(self.error)}
 
     # -- 1. the start and the input agreement ------------------------------------------
     def begin(self):

@@ -34,6 +34,7 @@ from mpi4py import MPI
 from . import _plan
 from . import _reducer
 from . import _sched
+from . import _timeline
 from . import _wire
 from .compressors import NoCompression
 from .feedback import shard_bounds
@@ -111,6 +112,13 @@ class PlainSum:
         summed in pieces of at most that many: an allreduce slice by slice, a
         reduce_scatter by one reduction to its owner per piece of each shard
         (MPI's counts are C ints)."""
+        t0 = blocking and _timeline.ON and _timeline.now()
+        reqs = self._sum(comm, blocking)
+        if t0:
+            _timeline.span("MPI sum", t0, args={"pieces": self.pieces})
+        return reqs
+
+    def _sum(self, comm, blocking):
         op = self.call
         wire, reqs = self.wire, []
         n = len(wire)

@@ -31,6 +31,7 @@ import types
 from mpi4py import MPI
 
 from . import _cuda
+from . import _timeline
 
 __all__ = ["lock", "Request", "PendingCall", "Turn", "All", "Any", "Probe", "Job", "Calls",
            "Alone", "PAUSE", "test", "arrived", "complete", "in_order", "progress_all",
@@ -64,6 +65,8 @@ def dequeue(call):
     if call in _pending:
         _pending.remove(call)
         _changed.notify_all()
+        if _timeline.ON:
+            call.trace.ended(*call.trace_args())
 
 
 def note_caller():
@@ -423,6 +426,7 @@ class PendingCall:
 
     steps = None
     waiting = None  # the effect the steps wait for
+    wait_since = None  # when it was first waited for (while a timeline is recorded)
     running = False  # a step is under way (no re-entry from a nested wait)
     polite = False
 
@@ -439,12 +443,18 @@ class PendingCall:
             while True:
                 w = self.waiting
                 if w is not None:
+                    if _timeline.ON and self.wait_since is None:
+                        self.wait_since = _timeline.now()
                     if isinstance(w, MPI.Request):  # as All([w])
                         ok = _all_ready(self, (w,), block)
                     else:
                         ok, value = w.ready(self, block)
                     if not ok:
                         return False
+                    if self.wait_since is not None:
+                        self.trace.waited(f"wait {type(w).__name__} ({self.state})",
+                                          self.wait_since)
+                        self.wait_since = None
                 self.waiting = None
                 w = self.steps.send(value)
                 value = None
@@ -467,6 +477,10 @@ class PendingCall:
 
     def done_or_failed(self):
         return self.state == "done"
+
+    def trace_args(self):
+        """The call's name and ``args`` in the timeline (:mod:`mpigc._timeline`)."""
+        return "call", {}
 
     def finished(self):
         """True once done; raises the call's error (once done) if it failed."""
@@ -565,10 +579,13 @@ class _ProgressThread:
                 if self.stopping or MPI.Is_finalized():
                     return
                 _driver.thread = True
+                t0 = _timeline.ON and _timeline.now()
                 try:
                     progress_all()
                 finally:
                     _driver.thread = False
+                if t0 and _timeline.now() - t0 >= 20:
+                    _timeline.span("progress pass", t0, "progress")
             time.sleep(interval)
 
     def stop(self):

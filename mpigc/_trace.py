@@ -1,5 +1,7 @@
 """What a call records of how it ran (:class:`CallTrace`, shown by
-``Request.trace`` and :func:`mpigc.diagnostics.last_trace`)."""
+``Request.trace`` and :func:`mpigc.diagnostics.last_trace`), and its spans
+in the timeline while one is recorded (:mod:`mpigc._timeline`)."""
+from . import _timeline
 
 __all__ = ["CallTrace"]
 
@@ -26,7 +28,8 @@ class CallTrace:
       MPI did not sum (the values came inline, or the call is compressed).
     """
 
-    __slots__ = ("_agreement_done", "_path", "_inline", "_chunks", "_sum_pieces")
+    __slots__ = ("_agreement_done", "_path", "_inline", "_chunks", "_sum_pieces", "_cid",
+                 "_t0")
 
     def __init__(self, path=None):
         self._agreement_done = False
@@ -34,6 +37,9 @@ class CallTrace:
         self._inline = False
         self._chunks = 0
         self._sum_pieces = 0
+        self._cid = 0  # the call's span in the timeline (0: none recorded)
+        if _timeline.ON:
+            self._cid, self._t0 = _timeline.call_begin()
 
     agreement_done = property(lambda self: self._agreement_done)
     path = property(lambda self: self._path)
@@ -44,6 +50,8 @@ class CallTrace:
     # for the engine, as the call advances (positional: a small call's hot path)
     def agreed(self):
         self._agreement_done = True
+        if self._cid and _timeline.ON:
+            _timeline.nested(self._cid, "agreement", self._t0)
 
     def went(self, path, inline):
         self._path, self._inline = path, inline
@@ -53,6 +61,20 @@ class CallTrace:
 
     def summed(self, pieces):
         self._sum_pieces = pieces
+
+    # the timeline's, while one is recorded
+    def waited(self, what, t0):
+        """The call waited for ``what`` from ``t0`` (:func:`mpigc._timeline.now`)
+        until now; recorded from 10 µs on."""
+        if self._cid and _timeline.ON and _timeline.now() - t0 >= 10:
+            _timeline.nested(self._cid, what, t0)
+
+    def ended(self, name, args):
+        """The call is over: its span, ``args`` and how it ran."""
+        if self._cid and _timeline.ON:
+            _timeline.call_end(self._cid, self._t0, name, dict(
+                args, path=self._path, inline=self._inline, chunks=self._chunks,
+                sum_pieces=self._sum_pieces))
 
     def __repr__(self):
         return (f"CallTrace(agreement_done={self._agreement_done}, path={self._path!r}, "

@@ -43,6 +43,7 @@ from . import _dispatch
 from . import _flatagree
 from . import _plan
 from . import _sched
+from . import _timeline
 from . import _wire
 from ._backend import part
 from .kernels import cpu as _cpu
@@ -93,8 +94,11 @@ def pack_shards(op, row, scale=None):
     elif op.comp.prescales_average and op.average:
         kw = {"divisor": float(op.size)}
     # every shard in one call: one kernel launch on a GPU (the host loops)
+    t0 = _timeline.ON and _timeline.now()
     nbad = op.comp.encode_shards(op.x, op.e_in, op.e_out, op.sendbuf,
                                  _plan.shard_starts(op.bounds, op.n), plan.poff[0], **kw)
+    if t0:
+        _timeline.span("compress", t0)
     if row is not None:
         count_bad(op, row, nbad)
 
@@ -186,6 +190,7 @@ class TwoPhase:
         if op.comp.prescales_average and op.average:
             kw = {"divisor": float(size)}
         x, ei, eo = op.x, op.e_in, op.e_out
+        t0 = _timeline.ON and _timeline.now()
         for j in range(size):
             lo, hi = self.cuts[c][j]
             if hi > lo:
@@ -196,6 +201,8 @@ class TwoPhase:
                     x[lo:hi], None if ei is None else ei[lo:hi],
                     None if eo is None else eo[lo:hi],
                     self.sendbuf[o:o + self.psz[c][j]], **kw)
+        if t0:
+            _timeline.span("compress", t0, args={"chunk": c})
         self._send_chunk(c)
         self.cpack += 1
         if self.cpack == len(self.cuts):
@@ -233,6 +240,14 @@ class TwoPhase:
         """Decode-accumulate phase 1's pieces that are in: chunk by chunk,
         each chunk's in rank order (on a device, all of a chunk's with one
         launch once they are in). True if any was."""
+        t0 = _timeline.ON and _timeline.now()
+        c = self.c1
+        moved = self._decode_in()
+        if t0 and moved:
+            _timeline.span("decode", t0, args={"chunks": [c, self.c1]})
+        return moved
+
+    def _decode_in(self):
         op = self.call
         r, size = op.rank, op.size
         lo_r = op.bounds[r][0]
@@ -414,6 +429,7 @@ class Gather:
         self.c += 1
         if b == a:
             return
+        t0 = _timeline.ON and _timeline.now()
         acc = part(self.acc, a - lo, b - lo)
         if op.gather == "exact":
             op.be.assign(op.flat[a:b], acc)
@@ -440,6 +456,8 @@ class Gather:
                 self.obad = True
         op.be.sync()
         op.be.stage(self.wire, src, p, q)
+        if t0:
+            _timeline.span("compress (gather)", t0, args={"chunk": c})
         for k in range(1, size):
             op.sendreqs.append(_wire.post(comm.Isend, self.wire[p:q], (r + k) % size,
                                           op.tags[1]))
@@ -450,6 +468,7 @@ class Gather:
         """Decode ``payload`` into the user's buffer at ``[a, b)`` (through a
         float32 copy for float16 buffers)."""
         op = self.call
+        t0 = _timeline.ON and _timeline.now()
         target = op.flat[a:b]
         if target.dtype == np.float16:
             tmp = op.be.empty(b - a, np.float32)
@@ -457,11 +476,14 @@ class Gather:
             op.be.assign(target, tmp)
         else:
             op.comp.decode_into(payload, target, False)
+        if t0:
+            _timeline.span("decode (gather)", t0)
 
     def decode_all(self):
         """Every shard of a device call's gather into place with one decode
         (one chunk: the device calls are not pipelined)."""
         op = self.call
+        t0 = _timeline.ON and _timeline.now()
         starts, offs = _plan.shard_starts(op.bounds, op.n), tuple(self.plan.poff2[0])
         if op.flat.dtype == np.float16:
             tmp = op.be.empty(op.n, np.float32)
@@ -469,6 +491,8 @@ class Gather:
             op.be.assign(op.flat, tmp)
         else:
             op.comp.decode_shards(self.recvbuf, 0, 1, starts, offs, op.flat, False)
+        if t0:
+            _timeline.span("decode (gather)", t0)
 
     def arrived(self):
         """Phase 2's pieces that are in: into place. True if any was. Only

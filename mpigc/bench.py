@@ -443,6 +443,9 @@ def build_parser():
     p.add_argument("--link-gbps", type=float, metavar="R",
                    help="the link rate of a shaped fabric (Gbit/s): 'wire %%' is then the "
                         "time the wire bytes take at R / the median time")
+    p.add_argument("--trace", metavar="PATH",
+                   help="record a timeline of the run's calls (mpigc.timeline): each "
+                        "rank's file next to PATH, merged into PATH by rank 0")
     p.add_argument("--from-json", metavar="PATH",
                    help="print the tables (and --plot) of an earlier --json file; "
                         "measures nothing")
@@ -493,7 +496,17 @@ def main(argv=None):
     if args.latency:
         apply_latency_defaults(args, argv)
     comm = MPI.COMM_WORLD
+    if args.trace:
+        from . import timeline
+        timeline.start(args.trace)
     rows = run(args, comm)
+    if args.trace:
+        mine = timeline.stop()
+        files = comm.gather(mine, root=0)
+        if comm.rank == 0:
+            n = timeline.merge(files, args.trace)
+            print(f"# timeline of {n} events written to {args.trace} (one file per rank: "
+                  f"{files[0]}, ...)")
     if comm.rank == 0:
         info = machine_info(comm)
         print(f"# mpigc-bench {mpigc.__version__}: {comm.size} ranks, "

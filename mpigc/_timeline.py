@@ -16,7 +16,9 @@ Events:
   the verdict) and every wait of its steps (``wait <effect>``, the state the
   call was in) are nested in it;
 - the work of a step on the thread that ran it (``X`` events): compression,
-  decoding, a plain MPI sum, a progress-thread pass that advanced calls.
+  decoding, a plain MPI sum, MPI's progress in a test of phase 1's receives
+  (from 20 µs: over TCP, MPI moves the data inside such calls), a
+  progress-thread pass (from 20 µs).
 
 Times are microseconds since the Unix epoch, from this process's
 ``perf_counter`` anchored once to the wall clock, so the files of ranks on
@@ -69,9 +71,12 @@ def _add(ev):
         _dropped += 1
 
 
-def span(name, t0, cat="step", args=None):
-    """A piece of work of this thread from ``t0`` (:func:`now`) until now."""
-    _add(("X", name, cat, t0, now() - t0, _tid(), None, args))
+def span(name, t0, cat="step", args=None, min_us=0):
+    """A piece of work of this thread from ``t0`` (:func:`now`) until now
+    (left out when shorter than ``min_us``)."""
+    d = now() - t0
+    if d >= min_us:
+        _add(("X", name, cat, t0, d, _tid(), None, args))
 
 
 def call_begin():

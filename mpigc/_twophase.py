@@ -240,14 +240,6 @@ class TwoPhase:
         """Decode-accumulate phase 1's pieces that are in: chunk by chunk,
         each chunk's in rank order (on a device, all of a chunk's with one
         launch once they are in). True if any was."""
-        t0 = _timeline.ON and _timeline.now()
-        c = self.c1
-        moved = self._decode_in()
-        if t0 and moved:
-            _timeline.span("decode", t0, args={"chunks": [c, self.c1]})
-        return moved
-
-    def _decode_in(self):
         op = self.call
         r, size = op.rank, op.size
         lo_r = op.bounds[r][0]
@@ -258,7 +250,11 @@ class TwoPhase:
             m = self.psz[c][r]
             acc = part(self.acc, a - lo_r, b - lo_r)
             if op.be.batch_decode:
-                if not _sched.test([q for q in self.rreq1[c] if q is not None]):
+                t0 = _timeline.ON and _timeline.now()
+                ok = _sched.test([q for q in self.rreq1[c] if q is not None])
+                if t0:
+                    _timeline.span("MPI test", t0, min_us=20)
+                if not ok:
                     return moved
                 base = self.rbase[c]
                 if any(q is not None for q in self.rreq1[c]):
@@ -270,20 +266,30 @@ class TwoPhase:
                 if b > a:
                     # the own payload joins the received ones (m bytes apart),
                     # then one decode of all senders, summed in rank order
+                    t0 = _timeline.ON and _timeline.now()
                     op.be.assign(part(self.recvbuf, base + r * m, base + (r + 1) * m),
                                  self._piece1(c, r))
                     op.comp.decode_shards(part(self.recvbuf, base, base + size * m), m, size,
                                           (0, b - a), (0,), acc, False)
+                    if t0:
+                        _timeline.span("decode", t0, args={"chunk": c})
             else:
                 while self.src1 < size:
                     j = self.src1
                     req = self.rreq1[c][j]
                     if req is not None:
-                        if not _sched.test([req]):
+                        t0 = _timeline.ON and _timeline.now()
+                        ok = _sched.test([req])
+                        if t0:
+                            _timeline.span("MPI test", t0, min_us=20)
+                        if not ok:
                             return moved
                         self.rreq1[c][j] = None
                     if b > a:
+                        t0 = _timeline.ON and _timeline.now()
                         op.comp.decode_into(self._piece1(c, j), acc, j > 0)
+                        if t0:
+                            _timeline.span("decode", t0, args={"chunk": c, "from": j})
                     self.src1 += 1
                     moved = True
             if b > a and op.average and not op.comp.prescales_average:
@@ -500,7 +506,10 @@ class Gather:
         (each is counted once: a completed request is null from then on)."""
         if not self.left:
             return False
+        t0 = _timeline.ON and _timeline.now()
         done = _sched.arrived(self.reqs)
+        if t0:
+            _timeline.span("MPI test", t0, min_us=20)
         for i in done:
             self.arrived_piece(i)
         return bool(done)

@@ -11,6 +11,7 @@ rank writes its file at exit), or around a part of a program::
 then merge the ranks' files into one timeline::
 
     python -m mpigc.timeline trace.rank*.json -o trace.json
+    python -m mpigc.timeline --summary trace.json     # where the time went, per rank
 
 Rank r's file is ``FILE`` with ``{rank}`` replaced by r, or, without
 ``{rank}``, ``.rank<r>`` put before its extension. In the merged timeline
@@ -29,7 +30,7 @@ import sys
 
 from . import _timeline
 
-__all__ = ["start", "stop", "recording", "merge", "main"]
+__all__ = ["start", "stop", "recording", "merge", "summary", "main"]
 
 
 def start(path):
@@ -79,15 +80,73 @@ def merge(paths, out):
     return len(events)
 
 
+def _spans(events):
+    """The async spans of ``events``: (pid, id, name, t0, t1, args), each
+    end matched with the earliest open begin of the same pid, id and name."""
+    opened, out = {}, []
+    for ev in sorted((e for e in events if e.get("ph") in ("b", "e")),
+                     key=lambda e: (e["ts"], e["ph"] == "b")):
+        k = (ev["pid"], ev["id"], ev["name"])
+        if ev["ph"] == "b":
+            opened.setdefault(k, []).append(ev)
+        elif opened.get(k):
+            b = opened[k].pop(0)
+            out.append((ev["pid"], ev["id"], ev["name"], b["ts"], ev["ts"], b.get("args", {})))
+    return out
+
+
+def summary(path):
+    """Where the time of a timeline's calls went, per rank, as text: the
+    calls (count, mean time), then, per call, the work on each thread and
+    the waits (milliseconds per call)."""
+    with open(path) as f:
+        doc = json.load(f)
+    evs = doc["traceEvents"]
+    names = {(e["pid"], e["tid"]): e["args"]["name"] for e in evs
+             if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    spans = _spans(evs)
+    lines = []
+    for r in sorted({e["pid"] for e in evs if e.get("ph") != "M"}):
+        calls = [s for s in spans if s[0] == r and "bytes" in s[5]]
+        if not calls:
+            continue
+        n = len(calls)
+        kinds = sorted({s[2] for s in calls})
+        lines.append(f"rank {r}: {n} call(s) ({', '.join(kinds)}), mean "
+                     f"{sum(s[4] - s[3] for s in calls) / n / 1e3:.2f} ms")
+        work = {}
+        for e in evs:
+            if e.get("ph") == "X" and e["pid"] == r:
+                k = f"{names.get((r, e['tid']), e['tid'])}: {e['name']}"
+                work[k] = work.get(k, 0) + e["dur"]
+        waits = {}
+        for s in spans:
+            if s[0] == r and "bytes" not in s[5]:
+                waits[s[2]] = waits.get(s[2], 0) + s[4] - s[3]
+        for title, d in (("work", work), ("waits", waits)):
+            if d:
+                lines.append(f"  {title} per call (ms): " + ", ".join(
+                    f"{k} {v / n / 1e3:.2f}" for k, v in sorted(d.items(), key=lambda kv: -kv[1])))
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m mpigc.timeline",
                                  description="Merge the ranks' timeline files "
                                              "(MPIGC_TRACE) into one.")
     ap.add_argument("files", nargs="+", help="the ranks' files (trace.rank*.json)")
-    ap.add_argument("-o", "--out", required=True, help="the merged timeline")
+    ap.add_argument("-o", "--out", help="the merged timeline")
+    ap.add_argument("--summary", action="store_true",
+                    help="print where the calls' time went, per rank (of the merged "
+                         "timeline, or of the one file given)")
     a = ap.parse_args(argv)
-    n = merge(a.files, a.out)
-    print(f"{a.out}: {n} events from {len(a.files)} file(s)")
+    if a.out is None and not (a.summary and len(a.files) == 1):
+        ap.error("expected -o OUT (or --summary of one merged file)")
+    if a.out is not None:
+        n = merge(a.files, a.out)
+        print(f"{a.out}: {n} events from {len(a.files)} file(s)")
+    if a.summary:
+        print(summary(a.out or a.files[0]))
     return 0
 
 

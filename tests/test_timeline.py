@@ -89,3 +89,27 @@ def test_mpigc_trace_records_a_whole_job(tmp_path):
                  and "bytes" in e.get("args", {})]
         assert calls == ["allreduce 2bit", "allreduce none"]
     assert timeline.merge(files, tmp_path / "m.json") > 4
+
+
+def test_the_summary_says_where_the_time_went(tmp_path):
+    a = tmp_path / "t.rank0.json"
+    call = {"cat": "call", "id": 1, "pid": 0, "tid": 1}
+    _rank_file(a, 0, [
+        dict(call, ph="b", name="allreduce 2bit", ts=0, args={"bytes": 8}),
+        dict(call, ph="b", name="agreement", ts=0),
+        dict(call, ph="e", name="agreement", ts=1000),
+        dict(call, ph="b", name="wait Any (phases)", ts=3000),
+        dict(call, ph="e", name="wait Any (phases)", ts=5000),
+        dict(call, ph="b", name="wait Any (phases)", ts=6000),
+        dict(call, ph="e", name="wait Any (phases)", ts=6500),
+        dict(call, ph="e", name="allreduce 2bit", ts=8000),
+        {"ph": "X", "name": "compress", "ts": 1000, "dur": 1500, "pid": 0, "tid": 1},
+        {"ph": "M", "name": "thread_name", "pid": 0, "tid": 1, "args": {"name": "Main"}}])
+    text = timeline.summary(a)
+    assert text.splitlines() == [
+        "rank 0: 1 call(s) (allreduce 2bit), mean 8.00 ms",
+        "  work per call (ms): Main: compress 1.50",
+        "  waits per call (ms): wait Any (phases) 2.50, agreement 1.00"]
+    r = subprocess.run([sys.executable, "-m", "mpigc.timeline", "--summary", str(a)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == text, r.stderr

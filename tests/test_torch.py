@@ -181,3 +181,20 @@ def test_device_buckets_in_the_simulator(group, ranks):
         pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s:\n{exc.stdout}")
     assert r.returncode == 0 and f"ok {group}" in r.stdout, \
         f"{' '.join(cmd)}: exit {r.returncode}\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
+
+
+def test_a_step_shows_in_torch_profiler(torch, mt):
+    """GradientSync's bucket calls are torch.profiler ranges (start and wait)
+    while the profiler records, and nothing when it does not."""
+    model = mlp(torch)
+    sync = mt.GradientSync(model, op="2bit", bucket_mb=300 * 4 / 2**20)
+    x = torch.ones(4, 8)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        model(x).sum().backward()
+        sync.wait()
+    names = [e.name for e in prof.events()]
+    for b in sync.buckets:
+        assert f"mpigc: start bucket {b.key}" in names, names
+        assert f"mpigc: wait bucket {b.key}" in names, names
+    model(x).sum().backward()  # outside a profile: no range is made, the step works
+    sync.wait()

@@ -1,5 +1,7 @@
 """The torch layer's shared helpers: collective agreement of arguments,
-timed waits, and the glue between torch tensors and the engine's arrays."""
+timed waits, the glue between torch tensors and the engine's arrays, and
+torch.profiler ranges."""
+import contextlib
 import json
 import os
 import time
@@ -21,6 +23,17 @@ from ..feedback import ErrorFeedback
 
 BUCKET_DTYPES = {torch.float16: np.float32, torch.bfloat16: np.float32,
                   torch.float32: np.float32, torch.float64: np.float64}
+
+_profiling = torch._C._autograd._profiler_enabled
+_NO_RANGE = contextlib.nullcontext()
+
+
+def profiled(name):
+    """A context manager: ``torch.profiler.record_function(name)`` while
+    torch's profiler records, else nothing (a check of 66 ns here, against
+    12 µs for a ``record_function`` outside a profile)."""
+    return torch.profiler.record_function(name) if _profiling() else _NO_RANGE
+
 
 # -- agreement helpers ---------------------------------------------------------
 def raise_everywhere(comm, exc, what):

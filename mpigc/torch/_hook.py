@@ -13,7 +13,7 @@ from ..feedback import ErrorFeedback, _entry_state, shard_bounds
 
 from ._common import (NP_OF_TORCH, Rendezvous, ThresholdWatch, agree_construction, as_tensor,
                       check_feedback, check_gather, check_same, describe, engine_after_torch,
-                      engine_array, first_is_nan, positive, resolve_comm, resolve_timeout,
+                      engine_array, first_is_nan, positive, profiled, resolve_comm, resolve_timeout,
                       simulating, torch_after_engine, torch_compressor, torch_nonfinite,
                       wait_request)
 from ._record import gather_record
@@ -333,11 +333,12 @@ class CommHookState:
         flat = buffer.detach()
         if flat.is_cuda:
             engine_after_torch(flat.device)
-        req = iallreduce(engine_array(flat, simulating()), op=self.compressor,
-                         comm=self.comm,
-                         key=layout.key, average=self.average, gather=self.gather,
-                         feedback=self.feedback, nonfinite=self.nonfinite,
-                         hierarchy=self.hierarchy)
+        with profiled(f"mpigc: start bucket {layout.key}"):
+            req = iallreduce(engine_array(flat, simulating()), op=self.compressor,
+                             comm=self.comm,
+                             key=layout.key, average=self.average, gather=self.gather,
+                             feedback=self.feedback, nonfinite=self.nonfinite,
+                             hierarchy=self.hierarchy)
         for _, r, _, _ in self._calls:
             try:
                 r.test()  # progress; errors come from wait()
@@ -418,10 +419,11 @@ class CommHookState:
         self._reset_step()
         used, used_req = self._agree_used() if self.find_unused_parameters else (None, None)
         error, failed = None, []
-        for _, req, _, _ in calls:
+        for layout, req, _, _ in calls:
             try:
-                self._wait(req.test)
-                req.wait()
+                with profiled(f"mpigc: wait bucket {layout.key}"):
+                    self._wait(req.test)
+                    req.wait()
                 failed.append(False)
             except Exception as e:  # noqa: BLE001
                 error = error or e

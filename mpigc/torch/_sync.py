@@ -14,7 +14,7 @@ from ..feedback import ErrorFeedback, shard_bounds
 
 from ._common import (BUCKET_DTYPES, Rendezvous, ThresholdWatch, agree_construction, as_tensor,
                       check_feedback, check_gather, check_same, describe, engine_after_torch,
-                      engine_array, first_is_nan, positive, raise_everywhere, resolve_comm,
+                      engine_array, first_is_nan, positive, profiled, raise_everywhere, resolve_comm,
                       resolve_timeout, simulating, torch_after_engine, torch_compressor,
                       torch_nonfinite, wait_request)
 from ._launch import broadcast_parameters
@@ -385,10 +385,11 @@ class GradientSync:
                 self.feedback, [k for _, k in self._residual_keys(b)],
                 self._spare_snapshots.pop(b.key, None))
         b.started_at = time.perf_counter()
-        b.request = iallreduce(b.flat, op=self.compressor, comm=self.comm, key=b.key,
-                               average=self.average, gather=self.gather,
-                               feedback=self.feedback, nonfinite=self.nonfinite,
-                               hierarchy=self.hierarchy)
+        with profiled(f"mpigc: start bucket {b.key}"):
+            b.request = iallreduce(b.flat, op=self.compressor, comm=self.comm, key=b.key,
+                                   average=self.average, gather=self.gather,
+                                   feedback=self.feedback, nonfinite=self.nonfinite,
+                                   hierarchy=self.hierarchy)
 
     def _launch_ready(self):
         # buckets start in index order on every rank, whatever order their
@@ -482,7 +483,8 @@ class GradientSync:
         for b in self.buckets:
             try:
                 if b.error is None:
-                    b.request.wait()
+                    with profiled(f"mpigc: wait bucket {b.key}"):
+                        b.request.wait()
             except Exception as e:  # noqa: BLE001
                 b.error = e
             if b.error is not None:

@@ -7,6 +7,8 @@ import argparse
 import html
 import json
 
+from mpigc.timeline import spans as timeline_spans
+
 COLORS = {"compress": "#4e79a7", "compress (gather)": "#76b7b2", "decode": "#e15759",
           "decode (gather)": "#ff9da7", "MPI sum": "#59a14f", "progress pass": "#bab0ac", "MPI test": "#f28e2b",
           "agreement": "#edc948", "call": "#b07aa1", "wait": "#d9d9d9"}
@@ -16,19 +18,6 @@ def color(name):
     if name.startswith("wait"):
         return COLORS["wait"]
     return COLORS.get(name, "#9c755f")
-
-
-def pairs(events):
-    """The async spans as (pid, id, name, t0, t1, args), b and e matched in order."""
-    open_, out = {}, []
-    for e in sorted((e for e in events if e["ph"] in "be"), key=lambda e: (e["ts"], e["ph"] == "b")):
-        k = (e["pid"], e["id"], e["name"])
-        if e["ph"] == "b":
-            open_.setdefault(k, []).append(e)
-        elif open_.get(k):
-            b = open_[k].pop(0)
-            out.append((e["pid"], e["id"], e["name"], b["ts"], e["ts"], b.get("args", {})))
-    return out
 
 
 def main():
@@ -44,7 +33,7 @@ def main():
     threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in evs
                if e["ph"] == "M" and e["name"] == "thread_name"}
     work = [e for e in evs if e["ph"] == "X"]
-    spans = pairs(evs)
+    spans = timeline_spans(evs)
     calls = [s for s in spans if "bytes" in s[5]]
     inner = [s for s in spans if "bytes" not in s[5]]
     if a.call is not None:

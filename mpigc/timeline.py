@@ -30,7 +30,7 @@ import sys
 
 from . import _timeline
 
-__all__ = ["start", "stop", "recording", "merge", "summary", "main"]
+__all__ = ["start", "stop", "recording", "merge", "spans", "summary", "main"]
 
 
 def start(path):
@@ -80,9 +80,11 @@ def merge(paths, out):
     return len(events)
 
 
-def _spans(events):
-    """The async spans of ``events``: (pid, id, name, t0, t1, args), each
-    end matched with the earliest open begin of the same pid, id and name."""
+def spans(events):
+    """The calls' spans in trace events ``events`` (a timeline's
+    ``traceEvents``): ``(rank, id, name, t0, t1, args)`` for each call and
+    each of its agreements and waits, an end matched with the earliest open
+    begin of the same rank, id and name."""
     opened, out = {}, []
     for ev in sorted((e for e in events if e.get("ph") in ("b", "e")),
                      key=lambda e: (e["ts"], e["ph"] == "b")):
@@ -104,10 +106,10 @@ def summary(path):
     evs = doc["traceEvents"]
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in evs
              if e.get("ph") == "M" and e.get("name") == "thread_name"}
-    spans = _spans(evs)
+    found = spans(evs)
     lines = []
     for r in sorted({e["pid"] for e in evs if e.get("ph") != "M"}):
-        calls = [s for s in spans if s[0] == r and "bytes" in s[5]]
+        calls = [s for s in found if s[0] == r and "bytes" in s[5]]
         if not calls:
             continue
         n = len(calls)
@@ -120,7 +122,7 @@ def summary(path):
                 k = f"{names.get((r, e['tid']), e['tid'])}: {e['name']}"
                 work[k] = work.get(k, 0) + e["dur"]
         waits = {}
-        for s in spans:
+        for s in found:
             if s[0] == r and "bytes" not in s[5]:
                 waits[s[2]] = waits.get(s[2], 0) + s[4] - s[3]
         for title, d in (("work", work), ("waits", waits)):

@@ -137,3 +137,36 @@ def test_a_call_pending_at_stop_is_whole_or_absent(comm):
     # the pending call began before this timeline: its span is not in it
     assert_all(names == ["allreduce none"], str(names))
     comm.Barrier()
+
+
+def test_hierarchical_calls_and_their_inter_node_calls(comm, monkeypatch):
+    """Nodes of 2 ranks (MPIGC_NODE_SPLIT; one rank alone: the flat path): a
+    hierarchical call's span holds its size and slices, its inter-node calls
+    are calls of their own, and a call that fails (a size that differs) says
+    so."""
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+    d = _shared_dir(comm)
+    mpigc.timeline.start(os.path.join(d, "h.json"))
+    g = grads(comm.rank, 20000)
+    mpigc.allreduce(g.copy(), op="2bit", key="tl-h", hierarchy="node")
+    hierarchical = mpigc.diagnostics.last_trace().path == "hierarchical"
+    req = mpigc.iallreduce(g.copy(), op="1bit", key="tl-h1", hierarchy="node")
+    req.wait()
+    bad = np.ones(500 + (comm.rank == 0), np.float32)
+    with pytest.raises(mpigc.MismatchError):
+        mpigc.allreduce(bad, op="2bit", key="tl-hbad", hierarchy="node")
+    path = mpigc.timeline.stop()
+    with open(path) as f:
+        ev = json.load(f)["traceEvents"]
+    calls = [e for e in ev if e["ph"] == "b" and "bytes" in e.get("args", {})]
+    hier = [e for e in calls if e["name"] == "allreduce (hierarchical)"]
+    if hierarchical:
+        assert_all(len(hier) == 3, str([e["name"] for e in calls]))
+        assert_all([e["args"]["bytes"] for e in hier][:2] == [80000, 80000])
+        assert_all(hier[2]["args"]["error"] is not None
+                   and all(e["args"]["error"] is None for e in hier[:2]))
+        # the inter-node calls: flat calls with slice keys
+        assert_all(any("@hier" in str(e["args"]["key"]) for e in calls if e not in hier))
+    else:
+        assert_all(not hier and len(calls) == 3, str([e["name"] for e in calls]))
+    comm.Barrier()

@@ -79,7 +79,7 @@ import threading
 import numpy as np
 from mpi4py import MPI
 
-from . import _comm, _sched
+from . import _comm, _sched, _timeline
 from ._errors import ConfigError, DTypeError, MismatchError, MpigcError
 from .feedback import shard_bounds
 
@@ -334,10 +334,13 @@ def store_for_peers(lay, segs, flat, n, wd):
     """This rank's values outside its own element range (those its node peers
     sum) into its segment, in ``wd``; its own range of the segment is where
     the node's sums of that range are made (:func:`node_sum_fill`)."""
+    t0 = _timeline.ON and _timeline.now()
     lo, hi = lay.element_range(lay.rank, n)
     seg = segment(segs, lay.node_comm.Get_rank(), n, wd)
     seg[:lo] = flat[:lo]
     seg[hi:] = flat[hi:]
+    if t0:
+        _timeline.span("store for node peers", t0)
 
 
 def own_sums(lay, segs, flat, n, wd, stored):
@@ -357,9 +360,12 @@ def read_node_results(lay, segs, flat, n, wd):
     ``flat``; the next call's stores then wait for every node rank's reads
     (``lay.read_fence``: a peer's new values may land where these were)."""
     yield from lay.node_fence()
+    t0 = _timeline.ON and _timeline.now()
     for k, r in enumerate(lay.members[lay.node]):
         a, b = lay.element_range(r, n)
         flat[a:b] = segment(segs, k, n, wd)[a:b]
+    if t0:
+        _timeline.span("read node results", t0)
     lay.read_fence = lay.node_comm.Ibarrier()
 
 
@@ -390,9 +396,12 @@ def node_sum_fill(lay, segs, flat, n, wd, base):
     segs_wd = [segment(segs, k, n, wd) for k in range(L)]
 
     def fill(a, b):
+        t0 = _timeline.ON and _timeline.now()
         a, b = base + a, base + b
         sum_in_order([flat[a:b] if k == me else segs_wd[k][a:b] for k in range(L)],
                      segs_wd[me][a:b])
+        if t0:
+            _timeline.span("node sum", t0)
     return fill
 
 

@@ -18,7 +18,9 @@ Events:
 - the work of a step on the thread that ran it (``X`` events): compression,
   decoding, a plain MPI sum, MPI's progress in a test of phase 1's receives
   (from 20 µs: over TCP, MPI moves the data inside such calls), a
-  progress-thread pass (from 20 µs).
+  progress-thread pass (from 20 µs), a hierarchical call's steps inside
+  its node (its values stored for its node peers, the node's sums, the
+  results read back).
 
 Times are microseconds since the Unix epoch, from this process's
 ``perf_counter`` anchored once to the wall clock, so the files of ranks on

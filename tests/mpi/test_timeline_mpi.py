@@ -167,6 +167,11 @@ def test_hierarchical_calls_and_their_inter_node_calls(comm, monkeypatch):
                    and all(e["args"]["error"] is None for e in hier[:2]))
         # the inter-node calls: flat calls with slice keys
         assert_all(any("@hier" in str(e["args"]["key"]) for e in calls if e not in hier))
+        work = {e["name"] for e in ev if e["ph"] == "X"}
+        node_of_several = comm.rank < comm.size - comm.size % 2  # else alone on its node
+        assert_all(not node_of_several
+                   or {"node sum", "read node results", "store for node peers"} <= work,
+                   str(work))
     else:
         assert_all(not hier and len(calls) == 3, str([e["name"] for e in calls]))
     comm.Barrier()

@@ -95,10 +95,11 @@ def test_rel_threshold_and_no_progress_bar_off_a_terminal(capsys):
 def test_bench_under_mpirun(tmp_path):
     out = tmp_path / "rows.json"
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    trace = tmp_path / "trace.json"
     cmd = ["timeout", "240", "mpirun", "--oversubscribe", "-n", "2", sys.executable, "-m",
            "mpigc.bench", "--sizes", "4K,64K", "--ops", "none,2bit,1bit,bf16",
            "--collectives", "allreduce", "--iters", "2", "--min-iters", "1",
-           "--no-progress", "--json", str(out)]
+           "--no-progress", "--json", str(out), "--trace", str(trace)]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
@@ -110,6 +111,13 @@ def test_bench_under_mpirun(tmp_path):
     assert by[("1bit", 65536)]["compression_ratio"] > 25
     assert by[("bf16", 65536)]["compression_ratio"] == pytest.approx(2.0)
     assert "speedup against none" in p.stdout
+    # --trace: each rank's file, merged by rank 0; every timed call of mpigc is in it
+    doc = json.loads(trace.read_text())
+    assert doc["otherData"]["ranks"] == [0, 1]
+    names = {e["name"] for e in doc["traceEvents"] if e["ph"] == "b" and e.get("cat") == "call"
+             and "bytes" in e.get("args", {})}
+    assert {"allreduce none", "allreduce 2bit", "allreduce 1bit", "allreduce bf16"} <= names
+    assert (tmp_path / "trace.rank0.json").exists() and (tmp_path / "trace.rank1.json").exists()
 
 
 def test_small_message_fallback(monkeypatch):

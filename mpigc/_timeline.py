@@ -44,12 +44,13 @@ ON = False  # read by every hook; set by start() and stop() only
 
 _events = []  # (ph, name, cat, ts, dur, tid, id, args)
 _ids = itertools.count(1)
+_tids = itertools.count(1)  # (next() is atomic: two threads' first events get two ids)
 _since = 0  # the first call id of this recording: earlier calls are left out
 _threads = {}  # thread ident -> (small tid, name)
 _path = None
 _anchor = 0  # epoch microseconds minus perf_counter microseconds
-_MAX_EVENTS = 2_000_000  # beyond this, events are dropped and counted
-_dropped = 0
+_max_events = 500_000  # $MPIGC_TRACE_MAX_EVENTS, read by start()
+_dropped = 0  # events beyond it: left out, and counted in the file
 
 
 def now():
@@ -61,13 +62,13 @@ def _tid():
     ident = threading.get_ident()
     t = _threads.get(ident)
     if t is None:
-        t = _threads[ident] = (len(_threads) + 1, threading.current_thread().name)
+        t = _threads[ident] = (next(_tids), threading.current_thread().name)
     return t[0]
 
 
 def _add(ev):
     global _dropped
-    if len(_events) < _MAX_EVENTS:
+    if len(_events) < _max_events:
         _events.append(ev)
     else:
         _dropped += 1
@@ -126,8 +127,14 @@ def _world():
 
 def start(path):
     """Record from now on; :func:`stop` writes rank r's events to
-    :func:`path_for_rank` of ``path``. Restarting drops what was recorded."""
-    global ON, _path, _anchor, _dropped, _since
+    :func:`path_for_rank` of ``path``. Restarting drops what was recorded.
+    At most ``$MPIGC_TRACE_MAX_EVENTS`` events (default 500,000, about a
+    hundred MB) are kept; later ones are counted only."""
+    global ON, _path, _anchor, _dropped, _since, _max_events
+    try:
+        _max_events = max(0, int(os.environ.get("MPIGC_TRACE_MAX_EVENTS", "500000")))
+    except ValueError:
+        _max_events = 500_000
     _since = next(_ids)
     _anchor = time.time_ns() // 1000 - time.perf_counter_ns() // 1000
     _events.clear()

@@ -113,3 +113,16 @@ def test_the_summary_says_where_the_time_went(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mpigc.timeline", "--summary", str(a)],
                        capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == text, r.stderr
+
+
+def test_events_beyond_the_cap_are_counted(tmp_path, monkeypatch):
+    monkeypatch.setenv("MPIGC_TRACE_MAX_EVENTS", "3")
+    timeline.start(tmp_path / "c.json")
+    t0 = _timeline.now()
+    for _ in range(5):
+        _timeline.span("compress", t0)
+    path = timeline.stop()
+    with open(path) as f:
+        doc = json.load(f)
+    assert [e["name"] for e in doc["traceEvents"] if e["ph"] != "M"] == ["compress"] * 3
+    assert doc["otherData"]["dropped_events"] == 2

@@ -37,7 +37,7 @@ import time
 
 from mpi4py import MPI
 
-__all__ = ["ON", "start", "stop", "now", "span", "call_begin", "call_end", "nested",
+__all__ = ["ON", "start", "stop", "now", "span", "call_begin", "nested",
            "path_for_rank"]
 
 ON = False  # read by every hook; set by start() and stop() only
@@ -87,18 +87,10 @@ def call_begin():
     return next(_ids), now()
 
 
-def call_end(cid, t0, name, args):
-    """Call ``cid`` (from :func:`call_begin`) is over: its span (none for a
-    call that started before this recording)."""
-    if cid < _since:
-        return
-    tid = _tid()
-    _add(("b", name, "call", t0, 0, tid, cid, args))
-    _add(("e", name, "call", now(), 0, tid, cid, None))
-
-
 def nested(cid, name, t0, args=None):
-    """A span of call ``cid``'s own (its agreement, a wait), from ``t0`` until now."""
+    """A span of call ``cid`` (from :func:`call_begin`) from ``t0`` until
+    now: the call's own once it is over, or its agreement, a wait (none for
+    a call that started before this recording)."""
     if cid < _since:
         return
     tid = _tid()

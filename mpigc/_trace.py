@@ -72,7 +72,7 @@ class CallTrace:
     def ended(self, name, args):
         """The call is over: its span, ``args`` and how it ran."""
         if self._cid and _timeline.ON:
-            _timeline.call_end(self._cid, self._t0, name, dict(
+            _timeline.nested(self._cid, name, self._t0, dict(
                 args, path=self._path, inline=self._inline, chunks=self._chunks,
                 sum_pieces=self._sum_pieces))
 

@@ -76,8 +76,12 @@ class _Op(PendingCall):
     """One collective call (see the module docstring)."""
 
     def __init__(self, kind, buf, op, params, cs, key, average, gather, feedback,
-                 nonfinite, recvcounts, out, blocking, fill=None, keep_replaced=False):
+                 nonfinite, recvcounts, out, blocking, fill=None, keep_replaced=False,
+                 group=None):
         self.kind = kind  # "allreduce" or "reduce_scatter"
+        # a grouped call's members (mpigc._group.Group): the call reduces
+        # their fused buffer, and its results go back to them
+        self.group = group
         self.blocking = blocking
         # the caller keeps the worker residual this call replaces (the
         # hierarchical path may put it back if another group fails): it does
@@ -124,12 +128,17 @@ class _Op(PendingCall):
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
                  recvcounts, out, row):
         _wire.read_limits()
-        be, dbuf, dtype = _settings.adopt_input(self.kind, buf, self.cs)
+        group = self.group
+        if group is None:
+            be, dbuf, dtype = _settings.adopt_input(self.kind, buf, self.cs)
+            n = dbuf.size
+        else:
+            be, dtype = group.adopt(self.cs)
+            n, recvcounts, key = sum(group.sizes), group.counts(self.size), group.key
         dev = be.device
         self.be = be
         self.buf = buf
-        self.flat = dbuf.reshape(dbuf.size)
-        self.n = n = self.flat.size
+        self.n = n
         self.dtype = dtype
         self.wdtype = work_dtype(dtype)  # not buf.dtype: torch's is a torch dtype
         row[_N] = n
@@ -140,6 +149,11 @@ class _Op(PendingCall):
         (self.comp, self.average, self.gather, self.nonfinite, self.bounds, self.key,
          self.plain, self.settings, row[_FP]) = hit
         comp, nonfinite = self.comp, self.nonfinite
+        if group is not None:
+            # a plain allreduce uses no residual: its members simply follow
+            # one another
+            dbuf = group.fuse(be, dtype, self.size, self.plain and self.kind == "allreduce")
+        self.flat = dbuf.reshape(dbuf.size)
         if not self.plain:
             # before anything that can fail with a full row (a key in use):
             # every complete row says how the call is cut
@@ -158,7 +172,13 @@ class _Op(PendingCall):
         self.use_ef = self.uses_state and comp.uses_feedback
         if self.uses_state:
             fb = get_default_feedback() if feedback is None else feedback
-            self.txn = fb.begin(self.key, n, self.wdtype, self.size, self.rank, dev)
+            if group is None:
+                self.txn = fb.begin(self.key, n, self.wdtype, self.size, self.rank, dev)
+            else:
+                lo, hi = self.bounds[self.rank]
+                self.txn = fb.begin_group(group.keys, group.sizes, group.layout.pieces,
+                                          group.owner_pieces(self.rank), hi - lo,
+                                          self.wdtype, self.size, self.rank, dev)
 
         if self.plain:
             # MPI has no float16 sum: reduce a float32 copy
@@ -229,12 +249,26 @@ class _Op(PendingCall):
             self.rows.drop(self.sendreqs)
         self.sendreqs = []
 
-    def _set_rs_result(self, v):
-        if self.out is not None:
-            self.be.assign(self.out, v)
+    def set_result(self, v):
+        """The call's result. allreduce: the buffer (``v``, when not None,
+        copied into it first); reduce_scatter: ``v``, this rank's shard (or
+        the caller's ``out``, ``v`` copied in). A grouped call's go to its
+        members."""
+        group, be = self.group, self.be
+        if self.kind == "allreduce":
+            if v is not None and v is not self.flat:
+                be.assign(self.flat, v)
+            if group is not None:
+                group.scatter(be, self.flat)
+            self.result = self.buf
+        elif group is not None:
+            self.result = group.shards(be, v, self.rank,
+                                       lambda a: be.converted(a, self.dtype))
+        elif self.out is not None:
+            be.assign(self.out, v)
             self.result = self.out_given
         else:
-            self.result = v if v.dtype == self.dtype else self.be.converted(v, self.dtype)
+            self.result = v if v.dtype == self.dtype else be.converted(v, self.dtype)
 
     def finish_plain(self, v, sent, pieces):
         """The plain sum is over (:mod:`mpigc._plainsum`): ``v`` holds it
@@ -258,21 +292,19 @@ class _Op(PendingCall):
         copied into it first) or ``v`` (reduce_scatter); then its buffers go
         back."""
         _wire.add_traffic(sent, self.flat.nbytes)
-        if self.kind == "allreduce":
-            if v is not None and v is not self.flat:
-                self.be.assign(self.flat, v)
-            self.result = self.buf
-        else:
-            self._set_rs_result(v)
+        self.set_result(v)
         self.be.sync()  # the kernels are asynchronous
-        if self.be is not None:
-            self.be.release()  # the staging buffers
+        self.be.release()  # the staging buffers
+        if self.group is not None:
+            self.group.release()  # the fused buffer
         self.release_agree()
         self.abandon()
         self.state = "done"
 
     # -- the steps, driven by the scheduler (mpigc._sched.PendingCall) -----------
     def _failed(self, exc):
+        # a failed call's fused buffer is not reused: an MPI operation may
+        # still write it
         _comm.internal_error(exc, self.cs.comm, f"mpigc {self.kind}")
         self.error = exc
         self.abandon()
@@ -352,9 +384,9 @@ class _Op(PendingCall):
 
 
 def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,
-          recvcounts=None, out=None, blocking, fill=None, keep_replaced=False):
+          recvcounts=None, out=None, blocking, fill=None, keep_replaced=False, group=None):
     """Create and start one collective call; returns its ``_Op`` (``fill``,
-    host buffers only, and ``keep_replaced``: see ``_Op.__init__``)."""
+    host buffers only, ``keep_replaced`` and ``group``: see ``_Op.__init__``)."""
     # a communicator's first use is collective (Dup, a Sendrecv per peer),
     # outside the engine lock: the pending calls are completed first, as a
     # peer may wait for one of them (_sched.finish_pending). The user's
@@ -365,7 +397,7 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
     cs = _comm.resolve(comm)
     with _sched.lock:
         o = _Op(kind, buf, op, params, cs, key, average, gather, feedback, nonfinite,
-                recvcounts, out, blocking, fill, keep_replaced)
+                recvcounts, out, blocking, fill, keep_replaced, group)
     if not blocking and o.state != "done":
         _sched.wake()
     return o

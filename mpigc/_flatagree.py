@@ -135,11 +135,13 @@ def _finish_skipped(op):
     """Every rank skips the call: NaN results, nothing else changed."""
     if op.kind == "allreduce":
         op.be.fill_nan(op.flat)
-        op.result = op.buf
+        op.set_result(None)
     else:
         lo, hi = op.bounds[op.rank]
-        res = op.out if op.out is not None else op.be.empty(hi - lo, op.dtype)
+        res = op.be.empty(hi - lo, op.dtype)
         op.be.fill_nan(res)
-        op.result = res if op.out is None else op.out_given
+        op.set_result(res)
     op.be.sync()
+    if op.group is not None:
+        op.group.release()  # the fused buffer
     op.state = "done"

@@ -9,7 +9,7 @@ import zlib
 
 import numpy as np
 
-from . import _agree, _collective, _comm, _plan, _sched, _settings, _trace, _wire
+from . import _agree, _collective, _comm, _group, _plan, _sched, _settings, _trace, _wire
 from ._errors import CODES, ConfigError, MpigcError, NonFiniteError, StateError, code_of
 from ._hierarchy import (HIERARCHY_MODES, layout, node_sum_fill, own_sums, read_node_results,
                          redistribute, slice_key, store_for_peers)
@@ -39,6 +39,13 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
     if not flat:
         lay = layout(comm)
         flat = not lay.hierarchical(hierarchy)
+    if _group.is_group(buf):
+        # one flat call on the members' fused buffer (mpigc._group); a group
+        # that cannot be flat fails in that call, on every rank
+        group = _group.Group(kind, buf, key, recvcounts, out, flat)
+        return _collective.start(kind, buf, op, params, comm=comm, key=None, average=average,
+                                 gather=gather, feedback=feedback, nonfinite=nonfinite,
+                                 blocking=blocking, group=group)
     if flat:
         return _collective.start(kind, buf, op, params, comm=comm, key=key, average=average,
                                  gather=gather, feedback=feedback, nonfinite=nonfinite,

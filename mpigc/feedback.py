@@ -357,6 +357,14 @@ class ErrorFeedback:
         and then nothing changed)."""
         return Transaction(self, key, n, dtype, world_size, rank, device)
 
+    def begin_group(self, keys, sizes, pieces, owner_pieces, shard_n, dtype, world_size,
+                    rank, device=False):
+        """For mpigc's own modules (grouped calls, :mod:`mpigc._group`): a
+        :class:`GroupTransaction` holding every key of ``keys`` (raises
+        StateError, and then nothing changed)."""
+        return GroupTransaction(self, keys, sizes, pieces, owner_pieces, shard_n, dtype,
+                                world_size, rank, device)
+
     # -- a transaction of several calls, by reference --------------------------------
     def mark(self, key):
         """For mpigc's own modules (a hierarchical call): what ``key`` holds
@@ -537,6 +545,169 @@ class Transaction:
         if self.deferred:
             self.deferred = self.held = False
             self.fb.release(self.key)
+
+
+class GroupTransaction:
+    """One grouped call's use of its members' keys
+    (:meth:`ErrorFeedback.begin_group`), with the interface of a
+    :class:`Transaction`: the call reads and writes ``entry``, a fused entry
+    of the whole fused buffer, as a single call does its key's. The members'
+    residuals are gathered into it at the start (``pieces``: member ``i``'s
+    elements ``[lo, hi)`` at fused offset ``at``; ``owner_pieces``: the same
+    for this rank's fused shard of ``shard_n`` values) and scattered back at
+    :meth:`end` once the call committed, so a call that does not go ahead
+    changes no member. Every key is held from the start to :meth:`end`."""
+
+    __slots__ = ("fb", "keys", "sizes", "entries", "entry", "scratch", "held", "deferred",
+                 "committed", "pieces", "owner_pieces", "_shape")
+
+    def __init__(self, fb, keys, sizes, pieces, owner_pieces, shard_n, dtype, world_size,
+                 rank, device):
+        entries = []
+        try:
+            for k, m in zip(keys, sizes):
+                entries.append(fb.acquire(k, m, dtype, world_size, rank, device))
+        except BaseException:
+            for k in keys[:len(entries)]:
+                fb.release(k)
+            raise
+        self.fb, self.keys, self.sizes, self.entries = fb, keys, sizes, entries
+        self.pieces, self.owner_pieces = pieces, owner_pieces
+        n = sum(sizes)
+        self._shape = (n, np.dtype(dtype), world_size, rank, bool(device))
+        self.scratch = None
+        self.held, self.deferred, self.committed = True, False, False
+        self.entry = None
+        if any(e is not None for e in entries):
+            f = self.entry = _Entry(n, dtype, world_size, rank, None, bool(device))
+            f.calls = max(e.calls for e in entries if e is not None)
+            f.worker = self._gather([None if e is None else e.worker for e in entries],
+                                    pieces, n)
+            if owner_pieces is not None:
+                f.owner = self._gather([None if e is None else e.owner for e in entries],
+                                       owner_pieces, shard_n)
+
+    def _gather(self, arrays, pieces, n):
+        """The members' ``arrays`` laid out by ``pieces`` in a new array of
+        ``n`` values (zeros for a member without one); None if none has one."""
+        if all(a is None for a in arrays):
+            return None
+        _, dtype, _, _, device = self._shape
+        out = self.fb.take_spare(n, dtype, device)
+        for i, lo, hi, at in pieces:
+            a = arrays[i]
+            _put(out, at, a, lo, hi, dtype)
+        return out
+
+    def worker(self):
+        """The fused worker residual before the call (None: no member has one)."""
+        return None if self.entry is None else self.entry.worker
+
+    def take_scratch(self):
+        """The array the call writes its new fused worker residual to."""
+        n, dtype, _, _, device = self._shape
+        self.scratch = self.fb.take_spare(n, dtype, device)
+        return self.scratch
+
+    def commit(self, config, keep_replaced=False):
+        """The call goes ahead: every member's key gets an entry (made for a
+        first call) with ``config``; the fused entry takes the scratch array
+        as its worker residual (the members get theirs at :meth:`end`).
+        Returns the fused entry."""
+        n, dtype, size, rank, device = self._shape
+        for i, (k, m) in enumerate(zip(self.keys, self.sizes)):
+            self.entries[i] = self.fb.commit(k, self.entries[i], m, dtype, size, rank, config,
+                                             device)
+        f = self.entry
+        if f is None:
+            f = self.entry = _Entry(n, dtype, size, rank, config, device)
+        f.config = config
+        if self.scratch is not None:
+            old, f.worker = f.worker, self.scratch
+            self.scratch = None
+            if old is not None:
+                self.fb.give_spare(old)
+        self.committed = True
+        return f
+
+    def skipped(self):
+        """The call was skipped on every rank (``nonfinite="skip"``)."""
+        self.fb.skipped_steps += 1
+
+    def _scatter(self):
+        """The fused entry's residuals and call count into the members'."""
+        f, (_, dtype, _, _, device) = self.entry, self._shape
+        for arr, pieces, attr in ((f.worker, self.pieces, "worker"),
+                                  (f.owner, self.owner_pieces, "owner")):
+            if arr is None or pieces is None:
+                continue
+            for i, lo, hi, at in pieces:
+                e = self.entries[i]
+                dst = getattr(e, attr)
+                m = e.n if attr == "worker" else hi - lo
+                if dst is None or dst.size != m:
+                    dst = self.fb.take_spare(m, dtype, device)
+                    setattr(e, attr, dst)
+                _put(dst, lo, arr[at:at + hi - lo], 0, hi - lo, dtype)
+            if attr == "owner":
+                # a member smaller than the ranks owns no element here: an
+                # empty owner residual, as its single call leaves
+                for e in self.entries:
+                    if e.owner is None:
+                        e.owner = self.fb.take_spare(0, dtype, device)
+            self.fb.give_spare(arr)
+        for e in self.entries:
+            e.calls = f.calls
+        f.worker = f.owner = None
+
+    def end(self, defer=False):
+        """The call is over, or will not go ahead: a committed call's
+        residuals go to the members; the fused arrays become spares; the
+        keys are released (with ``defer``, at :meth:`settle`, as
+        :meth:`Transaction.end`)."""
+        if self.scratch is not None:
+            self.fb.give_spare(self.scratch)
+            self.scratch = None
+        f = self.entry
+        if f is not None:
+            if self.committed:
+                self._scatter()
+            else:
+                for a in (f.worker, f.owner):
+                    if a is not None:
+                        self.fb.give_spare(a)
+                f.worker = f.owner = None
+            self.committed = False
+        if self.held:
+            if defer:
+                self.deferred = True
+                return
+            self._release()
+
+    def _release(self):
+        self.held = False
+        for k in self.keys:
+            self.fb.release(k)
+
+    def settle(self):
+        """The caller saw the call done: release the keys :meth:`end` deferred."""
+        if self.deferred:
+            self.deferred = False
+            self._release()
+
+
+def _put(dst, at, src, lo, hi, dtype):
+    """``dst[at:at + hi - lo] = src[lo:hi]`` (zeros for ``src`` None), on
+    either side (both arrays on one)."""
+    m = hi - lo
+    if not _dispatch.is_device_array(dst):
+        if src is None:
+            dst[at:at + m] = 0
+        else:
+            dst[at:at + m] = src[lo:hi]
+        return
+    from . import _cuda
+    _cuda.copy(dst[at:at + m], np.zeros(m, dtype) if src is None else src[lo:hi])
 
 
 class _Mark(NamedTuple):

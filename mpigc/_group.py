@@ -1,0 +1,233 @@
+"""Grouped calls: many arrays in one exchange (``allreduce([g1, g2, ...])``).
+
+A group is fused into one buffer and reduced by one engine call
+(:mod:`mpigc._collective`): one agreement, one plan, one exchange, where
+single calls would pay each of them per array.
+
+The fused buffer is laid out owner-major: rank j's shard of it is every
+member's shard j (each member cut as ``numpy.array_split`` cuts it alone), in
+member order. So each member's residuals, under its own key, have the shapes
+a single call on that member gives them (the worker residual one value per
+element, the owner residual this rank's shard of the member): grouped and
+single calls may take turns on a key, and checkpoints hold one entry per
+member (:class:`mpigc.feedback.GroupTransaction` gathers and scatters them).
+A reduce-scatter returns each member's shard, as single calls would. A
+plain allreduce (``op="none"``, or a group below the compression threshold)
+uses no residual: its members are simply concatenated.
+
+Every member must be on the same side (host or device) with the same
+dtype; each passes the checks of a single call. A group that fails any check
+on any rank fails on every rank, with no member and no residual changed (the
+error travels in the call's agreement, as a single call's does).
+"""
+import threading
+import zlib
+
+import numpy as np
+
+from . import _settings
+from ._backend import part
+from ._errors import ConfigError, DTypeError, InvalidBufferError
+from .feedback import shard_bounds
+
+__all__ = ["Group", "is_group"]
+
+
+def is_group(buf):
+    """A grouped call is one given a list or tuple of arrays."""
+    return isinstance(buf, (list, tuple))
+
+
+class _Layout:
+    """Where each member's elements go in the fused buffer of ``sizes`` on
+    ``world`` ranks. ``pieces``: ``(member, lo, hi, at)``, member elements
+    ``[lo, hi)`` at fused offset ``at``; ``counts``: the fused shard sizes;
+    ``owner[r]``: the pieces of rank r's fused shard as ``(member, 0, m, at)``
+    with ``at`` from the shard's start (the member's owner residual is its
+    shard r, whole)."""
+
+    __slots__ = ("pieces", "counts", "owner", "n", "sizes")
+
+    def __init__(self, sizes, world, concat):
+        self.sizes = sizes
+        self.n = n = sum(sizes)
+        if concat:
+            at = np.concatenate([[0], np.cumsum(sizes)]).tolist()
+            self.pieces = [(i, 0, m, at[i]) for i, m in enumerate(sizes)]
+            self.counts = [hi - lo for lo, hi in shard_bounds(n, world)]
+            self.owner = None
+            return
+        bounds = [shard_bounds(m, world) for m in sizes]
+        self.pieces, self.counts, self.owner = [], [], []
+        at = 0
+        for j in range(world):
+            start, own = at, []
+            for i, b in enumerate(bounds):
+                lo, hi = b[j]
+                if hi > lo:
+                    self.pieces.append((i, lo, hi, at))
+                    own.append((i, 0, hi - lo, at - start))
+                    at += hi - lo
+            self.counts.append(at - start)
+            self.owner.append(own)
+
+
+_layouts = {}
+_LAYOUTS_MAX = 256
+_pool = {}  # (n, dtype, device) -> free fused buffers
+_pool_lock = threading.Lock()
+
+
+def _layout(sizes, world, concat):
+    k = (sizes, world, concat)
+    lay = _layouts.get(k)
+    if lay is None:
+        if len(_layouts) >= _LAYOUTS_MAX:
+            _layouts.clear()
+        lay = _layouts[k] = _Layout(sizes, world, concat)
+    return lay
+
+
+class Group:
+    """One grouped call's members and keys (checked by :meth:`adopt`), its
+    fused buffer (:meth:`fuse`) and its results (:meth:`scatter`,
+    :meth:`shards`)."""
+
+    def __init__(self, kind, bufs, key, recvcounts, out, flat):
+        self.kind = kind
+        self.given = bufs
+        self.keys = None
+        self.key = None  # the group's name in the settings' fingerprint
+        self.flats = None  # the members, flat, on their side
+        self.layout = None
+        self.fused = None
+        self.device = False
+        self._arg_error = None
+        if recvcounts is not None:
+            self._arg_error = ConfigError("a grouped reduce_scatter takes no recvcounts: "
+                                          "each member is cut as numpy.array_split cuts it")
+        elif out is not None:
+            self._arg_error = ConfigError("a grouped reduce_scatter takes no out=: it "
+                                          "returns a new array per member")
+        elif not flat:
+            self._arg_error = ConfigError("grouped calls are flat: hierarchy='node' (or "
+                                          "'auto' across nodes) takes one array per call")
+        self._key_arg = key
+
+    def adopt(self, cs):
+        """Check every member as a single call would, and the keys:
+        ``(backend, dtype)``; raises on the first bad one."""
+        if self._arg_error is not None:
+            raise self._arg_error
+        bufs = self.given
+        if len(bufs) == 0:
+            raise InvalidBufferError(f"{self.kind}: expected at least one array in the group, "
+                                     "got an empty list")
+        be = dtype = None
+        flats = []
+        for i, b in enumerate(bufs):
+            try:
+                mbe, dbuf, mdt = _settings.adopt_input(self.kind, b, cs)
+            except (DTypeError, InvalidBufferError) as exc:
+                raise type(exc)(f"group member {i}: {exc}") from exc
+            if be is None:
+                be, dtype = mbe, mdt
+            elif mbe.device != be.device:
+                raise InvalidBufferError(
+                    f"{self.kind}: group member {i} is a {'device' if mbe.device else 'host'}"
+                    f" array, member 0 a {'device' if be.device else 'host'} one: a group "
+                    "holds arrays of one side")
+            elif mdt != dtype:
+                raise DTypeError(f"{self.kind}: group member {i} is {mdt}, member 0 {dtype}: "
+                                 "a group holds arrays of one dtype (call once per dtype)")
+            flats.append(dbuf.reshape(dbuf.size))
+        self.flats = flats
+        self.device = be.device
+        sizes = tuple(int(f.size) for f in flats)
+        self.keys = self._member_keys(sizes, dtype)
+        # the fingerprint's key: every member's key and size, so ranks whose
+        # groups differ anywhere disagree (a mismatch, on every rank)
+        self.key = "group/%d/%08x" % (len(sizes), zlib.crc32(repr((self.keys, sizes)).encode()))
+        self.sizes = sizes
+        return be, dtype
+
+    def _member_keys(self, sizes, dtype):
+        k = self._key_arg
+        if k is None:
+            return [f"auto/group/{i}/{m}/{dtype.name}" for i, m in enumerate(sizes)]
+        if isinstance(k, (str, int)) and not isinstance(k, bool):
+            return [f"{k}/{i}" for i in range(len(sizes))]
+        if isinstance(k, (list, tuple)):
+            if len(k) != len(sizes):
+                raise ConfigError(f"key: expected one key per member ({len(sizes)}), got "
+                                  f"{len(k)}")
+            bad = [x for x in k if isinstance(x, bool) or not isinstance(x, (str, int))]
+            if bad:
+                raise ConfigError(f"key: expected str or int keys, got {bad[0]!r}")
+            keys = [str(x) for x in k]
+            if len(set(keys)) != len(keys):
+                dup = next(x for x in keys if keys.count(x) > 1)
+                raise ConfigError(f"key: the members' keys must be distinct ({dup!r} is "
+                                  "given twice)")
+            return keys
+        raise ConfigError("key: expected a str or int (member i gets key/i) or a list of "
+                          f"keys, got {type(k).__name__}")
+
+    def counts(self, world):
+        """The fused shard sizes (the settings' recvcounts)."""
+        return _layout(self.sizes, world, False).counts
+
+    def fuse(self, be, dtype, world, concat):
+        """The fused buffer, the members copied in (owner-major, or one after
+        another when ``concat``)."""
+        self.layout = lay = _layout(self.sizes, world, concat)
+        fused = self._take(be, lay.n, dtype)
+        flats = self.flats
+        if concat and not be.device:
+            np.concatenate(flats, out=fused)
+        else:
+            for i, lo, hi, at in lay.pieces:
+                be.assign(part(fused, at, at + hi - lo), part(flats[i], lo, hi))
+        self.fused = fused
+        return fused
+
+    def scatter(self, be, v):
+        """An allreduce's result ``v`` (the fused buffer's values) into the members."""
+        flats = self.flats
+        for i, lo, hi, at in self.layout.pieces:
+            be.assign(part(flats[i], lo, hi), part(v, at, at + hi - lo))
+
+    def shards(self, be, v, rank, convert):
+        """A reduce-scatter's result: this rank's fused shard ``v`` cut into
+        each member's shard (new arrays, by ``convert(piece)``)."""
+        out = [None] * len(self.sizes)
+        for i, _, m, at in self.layout.owner[rank]:
+            out[i] = convert(part(v, at, at + m))
+        # a member smaller than the ranks has no element on some
+        return [be.empty(0, v.dtype) if o is None else o for o in out]
+
+    def owner_pieces(self, rank):
+        lay = self.layout
+        return None if lay.owner is None else lay.owner[rank]
+
+    # -- the fusion buffers, reused ---------------------------------------------
+    def _take(self, be, n, dtype):
+        k = (n, np.dtype(dtype), be.device)
+        with _pool_lock:
+            free = _pool.get(k)
+            if free:
+                return free.pop()
+        return be.empty(n, dtype)
+
+    def release(self):
+        """The call is over and its results are out: the fused buffer may
+        serve a later call (a failed call's is dropped instead: an MPI
+        operation may still write it)."""
+        f, self.fused = self.fused, None
+        if f is None:
+            return
+        k = (f.size, np.dtype(f.dtype), self.device)
+        with _pool_lock:
+            free = _pool.setdefault(k, [])
+            if len(free) < 2:
+                free.append(f)

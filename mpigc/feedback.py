@@ -594,9 +594,13 @@ class GroupTransaction:
             return None
         _, dtype, _, _, device = self._shape
         out = self.fb.take_spare(n, dtype, device)
+        if device:
+            for i, lo, hi, at in pieces:
+                _put(out, at, arrays[i], lo, hi, dtype)
+            return out
         for i, lo, hi, at in pieces:
             a = arrays[i]
-            _put(out, at, a, lo, hi, dtype)
+            out[at:at + hi - lo] = 0 if a is None else a[lo:hi]
         return out
 
     def worker(self):
@@ -648,7 +652,10 @@ class GroupTransaction:
                 if dst is None or dst.size != m:
                     dst = self.fb.take_spare(m, dtype, device)
                     setattr(e, attr, dst)
-                _put(dst, lo, arr[at:at + hi - lo], 0, hi - lo, dtype)
+                if device:
+                    _put(dst, lo, arr[at:at + hi - lo], 0, hi - lo, dtype)
+                else:
+                    dst[lo:hi] = arr[at:at + hi - lo]
             if attr == "owner":
                 # a member smaller than the ranks owns no element here: an
                 # empty owner residual, as its single call leaves
@@ -697,15 +704,9 @@ class GroupTransaction:
 
 
 def _put(dst, at, src, lo, hi, dtype):
-    """``dst[at:at + hi - lo] = src[lo:hi]`` (zeros for ``src`` None), on
-    either side (both arrays on one)."""
+    """``dst[at:at + hi - lo] = src[lo:hi]`` (zeros for ``src`` None) in
+    device memory."""
     m = hi - lo
-    if not _dispatch.is_device_array(dst):
-        if src is None:
-            dst[at:at + m] = 0
-        else:
-            dst[at:at + m] = src[lo:hi]
-        return
     from . import _cuda
     _cuda.copy(dst[at:at + m], np.zeros(m, dtype) if src is None else src[lo:hi])
 

@@ -1,0 +1,54 @@
+# usage: mpirun -n 2 python benchmarks/grouped.py [ITERS]
+# Grouped calls (issue 31): medians over the slowest rank of interleaved calls,
+#  - 64 arrays of 4 KiB, op="none": one grouped call, 64 single calls, and one
+#    comm.Allreduce of the 256 KiB they make;
+#  - 64 arrays of 64 KiB, op="2bit": one grouped call against 64 single calls.
+# Prints each time and the ratios the issue names.
+import sys
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mpigc
+
+comm = MPI.COMM_WORLD
+ITERS = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+rng = np.random.default_rng(comm.rank)
+
+
+def timed(fns, n, warmup=5):
+    for _ in range(warmup):
+        for _, fn in fns:
+            fn()
+    ts = {k: [] for k, _ in fns}
+    for _ in range(n):
+        for name, fn in fns:
+            comm.Barrier()
+            t = time.perf_counter()
+            fn()
+            ts[name].append(time.perf_counter() - t)
+    return {k: comm.allreduce(np.median(v) * 1e6, op=MPI.MAX) for k, v in ts.items()}
+
+
+small = [np.zeros(1024, np.float32) for _ in range(64)]
+fused = np.zeros(64 * 1024, np.float32)
+t = timed([("mpi 256K", lambda: comm.Allreduce(MPI.IN_PLACE, fused, op=MPI.SUM)),
+           ("group none 64x4K", lambda: mpigc.allreduce(small, op="none")),
+           ("64 none 4K", lambda: [mpigc.allreduce(a, op="none", key=f"s{i}")
+                                   for i, a in enumerate(small)])], ITERS)
+big = [rng.standard_normal(16384).astype(np.float32) for _ in range(64)]
+keys = [f"b{i}" for i in range(64)]
+t.update(timed([("group 2bit 64x64K", lambda: mpigc.allreduce(big, op="2bit", key=keys)),
+                ("64 2bit 64K", lambda: [mpigc.allreduce(a, op="2bit", key=f"c{i}")
+                                         for i, a in enumerate(big)])],
+               max(ITERS // 20, 5)))
+if comm.rank == 0:
+    print(f"{comm.size} ranks, medians (us) over the slowest rank")
+    for k, v in t.items():
+        print(f"  {k:20s} {v:10.1f}")
+    print(f"group none 64x4K / comm.Allreduce 256K: {t['group none 64x4K'] / t['mpi 256K']:.2f}x"
+          " (target <= 1.5)")
+    print(f"64 single none 4K / group: {t['64 none 4K'] / t['group none 64x4K']:.1f}x")
+    print(f"64 single 2bit 64K / group 2bit 64x64K: "
+          f"{t['64 2bit 64K'] / t['group 2bit 64x64K']:.1f}x (target >= 5)")

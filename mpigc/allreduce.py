@@ -1,5 +1,5 @@
 """Compressed allreduce, blocking and nonblocking."""
-from typing import Literal, Optional, Union
+from typing import Literal, Optional, Sequence, Union
 
 import numpy as np
 from mpi4py import MPI
@@ -10,12 +10,16 @@ from .compressors import Compressor
 from .feedback import ErrorFeedback
 
 Op = Union[str, dict, Compressor]
+#: one array, or a group of them (a grouped call)
+Buf = Union[np.ndarray, Sequence[np.ndarray]]
+#: a key, or a group's keys
+Key = Union[str, int, Sequence[Union[str, int]], None]
 
 __all__ = ["allreduce", "iallreduce"]
 
 
-def allreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = None,
-              key: Union[str, int, None] = None, average: bool = False,
+def allreduce(buf: Buf, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = None,
+              key: Key = None, average: bool = False,
               gather: Literal["compressed", "exact"] = "compressed",
               feedback: Union[ErrorFeedback, bool, None] = None,
               nonfinite: Optional[str] = None,
@@ -24,9 +28,12 @@ def allreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm]
 
     Parameters
     ----------
-    buf : numpy.ndarray
+    buf : numpy.ndarray, or a list or tuple of them
         float16, float32 or float64, C-contiguous, writable, same size on
-        every rank. Overwritten with the (decompressed) result.
+        every rank. Overwritten with the (decompressed) result. A list is a
+        grouped call: its arrays (one side, one dtype) are reduced in one
+        exchange, each under its own key (see ``key``), and the list is
+        returned (``docs/user-guide.md``, "Grouped calls").
     op : str, dict or Compressor
         ``"none"``, ``"fp16"``, ``"bf16"``, ``"2bit"``, ``"1bit"``, ``"terngrad"``; an
         MXNet-style dict ``{"type": "2bit", "threshold": 0.5}``; or a
@@ -39,7 +46,9 @@ def allreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm]
         parameter name; they persist between calls with the same key.
         Default: ``"auto/{n}/{dtype}"``, i.e. calls without a key share one
         residual per size and dtype, so pass a key whenever you reduce
-        several buffers of the same size per step.
+        several buffers of the same size per step. A grouped call takes a
+        list of keys, one per array, or one key ``k`` (array i's is
+        ``"k/i"``); default ``"auto/group/{i}/{n}/{dtype}"``.
     average : bool
         Divide the sum by the number of ranks.
     gather : {"compressed", "exact"}
@@ -87,8 +96,8 @@ def allreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm]
     return Request(req).wait()
 
 
-def iallreduce(buf: np.ndarray, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = None,
-               key: Union[str, int, None] = None, average: bool = False,
+def iallreduce(buf: Buf, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = None,
+               key: Key = None, average: bool = False,
                gather: Literal["compressed", "exact"] = "compressed",
                feedback: Union[ErrorFeedback, bool, None] = None,
                nonfinite: Optional[str] = None,

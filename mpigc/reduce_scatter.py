@@ -7,6 +7,7 @@ from mpi4py import MPI
 from ._sched import Request
 from ._hiercall import start
 from .compressors import Compressor
+from .allreduce import Buf, Key
 from .feedback import ErrorFeedback
 
 Op = Union[str, dict, Compressor]
@@ -14,10 +15,10 @@ Op = Union[str, dict, Compressor]
 __all__ = ["reduce_scatter", "ireduce_scatter"]
 
 
-def reduce_scatter(buf: np.ndarray, op: Op = "2bit", *,
+def reduce_scatter(buf: Buf, op: Op = "2bit", *,
                    recvcounts: Optional[Sequence[int]] = None,
                    out: Optional[np.ndarray] = None, comm: Optional[MPI.Intracomm] = None,
-                   key: Union[str, int, None] = None, average: bool = False,
+                   key: Key = None, average: bool = False,
                    feedback: Union[ErrorFeedback, bool, None] = None,
                    nonfinite: Optional[str] = None,
                    hierarchy: Literal["auto", "flat", "node"] = "flat", **params) -> np.ndarray:
@@ -29,8 +30,11 @@ def reduce_scatter(buf: np.ndarray, op: Op = "2bit", *,
 
     Parameters
     ----------
-    buf : numpy.ndarray
-        The input, left unchanged (it may be read-only).
+    buf : numpy.ndarray, or a list or tuple of them
+        The input, left unchanged (it may be read-only). A list is a grouped
+        call (keys as for :func:`mpigc.allreduce`'s): it returns a list of
+        this rank's shard of each array, as ``numpy.array_split`` cuts it,
+        and takes no ``recvcounts`` and no ``out``.
     recvcounts : sequence of int, optional
         Shard sizes per rank; default as ``numpy.array_split``.
     out : numpy.ndarray, optional
@@ -49,11 +53,11 @@ def reduce_scatter(buf: np.ndarray, op: Op = "2bit", *,
     return Request(req).wait()
 
 
-def ireduce_scatter(buf: np.ndarray, op: Op = "2bit", *,
+def ireduce_scatter(buf: Buf, op: Op = "2bit", *,
                     recvcounts: Optional[Sequence[int]] = None,
                     out: Optional[np.ndarray] = None,
                     comm: Optional[MPI.Intracomm] = None,
-                    key: Union[str, int, None] = None, average: bool = False,
+                    key: Key = None, average: bool = False,
                     feedback: Union[ErrorFeedback, bool, None] = None,
                     nonfinite: Optional[str] = None,
                     hierarchy: Literal["auto", "flat", "node"] = "flat", **params) -> Request:

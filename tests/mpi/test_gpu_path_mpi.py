@@ -267,6 +267,34 @@ def _compare_foreign(c, cuda, op, dtype, n):
                        lambda: mpigc.allreduce(ro, op=op, key="r", feedback=False))
 
 
+def _compare_grouped(c, cuda, op, dtype=np.float32, sizes=(3, 50, 1, 77)):
+    """Grouped calls (``allreduce([...])``) on device arrays give the bits of
+    the same grouped calls on host arrays, results and each member's
+    residuals, reduce_scatter's shards on the device; a group mixing host
+    and device arrays fails on every rank."""
+    name = op if isinstance(op, str) else op["type"]
+    what = f"grouped {name} {np.dtype(dtype).name}"
+    fbh, fbd = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
+    for step in range(2):
+        gs = [_grad(c.rank, m, dtype, 30 + 10 * step + i) for i, m in enumerate(sizes)]
+        h, d = [g.copy() for g in gs], [cuda.to_device(g) for g in gs]
+        rh = mpigc.allreduce(h, op=op, key="g", feedback=fbh, average=step == 1)
+        rd = mpigc.allreduce(d, op=op, key="g", feedback=fbd, average=step == 1)
+        c.check(rh is h and rd is d, f"{what}: allreduce must return the list")
+        for i, (x, y) in enumerate(zip(d, h)):
+            c.same(f"{what} step {step} member {i}", x.copy_to_host(), y)
+        sh = mpigc.reduce_scatter(gs, op=op, key="s", feedback=fbh)
+        sd = mpigc.reduce_scatter([cuda.to_device(g) for g in gs], op=op, key="s",
+                                  feedback=fbd)
+        for i, (x, y) in enumerate(zip(sd, sh)):
+            c.check(mpigc._dispatch.is_device_array(x), f"{what}: shard {i} not on device")
+            c.same(f"{what} step {step} shard {i}", x.copy_to_host(), y)
+    _same_state(c, what, fbh, fbd)
+    _raises_everywhere(c, f"{what} host and device", mpigc.InvalidBufferError,
+                       lambda: mpigc.allreduce([cuda.to_device(gs[0]), gs[1].copy()], op=op,
+                                               feedback=False))
+
+
 def group_staged(c, cuda):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -281,6 +309,9 @@ def group_staged(c, cuda):
         _compare_foreign(c, cuda, op, np.float32, 45)
     _compare_foreign(c, cuda, OPS[0], np.float16, 45)
     _compare_foreign(c, cuda, OPS[2], np.float64, 45)
+    for op in OPS:
+        _compare_grouped(c, cuda, op)
+    _compare_grouped(c, cuda, OPS[0], np.float16)
     # the small-buffer fallback (plain MPI sum) on device arrays, staged
     os.environ["MPIGC_MIN_COMPRESS_BYTES"] = "8192"
     try:
@@ -298,6 +329,7 @@ def group_aware(c, cuda):
     _compare(c, cuda, "allreduce", "none", "compressed", np.float16, 101, 1, average=True)
     _compare_foreign(c, cuda, OPS[1], np.float32, 45)
     _compare_foreign(c, cuda, "none", np.float16, 45)
+    _compare_grouped(c, cuda, OPS[0])
     c.check(_cuda.staging_pool.allocated == 0,
             f"{_cuda.staging_pool.allocated} staging buffer(s) with CUDA-aware MPI")
     # hierarchical calls: the inter-node engine calls hand device buffers to

@@ -1,8 +1,9 @@
 # usage: mpirun -n 2 python benchmarks/grouped.py [ITERS]
 # Grouped calls (issue 31): medians over the slowest rank of interleaved calls,
-#  - 64 arrays of 4 KiB, op="none": one grouped call, 64 single calls, and one
-#    comm.Allreduce of the 256 KiB they make;
-#  - 64 arrays of 64 KiB, op="2bit": one grouped call against 64 single calls.
+#  - 64 arrays of 4 KiB, op="none": one grouped call, 64 single calls, one
+#    single call on a 256 KiB buffer, and one comm.Allreduce of 256 KiB;
+#  - 64 arrays of 64 KiB, op="2bit": one grouped call, 64 single calls, and one
+#    single call on a 4 MiB buffer.
 # Prints each time and the ratios the issue names.
 import sys
 import time
@@ -35,11 +36,14 @@ small = [np.zeros(1024, np.float32) for _ in range(64)]
 fused = np.zeros(64 * 1024, np.float32)
 t = timed([("mpi 256K", lambda: comm.Allreduce(MPI.IN_PLACE, fused, op=MPI.SUM)),
            ("group none 64x4K", lambda: mpigc.allreduce(small, op="none")),
+           ("one none 256K", lambda: mpigc.allreduce(fused, op="none")),
            ("64 none 4K", lambda: [mpigc.allreduce(a, op="none", key=f"s{i}")
                                    for i, a in enumerate(small)])], ITERS)
 big = [rng.standard_normal(16384).astype(np.float32) for _ in range(64)]
 keys = [f"b{i}" for i in range(64)]
+one = np.concatenate(big)
 t.update(timed([("group 2bit 64x64K", lambda: mpigc.allreduce(big, op="2bit", key=keys)),
+                ("one 2bit 4M", lambda: mpigc.allreduce(one, op="2bit", key="one")),
                 ("64 2bit 64K", lambda: [mpigc.allreduce(a, op="2bit", key=f"c{i}")
                                          for i, a in enumerate(big)])],
                max(ITERS // 20, 5)))
@@ -49,6 +53,8 @@ if comm.rank == 0:
         print(f"  {k:20s} {v:10.1f}")
     print(f"group none 64x4K / comm.Allreduce 256K: {t['group none 64x4K'] / t['mpi 256K']:.2f}x"
           " (target <= 1.5)")
+    print(f"one none 256K / comm.Allreduce 256K: {t['one none 256K'] / t['mpi 256K']:.2f}x")
     print(f"64 single none 4K / group: {t['64 none 4K'] / t['group none 64x4K']:.1f}x")
     print(f"64 single 2bit 64K / group 2bit 64x64K: "
           f"{t['64 2bit 64K'] / t['group 2bit 64x64K']:.1f}x (target >= 5)")
+    print(f"group 2bit 64x64K / one 2bit 4M: {t['group 2bit 64x64K'] / t['one 2bit 4M']:.2f}x")

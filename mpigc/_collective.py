@@ -320,6 +320,7 @@ class _Op(PendingCall):
         return name, {"bytes": 0 if self.n is None else self.n * self.dtype.itemsize,
                       "dtype": str(self.dtype), "key": self.key, "ranks": self.size,
                       "blocking": self.blocking,
+                      "members": None if self.group is None else len(self.group.given),
                       "error": None if self.error is None else str(self.error)}
 
     def _my_turn(self):

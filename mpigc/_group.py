@@ -26,6 +26,7 @@ import zlib
 import numpy as np
 
 from . import _settings
+from . import _timeline
 from ._backend import part
 from ._errors import ConfigError, DTypeError, InvalidBufferError
 from .feedback import shard_bounds
@@ -205,6 +206,7 @@ class Group:
         """The fused buffer, the members copied in (owner-major, or one after
         another when ``concat``)."""
         self.layout = lay = _layout(self.sizes, world, concat)
+        t0 = _timeline.ON and _timeline.now()
         fused = self._take(be, lay.n, dtype)
         flats = self.flats
         if be.device:
@@ -215,18 +217,23 @@ class Group:
         else:
             for i, lo, hi, at in lay.pieces:
                 fused[at:at + hi - lo] = flats[i][lo:hi]
+        if t0:
+            _timeline.span("group: members in", t0)
         self.fused = fused
         return fused
 
     def scatter(self, be, v):
         """An allreduce's result ``v`` (the fused buffer's values) into the members."""
         flats = self.flats
+        t0 = _timeline.ON and _timeline.now()
         if be.device:
             for i, lo, hi, at in self.layout.pieces:
                 be.assign(part(flats[i], lo, hi), part(v, at, at + hi - lo))
-            return
-        for i, lo, hi, at in self.layout.pieces:
-            flats[i][lo:hi] = v[at:at + hi - lo]
+        else:
+            for i, lo, hi, at in self.layout.pieces:
+                flats[i][lo:hi] = v[at:at + hi - lo]
+        if t0:
+            _timeline.span("group: results out", t0)
 
     def shards(self, be, v, rank, convert):
         """A reduce-scatter's result: this rank's fused shard ``v`` cut into

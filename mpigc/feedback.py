@@ -31,6 +31,7 @@ from typing import NamedTuple
 import numpy as np
 
 from . import _dispatch
+from . import _timeline
 from ._errors import StateError
 from .compressors import get_compressor
 
@@ -579,6 +580,7 @@ class GroupTransaction:
         self.held, self.deferred, self.committed = True, False, False
         self.entry = None
         if any(e is not None for e in entries):
+            t0 = _timeline.ON and _timeline.now()
             f = self.entry = _Entry(n, dtype, world_size, rank, None, bool(device))
             f.calls = max(e.calls for e in entries if e is not None)
             f.worker = self._gather([None if e is None else e.worker for e in entries],
@@ -586,6 +588,8 @@ class GroupTransaction:
             if owner_pieces is not None:
                 f.owner = self._gather([None if e is None else e.owner for e in entries],
                                        owner_pieces, shard_n)
+            if t0:
+                _timeline.span("group: residuals in", t0)
 
     def _gather(self, arrays, pieces, n):
         """The members' ``arrays`` laid out by ``pieces`` in a new array of
@@ -641,6 +645,7 @@ class GroupTransaction:
     def _scatter(self):
         """The fused entry's residuals and call count into the members'."""
         f, (_, dtype, _, _, device) = self.entry, self._shape
+        t0 = _timeline.ON and _timeline.now()
         for arr, pieces, attr in ((f.worker, self.pieces, "worker"),
                                   (f.owner, self.owner_pieces, "owner")):
             if arr is None or pieces is None:
@@ -666,6 +671,8 @@ class GroupTransaction:
         for e in self.entries:
             e.calls = f.calls
         f.worker = f.owner = None
+        if t0:
+            _timeline.span("group: residuals out", t0)
 
     def end(self, defer=False):
         """The call is over, or will not go ahead: a committed call's

@@ -7,11 +7,15 @@ since each member's residuals have the shapes of a single call's; the others
 (1bit, terngrad) keep error feedback's invariant per member. Bad input on
 any member of any rank fails the whole group on every rank with nothing
 changed."""
+import json
+import os
+import tempfile
+
 import numpy as np
 import pytest
 
 import mpigc
-from conftest import assert_all, grads, raises_everywhere
+from conftest import assert_all, grads, on_root, raises_everywhere
 
 pytestmark = pytest.mark.mpi(min_size=1)
 
@@ -285,3 +289,20 @@ def test_grouped_reduce_scatter_rejects_recvcounts_and_out(comm, fb):
         feedback=fb))
     raises_everywhere(mpigc.ConfigError, lambda: mpigc.reduce_scatter(
         [np.ones(100, np.float32)], op="2bit", out=np.empty(100, np.float32), feedback=fb))
+
+
+@pytest.mark.mpi
+def test_group_copies_in_the_timeline(comm, fb):
+    d = on_root(lambda: tempfile.mkdtemp(prefix="mpigc-group-tl-"), comm)
+    mpigc.allreduce([grads(comm.rank, m) for m in SIZES], op="2bit", key="tl", feedback=fb)
+    mpigc.timeline.start(os.path.join(d, "t.json"))
+    mpigc.allreduce([grads(comm.rank, m) for m in SIZES], op="2bit", key="tl", feedback=fb)
+    with open(mpigc.timeline.stop()) as f:
+        events = json.load(f)["traceEvents"]
+    work = {e["name"] for e in events if e["ph"] == "X"}
+    calls = [e for e in events if e["ph"] == "b" and e["cat"] == "call"
+             and "members" in e.get("args", {})]
+    assert_all({"group: members in", "group: results out", "group: residuals in",
+                "group: residuals out"} <= work, sorted(work))
+    assert_all(len(calls) == 1 and calls[0]["args"]["members"] == len(SIZES)
+               and calls[0]["args"]["bytes"] == 4 * sum(SIZES), calls)

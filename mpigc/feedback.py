@@ -548,7 +548,7 @@ class Transaction:
             self.fb.release(self.key)
 
 
-class GroupTransaction:
+class GroupTransaction(Transaction):
     """One grouped call's use of its members' keys
     (:meth:`ErrorFeedback.begin_group`), with the interface of a
     :class:`Transaction`: the call reads and writes ``entry``, a fused entry
@@ -559,8 +559,7 @@ class GroupTransaction:
     :meth:`end` once the call committed, so a call that does not go ahead
     changes no member. Every key is held from the start to :meth:`end`."""
 
-    __slots__ = ("fb", "keys", "sizes", "entries", "entry", "scratch", "held", "deferred",
-                 "committed", "pieces", "owner_pieces", "_shape")
+    __slots__ = ("keys", "sizes", "entries", "committed", "pieces", "owner_pieces")
 
     def __init__(self, fb, keys, sizes, pieces, owner_pieces, shard_n, dtype, world_size,
                  rank, device):
@@ -573,6 +572,7 @@ class GroupTransaction:
                 fb.release(k)
             raise
         self.fb, self.keys, self.sizes, self.entries = fb, keys, sizes, entries
+        self.key = None  # its keys are self.keys
         self.pieces, self.owner_pieces = pieces, owner_pieces
         n = sum(sizes)
         self._shape = (n, np.dtype(dtype), world_size, rank, bool(device))
@@ -607,15 +607,8 @@ class GroupTransaction:
             out[at:at + hi - lo] = 0 if a is None else a[lo:hi]
         return out
 
-    def worker(self):
-        """The fused worker residual before the call (None: no member has one)."""
-        return None if self.entry is None else self.entry.worker
-
-    def take_scratch(self):
-        """The array the call writes its new fused worker residual to."""
-        n, dtype, _, _, device = self._shape
-        self.scratch = self.fb.take_spare(n, dtype, device)
-        return self.scratch
+    # worker(), take_scratch() and skipped() are the Transaction's, on the
+    # fused entry and the fused buffer's size
 
     def commit(self, config, keep_replaced=False):
         """The call goes ahead: every member's key gets an entry (made for a
@@ -637,10 +630,6 @@ class GroupTransaction:
                 self.fb.give_spare(old)
         self.committed = True
         return f
-
-    def skipped(self):
-        """The call was skipped on every rank (``nonfinite="skip"``)."""
-        self.fb.skipped_steps += 1
 
     def _scatter(self):
         """The fused entry's residuals and call count into the members'."""

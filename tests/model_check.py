@@ -15,7 +15,8 @@ A *scenario* (:func:`draw`) is a few calls, drawn from a seed as in
 2bit, 1bit, terngrad, fp16; sizes that take the plain fallback, the data in
 the agreement messages, after them, or pipelined; blocking or not; faults
 on one rank (another size, a dtype rejected before the size is read, a NaN
-under "raise" or "skip"); on three communicators; every fourth scenario
+under "raise" or "skip"); a quarter of the flat calls grouped (the buffer
+cut into 2 or 3 members: ``allreduce([...])``); on three communicators; every fourth scenario
 with the agreement rows by allgather (:func:`variant`), every fourth with
 small limits (:func:`limits`). Each rank runs the
 calls with ``test()`` polls of random pending requests (what the progress
@@ -55,8 +56,8 @@ from scenarios import call_input, draw_calls, outcome, state_bytes
 
 # the engine's modules with MPI or state of their own: one copy per rank
 ENGINE = ("_sched", "_comm", "_reducer", "_wire", "_settings", "_agree", "_flatagree",
-          "_collective", "_twophase", "_plainsum", "_hierarchy", "_hiercall", "allreduce",
-          "reduce_scatter")
+          "_collective", "_twophase", "_plainsum", "_group", "_hierarchy", "_hiercall",
+          "allreduce", "reduce_scatter")
 
 # the plain fallback, payloads in the agreement messages, after them, pipelined
 # (with the environment of :func:`environment`)
@@ -194,6 +195,12 @@ def draw(seed, size, hier=False):
         pick = np.random.default_rng([seed, 13])
         for c in calls:
             c["hier"] = bool(pick.random() < 0.5)
+    # grouped calls (flat only), drawn apart too
+    pick = np.random.default_rng([seed, 17])
+    for c in calls:
+        g = int(pick.integers(2, 4)) if pick.random() < 0.25 else 0
+        if g and not c.get("hier"):
+            c["group"] = g
     return calls
 
 

@@ -33,7 +33,8 @@ def draw_calls(rng, size, sizes, hier_ok=None, comms=None):
 def call_input(c, rank, step=0):
     """Rank ``rank``'s buffer for call spec ``c`` (its ``i``, ``n``,
     ``fault`` and ``culprit``): another size, a NaN, or a dtype rejected
-    before the size is read on the culprit rank."""
+    before the size is read on the culprit rank; a list of ``c["group"]``
+    arrays for a grouped call."""
     rng = np.random.default_rng([c["i"], rank, step])
     n = c["n"]
     if c["fault"] == "size" and rank == c["culprit"]:
@@ -42,14 +43,22 @@ def call_input(c, rank, step=0):
     if c["fault"].startswith("nan") and rank == c["culprit"]:
         x[n // 2] = np.nan
     if c["fault"] == "reject" and rank == c["culprit"]:
-        return x.astype(np.int32)  # DTypeError before its size is read
+        x = x.astype(np.int32)  # DTypeError before its size is read
+    if c.get("group"):
+        # a grouped call: the buffer cut into that many members (the fault
+        # lands in one of them)
+        return np.array_split(x, c["group"])
     return x
 
 
 def outcome(fn):
-    """``("ok", result bytes)`` or ``("error", the MpigcError's class name)``."""
+    """``("ok", result bytes)`` or ``("error", the MpigcError's class name)``;
+    a grouped call's results, one after the other."""
     try:
-        return ("ok", np.asarray(fn()).tobytes())
+        res = fn()
+        if isinstance(res, (list, tuple)):
+            return ("ok", b"".join(np.asarray(a).tobytes() for a in res))
+        return ("ok", np.asarray(res).tobytes())
     except MpigcError as e:
         return ("error", type(e).__name__)
 

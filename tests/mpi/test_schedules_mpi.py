@@ -3,7 +3,8 @@
 Each scenario is drawn from a seed, the same on every rank: a few calls
 (allreduce or reduce_scatter; none, 2bit, 1bit, terngrad, fp16; sizes that
 take the plain fallback, the two-phase path with data in the agreement
-messages, after it, or pipelined; flat or hierarchical; blocking or not) and
+messages, after it, or pipelined; flat or hierarchical; a quarter of the flat
+ones grouped, ``allreduce([...])`` of 2 or 3 members; blocking or not) and
 faults (a rank whose buffer has another size, or a dtype it rejects before it
 reads the size; a NaN under "raise" or "skip"), on four communicators
 (``COMM_WORLD``, two duplicates, and halves by rank parity), from one user
@@ -70,6 +71,13 @@ def _draw(seed, size, hier_ok, threads_ok):
         c["stream"] = int(where.integers(streams))
         pool = STREAM_COMMS[c["stream"]] if streams == 2 else STREAM_COMMS[0] + STREAM_COMMS[1]
         c["comm"] = str(where.choice(pool))
+    # a quarter of the flat calls grouped (2 or 3 members), drawn apart so
+    # that the rest of a seed's scenario stays what it was
+    grouped = np.random.default_rng([seed, 17])
+    for c in calls:
+        g = int(grouped.integers(2, 4)) if grouped.random() < 0.25 else 0
+        if g and not c["hier"]:
+            c["group"] = g
     return calls
 
 

@@ -115,8 +115,8 @@ class Group:
             self._arg_error = ConfigError("a grouped reduce_scatter takes no out=: it "
                                           "returns a new array per member")
         elif not flat:
-            self._arg_error = ConfigError("grouped calls are flat: hierarchy='node' (or "
-                                          "'auto' across nodes) takes one array per call")
+            self._arg_error = ConfigError("grouped calls are flat: hierarchy='node' takes "
+                                          "one array per call ('auto' reduces a group flat)")
         self._key_arg = key
 
     def adopt(self, cs):

@@ -40,9 +40,10 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
         lay = layout(comm)
         flat = not lay.hierarchical(hierarchy)
     if _group.is_group(buf):
-        # one flat call on the members' fused buffer (mpigc._group); a group
-        # that cannot be flat fails in that call, on every rank
-        group = _group.Group(kind, buf, key, recvcounts, out, flat)
+        # one flat call on the members' fused buffer (mpigc._group): "auto"
+        # reduces a group flat; "node" across nodes fails in that call, on
+        # every rank
+        group = _group.Group(kind, buf, key, recvcounts, out, flat or hierarchy == "auto")
         return _collective.start(kind, buf, op, params, comm=comm, key=None, average=average,
                                  gather=gather, feedback=feedback, nonfinite=nonfinite,
                                  blocking=blocking, group=group)

@@ -583,11 +583,15 @@ class GroupTransaction(Transaction):
             t0 = _timeline.ON and _timeline.now()
             f = self.entry = _Entry(n, dtype, world_size, rank, None, bool(device))
             f.calls = max(e.calls for e in entries if e is not None)
-            f.worker = self._gather([None if e is None else e.worker for e in entries],
-                                    pieces, n)
-            if owner_pieces is not None:
-                f.owner = self._gather([None if e is None else e.owner for e in entries],
-                                       owner_pieces, shard_n)
+            try:
+                f.worker = self._gather([None if e is None else e.worker for e in entries],
+                                        pieces, n)
+                if owner_pieces is not None:
+                    f.owner = self._gather([None if e is None else e.owner
+                                            for e in entries], owner_pieces, shard_n)
+            except BaseException:  # no memory for the fused residuals: nothing held
+                self.end()
+                raise
             if t0:
                 _timeline.span("group: residuals in", t0)
 

@@ -276,10 +276,16 @@ def test_key_of_a_member_in_use(comm, fb):
 
 
 @pytest.mark.mpi
-def test_group_with_hierarchy_node_fails_everywhere(comm, fb):
+def test_group_with_hierarchy_node_fails_everywhere(comm, fb, monkeypatch):
     raises_everywhere(mpigc.ConfigError, lambda: mpigc.allreduce(
         [np.ones(1000, np.float32)], op="2bit", hierarchy="node", feedback=fb),
         match="flat")
+    # "auto" reduces a group flat, also where it would take a single call
+    # across (emulated) nodes
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+    g = [np.ones(1000, np.float32), np.ones(7, np.float32)]
+    out = mpigc.allreduce(g, op="none", hierarchy="auto", feedback=fb)
+    assert_all(out is g and all(np.all(a == comm.size) for a in g))
 
 
 @pytest.mark.mpi

@@ -1,10 +1,12 @@
-# usage: mpirun -n 2 python benchmarks/grouped.py [ITERS]
+# usage: mpirun -n 2 python benchmarks/grouped.py [ITERS] [--device]
 # Grouped calls (issue 31): medians over the slowest rank of interleaved calls,
 #  - 64 arrays of 4 KiB, op="none": one grouped call, 64 single calls, one
 #    single call on a 256 KiB buffer, and one comm.Allreduce of 256 KiB;
 #  - 64 arrays of 64 KiB, op="2bit": one grouped call, 64 single calls, and one
 #    single call on a 4 MiB buffer.
-# Prints each time and the ratios the issue names.
+# Prints each time and the ratios the issue names. With --device the mpigc
+# calls take Numba CUDA device arrays (comm.Allreduce stays on host memory)
+# and each timed call ends with cuda.synchronize().
 import sys
 import time
 
@@ -14,8 +16,19 @@ from mpi4py import MPI
 import mpigc
 
 comm = MPI.COMM_WORLD
-ITERS = int(sys.argv[1]) if len(sys.argv) > 1 else 200
+args = [a for a in sys.argv[1:] if a != "--device"]
+DEVICE = "--device" in sys.argv[1:]
+ITERS = int(args[0]) if args else 200
 rng = np.random.default_rng(comm.rank)
+if DEVICE:
+    from numba import cuda
+    place, sync = cuda.to_device, cuda.synchronize
+else:
+    def place(a):
+        return a
+
+    def sync():
+        pass
 
 
 def timed(fns, n, warmup=5):
@@ -28,27 +41,31 @@ def timed(fns, n, warmup=5):
             comm.Barrier()
             t = time.perf_counter()
             fn()
+            sync()
             ts[name].append(time.perf_counter() - t)
     return {k: comm.allreduce(np.median(v) * 1e6, op=MPI.MAX) for k, v in ts.items()}
 
 
-small = [np.zeros(1024, np.float32) for _ in range(64)]
+small = [place(np.zeros(1024, np.float32)) for _ in range(64)]
 fused = np.zeros(64 * 1024, np.float32)
+fused_in = place(fused.copy())
 t = timed([("mpi 256K", lambda: comm.Allreduce(MPI.IN_PLACE, fused, op=MPI.SUM)),
            ("group none 64x4K", lambda: mpigc.allreduce(small, op="none")),
-           ("one none 256K", lambda: mpigc.allreduce(fused, op="none")),
+           ("one none 256K", lambda: mpigc.allreduce(fused_in, op="none")),
            ("64 none 4K", lambda: [mpigc.allreduce(a, op="none", key=f"s{i}")
                                    for i, a in enumerate(small)])], ITERS)
 big = [rng.standard_normal(16384).astype(np.float32) for _ in range(64)]
+one = place(np.concatenate(big))
+big = [place(a) for a in big]
 keys = [f"b{i}" for i in range(64)]
-one = np.concatenate(big)
 t.update(timed([("group 2bit 64x64K", lambda: mpigc.allreduce(big, op="2bit", key=keys)),
                 ("one 2bit 4M", lambda: mpigc.allreduce(one, op="2bit", key="one")),
                 ("64 2bit 64K", lambda: [mpigc.allreduce(a, op="2bit", key=f"c{i}")
                                          for i, a in enumerate(big)])],
                max(ITERS // 20, 5)))
 if comm.rank == 0:
-    print(f"{comm.size} ranks, medians (us) over the slowest rank")
+    print(f"{comm.size} ranks{', device arrays' if DEVICE else ''}, medians (us) over the"
+          " slowest rank")
     for k, v in t.items():
         print(f"  {k:20s} {v:10.1f}")
     print(f"group none 64x4K / comm.Allreduce 256K: {t['group none 64x4K'] / t['mpi 256K']:.2f}x"

@@ -9,7 +9,9 @@ averaging: three steps of ``allreduce`` and of ``reduce_scatter`` on device
 arrays give the results and residuals of the same calls on host arrays (the
 comparison of ``tests/mpi/test_gpu_path_mpi.py``, at GPU sizes); then
 hierarchical calls (``hierarchy="node"``, ``MPIGC_NODE_SPLIT=2``) of 2bit and
-1bit, blocking and nonblocking, the same way. Ranks agree
+1bit, blocking and nonblocking, the same way; and grouped calls
+(``allreduce([...])``, ``reduce_scatter([...])``) of every compressor on
+device members against host members. Ranks agree
 on pass/fail; rank 0 writes a JSON summary to JSON_FILE and prints
 ``ok e2e`` or every rank's failures.
 
@@ -31,10 +33,12 @@ import numpy as np  # noqa: E402
 from mpi4py import MPI  # noqa: E402
 
 import mpigc  # noqa: E402
-from test_gpu_path_mpi import OPS, Checks, _compare  # noqa: E402
+from test_gpu_path_mpi import OPS, Checks, _compare, _compare_grouped  # noqa: E402
 
 SIM = os.environ.get("MPIGC_GPU_SIM") == "1"
 N = 45 if SIM else (1 << 20) + 3
+# grouped calls: members of odd sizes, one of a single element
+GROUP = (3, 50, 1, 77) if SIM else (3, (1 << 16) + 5, 1, 300001, 4096)
 STEPS = 3
 
 
@@ -66,6 +70,12 @@ def main(path):
                     _compare(c, cuda, "allreduce", op, gather, dtype, N, STEPS, average=True)
                     cases += 1
                 _compare(c, cuda, "reduce_scatter", op, "compressed", dtype, N, STEPS)
+                cases += 1
+        # grouped calls: the members gathered into one fused device buffer and
+        # scattered back, results and each member's residuals as on the host
+        for op in OPS:
+            for dtype in (np.float32, np.float16):
+                _compare_grouped(c, cuda, op, dtype, sizes=GROUP)
                 cases += 1
         # hierarchical calls (emulated nodes of 2 ranks: 1x2 at 2 ranks, 2x2 at 4):
         # the intra-node steps staged through the host window, the inter-node

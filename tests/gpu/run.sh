@@ -12,7 +12,7 @@
 #      (MPIGC_CUDA_AWARE=0) and as the MPI library is probed: every op, then
 #      hierarchical 2bit and 1bit calls (MPIGC_NODE_SPLIT=2), results and
 #      residuals bit-identical to host calls;
-#   4. benchmarks/gpu_bench.py;
+#   4. benchmarks/gpu_bench.py, then benchmarks/grouped.py --device (2 ranks);
 #   5. a torch training step (benchmarks/bench_torch_step.py --device cuda, 2 ranks
 #      sharing the GPU): GradientSync with device buckets (none, 2bit, 1bit) vs the
 #      host-staged path (device_buckets=False) vs DDP over gloo; skipped (exit 0,
@@ -169,6 +169,19 @@ fi
 # 4. kernel throughput
 step bench "$LOGS/bench.json" "$PYTHON" "$ROOT/benchmarks/gpu_bench.py" --mb "$BENCH_MB" \
     --reps "$BENCH_REPS" --json "$LOGS/bench.json"
+
+# 4b. grouped calls on device arrays, 2 ranks sharing the GPU (staged): one
+# grouped call of 64 arrays against 64 single calls and one call on their
+# concatenation (benchmarks/grouped.py --device)
+# (skipped in the simulator: its 4 MiB of members take it minutes per call)
+if [ "$SIM" != 1 ] && [ -n "$MPIRUN" ]; then
+    step grouped - env MPIGC_CUDA_AWARE=0 "$MPIRUN" --oversubscribe "${MPI_ENV[@]}" -n 2 \
+        "$PYTHON" "$ROOT/benchmarks/grouped.py" 60 --device
+else
+    echo "skipped: the simulator, or no mpirun" >"$LOGS/grouped.log"
+    printf 'grouped\t0\t0\t%s\t-\n' "$LOGS/grouped.log" >>"$STEPS"
+    echo "== grouped: skipped (the simulator, or no mpirun)"
+fi
 
 # 5. a torch training step: device buckets vs host-staged vs DDP (gloo), 2 ranks
 if [ "$SIM" = 1 ]; then  # the simulator seam of device buckets, a tiny model

@@ -1493,6 +1493,56 @@ def convert(src, dst, *, cuda_stream=0):
 
 
 @cuda.jit(cache=_CACHE)
+def _group_copy_kernel(fused, member, ats, base, q, r, to_fused):
+    # element e of the member is in shard j of numpy.array_split(member, m)
+    # (the first r shards hold q + 1 elements, the others q), at
+    # fused[ats[base + j] + e - lo_j]
+    big = r * (q + 1)
+    qq = q if q > 0 else 1  # q == 0: every element is in the first r shards
+    for e in range(cuda.grid(1), member.size, cuda.gridsize(1)):
+        if e < big:
+            j = e // (q + 1)
+            lo = j * (q + 1)
+        else:
+            j = r + (e - big) // qq
+            lo = big + (j - r) * q
+        k = ats[base + j] + e - lo
+        if to_fused:
+            fused[k] = member[e]
+        else:
+            member[e] = fused[k]
+
+
+def group_copy(fused, members, ats, nshards, to_fused, *, cuda_stream=0):
+    """The members of a grouped call to (``to_fused``) or from their places
+    in the fused buffer, bit for bit, one launch per member: member i (None:
+    skipped) is cut as ``numpy.array_split`` cuts it into ``nshards``
+    shards, and its shard j's elements are at ``fused[ats[i * nshards +
+    j]:]``. One dtype on both sides. Asynchronous on ``cuda_stream``."""
+    fused = _dev(fused, "fused")
+    if len(ats) != len(members) * nshards:
+        raise ValueError(f"group_copy: expected {len(members) * nshards} offsets, got "
+                         f"{len(ats)}")
+    table = _index(ats)  # uploaded once per layout
+    dtype = fused.dtype
+    f16 = dtype == np.float16  # moved as bits, as every kernel here takes float16
+    if f16:
+        fused = fused.view(np.uint16)
+    flag = 1 if to_fused else 0
+    for i, member in enumerate(members):
+        if member is None or member.size == 0:
+            continue
+        member = _dev(member, "member")
+        if member.dtype != dtype:
+            raise TypeError(f"group_copy: expected {dtype} members, got {member.dtype}")
+        if f16:
+            member = member.view(np.uint16)
+        q, r = divmod(member.size, nshards)
+        _launch(_group_copy_kernel, _grid(member.size), cuda_stream, fused, member, table,
+                i * nshards, q, r, flag)
+
+
+@cuda.jit(cache=_CACHE)
 def _divide_kernel(a, d):
     for i in range(cuda.grid(1), a.size, cuda.gridsize(1)):
         a[i] = a[i] / d

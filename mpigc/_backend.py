@@ -200,6 +200,13 @@ class DeviceBackend:
     def divide(self, a, d):
         self.kernels.divide(a, d)
 
+    def place_members(self, fused, members, place, to_fused):
+        """A grouped call's ``members`` to (``to_fused``) or from their places
+        in ``fused``, ``place`` a placement of :class:`mpigc._group._Layout`:
+        one launch per member."""
+        _, ats, nshards = place
+        self.kernels.group_copy(fused, members, ats, nshards, to_fused)
+
     def fill_nan(self, a):
         if a.size:
             _cuda.copy(a, np.full(a.size, np.nan, a.dtype))

@@ -176,8 +176,8 @@ class _Op(PendingCall):
                 self.txn = fb.begin(self.key, n, self.wdtype, self.size, self.rank, dev)
             else:
                 lo, hi = self.bounds[self.rank]
-                self.txn = fb.begin_group(group.keys, group.sizes, group.layout.pieces,
-                                          group.owner_pieces(self.rank), hi - lo,
+                self.txn = fb.begin_group(group.keys, group.sizes, group.layout.place,
+                                          group.owner_place(self.rank), hi - lo,
                                           self.wdtype, self.size, self.rank, dev)
 
         if self.plain:

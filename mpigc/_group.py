@@ -41,36 +41,49 @@ def is_group(buf):
 
 class _Layout:
     """Where each member's elements go in the fused buffer of ``sizes`` on
-    ``world`` ranks. ``pieces``: ``(member, lo, hi, at)``, member elements
-    ``[lo, hi)`` at fused offset ``at``; ``counts``: the fused shard sizes;
-    ``owner[r]``: the pieces of rank r's fused shard as ``(member, 0, m, at)``
-    with ``at`` from the shard's start (the member's owner residual is its
-    shard r, whole)."""
+    ``world`` ranks, as a placement ``(pieces, ats, nshards)``: ``pieces``,
+    ``(member, lo, hi, at)``, member elements ``[lo, hi)`` at fused offset
+    ``at`` (the host copies them piece by piece); ``ats[i * nshards + j]``,
+    the fused offset of member i's shard j, the member cut into ``nshards``
+    shards as ``numpy.array_split`` cuts it (a device copies a whole member
+    in one launch: ``kernels.cuda.group_copy``).
 
-    __slots__ = ("pieces", "counts", "owner", "n", "sizes")
+    - owner-major: ``place`` (``nshards`` = ``world``); ``counts``, the
+      fused shard sizes; ``owner[r]``, the placement of the members' pieces
+      of rank r's fused shard, offsets from the shard's start, one shard
+      per member (a member's owner residual is its shard r, whole; a
+      member without a piece there has none, and offset 0);
+    - concatenated (a plain allreduce, which cuts the fused buffer as one
+      array): ``place`` with one shard per member; ``counts`` and
+      ``owner`` None."""
+
+    __slots__ = ("place", "counts", "owner", "n")
 
     def __init__(self, sizes, world, concat):
-        self.sizes = sizes
-        self.n = n = sum(sizes)
+        self.n = sum(sizes)
         if concat:
             at = np.concatenate([[0], np.cumsum(sizes)]).tolist()
-            self.pieces = [(i, 0, m, at[i]) for i, m in enumerate(sizes)]
-            self.counts = [hi - lo for lo, hi in shard_bounds(n, world)]
-            self.owner = None
+            self.place = ([(i, 0, m, at[i]) for i, m in enumerate(sizes)],
+                          tuple(at[:-1]), 1)
+            self.counts = self.owner = None
             return
         bounds = [shard_bounds(m, world) for m in sizes]
-        self.pieces, self.counts, self.owner = [], [], []
+        pieces, ats = [], [0] * (len(sizes) * world)
+        self.counts, self.owner = [], []
         at = 0
         for j in range(world):
-            start, own = at, []
+            start, own, own_ats = at, [], [0] * len(sizes)
             for i, b in enumerate(bounds):
                 lo, hi = b[j]
+                ats[i * world + j] = at
                 if hi > lo:
-                    self.pieces.append((i, lo, hi, at))
+                    pieces.append((i, lo, hi, at))
                     own.append((i, 0, hi - lo, at - start))
+                    own_ats[i] = at - start
                     at += hi - lo
             self.counts.append(at - start)
-            self.owner.append(own)
+            self.owner.append((own, tuple(own_ats), 1))
+        self.place = (pieces, tuple(ats), world)
 
 
 _layouts = {}
@@ -210,12 +223,11 @@ class Group:
         fused = self._take(be, lay.n, dtype)
         flats = self.flats
         if be.device:
-            for i, lo, hi, at in lay.pieces:
-                be.assign(part(fused, at, at + hi - lo), part(flats[i], lo, hi))
+            be.place_members(fused, flats, lay.place, True)
         elif concat:
             np.concatenate(flats, out=fused)
         else:
-            for i, lo, hi, at in lay.pieces:
+            for i, lo, hi, at in lay.place[0]:
                 fused[at:at + hi - lo] = flats[i][lo:hi]
         if t0:
             _timeline.span("group: members in", t0)
@@ -227,10 +239,9 @@ class Group:
         flats = self.flats
         t0 = _timeline.ON and _timeline.now()
         if be.device:
-            for i, lo, hi, at in self.layout.pieces:
-                be.assign(part(flats[i], lo, hi), part(v, at, at + hi - lo))
+            be.place_members(v, flats, self.layout.place, False)
         else:
-            for i, lo, hi, at in self.layout.pieces:
+            for i, lo, hi, at in self.layout.place[0]:
                 flats[i][lo:hi] = v[at:at + hi - lo]
         if t0:
             _timeline.span("group: results out", t0)
@@ -239,12 +250,13 @@ class Group:
         """A reduce-scatter's result: this rank's fused shard ``v`` cut into
         each member's shard (new arrays, by ``convert(piece)``)."""
         out = [None] * len(self.sizes)
-        for i, _, m, at in self.layout.owner[rank]:
+        for i, _, m, at in self.layout.owner[rank][0]:
             out[i] = convert(part(v, at, at + m))
         # a member smaller than the ranks has no element on some
         return [be.empty(0, v.dtype) if o is None else o for o in out]
 
-    def owner_pieces(self, rank):
+    def owner_place(self, rank):
+        """The placement of rank ``rank``'s fused shard (see :class:`_Layout`)."""
         lay = self.layout
         return None if lay.owner is None else lay.owner[rank]
 

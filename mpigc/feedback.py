@@ -358,12 +358,12 @@ class ErrorFeedback:
         and then nothing changed)."""
         return Transaction(self, key, n, dtype, world_size, rank, device)
 
-    def begin_group(self, keys, sizes, pieces, owner_pieces, shard_n, dtype, world_size,
+    def begin_group(self, keys, sizes, place, owner_place, shard_n, dtype, world_size,
                     rank, device=False):
         """For mpigc's own modules (grouped calls, :mod:`mpigc._group`): a
         :class:`GroupTransaction` holding every key of ``keys`` (raises
         StateError, and then nothing changed)."""
-        return GroupTransaction(self, keys, sizes, pieces, owner_pieces, shard_n, dtype,
+        return GroupTransaction(self, keys, sizes, place, owner_place, shard_n, dtype,
                                 world_size, rank, device)
 
     # -- a transaction of several calls, by reference --------------------------------
@@ -553,15 +553,18 @@ class GroupTransaction(Transaction):
     (:meth:`ErrorFeedback.begin_group`), with the interface of a
     :class:`Transaction`: the call reads and writes ``entry``, a fused entry
     of the whole fused buffer, as a single call does its key's. The members'
-    residuals are gathered into it at the start (``pieces``: member ``i``'s
-    elements ``[lo, hi)`` at fused offset ``at``; ``owner_pieces``: the same
-    for this rank's fused shard of ``shard_n`` values) and scattered back at
+    residuals are gathered into it at the start and scattered back at
     :meth:`end` once the call committed, so a call that does not go ahead
-    changes no member. Every key is held from the start to :meth:`end`."""
+    changes no member. Where: ``place``, a placement ``(pieces, ats,
+    nshards)`` of the fused buffer (``pieces``: member ``i``'s elements
+    ``[lo, hi)`` at fused offset ``at``; ``ats``: the same per member shard,
+    for one device launch per member; see :class:`mpigc._group._Layout`);
+    ``owner_place``: the same for this rank's fused shard of ``shard_n``
+    values. Every key is held from the start to :meth:`end`."""
 
-    __slots__ = ("keys", "sizes", "entries", "committed", "pieces", "owner_pieces")
+    __slots__ = ("keys", "sizes", "entries", "committed", "place", "owner_place")
 
-    def __init__(self, fb, keys, sizes, pieces, owner_pieces, shard_n, dtype, world_size,
+    def __init__(self, fb, keys, sizes, place, owner_place, shard_n, dtype, world_size,
                  rank, device):
         entries = []
         try:
@@ -573,7 +576,7 @@ class GroupTransaction(Transaction):
             raise
         self.fb, self.keys, self.sizes, self.entries = fb, keys, sizes, entries
         self.key = None  # its keys are self.keys
-        self.pieces, self.owner_pieces = pieces, owner_pieces
+        self.place, self.owner_place = place, owner_place
         n = sum(sizes)
         self._shape = (n, np.dtype(dtype), world_size, rank, bool(device))
         self.scratch = None
@@ -585,26 +588,29 @@ class GroupTransaction(Transaction):
             f.calls = max(e.calls for e in entries if e is not None)
             try:
                 f.worker = self._gather([None if e is None else e.worker for e in entries],
-                                        pieces, n)
-                if owner_pieces is not None:
+                                        place, n)
+                if owner_place is not None:
                     f.owner = self._gather([None if e is None else e.owner
-                                            for e in entries], owner_pieces, shard_n)
+                                            for e in entries], owner_place, shard_n)
             except BaseException:  # no memory for the fused residuals: nothing held
                 self.end()
                 raise
             if t0:
                 _timeline.span("group: residuals in", t0)
 
-    def _gather(self, arrays, pieces, n):
-        """The members' ``arrays`` laid out by ``pieces`` in a new array of
-        ``n`` values (zeros for a member without one); None if none has one."""
+    def _gather(self, arrays, place, n):
+        """The members' ``arrays`` laid out by placement ``place`` in a new
+        array of ``n`` values (zeros for a member without one); None if none
+        has one."""
         if all(a is None for a in arrays):
             return None
         _, dtype, _, _, device = self._shape
         out = self.fb.take_spare(n, dtype, device)
+        pieces, ats, nshards = place
         if device:
-            for i, lo, hi, at in pieces:
-                _put(out, at, arrays[i], lo, hi, dtype)
+            if any(a is None for a in arrays):
+                _put(out, 0, None, 0, n, dtype)  # zeros
+            _dispatch.kernels(out).group_copy(out, arrays, ats, nshards, True)
             return out
         for i, lo, hi, at in pieces:
             a = arrays[i]
@@ -639,10 +645,11 @@ class GroupTransaction(Transaction):
         """The fused entry's residuals and call count into the members'."""
         f, (_, dtype, _, _, device) = self.entry, self._shape
         t0 = _timeline.ON and _timeline.now()
-        for arr, pieces, attr in ((f.worker, self.pieces, "worker"),
-                                  (f.owner, self.owner_pieces, "owner")):
-            if arr is None or pieces is None:
+        for arr, place, attr in ((f.worker, self.place, "worker"),
+                                 (f.owner, self.owner_place, "owner")):
+            if arr is None or place is None:
                 continue
+            pieces, ats, nshards = place
             for i, lo, hi, at in pieces:
                 e = self.entries[i]
                 dst = getattr(e, attr)
@@ -650,10 +657,11 @@ class GroupTransaction(Transaction):
                 if dst is None or dst.size != m:
                     dst = self.fb.take_spare(m, dtype, device)
                     setattr(e, attr, dst)
-                if device:
-                    _put(dst, lo, arr[at:at + hi - lo], 0, hi - lo, dtype)
-                else:
+                if not device:
                     dst[lo:hi] = arr[at:at + hi - lo]
+            if device:  # one launch per member
+                _dispatch.kernels(arr).group_copy(
+                    arr, [getattr(e, attr) for e in self.entries], ats, nshards, False)
             if attr == "owner":
                 # a member smaller than the ranks owns no element here: an
                 # empty owner residual, as its single call leaves

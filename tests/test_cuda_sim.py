@@ -46,7 +46,8 @@ import background
 HERE = os.path.abspath(__file__)
 
 SIM_GROUPS = ["fp16_conversion", "bf16_conversion", "2bit", "2bit_rel", "1bit", "terngrad",
-              "fp16", "bf16", "stats", "count_nonfinite", "guards", "shards", "warp",
+              "fp16", "bf16", "stats", "count_nonfinite", "group_copy", "guards", "shards",
+              "warp",
               "gpu_semantics", "stats_order"]
 
 _SKIP = 77  # exit code of a script that cannot run here (e.g. no NVVM)
@@ -686,6 +687,47 @@ def check_count_nonfinite():
                 assert got == want, (dtype, n, got, want)
 
 
+def check_group_copy():
+    """kc.group_copy places each member of a group where numpy.array_split
+    puts its shards (owner-major, as mpigc._group lays a fused buffer out),
+    and back, bit for bit (NaN payloads and float16 included); None and
+    empty members are skipped."""
+    np, cuda, cpu, kc = _ctx()
+    rng = np.random.default_rng(5)
+    for dt in ("float16", "float32", "float64"):
+        for world in (1, 2, 3, 5):
+            sizes = [int(s) for s in rng.integers(1, 40, 4)] + [2, 1]
+            mem = [rng.standard_normal(m).astype(dt) for m in sizes]
+            # a NaN with a payload and its sign bit set
+            bits = mem[0].view({"float16": "u2", "float32": "u4", "float64": "u8"}[dt])
+            bits[0] = {"float16": 0xFE01, "float32": 0xFFC00123,
+                       "float64": 0xFFF8000000000123}[dt]
+            ats, want, at = [0] * (len(sizes) * world), [], 0
+            for j in range(world):
+                for i, m in enumerate(mem):
+                    piece = np.array_split(m, world)[j]
+                    ats[i * world + j] = at
+                    want.append(piece)
+                    at += piece.size
+            want = np.concatenate(want)
+            fused = cuda.to_device(np.zeros(at, dt))
+            dmem = [cuda.to_device(m) for m in mem] + [None]
+            kc.group_copy(fused, dmem, tuple(ats) + (0,) * world, world, True)
+            got = fused.copy_to_host()
+            assert got.tobytes() == want.tobytes(), (dt, world)
+            back = [cuda.to_device(np.zeros(m, dt)) for m in sizes] + [None]
+            kc.group_copy(fused, back, tuple(ats) + (0,) * world, world, False)
+            for m, b in zip(mem, back):
+                assert b.copy_to_host().tobytes() == m.tobytes(), (dt, world)
+    try:
+        kc.group_copy(cuda.to_device(np.zeros(4, "f4")), [cuda.to_device(np.zeros(4, "f8"))],
+                      (0,), 1, True)
+    except TypeError as e:
+        assert "one dtype" in str(e) or "members" in str(e)
+    else:
+        raise AssertionError("group_copy took members of another dtype")
+
+
 def check_guards():
     np, cuda, cpu, kc = _ctx()
     try:
@@ -1077,6 +1119,13 @@ def _kernel_launches(np, cuda, kc):
             h16 = cuda.to_device(np.zeros(2 * n + 4, np.uint8))
             kc.unpack_fp16_shards(h16, 2, 1, (0, n), (0,), x, acc)
             kc.unpack_bf16_shards(h16, 2, 1, (0, n), (0,), x, acc)
+    # a grouped call's members to and from the fused buffer (2 members in 2
+    # shards: 3 and 1 values), every dtype
+    for dt in (np.float16, np.float32, np.float64):
+        f = cuda.to_device(np.zeros(4, dt))
+        mem = [cuda.to_device(np.ones(3, dt)), None, cuda.to_device(np.ones(1, dt))]
+        for to_fused in (True, False):
+            kc.group_copy(f, mem, (0, 3, 0, 0, 2, 4), 2, to_fused)
     for src in (np.float16, np.float32, np.float64):
         for dst in (np.float16, np.float32, np.float64):
             if (src == np.float16 and dst == np.float64) or (

@@ -2,8 +2,10 @@
 # per iteration. Default: op="none" (and the 2bit plain fallback at 4 KiB) against comm.Allreduce
 # at 4 KiB, 64 KiB and 1 MiB, medians and minima over the slowest rank. "compressed": the medians
 # on rank 0 of 2bit, 1bit, terngrad and nonblocking 2bit at 16 KiB, 256 KiB and 4 MiB (ITERS
-# calls each, ITERS / 20 at 4 MiB). "old" imports the mpigc package found in $MPIGC_OLD_TREE (a
-# directory holding an mpigc/ package, its kernels/ copied in) instead of the installed one.
+# calls each, ITERS / 20 at 4 MiB). "new" also times op="none" with the short path of small
+# calls off (none-engine: $MPIGC_SHORT_PATH=0). "old" imports the mpigc package found in
+# $MPIGC_OLD_TREE (a directory holding an mpigc/ package, its kernels/ copied in) instead of
+# the installed one.
 import os
 import sys
 if sys.argv[1] == "old":
@@ -48,10 +50,27 @@ if compressed:
                   flush=True)
     sys.exit(0)
 
+
+def engine_path(fn):
+    """``fn`` with the short path of small calls off ($MPIGC_SHORT_PATH=0,
+    read at each call; setting and removing the variable is part of the
+    time, a microsecond or two)."""
+    def g():
+        os.environ["MPIGC_SHORT_PATH"] = "0"
+        try:
+            fn()
+        finally:
+            del os.environ["MPIGC_SHORT_PATH"]
+    return g
+
+
 for size in (4096, 65536, 1 << 20):
     buf = np.zeros(size // 4, np.float32)
     fns = [("mpi", lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)),
            ("none", lambda: mpigc.allreduce(buf, op="none", key="k"))]
+    if sys.argv[1] == "new":  # the same calls on the engine's path (no short path)
+        fns.append(("none-engine", engine_path(lambda: mpigc.allreduce(buf, op="none",
+                                                                       key="k"))))
     if size == 4096:  # below the default cutoff (8192 bytes): the plain fallback
         fns.append(("2bit", lambda: mpigc.allreduce(buf, op="2bit", key="k2")))
     ts = timed(fns, N, 20)

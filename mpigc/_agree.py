@@ -125,9 +125,11 @@ class Rows:
         return buf
 
     def read(self):
-        """Every source's message is in: its row into the table."""
+        """Every source's message is in: its row into the table (and no
+        source is left to receive from)."""
         for j in self.sources:
             self.table[j] = self.data[j][:_HDR].view(np.int64)
+        self.sources = ()
 
     def payload(self, j):
         """The data that came after source ``j``'s row."""

@@ -56,6 +56,7 @@ from . import _plan
 from . import _plainsum
 from . import _sched
 from . import _settings
+from . import _shortcall
 from . import _trace
 from . import _twophase
 from . import _wire
@@ -77,7 +78,7 @@ class _Op(PendingCall):
 
     def __init__(self, kind, buf, op, params, cs, key, average, gather, feedback,
                  nonfinite, recvcounts, out, blocking, fill=None, keep_replaced=False,
-                 group=None):
+                 group=None, pre=None):
         self.kind = kind  # "allreduce" or "reduce_scatter"
         # a grouped call's members (mpigc._group.Group): the call reduces
         # their fused buffer, and its results go back to them
@@ -94,8 +95,11 @@ class _Op(PendingCall):
         self.cs = cs  # the communicator's CommState (start() resolved it)
         self.trace = _trace.CallTrace()  # what Request.trace shows
         self.size, self.rank = self.cs.size, self.cs.rank
-        self.seq = self.cs.seq
-        self.tags = self.cs.next_tags()
+        if pre is None:
+            self.seq = self.cs.seq
+            self.tags = self.cs.next_tags()
+        else:  # the short path exchanged the rows (mpigc._shortcall.Handover)
+            self.seq, self.tags = pre.seq, pre.tags
         self.state = "agree"
         self.result = None
         self.txn = None  # the residual transaction (mpigc.feedback.Transaction)
@@ -120,7 +124,10 @@ class _Op(PendingCall):
             row[_CODE] = code_of(exc)
             self.abandon()
         self.row = row
-        _flatagree.start_rows(self)
+        if pre is None:
+            _flatagree.start_rows(self)
+        else:
+            self.rows, self.table, self.sendreqs = pre.rows, pre.rows.table, pre.sendreqs
         self.steps = self._steps()
         _sched.enqueue(self)
 
@@ -397,8 +404,15 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
         _sched.finish_pending()
     cs = _comm.resolve(comm)
     with _sched.lock:
+        pre = None
+        if (blocking and kind == "allreduce" and group is None and fill is None
+                and recvcounts is None and out is None and not keep_replaced):
+            # a repeated small call may run straight through (mpigc._shortcall)
+            pre = _shortcall.run(buf, op, params, cs, key, average, gather, nonfinite)
+            if isinstance(pre, _shortcall.Done):
+                return pre
         o = _Op(kind, buf, op, params, cs, key, average, gather, feedback, nonfinite,
-                recvcounts, out, blocking, fill, keep_replaced, group)
+                recvcounts, out, blocking, fill, keep_replaced, group, pre)
     if not blocking and o.state != "done":
         _sched.wake()
     return o

@@ -102,6 +102,24 @@ def idle():
     return not _pending
 
 
+def alone():
+    """Whether a blocking call may run straight through now, blocking in MPI
+    under :data:`lock` without the queue (:mod:`mpigc._shortcall`): no call
+    is pending, so none can wait for this thread, and one user thread calls
+    mpigc (under :data:`lock`)."""
+    return not _pending and not _several
+
+
+_STRAIGHT = types.SimpleNamespace(polite=False)  # a call that runs straight through
+
+
+def wait_alone(effect):
+    """Wait for ``effect`` now, blocking in MPI, for a call that runs
+    straight through (:func:`alone` said it may); returns what a step would
+    receive."""
+    return effect.ready(_STRAIGHT, True)[1]
+
+
 def at(i):
     """The ``i``-th pending call in start order, or None."""
     return _pending[i] if i < len(_pending) else None

@@ -11,7 +11,7 @@ from ._errors import ConfigError
 
 __all__ = ["traffic", "reset_traffic", "add_traffic", "counters", "count", "read_limits", "getenv", "env_int", "bytes_msg", "post"]
 
-_counters = {"pipelined_calls": 0, "typed_messages": 0}
+_counters = {"pipelined_calls": 0, "typed_messages": 0, "short_calls": 0}
 _traffic = {"calls": 0, "bytes_sent": 0, "logical_bytes": 0}
 
 
@@ -46,7 +46,9 @@ def counters():
     pipeline starts (a call that then fails or is skipped is counted too);
     ``typed_messages``, point-to-point messages larger than
     ``$MPIGC_MAX_COUNT`` bytes, each sent or received as one element of a
-    derived datatype. Both count the inter-node calls of hierarchical calls."""
+    derived datatype. Both count the inter-node calls of hierarchical calls.
+    ``short_calls``: calls that ran on the short path of a small repeated
+    call (:mod:`mpigc._shortcall`)."""
     return dict(_counters)
 
 

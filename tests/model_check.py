@@ -56,8 +56,8 @@ from scenarios import call_input, draw_calls, outcome, state_bytes
 
 # the engine's modules with MPI or state of their own: one copy per rank
 ENGINE = ("_sched", "_comm", "_reducer", "_wire", "_settings", "_agree", "_flatagree",
-          "_collective", "_twophase", "_plainsum", "_group", "_hierarchy", "_hiercall",
-          "allreduce", "reduce_scatter")
+          "_shortcall", "_collective", "_twophase", "_plainsum", "_group", "_hierarchy",
+          "_hiercall", "allreduce", "reduce_scatter")
 
 # the plain fallback, payloads in the agreement messages, after them, pipelined
 # (with the environment of :func:`environment`)
@@ -211,7 +211,8 @@ def hierarchical():
     return _setenv({"MPIGC_NODE_SPLIT": "2"})
 
 
-def _program(eng, calls, world_ctx, rng, blocking_only, early=None, second=None):
+def _program(eng, calls, world_ctx, rng, blocking_only, early=None, second=None,
+             early_blocking=False):
     """Rank ``fakempi.rank()``'s user program: its communicators, then the
     calls; returns the outcomes and the residuals. ``early``: a generator
     that draws, before each call, which pending requests this rank waits for
@@ -219,7 +220,8 @@ def _program(eng, calls, world_ctx, rng, blocking_only, early=None, second=None)
     orders); None: every wait after the last call. ``second``: the
     generators ``(rng, early)`` of a second user thread, which makes the
     calls on communicator ``"a"`` (made by the first thread, as
-    docs/engine.md asks) while the first makes the others."""
+    docs/engine.md asks) while the first makes the others. ``early_blocking``:
+    the early waits are drawn before blocking calls too."""
     def run():
         r = fakempi.rank()
         world = fakempi.world_comm(world_ctx)
@@ -244,15 +246,20 @@ def _program(eng, calls, world_ctx, rng, blocking_only, early=None, second=None)
                         except MpigcError:
                             pass  # raised again by wait() below
 
-            for c in mine:
-                x = call_input(c, r)
-                if blocking_only or c["blocking"]:
-                    outs[c["i"]] = outcome(lambda c=c, x=x: start(c, x, True))
-                    continue
-                polls()
+            def waits_first():
                 for i in [i for i in sorted(pending)
                           if early is not None and early.random() < 0.25]:
                     outs[i] = outcome(pending.pop(i).wait)
+
+            for c in mine:
+                x = call_input(c, r)
+                if blocking_only or c["blocking"]:
+                    if early_blocking and not blocking_only:
+                        waits_first()
+                    outs[c["i"]] = outcome(lambda c=c, x=x: start(c, x, True))
+                    continue
+                polls()
+                waits_first()
                 try:
                     pending[c["i"]] = start(c, x, False)
                 except MpigcError as e:  # raised at the start: on every rank
@@ -283,12 +290,14 @@ THREADS = (None, "progress", "two")
 
 
 def run(calls, size, seed, blocking_only=False, plants=(), max_steps=200_000,
-        choices=None, world=None, threads=None):
+        choices=None, world=None, threads=None, early_waits=False):
     """Run ``calls`` on ``size`` simulated ranks under the interleaving of
     ``seed`` (every rank's engine with ``plants``; ``choices``: a systematic
     run, see :class:`fakempi.World`; ``threads``: one of :data:`THREADS`);
     the ranks' ``(outcomes, residuals)``, or RunFailed. ``world``: a list
-    that receives the World."""
+    that receives the World. ``early_waits``: each rank draws waits for its
+    pending requests before any call, blocking ones included (as hierarchical
+    scenarios do before nonblocking ones)."""
     assert threads in THREADS
     w = fakempi.World(size, seed, max_steps=max_steps, choices=choices,
                       thread_level=fakempi.THREAD_SERIALIZED if threads is None
@@ -300,10 +309,12 @@ def run(calls, size, seed, blocking_only=False, plants=(), max_steps=200_000,
     hier = any(c.get("hier") for c in calls)  # hierarchical scenarios wait early too
     programs = [_program(engines[r], calls, ctx, np.random.default_rng([seed, r, 3]),
                          blocking_only,
-                         np.random.default_rng([seed, r, 5]) if hier else None,
+                         np.random.default_rng([seed, r, 5]) if hier or early_waits
+                         else None,
                          (np.random.default_rng([seed, r, 9]),
                           np.random.default_rng([seed, r, 11]) if hier else None)
-                         if threads == "two" and not blocking_only else None)
+                         if threads == "two" and not blocking_only else None,
+                         early_waits)
                 for r in range(size)]
     try:
         return w.run(programs, timeout=30)
@@ -313,7 +324,13 @@ def run(calls, size, seed, blocking_only=False, plants=(), max_steps=200_000,
         raise
     finally:
         for eng in engines:
+            SHORT_CALLS[0] += eng.mods["_wire"].counters()["short_calls"]
             forget(eng)
+
+
+# the calls that took the short path of small calls (mpigc._shortcall) in every
+# run so far: the searches must reach it
+SHORT_CALLS = [0]
 
 
 def queue(eng):
@@ -346,19 +363,21 @@ def limits(seed):
     return _setenv(SMALL_LIMITS if seed % 4 == 1 else {})
 
 
-def check(seed, size, schedules=1, plant=None, scenario=None, hier=False, threads=None):
+def check(seed, size, schedules=1, plant=None, scenario=None, hier=False, threads=None,
+          early_waits=False):
     """Scenario ``seed`` on ``size`` ranks: the reference (blocking, in
     order), then ``schedules`` interleavings of the calls as drawn, with
     ``plant`` (a :data:`PLANTS` name) in every rank's engine; returns a list
     of differences (empty when every run ended as the reference). Raises
     RunFailed on a hang or a mismatched collective. ``hier``: the scenario
-    of :func:`draw` with hierarchical calls."""
+    of :func:`draw` with hierarchical calls; ``early_waits``: see :func:`run`."""
     calls = draw(seed, size, hier) if scenario is None else scenario
     v = variant(seed)
     with limits(seed), (hierarchical() if hier else contextlib.nullcontext()):
         ref = run(calls, size, seed=[seed, 0], blocking_only=True, plants=v)
         runs = [run(calls, size, seed=[seed, 1 + k],
-                    plants=v + (() if plant is None else (plant,)), threads=threads)
+                    plants=v + (() if plant is None else (plant,)), threads=threads,
+                    early_waits=early_waits)
                 for k in range(schedules)]
     diffs = []
     for k, got in enumerate(runs):
@@ -489,6 +508,15 @@ def _plant_sum_handed_over_in_process_order(mods):
                                     and sched.at(0) is self.call)
 
 
+def _plant_short_path_not_alone(mods):
+    """Not historical (the short path is new): a blocking small call runs
+    straight through while earlier calls are pending, blocking in MPI under
+    the lock, so none of them advances while it waits (mpigc._shortcall
+    requires _sched.alone()). Only 2-rank runs take the short path."""
+    s = mods["_sched"]
+    s.alone = lambda: not s.several_threads()
+
+
 def _allgather_rows(mods):
     """Not a fault: the agreement rows travel by one allgather, as they do
     beyond 16 ranks (``P2P_MAX_RANKS``)."""
@@ -505,4 +533,5 @@ PLANTS = {
     "sum-in-a-step": _plant_sum_in_a_step,
     "waits-block-with-two-threads": _plant_waits_block_with_two_threads,
     "sum-handed-over-in-process-order": _plant_sum_handed_over_in_process_order,
+    "short-path-not-alone": _plant_short_path_not_alone,
 }

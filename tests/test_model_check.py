@@ -337,3 +337,32 @@ def test_one_preemption_replays():
     a = mc.run(calls, size, seed=0, choices=[0, 0, 1])
     b = mc.run(calls, size, seed=0, choices=[0, 0, 1])
     assert a == b
+
+
+# nonblocking calls with blocking small sums between them, on 2 ranks, whose
+# ranks wait for their requests at different points (early_waits)
+SHORT_SUMS = [_call(0, op="2bit", n=12001), _call(1, op="1bit"),
+              dict(_call(2, n=100), blocking=True), _call(3, op="2bit", n=60000),
+              dict(_call(4, n=100, comm="half"), blocking=True)]
+
+
+def test_the_search_reaches_the_short_path():
+    """2-rank runs take the short path of small calls (mpigc._shortcall)
+    wherever a rank is alone, and end as blocking calls in order; taken
+    while calls are pending (the plant "short-path-not-alone", not a
+    historical cause: the path is new), a rank blocks in it while its peer
+    waits for one of those calls, and the search finds the deadlock."""
+    before = mc.SHORT_CALLS[0]
+    for seed in range(20):
+        assert not mc.check(seed, 2, schedules=2, scenario=SHORT_SUMS, early_waits=True)
+        assert not mc.check(seed, 2)
+    assert mc.SHORT_CALLS[0] > before, "no run took the short path"
+    for seed in range(100):
+        try:
+            diffs = mc.check(seed, 2, schedules=2, plant="short-path-not-alone",
+                             scenario=SHORT_SUMS, early_waits=True)
+        except fakempi.RunFailed as e:
+            print(f"short-path-not-alone: seed {seed}: {e.kind}")
+            return
+        assert not diffs, diffs
+    pytest.fail("short-path-not-alone: not found in 100 scenarios")

@@ -306,3 +306,30 @@ def test_the_two_phases_plan(kind, gather, fmt, kw, size):
         assert base == np.cumsum([0] + [size * row[r] for row in pip.psz])[:-1].tolist()
         # the pieces' payloads round per piece: a few bytes more than unpipelined
         assert 0 <= pip.bytes_sent(r) - one.bytes_sent(r) <= 16 * len(cuts) * size
+
+
+def test_verdict_is_the_same_for_small_and_large_tables():
+    """The verdict's quick check runs in Python up to 16 rows and in numpy
+    beyond: random tables of 1 to 40 rows (one column of one row changed, or
+    none) get the verdict of the rule written out here, on every rank."""
+    rng = np.random.default_rng(3)
+    cols = [P.CODE, P.NBAD, P.RANGE, P.N, P.DTYPE, P.FP, P.CHUNK, P.SCALE, P.INLINE]
+    for _ in range(400):
+        size = int(rng.integers(1, 41))
+        t = table(*[same() for _ in range(size)])
+        if rng.random() < 0.8:
+            t[int(rng.integers(size)), cols[int(rng.integers(len(cols)))]] = \
+                int(rng.choice([1, 4, 9]))
+        for nonfinite in ("raise", "skip", "ignore"):
+            for rank in range(size):
+                got = P.verdict(t, rank, nonfinite)
+                complete = [r for r in range(size) if t[r, P.CODE] in (0, 4)]
+                if any(len({int(t[r, c]) for r in complete}) > 1
+                       for c in (P.N, P.DTYPE, P.FP, P.CHUNK)):
+                    assert got.kind == "mismatch", (t, got)
+                elif t[:, P.CODE].any():
+                    assert got.kind == "failed", (t, got)
+                elif (t[:, P.NBAD].any() or t[:, P.RANGE].any()) and nonfinite != "ignore":
+                    assert got.kind == ("nonfinite" if nonfinite == "raise" else "skip")
+                else:
+                    assert got is P.GO, (t, got)

@@ -1,0 +1,123 @@
+"""The short path of a repeated small call (issue 31): a blocking flat
+``allreduce`` of a host numpy array (float32 or float64) on 2 ranks whose
+settings make it a plain sum (``op="none"``, or a compressed op below
+``$MPIGC_MIN_COMPRESS_BYTES``) with the values in the agreement message
+(rows point to point, up to ``$MPIGC_INLINE_PLAIN_BYTES``), made while the
+scheduler lets a call run straight through (:func:`mpigc._sched.alone`: no
+call pending, one user thread).
+
+It does what the engine does for such a call (:mod:`mpigc._collective`,
+:mod:`mpigc._flatagree`, :mod:`mpigc._plainsum`), in a straight line and
+without the general call's objects: the same agreement message
+(:class:`mpigc._agree.Rows`: the row, then the values) on the same tag, and
+the peer's received the same way, so that a peer on the engine's path
+matches it; each rank then adds its peer's values (a + b is b + a: the
+bits of ``MPI_Allreduce`` on 2 ranks). The settings are validated once per
+call signature (:func:`mpigc._settings.settings_for`'s cache). Anything but
+a "go" verdict (another size, dtype or settings on the peer, a peer that
+failed, non-finite values) is handed to the engine with the rows exchanged
+(:class:`Handover`), which raises or skips on every rank as it would have.
+A call the short path does not take (any other case, a setting that fails
+to validate, a timeline being recorded, ``$MPIGC_SHORT_PATH=0``) has sent
+nothing and takes the engine's path. ``short_calls`` of
+:func:`mpigc.diagnostics.counters` counts the calls it completed."""
+import numpy as np
+from mpi4py import MPI
+
+from . import _agree
+from . import _plan
+from . import _sched
+from . import _settings
+from . import _timeline
+from . import _trace
+from . import _wire
+from .compressors import NoCompression
+from .kernels import cpu as _cpu
+
+__all__ = ["run", "Done", "Handover"]
+
+_N, _DTYPE, _FP, _NBAD = _plan.N, _plan.DTYPE, _plan.FP, _plan.NBAD
+# native float32 and float64, by dtype.str (a str key: cheaper than a dtype's hash)
+_DTYPES = {np.dtype(t).str: _plan.DTYPE_CODE[np.dtype(t)] for t in (np.float32, np.float64)}
+_NONE = NoCompression()
+
+
+class Done:
+    """A call the short path completed, as :class:`mpigc._sched.Request`
+    sees an engine call that is done."""
+    __slots__ = ("result", "trace")
+    state = "done"
+    error = None
+
+    def __init__(self, result, trace):
+        self.result, self.trace = result, trace
+
+    def done_or_failed(self):
+        return True
+
+    def settle(self):
+        pass
+
+    def finished(self):
+        return True
+
+
+class Handover:
+    """A call whose rows the short path exchanged and whose verdict is not
+    "go": the engine call made of it (``_Op(..., pre=handover)``) takes its
+    tags, rows and sends instead of starting its own."""
+    __slots__ = ("seq", "tags", "rows", "sendreqs")
+
+    def __init__(self, seq, tags, rows, sendreqs):
+        self.seq, self.tags, self.rows, self.sendreqs = seq, tags, rows, sendreqs
+
+
+def run(buf, op, params, cs, key, average, gather, nonfinite):
+    """Under the engine lock: the call completed (:class:`Done`), handed over
+    (:class:`Handover`), or None (not taken: nothing sent)."""
+    if (type(buf) is not np.ndarray or cs.size != 2 or _timeline.ON
+            or _wire.getenv("MPIGC_SHORT_PATH") == "0"):
+        return None
+    code = _DTYPES.get(buf.dtype.str)
+    flags = buf.flags
+    if code is None or not (flags.c_contiguous and flags.writeable) or buf.size == 0:
+        return None
+    n, nbytes = buf.size, buf.nbytes
+    try:
+        _wire.read_limits()
+        hit = _settings.settings_for("allreduce", buf.dtype, 2, op, params, key, average,
+                                     gather, nonfinite, n, None)
+    except Exception:  # noqa: BLE001 - the engine reports it on every rank
+        return None
+    # hit[6]: a plain sum; its values travel with the row only point to point
+    if (not hit[6] or nbytes > _wire.INLINE_PLAIN_MAX or _agree.P2P_MAX_RANKS < 2
+            or not _sched.alone()):
+        return None
+    average, nonfinite, fp = hit[1], hit[3], hit[8]
+    rank, comm = cs.rank, cs.comm
+    peer = 1 - rank
+    seq = cs.seq
+    tags = cs.next_tags()
+    flat = buf.reshape(n)
+    row = _plan.new_row()
+    row[_N], row[_DTYPE], row[_FP] = n, code, fp
+    if nonfinite != "ignore":
+        row[_NBAD] = _cpu.count_nonfinite(flat)
+    sendreqs = []
+    rows = _agree.Rows(comm, rank, 2, tags[2], row, {peer: flat.view(np.uint8)}, nbytes,
+                       sendreqs)
+    msg, count = _sched.wait_alone(_sched.Probe(comm, peer, tags[2]))
+    _sched.wait_alone(_sched.All([msg.Irecv([rows.slot(peer, count), count, MPI.BYTE])]))
+    rows.read()
+    trace = _trace.CallTrace()
+    trace.agreed()
+    if _plan.verdict(rows.table, rank, nonfinite) is not _plan.GO:
+        return Handover(seq, tags, rows, sendreqs)
+    trace.went("plain", True)
+    _NONE.decode_into(rows.payload(peer), flat, True)
+    if average:
+        np.divide(flat, 2, out=flat)
+    _wire.add_traffic(nbytes, nbytes)
+    rows.release(sendreqs)
+    _wire.count("short_calls")
+    return Done(buf, trace)

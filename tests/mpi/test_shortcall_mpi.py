@@ -1,0 +1,172 @@
+"""The short path of a repeated small call (mpigc._shortcall): a blocking
+flat allreduce of a host float32/float64 array on 2 ranks that is a plain sum
+with its values in the agreement message, made while no call is pending.
+
+It must be invisible but for its speed: the bits of ``comm.Allreduce``, the
+trace and traffic of the engine's path, the same agreement messages (so a
+rank on the short path meets a peer on the engine's path, in both roles:
+``$MPIGC_SHORT_PATH=0`` on one rank), and every error raised on every rank
+with nothing changed, whichever path each rank took. ``short_calls`` in
+:func:`mpigc.diagnostics.counters` says that the path was taken.
+
+Once a second thread has called mpigc the process never takes the short path
+(:func:`mpigc.diagnostics.several_threads`; in the whole MPI suite, earlier
+files do): these tests then check that it is not taken, and
+``tests/test_shortcall.py`` runs this file alone under ``mpirun -n 2``, where
+it is (``$MPIGC_TEST_EXPECT_SHORT=1`` makes sure of that)."""
+import os
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpigc
+from mpigc import diagnostics
+from conftest import assert_all, grads, raises_everywhere
+
+pytestmark = pytest.mark.mpi(min_size=2)
+
+
+@pytest.fixture
+def two(comm):
+    if comm.size != 2:
+        pytest.skip("the short path is for 2 ranks")
+    return comm
+
+
+def _short_calls():
+    return diagnostics.counters()["short_calls"]
+
+
+def _alone():
+    """Whether this process may take the short path at all (see above)."""
+    several = diagnostics.several_threads()
+    assert not (several and os.environ.get("MPIGC_TEST_EXPECT_SHORT") == "1"), \
+        "a second thread called mpigc: the short path is not tested"
+    return not several
+
+
+@pytest.fixture(params=["both", "rank 0", "rank 1", "neither"])
+def paths(request, two, monkeypatch):
+    """Which ranks may take the short path (``$MPIGC_SHORT_PATH=0`` on the
+    others); returns whether this rank may."""
+    mine = request.param in ("both", f"rank {two.rank}") and _alone()
+    if not mine:
+        monkeypatch.setenv("MPIGC_SHORT_PATH", "0")
+    return mine
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("op", ["none", "2bit"])  # 2bit: the small-buffer fallback
+@pytest.mark.parametrize("average", [False, True])
+def test_bits_of_mpi_allreduce_on_either_path(two, paths, dtype, op, average, monkeypatch):
+    monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "8192")  # conftest sets 0
+    shape = (7, 5) if dtype == np.float32 else (40,)
+    before = _short_calls()
+    sent0 = mpigc.traffic()["bytes_sent"]
+    for step in range(3):
+        x = grads(two.rank, 35 if shape == (7, 5) else 40, dtype, seed=step).reshape(shape)
+        want = x.copy()
+        two.Allreduce(MPI.IN_PLACE, want, op=MPI.SUM)
+        if average:
+            want /= 2
+        got = mpigc.allreduce(x, op=op, key=f"s/{op}", average=average)
+        assert_all(got is x and x.tobytes() == want.tobytes(), f"step {step}: not MPI's bits")
+        t = diagnostics.last_trace()
+        assert_all((t.agreement_done, t.path, t.inline, t.sum_pieces) == (True, "plain", True, 0),
+                   f"trace {t}")
+    assert_all(_short_calls() - before == (3 if paths else 0), "short calls counted")
+    assert_all(mpigc.traffic()["bytes_sent"] - sent0 == 3 * x.nbytes, "traffic")
+
+
+@pytest.mark.mpi
+def test_other_calls_take_the_engine_path(two):
+    """float16, a size past the inline limit, a nonblocking call pending, a
+    read-only array's error, and a subclass of ndarray: not the short path."""
+    before = _short_calls()
+    x16 = grads(two.rank, 100, np.float16)
+    mpigc.allreduce(x16, op="none")
+    big = np.ones((1 << 20) // 4 + 1, np.float32)
+    mpigc.allreduce(big, op="none")
+    assert_all(bool((big == 2).all()), "big")
+    req = mpigc.iallreduce(np.ones(10, np.float32), op="none", key="nb")
+    small = np.ones(10, np.float32)
+    mpigc.allreduce(small, op="none", key="b")
+    req.wait()
+    assert_all(bool((small == 2).all()), "small beside a pending call")
+
+    class Sub(np.ndarray):
+        pass
+
+    s = np.ones(10, np.float32).view(Sub)
+    mpigc.allreduce(s, op="none")
+    assert_all(_short_calls() == before, "a short call where none should be")
+    mpigc.allreduce(small, op="none", key="b")
+    assert_all(_short_calls() == before + _alone(), "the short path after them")
+
+
+@pytest.mark.mpi
+def test_mismatches_raise_everywhere_whichever_path(two, paths):
+    r = two.rank
+    cases = [
+        ("size", lambda: np.ones(10 + r, np.float32), {}, "size"),
+        ("dtype", lambda: np.ones(10, [np.float32, np.float64][r]), {}, "dtype"),
+        ("settings", lambda: np.ones(10, np.float32), {"average": r == 1}, "settings"),
+        ("op", lambda: np.ones(10, np.float32), {"op": ["none", "2bit"][r]}, "settings"),
+    ]
+    for what, make, kw, match in cases:
+        x = make()
+        keep = x.copy()
+        kw = dict({"op": "none"}, **kw)
+        raises_everywhere(mpigc.MismatchError, lambda: mpigc.allreduce(x, key="m", **kw),
+                          match=match)
+        assert_all(x.tobytes() == keep.tobytes(), f"{what}: the buffer changed")
+    # and the next call goes through on either path
+    y = np.full(10, 1.0 + r, np.float32)
+    mpigc.allreduce(y, op="none", key="m")
+    assert_all(bool((y == 3).all()), "after the mismatches")
+
+
+@pytest.mark.mpi
+def test_bad_input_on_one_rank_fails_everywhere(two, paths):
+    """A read-only array on rank 1 fails there before anything is sent; rank 0
+    (on the short path if allowed) meets its error row and raises too."""
+    x = np.ones(10, np.float32)
+    if two.rank == 1:
+        x.flags.writeable = False
+    raises_everywhere(mpigc.InvalidBufferError, lambda: mpigc.allreduce(x, op="none", key="r"),
+                      match="read-only")
+    assert_all(bool((x == 1).all()), "changed")
+    raises_everywhere(mpigc.ConfigError,
+                      lambda: mpigc.allreduce(np.ones(10, np.float32), op="none", key="r",
+                                              gather="nope" if two.rank == 0 else "exact"))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("where", [0, 1])
+def test_nonfinite_raise_and_skip_everywhere(two, paths, where):
+    x = np.arange(10, dtype=np.float64)
+    if two.rank == where:
+        x[3] = np.nan
+    keep = x.copy()
+    raises_everywhere(mpigc.NonFiniteError, lambda: mpigc.allreduce(x, op="none", key="f"),
+                      match=f"rank {where}")
+    assert_all(x.tobytes() == keep.tobytes(), "raise changed the buffer")
+    got = mpigc.allreduce(x, op="none", key="f", nonfinite="skip")
+    assert_all(bool(np.isnan(got).all()), "skip: NaN everywhere")
+    y = np.arange(10, dtype=np.float64)
+    y[2] = np.inf if two.rank == where else 0
+    mpigc.allreduce(y, op="none", key="f", nonfinite="ignore")
+    assert_all(bool(np.isinf(y[2])), "ignore: the sum")
+
+
+@pytest.mark.mpi
+def test_switch_off_reads_the_environment(two, monkeypatch):
+    before = _short_calls()
+    monkeypatch.setenv("MPIGC_SHORT_PATH", "0")
+    mpigc.allreduce(np.ones(10, np.float32), op="none", key="e")
+    assert_all(_short_calls() == before, "taken while off")
+    monkeypatch.setenv("MPIGC_SHORT_PATH", "1")
+    mpigc.allreduce(np.ones(10, np.float32), op="none", key="e")
+    assert_all(_short_calls() == before + _alone(), "not taken while on")

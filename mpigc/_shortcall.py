@@ -25,6 +25,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _agree
+from . import _comm
 from . import _plan
 from . import _sched
 from . import _settings
@@ -93,6 +94,19 @@ def run(buf, op, params, cs, key, average, gather, nonfinite):
     if (not hit[6] or nbytes > _wire.INLINE_PLAIN_MAX or _agree.P2P_MAX_RANKS < 2
             or not _sched.alone()):
         return None
+    try:
+        return _straight(buf, cs, hit, code)
+    except BaseException as exc:
+        # this rank's alone (a defect, no memory, an interrupt): its peer may
+        # wait for it forever, so the job is aborted, as for an engine call
+        # (MPIGC_ON_INTERNAL_ERROR=raise raises it instead)
+        _comm.internal_error(exc, cs.comm, "mpigc allreduce")
+        raise
+
+
+def _straight(buf, cs, hit, code):
+    """The call, straight through (see :func:`run`)."""
+    n, nbytes = buf.size, buf.nbytes
     average, nonfinite, fp = hit[1], hit[3], hit[8]
     rank, comm = cs.rank, cs.comm
     peer = 1 - rank

@@ -47,13 +47,17 @@ def _run(ranks, mode, **env):
     (2, "blocking", {}),
     (3, "nonblocking", {}),
     (4, "hier", {"MPIGC_NODE_SPLIT": "2"}),
+    (2, "short", {}),
 ])
 def test_a_defect_on_one_rank_aborts_the_job(ranks, mode, env):
     r = _run(ranks, mode, **env)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out[-4000:]
     assert "RuntimeError in " in out and "aborting the job" in out, out[-4000:]
-    assert "planted defect in unpack_1bit_shards" in out, out[-4000:]
+    if mode == "short":  # in the short path of small calls
+        assert "planted defect in decode_into" in out and "_shortcall.py" in out, out[-4000:]
+    else:
+        assert "planted defect in unpack_1bit_shards" in out, out[-4000:]
     assert "MPIGC_ON_INTERNAL_ERROR=raise" in out
     assert ": done" not in r.stdout, out[-4000:]  # nobody got past the barrier
 

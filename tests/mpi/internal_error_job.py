@@ -7,8 +7,10 @@ leaving them waiting forever.
 
     mpirun -n K python tests/mpi/internal_error_job.py MODE
 
-MODE: ``blocking``, ``nonblocking`` (``iallreduce(...).wait()``) or ``hier``
-(``hierarchy="node"``, run with ``MPIGC_NODE_SPLIT=2``). A rank that sees the
+MODE: ``blocking``, ``nonblocking`` (``iallreduce(...).wait()``), ``hier``
+(``hierarchy="node"``, run with ``MPIGC_NODE_SPLIT=2``) or ``short`` (a small
+``op="none"`` call on 2 ranks, which takes the short path of small calls,
+``mpigc._shortcall``: rank 1's addition of its peer's values raises). A rank that sees the
 exception prints ``raised: ...`` and goes on, as a training loop that skips a
 failed step would: into a barrier, where its peers never come (with
 ``MPIGC_ON_INTERNAL_ERROR=raise``, the hang this prevents). At one rank,
@@ -29,11 +31,18 @@ kw = {"hierarchy": "node"} if mode == "hier" else {}
 mpigc.allreduce(x.copy(), op="1bit", key="k", **kw)  # a call that works first
 comm.Barrier()
 if comm.rank == 1 or comm.size == 1:
-    def broken(*args, **kwargs):
-        raise RuntimeError("planted defect in unpack_1bit_shards")
-    cpu.unpack_1bit_shards = broken
+    if mode == "short":
+        def broken(*args, **kwargs):
+            raise RuntimeError("planted defect in decode_into")
+        mpigc.compressors.NoCompression.decode_into = broken
+    else:
+        def broken(*args, **kwargs):
+            raise RuntimeError("planted defect in unpack_1bit_shards")
+        cpu.unpack_1bit_shards = broken
 try:
-    if mode == "nonblocking":
+    if mode == "short":
+        mpigc.allreduce(np.ones(100, np.float32), op="none", key="s")
+    elif mode == "nonblocking":
         mpigc.iallreduce(x.copy(), op="1bit", key="k").wait()
     else:
         mpigc.allreduce(x.copy(), op="1bit", key="k", **kw)

@@ -609,7 +609,7 @@ class GroupTransaction(Transaction):
         pieces, ats, nshards = place
         if device:
             if any(a is None for a in arrays):
-                _put(out, 0, None, 0, n, dtype)  # zeros
+                _zero(out)  # the members without residuals yet
             _dispatch.kernels(out).group_copy(out, arrays, ats, nshards, True)
             return out
         for i, lo, hi, at in pieces:
@@ -711,12 +711,10 @@ class GroupTransaction(Transaction):
             self._release()
 
 
-def _put(dst, at, src, lo, hi, dtype):
-    """``dst[at:at + hi - lo] = src[lo:hi]`` (zeros for ``src`` None) in
-    device memory."""
-    m = hi - lo
+def _zero(dst):
+    """``dst[:] = 0`` in device memory."""
     from . import _cuda
-    _cuda.copy(dst[at:at + m], np.zeros(m, dtype) if src is None else src[lo:hi])
+    _cuda.copy(dst, np.zeros(dst.size, dst.dtype))
 
 
 class _Mark(NamedTuple):

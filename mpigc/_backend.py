@@ -10,13 +10,16 @@ side from the array itself.
   writes the arrays themselves.
 - :class:`DeviceBackend`: CUDA device arrays, ``mpigc.kernels.cuda``; MPI gets
   device buffers when it is CUDA-aware, otherwise staging buffers (pinned
-  host memory from a pool) that the backend fills and empties.
+  host memory from a pool) that the backend fills and empties; a timeline
+  being recorded (:mod:`mpigc._timeline`) shows each such copy, ``staging to
+  host`` and ``staging to device``, with its bytes.
 
 A backend instance serves one call (it holds the call's staging buffers).
 """
 import numpy as np
 
 from . import _cuda
+from . import _timeline
 from ._errors import DTypeError, InvalidBufferError
 
 __all__ = ["HostBackend", "DeviceBackend", "part"]
@@ -231,17 +234,28 @@ class DeviceBackend:
         if send is True:
             send = (0, a.size)
         if send is not None and send[1] > send[0]:
-            lo, hi = send
-            _cuda.copy(part(w, lo, hi), part(a, lo, hi))
+            self.stage(w, a, *send)
         return w
 
     def stage(self, wire, a, lo, hi):
+        """``a[lo:hi]`` into its staging buffer ``wire`` (synchronous: MPI
+        reads it next), without CUDA-aware MPI."""
         if not self.aware.aware and hi > lo:
+            t0 = _timeline.ON and _timeline.now()
             _cuda.copy(part(wire, lo, hi), part(a, lo, hi))
+            if t0:
+                _timeline.span("staging to host", t0,
+                               args={"bytes": (hi - lo) * a.dtype.itemsize})
 
     def unstage(self, dst, wire):
+        """What MPI wrote into ``wire`` to device array ``dst``, without
+        CUDA-aware MPI (queued on the engine's stream: the span is the
+        queueing, not the copy)."""
         if not self.aware.aware and dst.size:
+            t0 = _timeline.ON and _timeline.now()
             _cuda.copy(dst, wire)
+            if t0:
+                _timeline.span("staging to device", t0, args={"bytes": dst.nbytes})
 
     # -- a whole call on the host (hierarchical calls: the node's shared window) --
     def host_copy(self, a):
@@ -251,7 +265,10 @@ class DeviceBackend:
         b = _cuda.staging_pool.take(max(a.nbytes, 1))
         self.staged.append(b)
         h = b[:a.nbytes].view(a.dtype)
+        t0 = _timeline.ON and _timeline.now()
         _cuda.to_host(a, h)
+        if t0:
+            _timeline.span("staging to host", t0, args={"bytes": a.nbytes})
         return h
 
     def for_engine(self, h, fill=None):
@@ -269,8 +286,11 @@ class DeviceBackend:
 
     def put(self, dst, h):
         if h.size:
+            t0 = _timeline.ON and _timeline.now()
             _cuda.copy(dst, h)
             _cuda.sync()
+            if t0:
+                _timeline.span("staging to device", t0, args={"bytes": h.nbytes})
 
     def release(self):
         """The call is over (and synchronised: :meth:`sync`): its staging

@@ -20,7 +20,8 @@ Events:
   (from 20 µs: over TCP, MPI moves the data inside such calls), a
   progress-thread pass (from 20 µs), a hierarchical call's steps inside
   its node (its values stored for its node peers, the node's sums, the
-  results read back).
+  results read back), a grouped call's copies, and a device call's staging
+  through host memory without CUDA-aware MPI.
 
 Times are microseconds since the Unix epoch, from this process's
 ``perf_counter`` anchored once to the wall clock, so the files of ranks on

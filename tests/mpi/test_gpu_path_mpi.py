@@ -295,6 +295,42 @@ def _compare_grouped(c, cuda, op, dtype=np.float32, sizes=(3, 50, 1, 77)):
                                                feedback=False))
 
 
+def _staging_spans(c, fn):
+    """``fn()`` under a timeline recording: this rank's staging spans, a
+    list of ``(name, bytes)``."""
+    import json
+    import tempfile
+    path = os.path.join(tempfile.mkdtemp(), "t.json")
+    mpigc.timeline.start(path)
+    try:
+        fn()
+    finally:
+        mine = mpigc.timeline.stop()
+    with open(mine) as f:
+        events = json.load(f)["traceEvents"]
+    return [(e["name"], e["args"]["bytes"]) for e in events
+            if e["ph"] == "X" and e["name"].startswith("staging")]
+
+
+def _check_staging_spans(c, cuda, staged):
+    """A timeline shows a device call's staging copies, with their bytes,
+    exactly when it stages (``staged``): a 2bit call (payloads out, received
+    payloads back) and an op="none" call of 1000 float32 values."""
+    g = _grad(c.rank, 1000, np.float32, 7)
+    got = _staging_spans(c, lambda: (
+        mpigc.allreduce(cuda.to_device(g), "2bit", key="spans"),
+        mpigc.allreduce(cuda.to_device(g), "none")))
+    names = {n for n, _ in got}
+    if not staged or c.comm.size == 1:
+        c.check(not got, f"staging spans without staging: {got}")
+        return
+    c.check(names == {"staging to host", "staging to device"}, f"staging spans: {names}")
+    c.check(all(b > 0 for _, b in got), f"staging spans of no bytes: {got}")
+    # op="none": all of this rank's values go out, every result comes back
+    c.check(sum(b for n, b in got if n == "staging to host") >= 4000,
+            f"staged to host: {got}")
+
+
 def group_staged(c, cuda):
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -312,6 +348,7 @@ def group_staged(c, cuda):
     for op in OPS:
         _compare_grouped(c, cuda, op)
     _compare_grouped(c, cuda, OPS[0], np.float16)
+    _check_staging_spans(c, cuda, staged=True)
     # the small-buffer fallback (plain MPI sum) on device arrays, staged
     os.environ["MPIGC_MIN_COMPRESS_BYTES"] = "8192"
     try:
@@ -330,6 +367,7 @@ def group_aware(c, cuda):
     _compare_foreign(c, cuda, OPS[1], np.float32, 45)
     _compare_foreign(c, cuda, "none", np.float16, 45)
     _compare_grouped(c, cuda, OPS[0])
+    _check_staging_spans(c, cuda, staged=False)
     c.check(_cuda.staging_pool.allocated == 0,
             f"{_cuda.staging_pool.allocated} staging buffer(s) with CUDA-aware MPI")
     # hierarchical calls: the inter-node engine calls hand device buffers to
@@ -471,6 +509,13 @@ def group_hier(c, cuda):
     _compare_hier(c, cuda, "reduce_scatter", OPS[0], np.float16, 50, 2, average=True)
     # fewer elements than slices and ranks
     _compare_hier(c, cuda, "allreduce", OPS[0], np.float32, 1, 2)
+    # the node window is on the host: a device call's values go there and back
+    got = _staging_spans(c, lambda: mpigc.allreduce(
+        cuda.to_device(_grad(r, 101, np.float32, 9)), "2bit", key="spans", hierarchy="node"))
+    c.check({n for n, _ in got} >= {"staging to host", "staging to device"},
+            f"hier staging spans: {got}")
+    c.check(("staging to host", 404) in got and ("staging to device", 404) in got,
+            f"hier: the whole buffer staged each way: {got}")
     # a torch-like tensor (foreign __cuda_array_interface__), out= on the device
     from foreign_arrays import TorchLikeTensor
     n = 45

@@ -25,3 +25,20 @@ def test_the_progress_thread_is_not_a_user_thread():
     for thread, advanced, several in lines:
         assert thread == "True" and int(advanced) > 0, out[-4000:]  # the thread ran them
         assert several == "False", out[-4000:]
+
+
+FIRST_CALL = os.path.join(HERE, "mpi", "thread_first_call_job.py")
+
+
+def test_a_second_threads_first_call_while_the_first_blocks_in_mpi():
+    """The documented pattern (the main thread calls first): rank 0's main
+    thread blocks in MPI on communicator A, holding the lock, when its second
+    thread's first call (on B) comes; rank 1's second thread calls first.
+    Hangs when a second thread does not end the one-thread mode (with
+    ``_sched.note_caller`` a no-op: both ranks print HUNG)."""
+    cmd, env = _command(2, None, {}, script=FIRST_CALL)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert sorted(re.findall(r"rank (\d+): ok several_threads True", r.stdout)) == ["0", "1"], \
+        out[-4000:]

@@ -4,7 +4,12 @@
 # call. The "bare exchange" does only what any such call must: count the input's
 # non-finite values, send a row of 80 bytes and the values to the peer in one
 # message, probe and receive the peer's, compare the two rows, add the peer's
-# values. mpigc's call (the short path, mpigc._shortcall) does that through the
+# values. The "collective floor" does the same with MPI's collectives instead: the
+# row and its negation in one MPI_Allreduce(MAX) of 20 int64 (every field equal on
+# both ranks when each max is minus the other's min), then MPI_Allreduce of the values
+# in place: what a short path that handed the data to MPI after an agreement by
+# collective could reach, were its decision to take it made the same on every rank
+# (docs/benchmarks.md). mpigc's call (the short path, mpigc._shortcall) does that through the
 # engine's own pieces (settings, rows, verdict, trace, counters). Each is timed in
 # a tight loop of ITERS calls (default 3000) after a barrier, three rounds, 4 KiB
 # and 64 KiB float32; prints microseconds per call and the ratios to
@@ -44,11 +49,25 @@ def bare(buf, msg, rbuf, row):
     sreq.Wait()
 
 
+def collective(buf, row, both, agreed):
+    rw = row.copy()
+    rw[1] = cpu.count_nonfinite(buf)
+    both[:10] = rw
+    np.negative(rw, out=both[10:])
+    comm.Allreduce(both, agreed, op=MPI.MAX)
+    if (agreed[:10] != -agreed[10:]).any() or agreed[1]:
+        raise RuntimeError("rows differ")
+    comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+
+
 for nbytes in (4096, 65536):
     buf = np.zeros(nbytes // 4, np.float32)
     msg, rbuf = np.empty(HDR + nbytes, np.uint8), np.empty(HDR + nbytes, np.uint8)
     row = np.zeros(HDR // 8, np.int64)
+    row[2:5] = (nbytes // 4, 11, 7)  # a size, a dtype code, settings
+    both, agreed = np.empty(20, np.int64), np.empty(20, np.int64)
     fns = [("bare exchange", lambda: bare(buf, msg, rbuf, row)),
+           ("collective floor", lambda: collective(buf, row, both, agreed)),
            ("mpigc none", lambda: mpigc.allreduce(buf, op="none", key="floor")),
            ("comm.Allreduce", lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM))]
     for _ in range(300):

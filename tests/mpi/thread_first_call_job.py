@@ -13,8 +13,11 @@ communicator whose every rank runs it in order, and completes.
 
 ``race`` (not a test: it hangs, the limitation the contract documents):
 two threads race to make the process's first call, and a different one
-wins on each rank; each winner blocks in MPI (rank 0's on A, rank 1's on B)
-on the call the other rank's loser cannot start. ``mpirun -n 2 python
+wins on each rank; each winner makes mpigc's state of both communicators,
+then blocks in MPI (rank 0's on A, rank 1's on B) on the call the other
+rank's loser cannot start. (Were each thread to make its own
+communicator's state, that collective would pair the threads up before
+either blocks, and the run completes.) ``mpirun -n 2 python
 tests/mpi/thread_first_call_job.py race`` prints ``HUNG`` after 20 s.
 
 Prints ``rank R: ok`` or ``rank R: HUNG`` / a wrong result."""

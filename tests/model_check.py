@@ -212,7 +212,7 @@ def hierarchical():
 
 
 def _program(eng, calls, world_ctx, rng, blocking_only, early=None, second=None,
-             early_blocking=False):
+             early_blocking=False, main_first=False):
     """Rank ``fakempi.rank()``'s user program: its communicators, then the
     calls; returns the outcomes and the residuals. ``early``: a generator
     that draws, before each call, which pending requests this rank waits for
@@ -221,7 +221,12 @@ def _program(eng, calls, world_ctx, rng, blocking_only, early=None, second=None,
     generators ``(rng, early)`` of a second user thread, which makes the
     calls on communicator ``"a"`` (made by the first thread, as
     docs/engine.md asks) while the first makes the others. ``early_blocking``:
-    the early waits are drawn before blocking calls too."""
+    the early waits are drawn before blocking calls too. ``main_first``
+    (with ``second``): the first thread makes the process's first mpigc
+    calls, one on each communicator (no state: ``feedback=False``), before
+    the second starts, as the user guide asks; the second thread's first call
+    may then come while the first blocks in MPI (the one-thread mode's
+    window, docs/engine.md rule 3)."""
     def run():
         r = fakempi.rank()
         world = fakempi.world_comm(world_ctx)
@@ -271,6 +276,10 @@ def _program(eng, calls, world_ctx, rng, blocking_only, early=None, second=None,
         if second is None:
             drive(calls, rng, early)
         else:
+            if main_first:
+                for name in ("world", "a", "half"):
+                    eng.allreduce(np.zeros(3, np.float32), "none", comm=comms[name],
+                                  feedback=False)
             w = fakempi.world()
             other = w.spawn(lambda: drive([c for c in calls if c["comm"] == "a"], *second),
                             "user thread 2")
@@ -314,7 +323,9 @@ def run(calls, size, seed, blocking_only=False, plants=(), max_steps=200_000,
                          (np.random.default_rng([seed, r, 9]),
                           np.random.default_rng([seed, r, 11]) if hier else None)
                          if threads == "two" and not blocking_only else None,
-                         early_waits)
+                         early_waits,
+                         main_first=np.random.default_rng([*np.atleast_1d(seed), 13]).random()
+                         < 0.5)
                 for r in range(size)]
     try:
         return w.run(programs, timeout=30)
@@ -517,6 +528,25 @@ def _plant_short_path_not_alone(mods):
     s.alone = lambda: not s.several_threads()
 
 
+def _plant_first_call_of_a_thread_unnoticed(mods):
+    """Not historical: a second user thread's first call leaves the process
+    in the one-thread mode (the thread is noted from its second call on), so
+    that call may block in MPI holding the lock while the first thread waits
+    for the lock to start a call a peer waits for. Only two-thread runs whose
+    first thread made the first calls (``main_first``) can find it: in the
+    others, the second thread's first call on a communicator makes mpigc's
+    state of it, a collective that pairs the threads up first."""
+    s = mods["_sched"]
+    orig, seen = s.note_caller, set()
+
+    def note_caller():
+        me = s.threading.get_ident()
+        if me in seen or s._first_caller is None:
+            orig()
+        seen.add(me)
+    s.note_caller = note_caller
+
+
 def _allgather_rows(mods):
     """Not a fault: the agreement rows travel by one allgather, as they do
     beyond 16 ranks (``P2P_MAX_RANKS``)."""
@@ -534,4 +564,5 @@ PLANTS = {
     "waits-block-with-two-threads": _plant_waits_block_with_two_threads,
     "sum-handed-over-in-process-order": _plant_sum_handed_over_in_process_order,
     "short-path-not-alone": _plant_short_path_not_alone,
+    "first-call-of-a-thread-unnoticed": _plant_first_call_of_a_thread_unnoticed,
 }

@@ -287,6 +287,7 @@ SEARCHES = {
     "rows-awaited-alone": (None, 100, True, None),
     "waits-block-with-two-threads": (None, 60, False, "two"),
     "sum-handed-over-in-process-order": (TWO_THREAD_SUMS, 60, False, "two"),
+    "first-call-of-a-thread-unnoticed": (TWO_THREAD_SUMS, 60, False, "two"),
 }
 
 

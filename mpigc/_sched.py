@@ -24,6 +24,7 @@ and never change it but through :func:`enqueue` and :func:`dequeue`.
 import atexit
 import contextlib
 import os
+import sys
 import threading
 import time
 import types
@@ -83,6 +84,45 @@ def note_caller():
         _first_caller = me
     elif me != _first_caller:
         _several = True
+        _watch_first_call()
+
+
+def _watch_first_call():
+    """A second user thread's first call has ended the one-thread mode; the
+    first thread may still be blocked in MPI holding :data:`lock` (a wait
+    that began before), which nothing can interrupt. Where the lock is then
+    still held ``$MPIGC_FIRST_CALL_WARN_S`` seconds later (default 60; 0: no
+    check), for a whole second without a break, a timer thread says on
+    stderr why this rank may hang there (docs/user-guide.md, "Threading contract"): a silent hang becomes
+    one that says its likely cause. Once per process."""
+    try:
+        limit = float(os.environ.get("MPIGC_FIRST_CALL_WARN_S", "60"))
+    except ValueError:
+        limit = 60.0
+    if limit > 0:
+        t = threading.Timer(limit, _warn_if_held, args=(limit,))
+        t.daemon = True
+        t.name = "mpigc first-call check"
+        t.start()
+
+
+def _warn_if_held(limit):
+    # a lock that is given up at all (waits that poll give it up every 100 µs
+    # at most) is free within a second
+    if lock.acquire(timeout=1.0):
+        lock.release()
+        return
+    rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else "?"
+    sys.stderr.write(
+        f"mpigc: rank {rank}: a second thread's first mpigc call came {limit:g} s ago, and "
+        "the engine lock is still held (a whole second without a break), most likely by "
+        "the first thread that called mpigc, waiting in MPI for a peer. If this rank hangs "
+        "here, "
+        "that peer probably waits for a call this rank's other thread cannot start: "
+        "make the process's first mpigc call from the main thread, before starting "
+        "threads that call mpigc (docs/user-guide.md, \"Threading contract\"). "
+        "MPIGC_FIRST_CALL_WARN_S=0 turns this check off.\n")
+    sys.stderr.flush()
 
 
 def several_threads():

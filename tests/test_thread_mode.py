@@ -42,3 +42,27 @@ def test_a_second_threads_first_call_while_the_first_blocks_in_mpi():
     assert r.returncode == 0, out[-4000:]
     assert sorted(re.findall(r"rank (\d+): ok several_threads True", r.stdout)) == ["0", "1"], \
         out[-4000:]
+
+
+def test_a_rank_that_hangs_so_says_why():
+    """The hang the contract rules out (two threads race to the first call,
+    won by different threads on the two ranks): each rank says on stderr,
+    after ``$MPIGC_FIRST_CALL_WARN_S`` seconds, that a second thread's first
+    call waits for the engine lock while the first thread waits in MPI, and
+    what to do. The job gives up after 6 s (HUNG)."""
+    cmd, env = _command(2, "race", {"MPIGC_FIRST_CALL_WARN_S": "1"}, script=FIRST_CALL)
+    r = subprocess.run(cmd + ["6"], env=env, capture_output=True, text=True, timeout=180)
+    out = r.stdout + r.stderr
+    assert sorted(re.findall(r"rank (\d+): HUNG", r.stdout)) == ["0", "1"], out[-4000:]
+    warned = re.findall(r"mpigc: rank (\d+): a second thread's first mpigc call came 1 s ago",
+                        r.stderr)
+    assert sorted(warned) == ["0", "1"], out[-4000:]
+    assert "make the process's first mpigc call from the main thread" in r.stderr
+
+
+def test_no_such_warning_where_the_first_call_is_not_kept_waiting():
+    cmd, env = _command(2, None, {"MPIGC_FIRST_CALL_WARN_S": "1"}, script=FIRST_CALL)
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=180)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-4000:]
+    assert "first mpigc call came" not in r.stderr, out[-4000:]

@@ -18,7 +18,9 @@ then blocks in MPI (rank 0's on A, rank 1's on B) on the call the other
 rank's loser cannot start. (Were each thread to make its own
 communicator's state, that collective would pair the threads up before
 either blocks, and the run completes.) ``mpirun -n 2 python
-tests/mpi/thread_first_call_job.py race`` prints ``HUNG`` after 20 s.
+tests/mpi/thread_first_call_job.py race [SECONDS]`` prints ``HUNG`` after
+SECONDS (default 20), and before that, with ``MPIGC_FIRST_CALL_WARN_S``
+below it, mpigc's warning of why each rank may hang.
 
 Prints ``rank R: ok`` or ``rank R: HUNG`` / a wrong result."""
 import os
@@ -61,16 +63,23 @@ if mode == "main-first":
 else:
     mine, other = (A, B) if rank == 0 else (B, A)
 
+    warm = threading.Event()
+
     def first():
         for c in (A, B):
             mpigc.allreduce(np.ones(4, np.float32), comm=c)
+        warm.set()
         call("mine", mine, 0.0)
+
+    def second():
+        warm.wait()  # the first thread's calls are the process's first
+        call("other", other, 0.3)
     threads = [threading.Thread(target=first, daemon=True),
-               threading.Thread(target=call, args=("other", other, 0.3), daemon=True)]
+               threading.Thread(target=second, daemon=True)]
     for t in threads:
         t.start()
     for t in threads:
-        t.join(20)
+        t.join(float(sys.argv[2]) if len(sys.argv) > 2 else 20)
 if any(t.is_alive() for t in threads):
     print(f"rank {rank}: HUNG", flush=True)
     os._exit(3)

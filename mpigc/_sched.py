@@ -90,11 +90,12 @@ def note_caller():
 def _watch_first_call():
     """A second user thread's first call has ended the one-thread mode; the
     first thread may still be blocked in MPI holding :data:`lock` (a wait
-    that began before), which nothing can interrupt. Where the lock is then
-    still held ``$MPIGC_FIRST_CALL_WARN_S`` seconds later (default 60; 0: no
+    that began before), which nothing can interrupt. Where the lock is still
+    held ``$MPIGC_FIRST_CALL_WARN_S`` seconds later (default 60; 0: no
     check), for a whole second without a break, a timer thread says on
-    stderr why this rank may hang there (docs/user-guide.md, "Threading contract"): a silent hang becomes
-    one that says its likely cause. Once per process."""
+    stderr why this rank may hang there (docs/user-guide.md, "Threading
+    contract"): a silent hang becomes one that says its likely cause. Once
+    per process."""
     try:
         limit = float(os.environ.get("MPIGC_FIRST_CALL_WARN_S", "60"))
     except ValueError:
@@ -112,13 +113,13 @@ def _warn_if_held(limit):
     if lock.acquire(timeout=1.0):
         lock.release()
         return
-    rank = MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() else "?"
+    rank = (MPI.COMM_WORLD.Get_rank() if MPI.Is_initialized() and not MPI.Is_finalized()
+            else "?")
     sys.stderr.write(
         f"mpigc: rank {rank}: a second thread's first mpigc call came {limit:g} s ago, and "
         "the engine lock is still held (a whole second without a break), most likely by "
         "the first thread that called mpigc, waiting in MPI for a peer. If this rank hangs "
-        "here, "
-        "that peer probably waits for a call this rank's other thread cannot start: "
+        "here, that peer probably waits for a call this rank's other thread cannot start: "
         "make the process's first mpigc call from the main thread, before starting "
         "threads that call mpigc (docs/user-guide.md, \"Threading contract\"). "
         "MPIGC_FIRST_CALL_WARN_S=0 turns this check off.\n")

@@ -9,8 +9,8 @@
 # both ranks when each max is minus the other's min), then MPI_Allreduce of the values
 # in place: what a short path that handed the data to MPI after an agreement by
 # collective could reach, were its decision to take it made the same on every rank
-# (docs/benchmarks.md). mpigc's call (the short path, mpigc._shortcall) does that through the
-# engine's own pieces (settings, rows, verdict, trace, counters). Each is timed in
+# (docs/benchmarks.md). mpigc's call (the short path, mpigc._shortcall) does that
+# through the engine's own pieces (settings, rows, verdict, trace, counters). Each is timed in
 # a tight loop of ITERS calls (default 3000) after a barrier, three rounds, 4 KiB
 # and 64 KiB float32; prints microseconds per call and the ratios to
 # comm.Allreduce on rank 0.

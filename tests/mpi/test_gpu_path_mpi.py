@@ -295,7 +295,7 @@ def _compare_grouped(c, cuda, op, dtype=np.float32, sizes=(3, 50, 1, 77)):
                                                feedback=False))
 
 
-def _staging_spans(c, fn):
+def _staging_spans(fn):
     """``fn()`` under a timeline recording: this rank's staging spans, a
     list of ``(name, bytes)``."""
     import json
@@ -317,7 +317,7 @@ def _check_staging_spans(c, cuda, staged):
     exactly when it stages (``staged``): a 2bit call (payloads out, received
     payloads back) and an op="none" call of 1000 float32 values."""
     g = _grad(c.rank, 1000, np.float32, 7)
-    got = _staging_spans(c, lambda: (
+    got = _staging_spans(lambda: (
         mpigc.allreduce(cuda.to_device(g), "2bit", key="spans"),
         mpigc.allreduce(cuda.to_device(g), "none")))
     names = {n for n, _ in got}
@@ -510,7 +510,7 @@ def group_hier(c, cuda):
     # fewer elements than slices and ranks
     _compare_hier(c, cuda, "allreduce", OPS[0], np.float32, 1, 2)
     # the node window is on the host: a device call's values go there and back
-    got = _staging_spans(c, lambda: mpigc.allreduce(
+    got = _staging_spans(lambda: mpigc.allreduce(
         cuda.to_device(_grad(r, 101, np.float32, 9)), "2bit", key="spans", hierarchy="node"))
     c.check({n for n, _ in got} >= {"staging to host", "staging to device"},
             f"hier staging spans: {got}")

@@ -31,7 +31,9 @@ tests: a blocking call is the same generator driven to its end by ``wait()``
 MPI_Reduce_scatter with MPI.SUM after the agreement, nonblocking calls too
 (``mpigc._plainsum``; a thread per communicator runs their sums:
 ``mpigc._reducer``; on 2 ranks, up to 1 MiB, each rank adds the values that
-came with its peer's row: a + b is b + a, the same bits). So do compressed ops on
+came with its peer's row: a + b is b + a, the same bits, but where both are
+NaN, so values that are not all finite are summed by MPI:
+``mpigc._plainsum.inline_commutes``). So do compressed ops on
 buffers smaller than ``$MPIGC_MIN_COMPRESS_BYTES`` (default 8192 bytes; see
 :func:`min_compress_bytes`): below a few KiB the fixed cost of compressing
 exceeds what fewer bytes save. Such calls use and change no residual.
@@ -374,8 +376,7 @@ class _Op(PendingCall):
             # the steps of the plain sum (here, not as a sub-generator:
             # small calls are made of such steps)
             plain = _plainsum.PlainSum(self)
-            if inline:
-                plain.add_inline()
+            if inline and plain.add_inline():
                 return
             here = (yield _sched.Alone(plain.may_hand_over)) if self.blocking else True
             self.state = "none"

@@ -16,7 +16,9 @@ bits of ``MPI_Allreduce`` on 2 ranks). The settings are validated once per
 call signature (:func:`mpigc._settings.settings_for`'s cache). Anything but
 a "go" verdict (another size, dtype or settings on the peer, a peer that
 failed, non-finite values) is handed to the engine with the rows exchanged
-(:class:`Handover`), which raises or skips on every rank as it would have.
+(:class:`Handover`), which raises or skips on every rank as it would have;
+so is a "go" whose sum MPI must make (non-finite values under
+``nonfinite="ignore"``: :func:`mpigc._plainsum.inline_commutes`).
 A call the short path does not take (any other case, a setting that fails
 to validate, a timeline being recorded, ``$MPIGC_SHORT_PATH=0``) has sent
 nothing and takes the engine's path. ``short_calls`` of
@@ -26,6 +28,7 @@ from mpi4py import MPI
 
 from . import _agree
 from . import _comm
+from . import _plainsum
 from . import _plan
 from . import _sched
 from . import _settings
@@ -64,9 +67,10 @@ class Done:
 
 
 class Handover:
-    """A call whose rows the short path exchanged and whose verdict is not
-    "go": the engine call made of it (``_Op(..., pre=handover)``) takes its
-    tags, rows and sends instead of starting its own."""
+    """A call whose rows the short path exchanged and that it does not
+    finish (a verdict but "go", or a sum that MPI makes): the engine call
+    made of it (``_Op(..., pre=handover)``) takes its tags, rows and sends
+    instead of starting its own."""
     __slots__ = ("seq", "tags", "rows", "sendreqs")
 
     def __init__(self, seq, tags, rows, sendreqs):
@@ -125,10 +129,13 @@ def _straight(buf, cs, hit, code):
     rows.read()
     trace = _trace.CallTrace()
     trace.agreed()
-    if _plan.verdict(rows.table, rank, nonfinite) is not _plan.GO:
+    theirs = rows.payload(peer)
+    if (_plan.verdict(rows.table, rank, nonfinite) is not _plan.GO
+            or nonfinite == "ignore" and not _plainsum.inline_commutes(
+                flat, theirs.view(flat.dtype))):
         return Handover(seq, tags, rows, sendreqs)
     trace.went("plain", True)
-    _NONE.decode_into(rows.payload(peer), flat, True)
+    _NONE.decode_into(theirs, flat, True)
     if average:
         np.divide(flat, 2, out=flat)
     _wire.add_traffic(nbytes, nbytes)

@@ -22,7 +22,13 @@ tests/mpi/thread_first_call_job.py race [SECONDS]`` prints ``HUNG`` after
 SECONDS (default 20), and before that, with ``MPIGC_FIRST_CALL_WARN_S``
 below it, mpigc's warning of why each rank may hang.
 
-Prints ``rank R: ok`` or ``rank R: HUNG`` / a wrong result."""
+Prints ``rank R: ok`` or ``rank R: HUNG`` / a wrong result. With
+``$JOB_OUT_DIR`` set, each rank also writes that line to
+``$JOB_OUT_DIR/rank{R}.out`` and its stderr (mpigc's warning) goes to
+``rank{R}.err`` there; a rank that ends the job with a non-zero status first
+waits (30 s at most) until every rank has written its line, so no rank's
+line is lost when the launcher ends the job at the first rank's exit (a
+test that read them from mpirun's output failed 1 time in 6)."""
 import os
 import sys
 import threading
@@ -39,6 +45,31 @@ rank = comm.rank
 A, B = comm.Dup(), comm.Dup()
 N = 1 << 18
 got = {}
+out_dir = os.environ.get("JOB_OUT_DIR")
+if out_dir:
+    err = os.open(os.path.join(out_dir, f"rank{rank}.err"), os.O_WRONLY | os.O_CREAT, 0o644)
+    os.dup2(err, 2)
+
+
+def report(line):
+    """Print ``rank R: line``, and write it to this rank's file."""
+    print(f"rank {rank}: {line}", flush=True)
+    if out_dir:
+        path = os.path.join(out_dir, f"rank{rank}.out")
+        with open(path + ".tmp", "w") as f:
+            f.write(f"rank {rank}: {line}\n")
+        os.replace(path + ".tmp", path)
+
+
+def exit_hung():
+    """Report the hang and end the job (status 3) once every rank has
+    written its line: the launcher ends the others at this rank's exit."""
+    report("HUNG")
+    deadline = time.monotonic() + 30
+    while out_dir and time.monotonic() < deadline and not all(
+            os.path.exists(os.path.join(out_dir, f"rank{r}.out")) for r in range(comm.size)):
+        time.sleep(0.05)
+    os._exit(3)
 
 
 def call(name, c, delay):
@@ -53,8 +84,7 @@ if mode == "main-first":
     x.start()
     # the main thread itself makes the call on A (a helper thread would be a
     # second user thread): run call() here, with a watchdog for a hang
-    watchdog = threading.Timer(30, lambda: (print(f"rank {rank}: HUNG", flush=True),
-                                            os._exit(3)))
+    watchdog = threading.Timer(30, exit_hung)
     watchdog.daemon = True
     watchdog.start()
     call("A", A, 0.0 if rank == 0 else 0.4)
@@ -81,9 +111,8 @@ else:
     for t in threads:
         t.join(float(sys.argv[2]) if len(sys.argv) > 2 else 20)
 if any(t.is_alive() for t in threads):
-    print(f"rank {rank}: HUNG", flush=True)
-    os._exit(3)
+    exit_hung()
 want = np.full(N, 3, np.float32)
 bad = [k for k, v in got.items() if v.tobytes() != want.tobytes()]
-print(f"rank {rank}: " + (f"wrong {bad}" if bad or len(got) != 2 else "ok")
-      + f" several_threads {mpigc.diagnostics.several_threads()}", flush=True)
+report((f"wrong {bad}" if bad or len(got) != 2 else "ok")
+       + f" several_threads {mpigc.diagnostics.several_threads()}")

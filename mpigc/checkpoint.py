@@ -396,15 +396,31 @@ def _auto_is_hierarchical(nodes, node_sizes):
     return nodes > 1 and max(node_sizes, default=0) > 1
 
 
+def _saved_layout(meta):
+    """``(nodes, node_sizes)`` of the saving communicator's layout, recorded
+    in the manifest (attribute ``hierarchy``) by a save that holds
+    hierarchical rows or records ``hierarchy_mode="auto"``; None when absent."""
+    a = meta["attrs"]
+    if "hierarchy" not in a:
+        return None
+    try:
+        saved = json.loads(a["hierarchy"])
+        return int(saved["nodes"]), [int(x) for x in saved["node_sizes"]]
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{meta.get('path')}: the node layout of its hierarchical "
+                              f"rows (manifest attribute hierarchy) is unreadable: "
+                              f"{exc!r}") from exc
+
+
 def _saved_hierarchy(meta, comm, skip=()):
-    """The ``hierarchy=`` mode :func:`load_checkpoint` installs the
-    checkpoint ``meta`` (a manifest) for by default, on ``comm``
-    (collective where it must look at the node layout; the same on every
-    rank).
+    """The ``hierarchy=`` mode that :func:`load_checkpoint` installs the
+    hierarchical rows (``key@hier``) of the checkpoint ``meta`` (a manifest)
+    for by default, on ``comm`` (collective where it must look at the node
+    layout; the same on every rank). Flat rows stay flat by default whatever
+    this mode is.
 
     1. The mode recorded by ``save_checkpoint(..., hierarchy=)``, if any.
-    2. ``"flat"`` when no key (other than those of ``skip``) holds
-       hierarchical residuals.
+    2. ``"flat"`` when no row (other than those of ``skip``) is hierarchical.
     3. ``"node"`` when the saving layout is not hierarchical under
        ``"auto"`` (one node, or one rank per node): only ``"node"`` made
        hierarchical residuals there.
@@ -423,15 +439,10 @@ def _saved_hierarchy(meta, comm, skip=()):
         return mode
     hier = sorted(r[0][:-len(HIER_SUFFIX)] for r in meta["rows"]
                   if r[0].endswith(HIER_SUFFIX) and r[0] not in skip)
-    if not hier or "hierarchy" not in a:  # a save records the layout of any it holds
+    saved = _saved_layout(meta)
+    if not hier or saved is None:  # a save records the layout of any it holds
         return "flat"
-    try:
-        saved = json.loads(a["hierarchy"])
-        nodes, sizes = int(saved["nodes"]), [int(x) for x in saved["node_sizes"]]
-    except (KeyError, TypeError, ValueError) as exc:
-        raise CheckpointError(f"{meta.get('path')}: the node layout of its hierarchical "
-                              f"rows (manifest attribute hierarchy) is unreadable: "
-                              f"{exc!r}") from exc
+    nodes, sizes = saved
     if not _auto_is_hierarchical(nodes, sizes):
         return "node"
     lay = _hierarchy.layout(comm)
@@ -446,34 +457,93 @@ def _saved_hierarchy(meta, comm, skip=()):
         "hierarchy=)) the value the collectives are called with")
 
 
-def to_layout(c, comm, entries, mode):
-    """For mpigc's own modules: the loaded entries (flat layout) in the form the collectives will use
-    on ``comm`` with ``hierarchy=mode``: hierarchical residuals (keys
-    ``key@hier[...]``) where that is hierarchical, flat ones (``key``)
-    otherwise (collective)."""
-    hier_on = mode != "flat" and _hierarchy.layout(comm).hierarchical(mode)
-    bases = {}
+def _is_hierarchical(comm, mode):
+    """Whether a call with ``hierarchy=mode`` on ``comm`` is hierarchical
+    (collective on the layout's first use)."""
+    return mode != "flat" and _hierarchy.layout(comm).hierarchical(mode)
+
+
+def _installed_forms(comm, rows, hierarchy, mode):
+    """``{row: True where it is installed as hierarchical residuals}`` for
+    the checkpoint rows ``rows`` (a key, or ``key@hier``) loaded on ``comm``
+    (collective where it looks at the node layout; the same on every rank).
+
+    With ``hierarchy=`` given, every row takes the form a call with that
+    ``hierarchy=`` takes on ``comm``. Without it (``hierarchy`` None), each
+    row keeps the form it was saved in: a flat row stays flat, a
+    hierarchical row is installed hierarchical where ``mode`` (from
+    :func:`_saved_hierarchy`) is hierarchical on ``comm``, flat otherwise
+    (the collectives called with ``mode`` are flat there)."""
+    if hierarchy is not None:
+        on = bool(rows) and _is_hierarchical(comm, hierarchy)
+        return dict.fromkeys(rows, on)
+    hier = [k for k in rows if k.endswith(HIER_SUFFIX)]
+    on = bool(hier) and _is_hierarchical(comm, mode)
+    return {k: on and k.endswith(HIER_SUFFIX) for k in rows}
+
+
+def _unread_flat_rows(meta, comm, rows, forms):
+    """A warning (or None) for a load without ``hierarchy=`` where the flat
+    rows may not be the keys the collectives read: the checkpoint records
+    ``hierarchy="auto"``, its saving layout is not hierarchical under it (or
+    not recorded), and this one is. A key of single calls saved there is flat
+    and is hierarchical here; a key of grouped calls stays flat under
+    ``"auto"``. The checkpoint cannot tell them apart; flat rows stay flat."""
+    if meta["attrs"].get("hierarchy_mode") != "auto":
+        return None
+    flat = sorted(k for k in rows if not forms[k] and not k.endswith(HIER_SUFFIX))
+    saved = _saved_layout(meta)
+    if not flat or (saved is not None and _auto_is_hierarchical(*saved)):
+        return None
+    if not _is_hierarchical(comm, "auto"):
+        return None
+    where = "on a layout it did not record" if saved is None else \
+        f"on {saved[0]} node(s) of {saved[1]} ranks"
+    return (f"load_checkpoint: the checkpoint records hierarchy='auto', flat where it was "
+            f"saved ({where}) and hierarchical here; its flat key(s) {flat} are installed "
+            "flat, as saved, which single calls with hierarchy='auto' no longer read here "
+            "(grouped calls do): pass hierarchy='auto' to install every key hierarchical")
+
+
+def to_layout(c, comm, entries, mode, hierarchical=None):
+    """For mpigc's own modules: the loaded entries (``{row: entry}`` in the
+    flat layout; a row is a key, or ``key@hier`` for hierarchical residuals)
+    installed on ``comm`` (collective): hierarchical residuals of its node
+    layout (keys ``key@hier[...]``) for the rows where ``hierarchical``
+    (``{row: bool}``, the same on every rank) is true, flat ones (``key``)
+    for the others. Without ``hierarchical``, every row takes the form a call
+    with ``hierarchy=mode`` takes on ``comm``. Raises CheckpointError where
+    two rows of one key would be installed as one."""
+    if hierarchical is None:
+        on = _is_hierarchical(comm, mode)
+        hierarchical = dict.fromkeys(entries, on)
+    targets = {}
     for k in entries:
         b = k[:-len(HIER_SUFFIX)] if k.endswith(HIER_SUFFIX) else k
-        bases.setdefault(b, []).append(k)
-    clash = sorted(b for b, ks in bases.items() if len(ks) > 1)
+        targets.setdefault((b, bool(hierarchical[k])), []).append(k)
+    clash = sorted(b for (b, _), ks in targets.items() if len(ks) > 1)
     if clash:  # the same on every rank (from the manifest)
-        raise CheckpointError(f"key(s) {clash} hold both flat and hierarchical residuals; "
-                              "load with strict=False and configs= naming one of them")
+        raise CheckpointError(f"key(s) {clash} hold both flat and hierarchical residuals, "
+                              "which this load would install in one form: load without "
+                              "hierarchy= (each row in the form it was saved in), or with "
+                              "strict=False and configs= naming one of them")
     out = {}
-    if not hier_on:
-        for b in sorted(bases):
-            out[b] = entries[bases[b][0]]
+    hier = []
+    for (b, on), ks in sorted(targets.items()):
+        if on:
+            hier.append((b, ks[0]))
+        else:
+            out[b] = entries[ks[0]]
+    if not hier:
         return out
     lay = _hierarchy.layout(comm)
     # a rank may hold no worker residual after resharding (fewer old ranks than
     # new): the decisions below must be the same on every rank
-    names = [bases[b][0] for b in sorted(bases)]
     flags = np.array([[int(entries[k].worker is not None), int(entries[k].owner is not None)]
-                      for k in names], np.int64).reshape(-1, 2)
+                      for _, k in hier], np.int64).reshape(-1, 2)
     c.Allreduce(MPI.IN_PLACE, flags, op=MPI.MAX)
-    for i, b in enumerate(sorted(bases)):
-        e = entries[bases[b][0]]
+    for i, (b, k) in enumerate(hier):
+        e = entries[k]
         w, o = e.worker, e.owner
         if flags[i, 0] and w is None:
             w = np.zeros(e.n, e.dtype)
@@ -515,9 +585,11 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None,
         ``$MPIGC_CHECKPOINT_FSYNC``).
     hierarchy : {"flat", "auto", "node"}, optional
         The ``hierarchy=`` the collectives were called with on ``comm``.
-        Recorded in the manifest (attribute ``hierarchy_mode``), so that
-        :func:`load_checkpoint` installs the residuals for the same mode by
-        default. Default: not recorded.
+        Recorded in the manifest (attribute ``hierarchy_mode``; with
+        ``"auto"``, the node layout too), so that :func:`load_checkpoint`
+        installs the hierarchical residuals for the same mode by default on
+        a layout where it differs (flat keys stay flat). Default: not
+        recorded.
 
     Returns
     -------
@@ -590,6 +662,11 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None,
             lay = _hierarchy.layout(comm)
             held.update(hier_to_flat(c, lay, hier, hrows, size, rank))
             extra["hierarchy"] = json.dumps(lay.describe(), sort_keys=True)
+        elif hierarchy == "auto":
+            # whether "auto" was hierarchical here: a load on a layout where it
+            # is says when the flat rows may be keys it reads hierarchical
+            extra["hierarchy"] = json.dumps(_hierarchy.layout(comm).describe(),
+                                            sort_keys=True)
         # rank 0 makes the directory for this save's data
         exc = None
         if rank == 0:
@@ -967,33 +1044,49 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
         with. Without it, a key is compared with the store's live entry of
         that key, if any (so a fresh store accepts any checkpoint).
     hierarchy : {"flat", "auto", "node"}, optional
-        The ``hierarchy=`` the collectives will be called with on ``comm``.
-        Where it makes them hierarchical (``docs/cluster.md``), every key's
-        residuals (saved flat or hierarchical, on any node layout) are
-        installed as hierarchical residuals of this layout (worker residuals
-        summed per node and slice, owner residuals moved to the group
-        owners); otherwise as flat ones. The totals are kept either way.
-        Default: as saved. That is the mode recorded by
-        ``save_checkpoint(..., hierarchy=)``; without one, ``"flat"`` for a
-        checkpoint without hierarchical residuals, and for one with them
-        the mode that made them where that is certain (``"node"`` when the
-        saving layout is not hierarchical under ``"auto"``; ``"auto"``, the
-        same as ``"node"`` there, when the loading layout is hierarchical
-        under ``"auto"``). Otherwise :class:`ConfigError` on every rank asks
-        for ``hierarchy=``: hierarchical residuals are never left unused.
+        Default (None): every key is installed in the form it was saved in,
+        key by key, at any world size: a flat key (a row ``key``: flat
+        calls, grouped calls) as a flat key, a hierarchical one (a row
+        ``key@hier``) as hierarchical residuals of ``comm``'s node layout
+        (worker residuals summed per node and slice, owner residuals moved
+        to the group owners). A key saved in both forms keeps both. The
+        hierarchical rows follow the mode that made them, where
+        the layout changes what it does: the mode recorded by
+        ``save_checkpoint(..., hierarchy=)``; without one, ``"node"`` when
+        the saving layout is not hierarchical under ``"auto"``, ``"auto"``
+        (the same as ``"node"`` there) when the loading layout is
+        hierarchical under ``"auto"``, and otherwise :class:`ConfigError` on
+        every rank asks for ``hierarchy=`` (hierarchical residuals are never
+        left unused). Where that mode is flat on ``comm`` (``"flat"``
+        recorded, or ``"auto"`` on one node), they are installed flat.
+        Flat keys stay flat even where a recorded ``"auto"`` was flat on
+        the saving layout and is hierarchical here (a key of single calls,
+        hierarchical here, cannot be told from one of grouped calls, flat
+        under ``"auto"``): a ``UserWarning`` says so.
+
+        Given, it is the ``hierarchy=`` the collectives will be called with
+        on ``comm``, and every key, flat or hierarchical when saved, on any
+        node layout, is installed in the form a (single) call with it takes
+        on ``comm``: hierarchical residuals of this layout where it is
+        hierarchical, flat ones otherwise. The totals are kept either way.
+        Keys used with other modes, or in grouped calls (which
+        ``"auto"`` reduces flat), are loaded without ``hierarchy=``.
 
     Returns
     -------
     dict
-        ``{"step", "world_size" (saved), "keys", "reinitialised",
-        "hierarchy" (the mode the residuals were installed for),
+        ``{"step", "world_size" (saved), "keys" (the checkpoint's rows),
+        "reinitialised", "forms" ({row: "flat" or "hierarchical"}: how each
+        row that was loaded is installed), "hierarchy" (the ``hierarchy=``
+        given, or the mode the hierarchical rows were installed for),
         "mpigc_version", "format_version"}``.
 
     Raises
     ------
     CheckpointError
         On every rank, for a missing, foreign, truncated or corrupted
-        checkpoint; the store is unchanged.
+        checkpoint, or a key whose flat and hierarchical rows this load
+        would install in one form; the store is unchanged.
     MismatchError
         On every rank, for a config mismatch with ``strict=True``, or when
         the ranks pass different ``hierarchy=``.
@@ -1028,16 +1121,20 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
                                 "re-initialise them")
         warnings.warn(f"load_checkpoint: re-initialising {len(union)} key(s) whose saved "
                       f"config does not match ({detail})", stacklevel=2)
-    exc, entries = None, None
+    exc, entries, forms, mode, note = None, None, None, hierarchy, None
     try:
         check_hierarchy_mode(hierarchy)
+        rows = [r[0] for r in meta["rows"] if r[0] not in union]
         if hierarchy is None:  # decided from the manifest: the same on every rank
-            hierarchy = _saved_hierarchy(meta, comm, union)
+            mode = _saved_hierarchy(meta, comm, union)
+        forms = _installed_forms(comm, rows, hierarchy, mode)
+        if hierarchy is None:
+            note = _unread_flat_rows(meta, comm, rows, forms)
         entries = _read_entries(meta, union, size, rank)
     except Exception as e:  # noqa: BLE001
         exc = e if isinstance(e, MpigcError) else CheckpointError(f"{type(e).__name__}: {e}")
     _agree(c, exc, "load_checkpoint")
-    entries = to_layout(c, comm, entries, hierarchy)
+    entries = to_layout(c, comm, entries, mode, forms)
     exc = None
     try:
         fb.replace_entries(entries)
@@ -1045,11 +1142,14 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
     except Exception as e:  # noqa: BLE001
         exc = e
     _agree(c, exc, "load_checkpoint")
+    if note is not None:
+        warnings.warn(note, stacklevel=2)
     a = meta["attrs"]
     return {"step": a.get("step"), "world_size": a["world_size"],
             "keys": [r[0] for r in meta["rows"]], "reinitialised": sorted(union),
-            "hierarchy": hierarchy, "mpigc_version": a["mpigc_version"],
-            "format_version": a["format_version"]}
+            "hierarchy": mode, "forms": {k: "hierarchical" if h else "flat"
+                                         for k, h in forms.items()},
+            "mpigc_version": a["mpigc_version"], "format_version": a["format_version"]}
 
 
 # -- command line ----------------------------------------------------------------------
@@ -1074,8 +1174,13 @@ def describe(path, verify=True):
     """What checkpoint ``path`` holds, as a JSON-ready dict (no MPI
     communication): ``valid``, ``errors``, the manifest's ``format``,
     ``format_version``, ``mpigc_version``, ``created``, ``world_size``,
-    ``step``, ``data_dir``, ``data_bytes``, ``keys`` (one dict per key:
-    ``key``, ``n``, ``dtype``, ``calls``, ``config``, ``residuals``) and
+    ``step``, ``data_dir``, ``data_bytes``, ``hierarchy_mode`` (recorded by
+    the save, or None), ``node_layout`` (``{"nodes", "node_sizes"}`` of the
+    saving communicator where recorded, else None), ``keys`` (one dict per
+    row: ``key`` (the user's key), ``row`` (``key``, or ``key@hier``),
+    ``form`` (``"flat"`` or ``"hierarchical"``: the form a load without
+    ``hierarchy=`` keeps), ``n``, ``dtype``, ``calls``, ``config``,
+    ``residuals``) and
     ``checksums`` (``"OK"``, ``"FAILED"``, or None without ``verify``). When
     ``path`` is a folder without a manifest, ``checkpoints_inside`` names the
     checkpoints found up to two levels below it."""
@@ -1092,7 +1197,15 @@ def describe(path, verify=True):
     doc.update(format=a["format"], format_version=a["format_version"],
                mpigc_version=a["mpigc_version"], created=a.get("created"),
                world_size=a["world_size"], step=a.get("step"), data_dir=a["data_dir"],
-               data_bytes=sum(meta["file_nbytes"]), keys=[], checksums=None)
+               data_bytes=sum(meta["file_nbytes"]), hierarchy_mode=a.get("hierarchy_mode"),
+               node_layout=None, keys=[], checksums=None)
+    try:
+        saved = _saved_layout(meta)
+    except CheckpointError as exc:
+        doc["errors"].append(str(exc))
+        saved = None
+    if saved is not None:
+        doc["node_layout"] = {"nodes": saved[0], "node_sizes": saved[1]}
     for i, (key, n, dname, cfg, calls) in enumerate(meta["rows"]):
         parts = [p for p, h in (("worker", meta["has_worker"][i]),
                                 ("owner", meta["has_owner"][i])) if h]
@@ -1100,10 +1213,13 @@ def describe(path, verify=True):
             cfg = json.loads(cfg)
         except (TypeError, ValueError):
             pass  # shown as stored
-        doc["keys"].append({"key": key, "n": n, "dtype": dname, "calls": calls,
-                            "config": cfg, "residuals": parts})
+        hier = key.endswith(HIER_SUFFIX)
+        doc["keys"].append({"key": key[:-len(HIER_SUFFIX)] if hier else key, "row": key,
+                            "form": "hierarchical" if hier else "flat", "n": n,
+                            "dtype": dname, "calls": calls, "config": cfg,
+                            "residuals": parts})
     if not verify:
-        doc["valid"] = True
+        doc["valid"] = not doc["errors"]
         return doc
     nbytes, errors = 0, doc["errors"]
     size = a["world_size"]
@@ -1165,13 +1281,20 @@ def info(path, verify=True, file=None, as_json=False):
     print(f"step         {'none' if doc['step'] is None else doc['step']}", file=out)
     print(f"data         {doc['data_dir']}/ ({doc['world_size']} file(s), "
           f"{doc['data_bytes']} bytes)", file=out)
+    mode, nl = doc["hierarchy_mode"], doc["node_layout"]
+    print("hierarchy    " + ("no mode recorded" if mode is None else f"mode {mode!r} recorded")
+          + ("" if nl is None else f", saved on {nl['nodes']} node(s) of "
+             f"{nl['node_sizes']} ranks"), file=out)
     print(f"keys         {len(doc['keys'])}", file=out)
     for k in doc["keys"]:
+        form = "flat" if k["form"] == "flat" else f"hierarchical (row {k['row']!r})"
         print(f"  {k['key']!r}: shape ({k['n']},) {k['dtype']}, calls {k['calls']}, "
-              f"config {_config_text(k['config'])}, residuals: {', '.join(k['residuals']) or 'none'}",
-              file=out)
+              f"config {_config_text(k['config'])}, residuals: "
+              f"{', '.join(k['residuals']) or 'none'}; {form}", file=out)
     if not verify:
-        return 0
+        for e in doc["errors"]:
+            print(f"error: {e}", file=out)
+        return 0 if doc["valid"] else 1
     if doc["errors"]:
         for e in doc["errors"]:
             print(f"error: {e}", file=out)

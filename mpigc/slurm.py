@@ -28,7 +28,8 @@ atomically last, so a job killed during a save resumes from the previous
 complete save, never from a mix of two steps. A training whose collectives
 are hierarchical passes their ``hierarchy=`` to :func:`save_training_state`
 too: it is recorded with the residuals, and :func:`load_training_state`
-installs them for that mode (the keys the collectives will use).
+installs the hierarchical ones for that mode; every key keeps the form it was
+saved in (the keys the collectives will use).
 
 Nothing here calls MPI at import; the functions that talk are collective over
 ``comm`` (default ``COMM_WORLD``, on a private duplicate).
@@ -367,8 +368,10 @@ def save_training_state(path: Union[str, os.PathLike], arrays: Mapping[str, np.n
     ``hierarchy`` is the ``hierarchy=`` (``"flat"``, ``"auto"`` or
     ``"node"``) the training's collectives are called with: it is recorded
     with the residuals (``mpigc.save_checkpoint(..., hierarchy=)``), so that
-    :func:`load_training_state` installs them for the same mode by default.
-    Pass it whenever the collectives are not flat.
+    :func:`load_training_state` installs the hierarchical ones for the same
+    mode by default (each key keeps the form it was saved in; the mode
+    decides where the layout changes what it does). Pass it whenever the
+    collectives are not flat.
 
     Returns the directory of this save.
     """
@@ -455,15 +458,18 @@ def load_training_state(path: Union[str, os.PathLike], *, feedback=None,
     and their totals kept) and every rank gets the arrays. ``rank_arrays`` is
     None unless the save had them and the world size is unchanged.
 
-    ``hierarchy`` is the ``hierarchy=`` the collectives will be called with
-    from now on: the residuals are installed for it (hierarchical residuals
-    of this communicator's node layout, or flat ones; a change of mode or of
-    layout keeps their totals). Default: the mode recorded by
-    :func:`save_training_state`; for a save without one, what
-    :func:`mpigc.load_checkpoint` decides by default (flat residuals stay
-    flat; hierarchical ones are installed hierarchically where the saving
-    mode is certain, else :class:`mpigc.ConfigError` on every rank asks for
-    ``hierarchy=``). ``checkpoint_info["hierarchy"]`` is the mode used.
+    Default (``hierarchy`` None): every key is installed in the form it was
+    saved in, as :func:`mpigc.load_checkpoint` does by default: flat keys
+    (grouped calls' members included) flat, hierarchical ones as
+    hierarchical residuals of this communicator's node layout, for the mode
+    recorded by :func:`save_training_state` where the layout changes what it
+    does (without one, the mode that made them where that is certain, else
+    :class:`mpigc.ConfigError` on every rank asks for ``hierarchy=``).
+    Given, ``hierarchy`` is the ``hierarchy=`` the collectives will be
+    called with from now on, and every key is installed in the form a call
+    with it takes here (a change of mode or of layout keeps the totals).
+    ``checkpoint_info["forms"]`` gives each key's form,
+    ``checkpoint_info["hierarchy"]`` the mode used.
     """
     from .checkpoint import load_checkpoint
     c = _private(comm)

@@ -120,6 +120,98 @@ def test_default_store_and_lazy_exports(tmp_path):
     fb.reset()
 
 
+# -- flat, hierarchical and grouped keys in one store (issue 50, item 1) ----------------
+def _mixed_step(fb, step, keys=("f", "h", "g")):
+    """One step: "f" flat, "h" hierarchical (hierarchy="node": one emulated
+    node of this rank), "g/0" and "g/1" one grouped call (hierarchy="auto":
+    flat). Returns the outputs as bytes."""
+    rng = np.random.default_rng(step)
+    outs = []
+    if "f" in keys:
+        outs.append(mpigc.allreduce(rng.standard_normal(1001).astype(np.float32), "2bit",
+                                    key="f", feedback=fb, comm=SELF).tobytes())
+    if "h" in keys:
+        outs.append(mpigc.allreduce(rng.standard_normal(777).astype(np.float32), "2bit",
+                                    key="h", feedback=fb, comm=SELF,
+                                    hierarchy="node").tobytes())
+    if "g" in keys:
+        gs = [rng.standard_normal(n).astype(np.float32) for n in (300, 200)]
+        mpigc.allreduce(gs, "2bit", key="g", feedback=fb, comm=SELF, hierarchy="auto")
+        outs += [g.tobytes() for g in gs]
+    return outs
+
+
+def test_mixed_store_loads_each_key_in_its_saved_form(tmp_path, monkeypatch):
+    """Without hierarchy=, a load installs every key in the form it was
+    saved in: flat and grouped keys flat, hierarchical ones hierarchical, and
+    the next step is bit-identical (before the fix every key came back
+    hierarchical, and the flat keys' next calls started from zero). With
+    hierarchy= given, every key takes the form of a call with it."""
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "1")
+    fb = mpigc.ErrorFeedback()
+    for step in range(3):
+        _mixed_step(fb, step)
+    assert sorted(fb.keys()) == ["f", "g/0", "g/1", "h@hier[0/1:777]"]
+    path = tmp_path / "ck"
+    mpigc.save_checkpoint(path, feedback=fb, comm=SELF, step=3)
+    expected = _mixed_step(fb, 3)
+    fb2 = mpigc.ErrorFeedback()
+    info = mpigc.load_checkpoint(path, feedback=fb2, comm=SELF)
+    assert info["forms"] == {"f": "flat", "g/0": "flat", "g/1": "flat",
+                             "h@hier": "hierarchical"}
+    assert info["hierarchy"] == "node"  # what made "h", on one node
+    assert sorted(fb2.keys()) == ["f", "g/0", "g/1", "h@hier[0/1:777]"]
+    assert _mixed_step(fb2, 3) == expected
+    assert same_state(fb, fb2)
+    # given, hierarchy= converts every key: flat everywhere, or hierarchical here
+    fb3 = mpigc.ErrorFeedback()
+    info = mpigc.load_checkpoint(path, feedback=fb3, comm=SELF, hierarchy="flat")
+    assert set(info["forms"].values()) == {"flat"} and sorted(fb3.keys()) == ["f", "g/0",
+                                                                              "g/1", "h"]
+    fb4 = mpigc.ErrorFeedback()
+    info = mpigc.load_checkpoint(path, feedback=fb4, comm=SELF, hierarchy="node")
+    assert set(info["forms"].values()) == {"hierarchical"}
+    assert sorted(fb4.keys()) == ["f@hier[0/1:1001]", "g/0@hier[0/1:300]",
+                                  "g/1@hier[0/1:200]", "h@hier[0/1:777]"]
+    # and the inspector says which key is which
+    buf = io.StringIO()
+    assert ckpt.info(path, file=buf) == 0
+    text = buf.getvalue()
+    assert "hierarchy    no mode recorded, saved on 1 node(s) of [1] ranks" in text
+    assert "'f': shape (1001,) float32" in text and text.count("; flat\n") == 3
+    assert "residuals: worker, owner; hierarchical (row 'h@hier')" in text
+    doc = ckpt.describe(path)
+    assert [(k["key"], k["row"], k["form"]) for k in doc["keys"]] == [
+        ("f", "f", "flat"), ("g/0", "g/0", "flat"), ("g/1", "g/1", "flat"),
+        ("h", "h@hier", "hierarchical")]
+    assert doc["node_layout"] == {"nodes": 1, "node_sizes": [1]}
+    assert doc["hierarchy_mode"] is None
+
+
+def test_key_saved_flat_and_hierarchical_keeps_both(tmp_path, monkeypatch):
+    """A key used both flat and hierarchically holds two residuals (they do
+    not share); a load without hierarchy= keeps both (it refused the
+    checkpoint before); one that would install both in one form refuses it
+    on every rank, the store unchanged."""
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "1")
+    fb = mpigc.ErrorFeedback()
+    rng = np.random.default_rng(0)
+    for mode in ("flat", "node", "flat"):
+        mpigc.allreduce(rng.standard_normal(501).astype(np.float32), "2bit", key="k",
+                        feedback=fb, comm=SELF, hierarchy=mode)
+    assert sorted(fb.keys()) == ["k", "k@hier[0/1:501]"]
+    path = tmp_path / "ck"
+    mpigc.save_checkpoint(path, feedback=fb, comm=SELF, hierarchy="node")
+    fb2 = mpigc.ErrorFeedback()
+    info = mpigc.load_checkpoint(path, feedback=fb2, comm=SELF)
+    assert info["forms"] == {"k": "flat", "k@hier": "hierarchical"}
+    assert same_state(fb, fb2)
+    for mode in ("flat", "node"):
+        with pytest.raises(CheckpointError, match="both flat and hierarchical"):
+            mpigc.load_checkpoint(path, feedback=fb2, comm=SELF, hierarchy=mode)
+    assert same_state(fb, fb2)
+
+
 # -- checksums ------------------------------------------------------------------------
 def fletcher_reference(arr, block_words):
     w = np.ascontiguousarray(arr).view(np.uint32).astype(object)

@@ -36,6 +36,7 @@ class HostBackend:
     """numpy arrays; MPI takes them as they are."""
 
     device = False
+    device_id = None  # no GPU to make current (DeviceBackend: the call's)
     #: decode the senders' payloads as they arrive, one call each (the CPU
     #: overlaps decoding with the transfers); the device backend decodes them
     #: all with one launch once they are all there

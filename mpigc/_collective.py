@@ -323,6 +323,10 @@ class _Op(PendingCall):
         self.state = "done"
         _sched.dequeue(self)
 
+    def device_id(self):
+        # a grouped call's backend is its members' (mpigc._group.Group.adopt)
+        return None if self.be is None else self.be.device_id
+
     def trace_args(self):
         comp = getattr(self, "comp", None)
         name = f"{self.kind} {comp.codec_id if comp is not None else '?'}"

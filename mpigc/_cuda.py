@@ -477,10 +477,13 @@ def select_device(comm=None, device=None):
 
 
 def current_device_id():
-    """The GPU current in the calling thread (0 in the simulator)."""
+    """The GPU current in the calling thread (in the simulator, whose
+    devices carry no id, that of its current context: 0, unless a test gives
+    it more devices)."""
+    cuda = _numba_cuda()
     if simulator():
-        return 0
-    return _numba_cuda().get_current_device().id
+        return cuda.current_context().id
+    return cuda.get_current_device().id
 
 
 _thread_device = threading.local()
@@ -491,7 +494,7 @@ def make_current(device_id):
     thread, before it advances a device call). A thread starts with no CUDA
     context, and Numba would then use GPU 0: a rank on GPU 1 would allocate
     and launch there. Once per thread and device."""
-    if simulator() or getattr(_thread_device, "id", None) == device_id:
+    if getattr(_thread_device, "id", None) == device_id:
         return
     _numba_cuda().select_device(device_id)
     _thread_device.id = device_id

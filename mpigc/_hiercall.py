@@ -66,10 +66,11 @@ class _Input:
     to release)."""
 
     def __init__(self):
-        # the buffer's backend (a device one's device_id is made current by the
-        # progress thread); the caller's buffer, flat, on its side (side_flat)
-        # and in host memory (flat: the same array for a host buffer, a
-        # staging copy for a device one), where the intra-node steps run
+        # the buffer's backend (a device one's device_id is made current by
+        # the progress thread: _HierCall.device_id); the caller's buffer,
+        # flat, on its side (side_flat) and in host memory (flat: the same
+        # array for a host buffer, a staging copy for a device one), where
+        # the intra-node steps run
         self.be = self.side_flat = self.flat = None
         self.n = self.dtype = self.settings = self.key = None
         self.plain = False
@@ -199,6 +200,11 @@ class _HierCall(_sched.PendingCall):
             self.x.be.sync()  # the last copies out of its staging buffers
             self.x.be.release()
         _sched.dequeue(self)
+
+    def device_id(self):
+        # its staging copies run in its steps, and the inter-node calls that
+        # its steps start adopt the GPU current then
+        return None if self.x.be is None else self.x.be.device_id
 
     def trace_args(self):
         x = self.x

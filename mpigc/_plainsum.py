@@ -122,7 +122,7 @@ class PlainSum:
             self.rwire = be.wire(recv)
             self.out = recv
         reqs = []
-        dev = be.device_id if be.device else None
+        dev = op.device_id()  # made current in the reduction thread
         if op.blocking and here:
             self._reduce(cs.post, blocking=True)
         elif op.blocking:

@@ -312,10 +312,12 @@ def in_order(op):
 
 def progress_all():
     """Advance every pending call without blocking (errors are kept by the
-    call they belong to and raised by its own test() or wait())."""
+    call they belong to and raised by its own test() or wait()). The
+    progress thread first makes the call's GPU current
+    (:meth:`PendingCall.device_id`): a thread starts on GPU 0."""
     for op in list(_pending):
-        if _driver.thread:  # the progress thread: the call's GPU current
-            dev = getattr(getattr(op, "be", None), "device_id", None)
+        if _driver.thread:
+            dev = op.device_id()
             if dev is not None:
                 _cuda.make_current(dev)
         op.progress(block=False)
@@ -478,10 +480,11 @@ class PendingCall:
 
     What the queue and :class:`Request` read: ``state`` ("done" at the
     end), ``error``, ``result``, ``cs`` (calls with the same ``cs`` complete
-    in start order on every rank), ``progress(block)`` and ``settle()`` (the
-    caller saw it done: its key is free again). A call defines ``_failed(exc)``
-    (its steps raised: undo what it can) and ``_end()`` (done: leave the
-    queue); ``polite`` waits test and sleep rather than block in MPI."""
+    in start order on every rank), ``progress(block)``, ``settle()`` (the
+    caller saw it done: its key is free again) and ``device_id()`` (the GPU
+    its steps run on). A call defines ``device_id``, ``_failed(exc)`` (its
+    steps raised: undo what it can) and ``_end()`` (done: leave the queue);
+    ``polite`` waits test and sleep rather than block in MPI."""
 
     steps = None
     waiting = None  # the effect the steps wait for
@@ -536,6 +539,16 @@ class PendingCall:
 
     def done_or_failed(self):
         return self.state == "done"
+
+    def device_id(self):
+        """The GPU this call's steps run on, the one current in the caller's
+        thread when its device buffer was adopted (``device_id`` of the
+        backend), or None (host memory, or nothing adopted): the progress
+        thread makes it current before it advances the call
+        (:func:`progress_all`), and a reduction thread before the call's
+        sum. Every kind of call says (flat and grouped calls, hierarchical
+        ones, the short path's), the same way."""
+        raise NotImplementedError(f"{type(self).__name__} does not say its GPU")
 
     def trace_args(self):
         """The call's name and ``args`` in the timeline (:mod:`mpigc._timeline`)."""

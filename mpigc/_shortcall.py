@@ -59,6 +59,9 @@ class Done:
     def done_or_failed(self):
         return True
 
+    def device_id(self):
+        return None  # host arrays only; never queued
+
     def settle(self):
         pass
 

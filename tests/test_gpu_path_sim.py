@@ -23,7 +23,7 @@ SCRIPT = os.path.join(HERE, "mpi", "test_gpu_path_mpi.py")
 TIMEOUT = int(os.environ.get("MPIGC_TEST_TIMEOUT", "900"))
 
 # group -> MPIGC_CUDA_AWARE (None: unset, the library is probed)
-GROUPS = {"staged": "0", "aware": "1", "detect": None, "hier": "0"}
+GROUPS = {"staged": "0", "aware": "1", "detect": None, "hier": "0", "devices": "0"}
 
 
 def _env(sim, aware=None):

@@ -31,6 +31,13 @@ This file has two uses.
                the results and residuals of the same calls on host arrays,
                blocking and nonblocking, ``out=``, a failed call changes
                nothing, a saved state continues exactly.
+   ``devices`` ``MPIGC_CUDA_AWARE=0``, two simulated devices (the simulator
+               has one: :func:`_two_simulated_devices`): the progress thread
+               makes each nonblocking call's GPU current before it advances
+               the call, for every kind of call (flat, grouped,
+               hierarchical, ``op="none"``): every copy and launch that an
+               engine thread makes for a call started on device 1 (0) runs
+               with device 1 (0) current there.
 
    Ranks agree on pass/fail before the script exits; rank 0 prints
    ``ok GROUP`` or every rank's failures.
@@ -590,8 +597,124 @@ def group_hier(c, cuda):
     c.check(_cuda.staging_pool.allocated > 0, "no staging buffer was used")
 
 
+def _two_simulated_devices(cuda):
+    """Give Numba's simulator, which has one device, a second:
+    ``cuda.select_device(d)`` makes device d (0 or 1) current in the calling
+    thread, ``cuda.current_context().id`` says which is
+    (:func:`mpigc._cuda.current_device_id` reads it), ``len(cuda.gpus)`` is
+    2, and a thread starts on device 0, as a thread without a CUDA context
+    does on a GPU. Memory is the host's on both: what tells the devices
+    apart is which one is current when mpigc copies or launches
+    (:func:`_device_log`). Returns ``current()``, the calling thread's."""
+    import threading
+
+    from numba.cuda.simulator.cudadrv import devices as simulated
+    contexts = (simulated.FakeCUDAContext(0), simulated.FakeCUDAContext(1))
+    local = threading.local()
+
+    def current():
+        return getattr(local, "device", 0)
+
+    def select_device(dev=0):
+        if dev not in (0, 1):
+            raise ValueError(f"the simulated devices are 0 and 1, got {dev}")
+        local.device = dev
+        return contexts[dev].device
+
+    class _Two(simulated.FakeDeviceList):
+        def __init__(self):
+            super().__init__()
+            self.lst = contexts
+
+        @property
+        def current(self):
+            return contexts[current()]
+
+    cuda.select_device = select_device
+    cuda.current_context = lambda devnum=None: contexts[
+        current() if devnum is None else devnum]
+    cuda.gpus = _Two()
+    return current
+
+
+def _device_log(current):
+    """Record ``(thread name, device current there, what)`` at every kernel
+    launch (``kernels.cuda._launch``) and every copy, allocation and
+    synchronisation of :mod:`mpigc._cuda` from now on; returns the list."""
+    import threading
+
+    from mpigc.kernels import cuda as kc
+    log = []
+
+    def wrap(module, name):
+        f = getattr(module, name)
+
+        def recorded(*args, **kw):
+            log.append((threading.current_thread().name, current(), name))
+            return f(*args, **kw)
+        setattr(module, name, recorded)
+
+    wrap(kc, "_launch")
+    for name in ("copy", "to_host", "to_device", "empty", "zeros", "sync"):
+        wrap(_cuda, name)
+    return log
+
+
+def group_devices(c, cuda):
+    """The progress thread makes each call's GPU current (issue 50, item 4):
+    a nonblocking call of each kind is started on device 1, then on device 0,
+    and left to the progress thread until it is done; every copy and launch
+    an engine thread made for it ran with the call's device current there.
+    The short path's calls are blocking, on host arrays, and never queued:
+    they say so (``device_id()`` None)."""
+    import time
+    r, comm = c.rank, c.comm
+    if not mpigc.diagnostics.progress_thread_enabled():
+        c.check(False, "no progress thread (MPI_THREAD_MULTIPLE, MPIGC_PROGRESS_THREAD)")
+        return
+    current = _two_simulated_devices(cuda)
+    log = _device_log(current)
+    os.environ["MPIGC_NODE_SPLIT"] = "2"
+    hier = mpigc._hierarchy.layout(comm).hierarchical("node")
+    fb = mpigc.ErrorFeedback()
+    kinds = {
+        "flat": lambda g: mpigc.iallreduce(cuda.to_device(g), "2bit", key="f", feedback=fb),
+        "grouped": lambda g: mpigc.iallreduce([cuda.to_device(g[:20]), cuda.to_device(g[20:])],
+                                              "2bit", key="g", feedback=fb),
+        "hierarchical": lambda g: mpigc.iallreduce(cuda.to_device(g), "2bit", key="h",
+                                                   feedback=fb, hierarchy="node"),
+        "none": lambda g: mpigc.iallreduce(cuda.to_device(g), "none"),
+    }
+    for kind, start in kinds.items():
+        for dev in (1, 0):
+            what = f"{kind} on device {dev}"
+            cuda.select_device(dev)
+            mark = len(log)
+            req = start(_grad(r, 64, np.float32, dev))
+            call = req._op
+            c.check(call.device_id() == dev, f"{what}: the call says device {call.device_id()}")
+            if kind == "hierarchical":
+                c.check((type(call).__name__ == "_HierCall") == hier, f"{what}: {call}")
+            if kind == "grouped":
+                c.check(call.group is not None, f"{what}: not a grouped call")
+            # the progress thread alone advances it (no test() or wait() here)
+            deadline = time.monotonic() + 300
+            while not req.done and time.monotonic() < deadline:
+                time.sleep(1e-3)
+            c.check(req.done, f"{what}: not done by the progress thread in 300 s")
+            req.wait()
+            ours = [e for e in log[mark:] if e[0] != "MainThread"]
+            c.check(ours, f"{what}: no engine thread copied or launched for it")
+            wrong = [e for e in ours if e[1] != dev]
+            c.check(not wrong, f"{what}: {len(wrong)} of {len(ours)} copies and launches "
+                    f"with another device current, first {wrong[:3]}")
+    cuda.select_device(0)
+    from mpigc import _shortcall
+    c.check(_shortcall.Done(None, None).device_id() is None, "the short path's device")
+
+
 GROUPS = {"staged": group_staged, "aware": group_aware, "detect": group_detect,
-          "hier": group_hier}
+          "hier": group_hier, "devices": group_devices}
 
 
 def main(group):

@@ -198,3 +198,94 @@ def test_a_step_shows_in_torch_profiler(torch, mt):
         assert f"mpigc: wait bucket {b.key}" in names, names
     model(x).sum().backward()  # outside a profile: no range is made, the step works
     sync.wait()
+
+
+class _Clock:
+    """A stand-in for the ``time`` module of ``mpigc.torch._common``: each
+    sleep of a wait moves the clock on by ``step`` seconds."""
+
+    def __init__(self, step=0.5):
+        self.now, self.step = 1000.0, step
+
+    def monotonic(self):
+        return self.now
+
+    def sleep(self, _):
+        self.now += self.step
+
+
+def test_a_long_wait_says_so_on_stderr_and_again_every_five_times_that(mt, monkeypatch,
+                                                                         capsys):
+    """The torch layer's one wait for the other ranks: a line on stderr
+    after warn_s, then every 5 * warn_s, naming who waits, for what, and the
+    likely causes; StateError at the timeout; counted from ``since`` when
+    given (the calls of one step share one schedule)."""
+    from mpigc.torch import _common
+    clock = _Clock()
+    monkeypatch.setattr(_common, "time", clock)
+
+    def wait(until, **kw):
+        start = clock.now
+        _common.wait_request(lambda: clock.now - start >= until, "GradientSync (rank 0 of 2)",
+                             _common.STEP, **kw)
+        return [ln for ln in capsys.readouterr().err.splitlines()]
+
+    lines = wait(12.5, timeout=None, warn_s=1)
+    assert [ln.split(" for the other ranks")[0] for ln in lines] == [
+        f"mpigc: GradientSync (rank 0 of 2): still waiting after {t} s" for t in (1, 6, 11)]
+    assert all("to reach this step's gradient synchronisation. A rank that ran out of "
+               "batches (uneven inputs)?" in ln and "called on some ranks only" in ln
+               and "(no timeout; said again every 5 s;" in ln for ln in lines)
+    assert wait(200, timeout=None, warn_s=None) == []  # $MPIGC_TORCH_WARN_S=0
+    with pytest.raises(mpigc.StateError, match=r"^GradientSync \(rank 0 of 2\): the other "
+                       r"ranks did not reach this step's gradient synchronisation within "
+                       r"8 s\. A rank that ran out of batches .* The step stays pending"):
+        wait(100, timeout=8, warn_s=1)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 2 and "after 6 s" in lines[1] and "a StateError after 8 s" in lines[1]
+    # a wait of the same step that begins 3 s after it: the next line at 6 s of the step
+    lines = wait(9.5, timeout=None, warn_s=1, since=clock.now - 3)
+    assert len(lines) == 2 and "after 6 s" in lines[0] and "after 11 s" in lines[1]
+
+
+def test_the_first_line_of_a_wait_comes_from_the_environment(mt, monkeypatch):
+    from mpigc.torch import _common
+    for env, warn_s in (("60", 60.0), ("0", None), ("2.5", 2.5)):
+        monkeypatch.setenv("MPIGC_TORCH_WARN_S", env)
+        assert _common.resolve_warn_s() == warn_s
+    monkeypatch.delenv("MPIGC_TORCH_WARN_S")
+    assert _common.resolve_warn_s() == 60.0
+    for bad in ("soon", "-1", "nan"):
+        monkeypatch.setenv("MPIGC_TORCH_WARN_S", bad)
+        with pytest.raises(mpigc.ConfigError, match="MPIGC_TORCH_WARN_S"):
+            mt.GradientSync(mlp(__import__("torch")), op="2bit")
+
+
+def test_an_error_in_the_ddp_hook_reaches_backward_as_itself(torch, mt, tmp_path):
+    """DDP (one process, gloo) with the hook: NonFiniteError in the hook
+    (nonfinite="raise", a NaN gradient) is what backward() raises, its
+    message unchanged (it was "RuntimeError: Unable to cast ... to
+    Tensor"), and DDP finished its step: the next steps run."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        model = mlp(torch)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
+        state = mt.CommHookState(ddp, op="2bit", nonfinite="raise")
+        ddp.register_comm_hook(state, mt.comm_hook)
+        x = torch.randn(4, 8)
+        ddp(x).sum().backward()
+        h = model[0].bias.register_hook(lambda g: g * float("nan"))
+        with pytest.raises(mpigc.NonFiniteError, match="non-finite") as got:
+            ddp(x).sum().backward()
+        assert "Unable to cast" not in str(got.value)
+        h.remove()
+        for _ in range(2):
+            ddp.zero_grad()
+            ddp(x).sum().backward()
+            assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    finally:
+        dist.destroy_process_group()

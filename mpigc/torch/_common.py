@@ -1,9 +1,12 @@
 """The torch layer's shared helpers: collective agreement of arguments,
-timed waits, the glue between torch tensors and the engine's arrays, and
-torch.profiler ranges."""
+the waits for the other ranks (timed, and said on stderr when they last),
+the glue between torch tensors and the engine's arrays, and torch.profiler
+ranges."""
 import contextlib
 import json
+import math
 import os
+import sys
 import time
 import warnings
 import zlib
@@ -220,24 +223,124 @@ def check_gather(gather):
         raise ConfigError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
 
 
-_UNEVEN = ("the other ranks did not reach this step's gradient synchronisation within "
-           "{timeout:g} s. A rank that ran out of batches (uneven inputs)? Wrap the training "
-           "loop in `with sync.join():` (`opt.join()`, DistributedOptimizer) on every rank. "
-           "The step stays pending (timeout=, $MPIGC_TORCH_TIMEOUT)")
+# -- waits for the other ranks ---------------------------------------------------
+def resolve_warn_s():
+    """Seconds a wait of the torch layer for the other ranks lasts before it
+    says so on stderr (``$MPIGC_TORCH_WARN_S``, default 60; 0: never); it
+    says so again every :data:`WARN_REPEAT` times that. None: never."""
+    env = os.environ.get("MPIGC_TORCH_WARN_S", "60")
+    try:
+        warn_s = float(env)
+    except ValueError:
+        raise ConfigError(f"MPIGC_TORCH_WARN_S: expected seconds, got {env!r}") from None
+    if not warn_s >= 0:
+        raise ConfigError(f"MPIGC_TORCH_WARN_S: expected seconds >= 0, got {env!r}")
+    return warn_s or None
 
 
-def wait_request(test, timeout, progress, what, why=_UNEVEN):
-    """Poll ``test()`` (a request's) until it is true, calling ``progress()``
-    meanwhile; :class:`StateError` (on this rank) after ``timeout`` seconds,
-    its message ``what: why``."""
-    deadline = None if timeout is None else time.monotonic() + timeout
+#: A wait's line on stderr comes again every ``WARN_REPEAT * $MPIGC_TORCH_WARN_S``
+#: seconds: 60 s, then every 5 minutes by default.
+WARN_REPEAT = 5
+
+
+class Wait:
+    """What a wait of the torch layer waits for: the other ranks to
+    ``reach`` something; the likely causes when it lasts, with their fixes
+    (``likely``); and what holds after its timeout (``after``). The same
+    words go into the lines on stderr and into the timeout's error."""
+
+    __slots__ = ("reach", "likely", "after")
+
+    def __init__(self, reach, likely, after):
+        self.reach, self.likely, self.after = reach, likely, after
+
+
+_ONE_RANK = ("state_dict, save_checkpoint, load_state_dict, load_checkpoint) called on "
+             "some ranks only, e.g. inside `if rank == 0:`? Call it on every rank")
+
+#: a step of GradientSync (DistributedOptimizer): its agreement
+STEP = Wait("reach this step's gradient synchronisation",
+            "A rank that ran out of batches (uneven inputs)? Wrap the training loop in "
+            "`with sync.join():` (`opt.join()`, DistributedOptimizer) on every rank. Or a "
+            "collective method (" + _ONE_RANK,
+            "The step stays pending")
+
+#: GradientSync.join: a rank that left its loop, at the others' next step
+JOIN = Wait("reach their next step or join()",
+            "A rank that left its training loop without `with sync.join():` (every rank "
+            "wraps its loop in it)? Or a collective method (" + _ONE_RANK,
+            "Its agreement stays posted: the next join() or wait() takes it up")
+
+#: a step of the DDP communication hook: the calls of its buckets
+HOOK_STEP = Wait("reach this step's gradient synchronisation",
+                 "A collective method (CommHookState's " + _ONE_RANK + ". Or a rank that "
+                 "ran out of batches (uneven inputs)? DDP's `join()` context manager on "
+                 "every rank",
+                 "The step's calls stay posted: this rank's next step completes them first")
+
+#: the next step of the hook on a rank whose last step timed out
+HOOK_STALE = Wait("reach the gradient synchronisation of the step that timed out here",
+                  HOOK_STEP.likely, "Its calls stay posted")
+
+#: a collective method of GradientSync, CommHookState (their Rendezvous)
+RENDEZVOUS = Wait("call it",
+                  "It is collective: call it on every rank, not only on the one that "
+                  "writes the model's checkpoint (not inside `if rank == 0:` / `if "
+                  "master_process:`)",
+                  "Its barrier stays posted: call it on every rank before any other "
+                  "collective use of this object")
+
+
+def _say(what, wait, elapsed, timeout, warn_s):
+    """One line on stderr: ``what`` has waited ``elapsed`` s, for what, why."""
+    limit = (f"a StateError after {timeout:g} s" if timeout is not None
+             else "no timeout")
+    line = (f"mpigc: {what}: still waiting after {elapsed:.0f} s for the other ranks to "
+            f"{wait.reach}. {wait.likely}. ({limit}; said again every "
+            f"{WARN_REPEAT * warn_s:g} s; "
+            "$MPIGC_TORCH_TIMEOUT, $MPIGC_TORCH_WARN_S)\n")
+    try:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    except (OSError, ValueError):  # no stderr left to say it on
+        pass
+
+
+def wait_request(test, what, wait, *, timeout, warn_s, progress=None, since=None):
+    """Poll ``test()`` until it is true, calling ``progress()`` meanwhile: the
+    one way the torch layer waits for the other ranks.
+
+    ``what`` (who waits, with the rank) and ``wait`` (a :class:`Wait`) word
+    what it says: after ``warn_s`` seconds (None: never) one line on stderr,
+    again every ``WARN_REPEAT * warn_s`` seconds; after ``timeout`` seconds
+    (None: never) :class:`StateError` on this rank. Both count from ``since``
+    (a ``time.monotonic()``; default now), so that several waits of one step
+    share one timeout and one schedule of lines.
+    """
+    began = time.monotonic()
+    start = began if since is None else since
+    deadline = None if timeout is None else start + timeout
+    warn_at = None
+    if warn_s is not None:  # the first point of the schedule not yet passed
+        repeat = WARN_REPEAT * warn_s
+        warn_at = start + warn_s
+        if began > warn_at:
+            warn_at += math.ceil((began - warn_at) / repeat) * repeat
     spins = 0
     while not test():
-        progress()
+        if progress is not None:
+            progress()
         spins += 1
         if spins > 200:
-            if deadline is not None and time.monotonic() > deadline:
-                raise StateError(f"{what}: " + why.format(timeout=timeout))
+            now = time.monotonic()
+            if warn_at is not None and now >= warn_at:
+                _say(what, wait, now - start, timeout, warn_s)
+                while warn_at <= now:
+                    warn_at += repeat
+            if deadline is not None and now > deadline:
+                raise StateError(f"{what}: the other ranks did not {wait.reach} within "
+                                 f"{timeout:g} s. {wait.likely}. {wait.after} (timeout=, "
+                                 "$MPIGC_TORCH_TIMEOUT)")
             time.sleep(0.0002)
 
 
@@ -247,20 +350,17 @@ class Rendezvous:
     rank == 0:`` then ends on that rank with an error that says what to do,
     instead of waiting forever in the method's first collective."""
 
-    def __init__(self, comm):
+    def __init__(self, comm, warn_s):
         self.comm = comm
+        self.warn_s = warn_s
         self.req = None  # a barrier posted by a call that timed out
 
     def __call__(self, timeout, what):
         if self.req is None:
             self.req = self.comm.Ibarrier()
-        wait_request(self.req.Test, timeout, lambda: None, what,
-                      "the other ranks did not call it within {timeout:g} s. It is "
-                      "collective: call it on every rank, not only on the one that writes "
-                      "the model's checkpoint (not inside `if rank == 0:` / `if "
-                      "master_process:`). Its barrier stays posted: call it on every rank "
-                      "before any other collective use of this object (timeout=, "
-                      "$MPIGC_TORCH_TIMEOUT)")
+        wait_request(self.req.Test,
+                     f"{what} (rank {self.comm.Get_rank()} of {self.comm.Get_size()})",
+                     RENDEZVOUS, timeout=timeout, warn_s=self.warn_s)
         self.req = None
 
 # -- device buckets ------------------------------------------------------------

@@ -1,4 +1,5 @@
 """mpigc's compressed allreduce as a DDP communication hook."""
+import time
 import warnings
 import weakref
 
@@ -11,11 +12,11 @@ from .._errors import ConfigError, DTypeError, MpigcError, StateError
 from ..allreduce import iallreduce
 from ..feedback import ErrorFeedback, _entry_state, shard_bounds
 
-from ._common import (NP_OF_TORCH, Rendezvous, ThresholdWatch, agree_construction, as_tensor,
-                      check_feedback, check_gather, check_same, describe, engine_after_torch,
-                      engine_array, first_is_nan, positive, profiled, resolve_comm, resolve_timeout,
-                      simulating, torch_after_engine, torch_compressor, torch_nonfinite,
-                      wait_request)
+from ._common import (HOOK_STALE, HOOK_STEP, NP_OF_TORCH, Rendezvous, ThresholdWatch,
+                      agree_construction, as_tensor, check_feedback, check_gather, check_same,
+                      describe, engine_after_torch, engine_array, first_is_nan, positive,
+                      profiled, resolve_comm, resolve_timeout, resolve_warn_s, simulating,
+                      torch_after_engine, torch_compressor, torch_nonfinite, wait_request)
 from ._record import gather_record
 from ._state import (Layout, agree_hierarchy, bucket_assignment, entries_for_layouts,
                      flat_to_hier, hier_to_flat, incoming_state, residual_keys, restore_keys,
@@ -54,6 +55,44 @@ def _count_backward(ref):
         if state is not None:
             state._note_backward()
     return hook
+
+
+def _settled(req):
+    """Whether engine request ``req`` is done or failed (its error stays
+    with it, for its ``wait()``)."""
+    try:
+        return req.test()
+    except Exception:  # noqa: BLE001 - raised again by its wait()
+        return True
+
+
+def _raise_after_backward(error):
+    """Have the backward pass that runs the hook raise ``error`` once it has
+    ended, after DDP's own end-of-backward callback; False when no backward
+    pass runs the hook (DDP's ``Join`` shadows a step outside one).
+
+    DDP's reducer reads a hook's future in C++, as a tensor: a future given
+    an exception with ``set_exception`` reaches ``backward()`` as
+    ``RuntimeError: Unable to cast <the message> to Tensor``, and one failed
+    by a ``then()`` callback as a RuntimeError whose message wraps the
+    original's with a traceback. An exception raised by the hook itself keeps
+    its class and message, but leaves DDP's step unfinished (its next forward
+    raises "Expected to have finished reduction in the prior iteration").
+    So the hook completes its futures (DDP finishes the step) and raises
+    from an autograd engine callback queued by a callback: the engine runs
+    callbacks in the order they were queued, so the second one runs after
+    every callback queued during backward, DDP's included, and
+    ``backward()`` raises ``error`` itself."""
+    engine = torch.autograd.Variable._execution_engine
+
+    def last():
+        raise error
+
+    try:
+        engine.queue_callback(lambda: engine.queue_callback(last))
+    except RuntimeError:  # "Final callbacks can only be installed during backward pass"
+        return False
+    return True
 
 
 # -- DDP communication hook ----------------------------------------------------
@@ -121,7 +160,17 @@ class CommHookState:
     timeout : float, optional
         As for :class:`GradientSync`: the seconds a rank waits for the others
         in a step and in :meth:`state_dict`, :meth:`save_checkpoint` and the
-        loads before it raises :class:`mpigc.StateError` on that rank.
+        loads before it raises :class:`mpigc.StateError` on that rank (a
+        step's from ``backward()``). Such a wait says so on stderr after
+        ``$MPIGC_TORCH_WARN_S`` seconds (60), and again every 5 times that.
+        A step that timed out leaves its calls posted; this rank's next step
+        completes them first (their results are dropped).
+
+    An error in the hook (a timeout, ``nonfinite="raise"``, a bucket it
+    cannot reduce) is raised by ``backward()`` itself, its class and message
+    unchanged, once DDP has finished the step (DDP's next step works); the
+    step's ``param.grad`` are then not the average. Under DDP's ``Join``,
+    where DDP runs the hook outside ``backward()``, the hook raises it.
 
     The arguments are checked on every rank before the first collective and
     must be the same on every rank (:class:`mpigc.ConfigError` or
@@ -160,6 +209,7 @@ class CommHookState:
             self.compressor = torch_compressor(op, params)
             self.nonfinite = torch_nonfinite(nonfinite)
             self.timeout = resolve_timeout(timeout)
+            self._warn_s = resolve_warn_s()
             self.feedback = check_feedback(feedback)
             check_gather(gather)
             if not positive(bucket_mb):
@@ -174,7 +224,7 @@ class CommHookState:
         self._comm = self.comm.Dup()
         _engine_comm.resolve(self.comm)
         agree_construction(self._comm, exc, settings, "CommHookState")
-        self._arrive = Rendezvous(self._comm)
+        self._arrive = Rendezvous(self._comm, self._warn_s)
         check_same(self._comm, describe(named), "CommHookState")
         self.hierarchy = hierarchy
         self._lay, self._hier = agree_hierarchy(self._comm, self.comm, hierarchy,
@@ -202,6 +252,7 @@ class CommHookState:
         self.size, self.rank = self._comm.size, self._comm.rank
         self._used = np.zeros(len(named), np.int64)  # since the last step, this rank
         self._unfinished = []  # agreements of failed steps, posted, not waited for
+        self._stale = []  # (request, buffer): calls of a step that timed out, posted
         ref = weakref.ref(self)
         if self.find_unused_parameters:
             self._used_handles = [p.register_hook(_mark_used(ref, i))
@@ -245,6 +296,7 @@ class CommHookState:
     def _reset_step(self):
         self._calls = []     # (layout, request, buffer, snapshot): this step's calls
         self._futures = []   # (future, DDP's bucket tensor, its layout)
+        self._error = None   # what failed in this step's hooks so far
         self._result_at = {}  # name -> (buffer, offset) of its result (groups)
         self._waiting = ([len(g.names) for g in self.groups]
                          if self.groups is not None else [])
@@ -378,62 +430,117 @@ class CommHookState:
             self._count_handle.remove()
             self._count_handle = None
         tensor = bucket.buffer()
-        layout = self._layout_of(bucket, tensor)
-        if self.groups is None:  # DDP's bucket in place
-            self._start(layout, tensor, not (bucket.is_last() and bucket.index() == 0))
-        else:  # copied into the groups
-            for n, off, m in zip(layout.names, layout.offsets, layout.numels):
-                g, goff = self._place_of[n]
-                if n in self._result_at:
-                    raise StateError(f"comm_hook: DDP handed over parameter {n!r} twice "
-                                     "in one step")
-                buf = self._group_buffer(g, tensor)
-                with torch.no_grad():
-                    buf[goff:goff + m].copy_(tensor[off:off + m])
-                self._result_at[n] = (buf, goff)
-                self._waiting[g.index] -= 1
-            self._start_groups(tensor, force=bucket.is_last())
+        layout = None
+        if self._error is None:  # after an error the step's other buckets wait for it
+            try:
+                if self._stale:
+                    self._finish_stale()
+                layout = self._layout_of(bucket, tensor)
+                self._take(bucket, tensor, layout)
+            except Exception as e:  # noqa: BLE001 - raised at the end of the step
+                self._error = e
         fut = torch.futures.Future()
         self._futures.append((fut, tensor, layout))
         if bucket.is_last():
             self._complete()
         return fut
 
+    def _take(self, bucket, tensor, layout):
+        """Start what DDP's ``bucket`` (its flat ``tensor``) completes."""
+        if self.groups is None:  # DDP's bucket in place
+            self._start(layout, tensor, not (bucket.is_last() and bucket.index() == 0))
+            return
+        # copied into the groups
+        for n, off, m in zip(layout.names, layout.offsets, layout.numels):
+            g, goff = self._place_of[n]
+            if n in self._result_at:
+                raise StateError(f"comm_hook: DDP handed over parameter {n!r} twice "
+                                 "in one step")
+            buf = self._group_buffer(g, tensor)
+            with torch.no_grad():
+                buf[goff:goff + m].copy_(tensor[off:off + m])
+            self._result_at[n] = (buf, goff)
+            self._waiting[g.index] -= 1
+        self._start_groups(tensor, force=bucket.is_last())
+
+    def _finish_stale(self):
+        """Complete the calls of a step that timed out on this rank before
+        this step's start (the engine takes a key for one call at a time).
+        Their results are dropped (DDP had that step's error): the buffers
+        they reduce in place (DDP's buckets, which DDP reuses, may hold this
+        step's gradients already, or the groups) get back what they held."""
+        t0 = time.monotonic()
+        while self._stale:
+            req, buf = self._stale[0]
+            held = buf.detach().clone()
+            if buf.is_cuda:
+                engine_after_torch(buf.device)
+            self._wait(lambda: _settled(req), HOOK_STALE, t0)  # a timeout keeps the rest
+            self._stale.pop(0)
+            try:
+                req.wait()
+            except Exception:  # noqa: BLE001 - that step failed already
+                pass
+            if buf.is_cuda:
+                torch_after_engine(buf.device)
+            with torch.no_grad():
+                buf.copy_(held)
+
     def _agree_used(self):
         """Post the step's sum over the ranks of the parameters each used."""
         used, self._used = self._used, np.zeros(len(self.names), np.int64)
         return used, self._comm.Iallreduce(MPI.IN_PLACE, used, op=MPI.SUM)
 
-    def _wait(self, test):
-        wait_request(test, self.timeout, lambda: None,
-                      f"comm_hook (rank {self.rank} of {self.size})",
-                      "the other ranks did not reach this step's gradient "
-                      "synchronisation within {timeout:g} s (uneven inputs? DDP's "
-                      "`join()` context manager on every rank; timeout=, "
-                      "$MPIGC_TORCH_TIMEOUT)")
+    def _wait(self, test, wait, since):
+        """Wait for the other ranks (:func:`wait_request`: a line on stderr
+        when it lasts, :class:`StateError` after the timeout)."""
+        wait_request(test, f"comm_hook (rank {self.rank} of {self.size})", wait,
+                     timeout=self.timeout, warn_s=self._warn_s, since=since)
+
+    def _settle(self, calls):
+        """Wait for the step's ``calls``, under one timeout for the step:
+        ``(the first error, [whether each failed], when the wait began)``.
+        Calls still in flight after a timeout stay posted (``_stale``) and
+        fail with it."""
+        t0 = time.monotonic()
+        error, failed, late = None, [], None
+        for layout, req, buf, _ in calls:
+            with profiled(f"mpigc: wait bucket {layout.key}"):
+                if late is None:
+                    try:
+                        self._wait(lambda: _settled(req), HOOK_STEP, t0)
+                    except StateError as e:
+                        late = e
+                if late is not None and not _settled(req):
+                    self._stale.append((req, buf))
+                    error = error or late
+                    failed.append(True)
+                    continue
+                try:
+                    req.wait()
+                    failed.append(False)
+                except Exception as e:  # noqa: BLE001
+                    error = error or e
+                    failed.append(True)
+        return error, failed, t0
 
     def _complete(self):
         """The last bucket of the step: complete every call and every DDP
-        bucket's future (DDP waits for them when backward ends)."""
+        bucket's future (DDP waits for them when backward ends); an error of
+        the step is raised by ``backward()`` (:func:`_raise_after_backward`)."""
         calls, futures, result_at = self._calls, self._futures, self._result_at
+        error = self._error
         self._reset_step()
         used, used_req = self._agree_used() if self.find_unused_parameters else (None, None)
-        error, failed = None, []
-        for layout, req, _, _ in calls:
-            try:
-                with profiled(f"mpigc: wait bucket {layout.key}"):
-                    self._wait(req.test)
-                    req.wait()
-                failed.append(False)
-            except Exception as e:  # noqa: BLE001
-                error = error or e
-                failed.append(True)
+        late, failed, t0 = self._settle(calls)
+        error = error or late
         if used_req is not None and error is None:
             try:
-                self._wait(used_req.Test)
+                self._wait(used_req.Test, HOOK_STEP, t0)
             except MpigcError as e:
                 error = e
-        elif used_req is not None:  # kept alive: it completes when the others post theirs
+        if used_req is not None and error is not None:
+            # kept alive: it completes when the others post theirs
             self._unfinished = [r for r in self._unfinished if not r.Test()] + [used_req]
         for dev in {b.device for _, _, b, _ in calls if b.is_cuda}:
             torch_after_engine(dev)
@@ -466,11 +573,16 @@ class CommHookState:
                     self._deliver(tensor, layout, result_at, unused)
             if not skipped:
                 self._watch.observe([t for _, t, _ in futures])
-        for fut, tensor, _ in futures:
-            if error is None:
+        if error is None:
+            for fut, tensor, _ in futures:
                 fut.set_result(tensor)
-            else:
+        elif _raise_after_backward(error):
+            for fut, tensor, _ in futures:  # DDP finishes its step; backward() raises
+                fut.set_result(tensor)
+        else:  # outside backward (DDP's Join shadowing a step): raised here
+            for fut, _, _ in futures:
                 fut.set_exception(error)
+            raise error
 
     def _deliver(self, tensor, layout, result_at, unused):
         """The results of DDP's bucket ``tensor`` into it (from the groups),
@@ -548,6 +660,7 @@ class CommHookState:
     def save_checkpoint(self, path, step=None):
         """:func:`mpigc.save_checkpoint` of :meth:`state_dict` (collective)."""
         import mpigc
+        self._arrive(self.timeout, "CommHookState.save_checkpoint")
         fb = ErrorFeedback()
         fb.load_state_dict(self.state_dict())
         return mpigc.save_checkpoint(path, fb, comm=self.comm, step=step)

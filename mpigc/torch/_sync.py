@@ -12,11 +12,12 @@ from .._errors import ConfigError, DTypeError, MpigcError, StateError
 from ..allreduce import iallreduce
 from ..feedback import ErrorFeedback, shard_bounds
 
-from ._common import (BUCKET_DTYPES, Rendezvous, ThresholdWatch, agree_construction, as_tensor,
-                      check_feedback, check_gather, check_same, describe, engine_after_torch,
-                      engine_array, first_is_nan, positive, profiled, raise_everywhere, resolve_comm,
-                      resolve_timeout, simulating, torch_after_engine, torch_compressor,
-                      torch_nonfinite, wait_request)
+from ._common import (BUCKET_DTYPES, JOIN, STEP, Rendezvous, ThresholdWatch, agree_construction,
+                      as_tensor, check_feedback, check_gather, check_same, describe,
+                      engine_after_torch, engine_array, first_is_nan, positive, profiled,
+                      raise_everywhere, resolve_comm, resolve_timeout, resolve_warn_s,
+                      simulating, torch_after_engine, torch_compressor, torch_nonfinite,
+                      wait_request)
 from ._launch import broadcast_parameters
 from ._record import gather_record
 from ._state import (Layout, agree_hierarchy, entries_for_layouts, flat_to_hier,
@@ -136,7 +137,9 @@ class GradientSync:
         one rank only, e.g. inside ``if rank == 0:``) before it raises
         :class:`mpigc.StateError` on that rank; default
         ``$MPIGC_TORCH_TIMEOUT`` or 1800 (as torch.distributed); 0 waits
-        forever.
+        forever. Such a wait (and :meth:`join`'s) says on stderr what it
+        waits for and the likely causes after ``$MPIGC_TORCH_WARN_S``
+        seconds (default 60; 0: never), and again every 5 times that.
     sync_on_backward : bool
         Complete the synchronisation at the end of every ``backward()``, as
         DDP does, so ``param.grad`` holds the averages when ``backward()``
@@ -213,6 +216,7 @@ class GradientSync:
             self.compressor = torch_compressor(op, params)
             self.nonfinite = torch_nonfinite(nonfinite)
             self.timeout = resolve_timeout(timeout)
+            self._warn_s = resolve_warn_s()
             self.feedback = check_feedback(feedback)
             if not positive(bucket_mb):
                 raise ConfigError(f"bucket_mb: expected a positive number, got {bucket_mb!r}")
@@ -234,7 +238,7 @@ class GradientSync:
         _engine_comm.resolve(self.comm)  # the engine's duplicate, now rather than in a hook
         agree_construction(self._comm, exc, settings, "GradientSync")
         self._watch = ThresholdWatch(self.compressor, "GradientSync")
-        self._arrive = Rendezvous(self._comm)
+        self._arrive = Rendezvous(self._comm, self._warn_s)
         self.hierarchy = hierarchy
         # the node layout (collective): whether the buckets' calls are hierarchical
         self._lay, self._hier = agree_hierarchy(self._comm, self.comm, hierarchy,
@@ -470,9 +474,12 @@ class GradientSync:
         self._agree_buf = buf
         self._agree_req = self._comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
 
-    def _agreement(self):
-        wait_request(self._agree_req.Test, self.timeout, self._poke,
-                      f"GradientSync (rank {self.rank} of {self.size})")
+    def _agreement(self, wait=STEP, what="GradientSync"):
+        """Wait for the step's agreement (:func:`wait_request`: a line on
+        stderr when it lasts, :class:`StateError` after the timeout, the
+        agreement still posted)."""
+        wait_request(self._agree_req.Test, f"{what} (rank {self.rank} of {self.size})", wait,
+                     timeout=self.timeout, warn_s=self._warn_s, progress=self._poke)
         self._agree_req = None
         return self._agree_buf
 
@@ -562,10 +569,11 @@ class GradientSync:
         if self._dirty:  # a step the body left unfinished (e.g. after a timeout)
             self.wait()
         while True:
-            self._post_agreement(active=False, changed=0,
-                                 used=[False] * len(self._params)
-                                 if self.find_unused_parameters else None)
-            buf = self._agreement()
+            if self._agree_req is None:  # else one that timed out here: taken up
+                self._post_agreement(active=False, changed=0,
+                                     used=[False] * len(self._params)
+                                     if self.find_unused_parameters else None)
+            buf = self._agreement(JOIN, "GradientSync.join")
             if buf[0] == 0:
                 break
             for b in self.buckets:  # shadow: zeros, in bucket order
@@ -689,6 +697,7 @@ class GradientSync:
         """Save the residuals with :func:`mpigc.save_checkpoint` (collective),
         keyed by parameter name (see :meth:`state_dict`)."""
         import mpigc
+        self._arrive(self.timeout, "GradientSync.save_checkpoint")
         fb = ErrorFeedback()
         fb.load_state_dict(self.state_dict())
         return mpigc.save_checkpoint(path, fb, comm=self.comm, step=step)

@@ -248,8 +248,9 @@ def test_comm_hook_unused_parameters_with_bucket_views(comm, gloo):
 def test_comm_hook_block_ops_nonfinite_change_no_residual(comm, gloo, nonfinite):
     """A NaN in one rank's gradient with the groups of a block-based op:
     "skip" hands DDP NaN for the parameters of the affected group and the
-    others' results, "raise" fails backward on every rank; either way no
-    residual changes, and the next step is finite."""
+    others' results, "raise" fails backward on every rank (NonFiniteError,
+    from backward() itself); either way no residual changes, and the next
+    step is finite."""
     model = make_model()
     ddp = _ddp(model)
     state = mt.CommHookState(ddp, op="1bit", nonfinite=nonfinite)
@@ -262,7 +263,8 @@ def test_comm_hook_block_ops_nonfinite_change_no_residual(comm, gloo, nonfinite)
     h = bias.register_hook(lambda g: g * float("nan")) if comm.rank == comm.size - 1 else None
     ddp.zero_grad()
     if nonfinite == "raise":
-        raises_everywhere(RuntimeError, lambda: backward(ddp, comm.rank, 3), match="non-finite")
+        raises_everywhere(mpigc.NonFiniteError, lambda: backward(ddp, comm.rank, 3),
+                          match="non-finite")
         ok = state.nonfinite_steps == 0
     else:
         backward(ddp, comm.rank, 3)

@@ -269,7 +269,7 @@ STEP = Wait("reach this step's gradient synchronisation",
 JOIN = Wait("reach their next step or join()",
             "A rank that left its training loop without `with sync.join():` (every rank "
             "wraps its loop in it)? Or a collective method (" + _ONE_RANK,
-            "Its agreement stays posted: the next join() or wait() takes it up")
+            "Its agreement stays posted: call join() again on this rank, which takes it up")
 
 #: a step of the DDP communication hook: the calls of its buckets
 HOOK_STEP = Wait("reach this step's gradient synchronisation",

@@ -28,6 +28,14 @@ def init_process_group(backend=None, *, comm=None, master_addr=None, master_port
     ``torch.distributed.init_process_group`` and reads the variables as
     before; or it stays unchanged under ``python -m mpigc.launch``.
 
+    As ``torchrun`` tears the job down when a worker fails, an exception that
+    the script does not catch then aborts the MPI job on any rank, after its
+    traceback and a line that names the rank
+    (:func:`mpigc.launch.abort_on_exception`), instead of leaving the other
+    ranks waiting in their next collective. Python calls no hook for
+    ``sys.exit(n)``: a rank that exits so while the others still work aborts
+    the job only under ``python -m mpigc.launch``.
+
     Parameters
     ----------
     backend : str, optional
@@ -47,13 +55,14 @@ def init_process_group(backend=None, *, comm=None, master_addr=None, master_port
     >>> env = mpigc.torch.init_process_group()               # doctest: +SKIP
     >>> model = DDP(model.to(device), device_ids=[int(env["LOCAL_RANK"])])  # doctest: +SKIP
     """
-    from ..launch import torchrun_env
+    from ..launch import abort_on_exception, torchrun_env
     env = torchrun_env(comm, master_addr=master_addr, master_port=master_port)
     if backend is None:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     torch.distributed.init_process_group(backend, init_method="env://",
                                          rank=int(env["RANK"]),
                                          world_size=int(env["WORLD_SIZE"]), **kwargs)
+    abort_on_exception()  # after torch's hook, which holds back what the one before it writes
     if backend == "gloo":
         # Gloo's worker threads drop a finished collective's tensors a moment
         # after its wait returns, and torch keeps the group (and the threads)

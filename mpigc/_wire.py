@@ -59,7 +59,8 @@ def count(name):
 
 # op="none" and the small-buffer fallback on 2 ranks: up to this many bytes the
 # values travel in the agreement message and each rank adds its peer's
-# (a + b == b + a: exactly what MPI_Allreduce returns on 2 ranks)
+# (a + b == b + a, MPI_Allreduce's bits on 2 ranks, except where both are NaN:
+# values not all finite are summed by MPI, _plainsum.inline_commutes)
 INLINE_PLAIN_MAX = 1 << 20
 # compressed ops: phase 1's payloads travel with the rows when none is larger
 # than this; larger ones go after the agreement into receives posted before

@@ -15,6 +15,9 @@ from conftest import assert_all, grads, on_root, raises_everywhere
 torch = pytest.importorskip("torch")
 import mpigc.torch as mt  # noqa: E402
 
+# ranks: flat calls only: 2 pairs, 3 uneven shards; 4 adds nothing (no hierarchy)
+pytestmark = pytest.mark.ranks(1, 2, 3)
+
 SHAPES = [(7, 300), (300,), (5, 41)]   # 2441 values: several 1bit/2bit blocks
 LR, BETAS, EPS, WD = 1e-2, (0.9, 0.95), 1e-8, 0.1
 

@@ -17,6 +17,9 @@ from mpigc.kernels.cpu import ternary_stream
 
 from conftest import assert_all, grads
 
+# ranks: flat; the simulation is generic in N: 2 even shards, 3 uneven/empty ones; 4 adds nothing
+pytestmark = pytest.mark.ranks(1, 2, 3)
+
 OPS = ["none", "fp16", "bf16", "2bit", "1bit", "terngrad",
        {"type": "2bit", "threshold": 0.25}, {"type": "1bit", "block_size": 16},
        {"type": "2bit", "rel_threshold": 1.5},

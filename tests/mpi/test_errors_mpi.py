@@ -6,6 +6,9 @@ import mpigc
 
 from conftest import assert_all, grads, raises_everywhere
 
+# ranks: flat calls only: 2 pairs, 3 a faulty rank that is neither first nor last; 4 adds nothing
+pytestmark = pytest.mark.ranks(1, 2, 3)
+
 
 def _warm(comm, fb, key="w", n=1000, op="2bit"):
     """One good call, so the key has residuals; returns (buf, state)."""

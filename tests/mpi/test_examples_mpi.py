@@ -12,7 +12,8 @@ from mpi4py import MPI
 
 from conftest import assert_all, on_root
 
-pytestmark = pytest.mark.mpi
+# ranks: flat training: 1 no residual exchange, 2 pairs, 3 uneven shards; 4 adds nothing
+pytestmark = [pytest.mark.mpi, pytest.mark.ranks(1, 2, 3)]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

@@ -13,6 +13,9 @@ import mpigc
 
 from conftest import assert_all, grads
 
+# ranks: flat calls only: 2 pairs, 3 uneven shards; 4 adds nothing
+pytestmark = pytest.mark.ranks(1, 2, 3)
+
 N = 1001
 
 

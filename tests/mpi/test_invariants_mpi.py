@@ -7,6 +7,9 @@ import mpigc
 
 from conftest import assert_all, grads
 
+# ranks: flat calls only: 2 even, 3 uneven shards; 4 adds nothing
+pytestmark = pytest.mark.ranks(1, 2, 3)
+
 
 def _owner_total(fb, key, comm, n):
     """The owner residuals of all ranks, concatenated in shard order."""

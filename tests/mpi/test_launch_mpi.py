@@ -12,6 +12,9 @@ import mpigc.launch
 
 from conftest import assert_all, raises_everywhere
 
+# ranks: one host (local = world): 2 pairs, 3 a rank neither first nor last; 4 adds nothing
+pytestmark = pytest.mark.ranks(1, 2, 3)
+
 _VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
          "MASTER_PORT")
 

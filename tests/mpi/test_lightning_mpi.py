@@ -32,6 +32,9 @@ from mpigc.torch.lightning import CHECKPOINT_KEY, MpigcCommHook, residuals_for_r
 
 from lightning_toy import Net, loader as toy_loader  # noqa: E402
 
+# ranks: one node, flat: 3 reshards down and up unevenly; 4 adds nothing
+pytestmark = pytest.mark.ranks(1, 2, 3)
+
 OP = {"op": "2bit", "threshold": 2.0 ** -6}  # sums of +-t are exact: any bucket layout
 BATCHES, BATCH = 2, 8                        # per epoch and rank
 

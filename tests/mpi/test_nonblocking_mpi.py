@@ -7,6 +7,9 @@ import mpigc
 from conftest import assert_all, grads
 from peers import await_word
 
+# ranks: flat calls only: 2 pairs, 3 uneven shards; 4 adds nothing
+pytestmark = pytest.mark.ranks(1, 2, 3)
+
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("op", ["none", "2bit", "1bit", "terngrad", "fp16", "bf16"])

@@ -16,6 +16,9 @@ import mpigc
 
 from conftest import assert_all, grads
 
+# ranks: flat, rows point to point at any count: 2 the pair path, 3 the general one
+pytestmark = pytest.mark.ranks(1, 2, 3)
+
 N = 3000
 
 

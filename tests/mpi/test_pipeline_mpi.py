@@ -23,6 +23,9 @@ import mpigc
 from conftest import assert_all, grads, raises_everywhere
 from peers import state_bytes
 
+# ranks: flat calls only: 2 pairs, 3 uneven shards and chunks; 4 adds nothing
+pytestmark = pytest.mark.ranks(1, 2, 3)
+
 CHUNK = 1024  # bytes: every buffer below is cut into many chunks
 OPS = {"2bit": "2bit", "1bit": {"id": "1bit", "block_size": 64},
        "2bit_rel": {"id": "2bit", "rel_threshold": 1.5, "block_size": 64},

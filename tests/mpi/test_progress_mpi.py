@@ -19,6 +19,9 @@ from mpigc import _agree
 
 from conftest import assert_all, grads
 
+# ranks: flat; 3 gives a rank alone in its half (none at 4); 4 adds nothing
+pytestmark = pytest.mark.ranks(1, 2, 3)
+
 DEADLINE_S = 60.0
 
 

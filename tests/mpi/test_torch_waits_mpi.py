@@ -1,5 +1,5 @@
 """The torch layer's waits for the other ranks (issue 50, item 5), at 2 and 3
-ranks (and 4; skipped at 1): a wait that lasts says on stderr, on the
+ranks (not 1, nor 4: nothing there is new): a wait that lasts says on stderr, on the
 waiting rank, what it waits for and the likely causes ($MPIGC_TORCH_WARN_S,
 1 s here), and an error raised in the DDP communication hook reaches
 ``backward()`` as itself, not as torch's "Unable to cast ... to Tensor".
@@ -23,6 +23,9 @@ import mpigc.torch as mt  # noqa: E402
 
 import test_torch_mpi  # noqa: E402
 from test_torch_mpi import _ddp, backward, make_model  # noqa: E402
+
+# ranks: skipped at 1; flat waits: 2 pairs, 3 a rank neither first nor last; 4 adds nothing
+pytestmark = pytest.mark.ranks(2, 3)
 
 gloo = test_torch_mpi.gloo  # its module-scoped fixture: torch.distributed over gloo
 

@@ -23,7 +23,8 @@ from mpigc.checkpoint import CheckpointError
 
 from conftest import on_root, raises_everywhere
 
-pytestmark = pytest.mark.mpi
+# ranks: reshard pairs depend on the count; split_nodes: 4 is 2 nodes of 2
+pytestmark = [pytest.mark.mpi, pytest.mark.ranks(1, 2, 3, 4)]
 
 WORLD = MPI.COMM_WORLD
 RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()

@@ -53,7 +53,8 @@ from mpi4py import MPI
 import mpigc
 from mpigc import _cuda
 
-pytestmark = pytest.mark.mpi
+# ranks: host-only checks here; tests/test_gpu_path_sim.py runs the device groups at 1-4
+pytestmark = [pytest.mark.mpi, pytest.mark.ranks(1, 2)]
 
 
 # ============================================================================

@@ -17,7 +17,8 @@ import pytest
 import mpigc
 from conftest import assert_all, grads, on_root, raises_everywhere
 
-pytestmark = pytest.mark.mpi(min_size=1)
+# ranks: MPIGC_NODE_SPLIT=2: 4 is 2 nodes of 2; 2 the pair path, 3 uneven shards
+pytestmark = [pytest.mark.mpi(min_size=1), pytest.mark.ranks(1, 2, 3, 4)]
 
 # sizes below and above the ranks (a member with no element on some rank),
 # and one large enough to be pipelined with the chunk size set below

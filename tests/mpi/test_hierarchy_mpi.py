@@ -23,6 +23,9 @@ from peers import await_word
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import reference  # noqa: E402  (tests/reference.py)
 
+# ranks: nodes of 2: 1 and 2 one node, 3 nodes of 2 + 1, 4 nodes of 2 (and 4-only tests)
+pytestmark = pytest.mark.ranks(1, 2, 3, 4)
+
 SPLIT = 2
 OPS = ["2bit", "1bit", {"type": "2bit", "threshold": 0.25},
        {"type": "1bit", "block_size": 16}, {"type": "2bit", "rel_threshold": 1.5},

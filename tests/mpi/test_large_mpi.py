@@ -25,6 +25,9 @@ import mpigc
 from conftest import assert_all, grads
 from peers import state_bytes
 
+# ranks: MPIGC_NODE_SPLIT=2: 4 is 2 nodes of 2; 2 the inline sum, 3 uneven shards
+pytestmark = pytest.mark.ranks(1, 2, 3, 4)
+
 N = 3001  # uneven shards at 2-4 ranks; pieces that end in partial blocks
 
 

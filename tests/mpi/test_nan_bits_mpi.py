@@ -23,7 +23,8 @@ import mpigc
 from mpigc import _reducer, _wire, diagnostics
 from conftest import assert_all, grads
 
-pytestmark = pytest.mark.mpi
+# ranks: 1, 2 the inline paths, 3 and 4 MPI's sum (its algorithm differs by count)
+pytestmark = [pytest.mark.mpi, pytest.mark.ranks(1, 2, 3, 4)]
 
 _BITS = {np.dtype(np.float32): (np.uint32, 31, 0x7fc00000, 0x7f800000),
          np.dtype(np.float64): (np.uint64, 63, 0x7ff8000000000000, 0x7ff0000000000000)}

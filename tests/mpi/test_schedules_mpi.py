@@ -44,6 +44,9 @@ from conftest import assert_all
 from peers import state_bytes
 from scenarios import call_input, draw_calls, outcome  # tests/scenarios.py (path: peers)
 
+# ranks: a search for hangs: each count draws its own schedules (4: halves of 2, nodes of 2)
+pytestmark = pytest.mark.ranks(1, 2, 3, 4)
+
 TIMEOUT = float(os.environ.get("MPIGC_SCHEDULE_TIMEOUT", "60"))
 # below MPIGC_MIN_COMPRESS_BYTES (plain fallback), payloads in the agreement
 # messages, after them (small, and beyond the eager limits of shared memory

@@ -24,7 +24,8 @@ import mpigc
 from mpigc import diagnostics
 from conftest import assert_all, grads, raises_everywhere
 
-pytestmark = pytest.mark.mpi(min_size=2)
+# ranks: the short path is for 2 ranks: every test skips at the other counts
+pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.ranks(2)]
 
 
 @pytest.fixture

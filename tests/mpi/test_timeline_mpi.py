@@ -11,7 +11,8 @@ import pytest
 import mpigc
 from conftest import assert_all, grads, on_root
 
-pytestmark = pytest.mark.mpi(min_size=2)
+# ranks: min_size=2; MPIGC_NODE_SPLIT=2: 3 has a rank alone on its node, 4 nodes of 2
+pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.ranks(2, 3, 4)]
 
 
 def _shared_dir(comm):

@@ -53,7 +53,8 @@ torch = pytest.importorskip("torch")
 import mpigc  # noqa: E402
 import mpigc.torch as mt  # noqa: E402
 
-pytestmark = pytest.mark.mpi
+# ranks: only the seam's refusal here; tests/test_torch.py runs the groups at 2 and 3
+pytestmark = [pytest.mark.mpi, pytest.mark.ranks(1, 2)]
 
 
 # ============================================================================

@@ -18,6 +18,9 @@ import mpigc.torch as mt  # noqa: E402
 import test_torch_mpi  # noqa: E402
 from test_torch_mpi import _ddp, _hier_keys, backward, batch, grads_of, make_model  # noqa: E402
 
+# ranks: MPIGC_NODE_SPLIT=2 (hierarchy='node'): 4 is 2 nodes of 2
+pytestmark = pytest.mark.ranks(1, 2, 3, 4)
+
 gloo = test_torch_mpi.gloo  # its module-scoped fixture: torch.distributed over gloo
 
 _BLOCK_OPS = {"1bit": {"op": "1bit"},

@@ -18,6 +18,9 @@ from conftest import assert_all, raises_everywhere
 torch = pytest.importorskip("torch")
 import mpigc.torch as mt  # noqa: E402
 
+# ranks: MPIGC_NODE_SPLIT=2 (hierarchy='node'): 4 is 2 nodes of 2
+pytestmark = pytest.mark.ranks(1, 2, 3, 4)
+
 torch.set_num_threads(1)
 
 

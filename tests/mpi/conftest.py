@@ -13,6 +13,17 @@ arrive, they are stuck in a collective of that test that this rank will never
 join, and the rank prints its failure and aborts the whole job
 (``MPI.COMM_WORLD.Abort``) instead of leaving the job to hang until the outer
 ``timeout``. A rank that passed waits as long as it takes.
+
+Each test file declares the world sizes that matter for it, near its top::
+
+    pytestmark = pytest.mark.ranks(2, 3)  # why these counts
+
+(1 for single-rank semantics, 2 for the short path and pairs, 3 for uneven
+shards, 4 for nodes of 2, the house style). Under
+``mpirun -n K`` a file's tests are skipped, with the reason in ``-rs``, at a
+K it does not declare; a file that declares nothing (or something that is not
+a list of rank counts) is a collection error, so a new file must choose.
+``MPIGC_TEST_ALL_RANKS=1`` runs every file at every K.
 """
 import os
 import re
@@ -162,3 +173,47 @@ def pytest_runtest_makereport(item, call):
             sys.stdout.flush()
             MPI.COMM_WORLD.Abort(3)
         time.sleep(0.01)
+
+
+# -- rank counts: each test file declares the world sizes that matter for it -------
+def _ranks_error(module):
+    """Why ``module`` (a collected test file) has no valid ``ranks`` marker, or None."""
+    marks = [m for m in module.own_markers if m.name == "ranks"]
+    if not marks:
+        return ("declares no rank counts: add `pytestmark = pytest.mark.ranks(...)` near "
+                "its top (1 single-rank semantics, 2 the short path and pairs, 3 uneven "
+                "shards, 4 nodes of 2; see tests/mpi/conftest.py)")
+    for m in marks:
+        if m.kwargs or not m.args or not all(isinstance(k, int) and not isinstance(k, bool)
+                                             and k >= 1 for k in m.args):
+            args = ", ".join(map(repr, m.args))
+            return f"has an invalid marker ranks({args}): expected ranks(K, ...), each K >= 1"
+    return None
+
+
+class _RankedModule(pytest.Module):
+    def collect(self):
+        items = super().collect()  # imports the file: its pytestmark is in own_markers
+        why = _ranks_error(self)
+        if why is not None:
+            raise self.CollectError(f"{self.path.name} {why}")
+        return items
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    if module_path.name.startswith("test_") and module_path.suffix == ".py":
+        return _RankedModule.from_parent(parent, path=module_path)
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("MPIGC_TEST_ALL_RANKS", "") not in ("", "0"):
+        return
+    size = MPI.COMM_WORLD.Get_size()
+    for item in items:
+        mark = item.get_closest_marker("ranks")
+        if mark is not None and size not in mark.args:
+            counts = ", ".join(map(str, mark.args))
+            item.add_marker(pytest.mark.skip(
+                reason=f"{item.path.name} runs at {counts} rank(s) only (its "
+                       f"pytest.mark.ranks; MPIGC_TEST_ALL_RANKS=1 runs it at {size})"))

@@ -89,12 +89,41 @@ def get_compressor(op, **params):
         op = "none"
     if not isinstance(op, str):
         raise ConfigError(f"expected a compressor id, dict or Compressor, got "
-                          f"{type(op).__name__}")
+                          f"{type(op).__name__}" + _reduction_hint(op))
     cls = _REGISTRY.get(op.lower())
     if cls is None:
         raise ConfigError(f"unknown compressor {op!r}; available: "
-                          f"{', '.join(available_compressors())}")
+                          f"{', '.join(available_compressors())}" + _reduction_hint(op))
     return cls(**params)
+
+
+#: Horovod's reduction ops (``hvd.Average``, ``hvd.Sum``, ... are these ints),
+#: which users migrating from Horovod pass as ``op=``
+_HOROVOD_OPS = {0: "average", 1: "sum", 2: "adasum", 3: "min", 4: "max", 5: "product"}
+
+
+def _reduction_hint(op):
+    """What to say when ``op`` names a reduction, not a compressor: in
+    Horovod (and MPI) ``op=`` is the reduction; in mpigc it is the
+    compressor, and the reduction is always a sum (``average=`` divides it)."""
+    if isinstance(op, numbers.Integral) and not isinstance(op, bool):
+        name = _HOROVOD_OPS.get(int(op))
+        if name is None:
+            return ""
+        shown = f"op={int(op)} (Horovod's hvd.{name.capitalize()}?)"
+    elif isinstance(op, str) and op.lower() in ("average", "avg", "mean", "sum", "adasum",
+                                                "min", "max", "product"):
+        name = {"avg": "average", "mean": "average"}.get(op.lower(), op.lower())
+        shown = f"op={op!r}"
+    else:
+        return ""
+    way = {"average": "average=True gives the mean (the default in mpigc.torch; "
+                      "mpigc.allreduce sums by default)",
+           "sum": "average=False gives the sum (mpigc.allreduce's default)"}.get(
+        name, f"mpigc reduces by summing only ({name} has no mpigc equivalent; "
+              "average=True gives the mean, average=False the sum)")
+    return (f". {shown} names a reduction: in mpigc op= is the compressor ('none' for "
+            f"the exact MPI sum, '2bit', '1bit', 'fp16', ...), and {way}")
 
 
 def _host_only(what, *arrays):
@@ -148,10 +177,27 @@ class Compressor:
         if unknown:
             raise ConfigError(
                 f"{self.codec_id} takes parameters "
-                f"{', '.join(self._params) or '(none)'}; got {', '.join(map(repr, unknown))}")
+                f"{', '.join(self._params) or '(none)'}; got {', '.join(map(repr, unknown))}"
+                + self._others_params(unknown, params))
         for name, default in self._params.items():
             setattr(self, name, params.get(name, default))
         self._check()
+
+    def _others_params(self, unknown, params):
+        """Where ``unknown`` parameters belong to other compressors (a call
+        whose ``op`` was changed and its parameters kept): which, and that
+        they go with their op."""
+        parts = []
+        for name in unknown:
+            owners = [cid for cid, cls in sorted(_REGISTRY.items())
+                      if cid != self.codec_id and name in cls._params]
+            if owners:
+                parts.append(f"{name}={params[name]!r} is a parameter of "
+                             f"{' and '.join(owners)}")
+        if not parts:
+            return ""
+        return (" (" + "; ".join(parts) + f": leave it out with op={self.codec_id!r}, or "
+                "keep it with its op)")
 
     def _check(self):
         if "error_feedback" in self._params and not isinstance(self.error_feedback, bool):

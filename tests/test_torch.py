@@ -289,3 +289,145 @@ def test_an_error_in_the_ddp_hook_reaches_backward_as_itself(torch, mt, tmp_path
             assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
     finally:
         dist.destroy_process_group()
+
+
+# -- issue 45 items 4, 5: Horovod users, models under the compression cutoff ------
+class FP16Compressor:
+    """Stands in for Horovod's ``hvd.Compression.fp16`` (a class of that name)."""
+
+
+@pytest.mark.parametrize("kwargs, way", [
+    ({"named_parameters": "NAMED"}, r"named_parameters= is Horovod's: pass the model"),
+    ({"compression": FP16Compressor}, r"compression= is Horovod's: .*op='fp16' here"),
+    ({"backward_passes_per_step": 2}, r"backward_passes_per_step= is Horovod's: .*no_sync"),
+    ({"gradient_predivide_factor": 2.0}, r"gradient_predivide_factor= is Horovod's: .*"
+                                          r"average=True"),
+    ({"op": 0}, r"op=0 \(Horovod's hvd.Average\?\) names a reduction: in mpigc op= is "
+                r"the compressor.*average=True"),
+    ({"op": 1}, r"hvd.Sum.*average=False gives the sum"),
+    ({"op": 2}, r"hvd.Adasum.*adasum has no mpigc equivalent"),
+    ({"op": "average"}, r"unknown compressor 'average'.*op= is the compressor"),
+    ({"op": "1bit", "rel_threshold": 1.5},
+     r"1bit takes parameters block_size, error_feedback; got 'rel_threshold' "
+     r"\(rel_threshold=1.5 is a parameter of 2bit"),
+])
+def test_half_migrated_horovod_calls_say_the_mpigc_way(torch, mt, kwargs, way):
+    """DistributedOptimizer (and GradientSync, which checks its arguments)
+    with Horovod's keywords: a ConfigError that names the mpigc equivalent
+    (before: "pass either a module or sync=", "2bit takes parameters ...;
+    got 'compression'", "got int")."""
+    model = mlp(torch)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    kwargs = dict(kwargs)
+    if kwargs.get("named_parameters") == "NAMED":
+        kwargs["named_parameters"] = model.named_parameters()
+        make = lambda: mt.DistributedOptimizer(opt, **kwargs)  # noqa: E731
+    else:
+        make = lambda: mt.DistributedOptimizer(opt, model, **kwargs)  # noqa: E731
+    with pytest.raises(mpigc.ConfigError, match=way):
+        make()
+    if "named_parameters" not in kwargs:
+        with pytest.raises(mpigc.ConfigError, match=way):
+            mt.GradientSync(model, **kwargs)
+    # nothing stayed hooked: the model can be wrapped now
+    mt.DistributedOptimizer(opt, model, op="none").sync.remove_hooks()
+
+
+def test_core_allreduce_op_average_says_op_is_the_compressor():
+    """mpigc.allreduce(x, op="average") or op=hvd.Sum: the error says that
+    op= is the compressor here and how to average or sum (it said only
+    "unknown compressor 'average'")."""
+    x = np.ones(8, np.float32)
+    with pytest.raises(mpigc.ConfigError, match=r"op='average' names a reduction.*"
+                                                r"average=True gives the mean"):
+        mpigc.allreduce(x, op="average", key="hvd-average")
+    with pytest.raises(mpigc.ConfigError, match=r"average=False gives the sum"):
+        mpigc.allreduce(x, op="sum", key="hvd-sum")
+    with pytest.raises(mpigc.ConfigError, match=r"hvd.Average"):
+        mpigc.allreduce(x, op=0, key="hvd-0")
+
+
+def _uncompressed_warnings(record):
+    return [w for w in record if "MPIGC_MIN_COMPRESS_BYTES" in str(w.message)]
+
+
+def test_a_model_under_the_cutoff_warns_that_nothing_is_compressed(torch, mt, monkeypatch):
+    """GradientSync and DistributedOptimizer whose buckets are all under
+    $MPIGC_MIN_COMPRESS_BYTES (PyTorch's DDP tutorial model, a Linear(20, 1))
+    compress nothing: one UserWarning at the user's line, naming the cutoff
+    and the fix. Not for op="none", a cutoff of 0, or a bucket above it."""
+    import warnings
+    monkeypatch.delenv("MPIGC_MIN_COMPRESS_BYTES", raising=False)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(20, 1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        sync = mt.GradientSync(model, op="2bit")
+    got = _uncompressed_warnings(record)
+    assert len(got) == 1, [str(w.message) for w in record]
+    w = got[0]
+    assert w.category is UserWarning and w.filename == __file__, (w.category, w.filename)
+    assert "8192-byte cutoff" in str(w.message) and "84 bytes" in str(w.message)
+    assert "MPIGC_MIN_COMPRESS_BYTES=0" in str(w.message)
+    sync.remove_hooks()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                      op="1bit")
+        for _ in range(3):  # once, at construction: not at every step
+            opt.zero_grad()
+            model(torch.ones(2, 20)).sum().backward()
+            opt.step()
+    got = _uncompressed_warnings(record)
+    assert [w.filename for w in got] == [__file__], [str(w.message) for w in record]
+    opt.sync.remove_hooks()
+    # several small buckets of a model above the cutoff: a larger bucket fixes it
+    big = mlp(torch, widths=(16,) * 11)  # 10 layers of 272 floats: 10880 bytes
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        mt.GradientSync(big, op="2bit", bucket_mb=300 * 4 / 2**20).remove_hooks()
+    got = _uncompressed_warnings(record)
+    assert len(got) == 1 and "bucket_mb=" in str(got[0].message), [str(w.message) for w in record]
+    quiet = [lambda: mt.GradientSync(model, op="none"),
+             lambda: mt.GradientSync(big, op="2bit")]
+    for make in quiet:
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            make().remove_hooks()
+        assert not _uncompressed_warnings(record), [str(w.message) for w in record]
+    monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "0")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        mt.GradientSync(model, op="2bit").remove_hooks()
+    assert not _uncompressed_warnings(record), [str(w.message) for w in record]
+
+
+@pytest.mark.parametrize("params", [{}, {"threshold": 0.5}], ids=["groups", "ddp-buckets"])
+def test_the_ddp_hook_warns_once_when_no_bucket_is_compressed(torch, mt, tmp_path,
+                                                               monkeypatch, params):
+    """The DDP hook, whose calls are DDP's buckets (absolute 2bit) or its own
+    groups (relative 2bit), all under the cutoff: one UserWarning at the
+    first step, none at the next ones."""
+    import warnings
+    monkeypatch.delenv("MPIGC_MIN_COMPRESS_BYTES", raising=False)
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    try:
+        model = mlp(torch)  # 484 floats: 1936 bytes
+        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        state = mt.CommHookState(ddp, op="2bit", **params)
+        ddp.register_comm_hook(state, mt.comm_hook)
+        x = torch.randn(4, 8)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            for _ in range(3):
+                ddp.zero_grad()
+                ddp(x).sum().backward()
+        got = _uncompressed_warnings(record)
+        assert len(got) == 1, [str(w.message) for w in record]
+        assert "CommHookState" in str(got[0].message) and "1936 bytes" in str(got[0].message)
+    finally:
+        dist.destroy_process_group()

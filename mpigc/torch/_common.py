@@ -16,7 +16,7 @@ import torch
 from mpi4py import MPI
 
 from .. import _comm
-from .._settings import GATHER_MODES, NONFINITE_POLICIES
+from .._settings import GATHER_MODES, NONFINITE_POLICIES, min_compress_bytes
 from .._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError,
                        MpigcError, StateError)
 from ..compressors import get_compressor
@@ -151,9 +151,59 @@ def resolve_timeout(timeout):
 TORCH_2BIT_DEFAULT = {"rel_threshold": 1.5}
 
 
+def _horovod_compression(value):
+    """The mpigc op for Horovod's ``compression=`` value (``hvd.Compression.fp16``
+    is a class ``FP16Compressor``), or None."""
+    name = getattr(value, "__name__", type(value).__name__).lower()
+    return {"fp16compressor": "fp16", "nonecompressor": "none"}.get(name)
+
+
+#: Keywords of Horovod's ``hvd.DistributedOptimizer`` that mpigc does not take,
+#: and the mpigc way (see docs/torch.md, "Migrating from Horovod")
+HOROVOD_KEYWORDS = {
+    "named_parameters": "pass the model instead: DistributedOptimizer(opt, model, op=...) "
+                        "(GradientSync(model) or GradientSync(model.named_parameters()))",
+    "compression": "in mpigc the compressor is op=: hvd.Compression.fp16 is op='fp16', "
+                   "hvd.Compression.none is op='none' (the exact sum); '2bit' and '1bit' "
+                   "compress further, with error feedback",
+    "backward_passes_per_step": "accumulate gradients explicitly: run the first N-1 "
+                                "backward passes inside `with opt.sync.no_sync():` "
+                                "(`with sync.no_sync():` for a GradientSync), the last "
+                                "one outside it, then opt.step()",
+    "gradient_predivide_factor": "leave it out: average=True (the default) divides the "
+                                 "sum by the world size, and fp16/bf16 divide each "
+                                 "rank's gradient by it before the cast, which is what "
+                                 "the factor is for in Horovod",
+    "process_set": "pass comm= (an mpi4py communicator, e.g. "
+                   "MPI.COMM_WORLD.Split(color))",
+    "num_groups": "bucket_mb= sets the size of the fused buckets",
+    "groups": "bucket_mb= sets the size of the fused buckets",
+    "sparse_as_dense": "leave it out: gradients are synchronised as dense tensors",
+}
+
+
+def refuse_horovod_keywords(params):
+    """:class:`ConfigError` naming the mpigc way for a keyword of Horovod's
+    ``DistributedOptimizer`` in ``params`` (a half-migrated call); raised
+    inside a constructor's checks, so that it is agreed on by every rank."""
+    given = [k for k in HOROVOD_KEYWORDS if k in params]
+    if not given:
+        return
+    parts = []
+    for k in given:
+        way = HOROVOD_KEYWORDS[k]
+        if k == "compression" and _horovod_compression(params[k]) is not None:
+            way = (f"in mpigc the compressor is op=: op={_horovod_compression(params[k])!r} "
+                   "here (" + HOROVOD_KEYWORDS[k].split(": ", 1)[1] + ")")
+        parts.append(f"{k}= is Horovod's: {way}")
+    raise ConfigError("; ".join(parts) + " (docs/torch.md, 'Migrating from Horovod')")
+
+
 def torch_compressor(op, params):
     """:func:`mpigc.get_compressor` for the torch layer: ``"2bit"`` without a
-    threshold is the relative mode (:data:`TORCH_2BIT_DEFAULT`)."""
+    threshold is the relative mode (:data:`TORCH_2BIT_DEFAULT`); a keyword
+    of Horovod's (:data:`HOROVOD_KEYWORDS`) is refused with the mpigc way."""
+    refuse_horovod_keywords(params)
     name = op.get("type", op.get("id")) if isinstance(op, dict) else op
     given = set(params) | (set(op) if isinstance(op, dict) else set())
     if (isinstance(name, str) and name.lower() == "2bit"
@@ -200,6 +250,39 @@ class ThresholdWatch:
                 "hold almost everything and the model barely trains. Use the relative "
                 "mode (leave threshold= out, or rel_threshold=1.5), or a threshold of "
                 "your gradients' scale", RuntimeWarning, stacklevel=3)
+
+
+def warn_if_uncompressed(who, compressor, buffers):
+    """Warn (``UserWarning``, at the first line outside mpigc.torch) when
+    every one of ``buffers`` (the 1-D tensors that the calls reduce) is
+    under ``$MPIGC_MIN_COMPRESS_BYTES``, so that a compressor other than
+    ``none`` compresses nothing: the engine sums such calls exactly with
+    plain MPI. Returns whether it warned."""
+    if compressor.codec_id == "none" or not buffers:
+        return False
+    cutoff = min_compress_bytes()
+    sizes = [t.numel() * t.element_size() for t in buffers]
+    if max(sizes) >= cutoff:
+        return False
+    total = sum(sizes)
+    how = (f"make the buckets larger (bucket_mb=; all {len(sizes)} hold {total} bytes "
+           "together) or set MPIGC_MIN_COMPRESS_BYTES to a smaller cutoff on every rank"
+           if total >= cutoff else
+           f"the model's gradients are {total} bytes in all, so set "
+           "MPIGC_MIN_COMPRESS_BYTES=0 (or under that) on every rank to compress them "
+           "anyway (below the cutoff the fixed cost of compressing exceeds what it saves)")
+    frame, level = sys._getframe(0), 1  # stacklevel of the caller outside this package
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIR):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(
+        f"{who}: none of its {len(sizes)} bucket(s) is compressed: the largest is "
+        f"{max(sizes)} bytes, under the {cutoff}-byte cutoff ($MPIGC_MIN_COMPRESS_BYTES) "
+        f"below which a call is the exact MPI sum, so op={compressor.codec_id!r} sends "
+        f"them uncompressed. To compress, {how}", UserWarning, stacklevel=level)
+    return True
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
 def check_feedback(feedback):

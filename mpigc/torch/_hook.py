@@ -16,7 +16,8 @@ from ._common import (HOOK_STALE, HOOK_STEP, NP_OF_TORCH, Rendezvous, ThresholdW
                       agree_construction, as_tensor, check_feedback, check_gather, check_same,
                       describe, engine_after_torch, engine_array, first_is_nan, positive,
                       profiled, resolve_comm, resolve_timeout, resolve_warn_s, simulating,
-                      torch_after_engine, torch_compressor, torch_nonfinite, wait_request)
+                      torch_after_engine, torch_compressor, torch_nonfinite, wait_request,
+                      warn_if_uncompressed)
 from ._record import gather_record
 from ._state import (Layout, agree_hierarchy, bucket_assignment, entries_for_layouts,
                      flat_to_hier, hier_to_flat, incoming_state, residual_keys, restore_keys,
@@ -261,6 +262,9 @@ class CommHookState:
         # registers it only on CUDA, as Lightning's DDPStrategy): warn
         self._backwards = 0
         self._watch = ThresholdWatch(self.compressor, "CommHookState")
+        # whether a step's calls are all under $MPIGC_MIN_COMPRESS_BYTES is
+        # known at the first step (DDP's buckets): checked until it is decided
+        self._size_checked = self.compressor.codec_id == "none"
         self._count_handle = (self._params[0].register_hook(_count_backward(ref))
                               if self._params else None)
 
@@ -531,6 +535,10 @@ class CommHookState:
         calls, futures, result_at = self._calls, self._futures, self._result_at
         error = self._error
         self._reset_step()
+        if not self._size_checked and calls and error is None:  # the same on every rank
+            self._size_checked = True
+            warn_if_uncompressed("CommHookState", self.compressor,
+                                 [b for _, _, b, _ in calls])
         used, used_req = self._agree_used() if self.find_unused_parameters else (None, None)
         late, failed, t0 = self._settle(calls)
         error = error or late

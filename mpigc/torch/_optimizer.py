@@ -39,7 +39,10 @@ class DistributedOptimizer:
     step's gradients were non-finite on some rank (``nonfinite="skip"``, the
     default): without a loss scaler the update would write NaN into the
     parameters. ``GradScaler.step`` does not call ``step()`` for such steps.
-    Horovod's ``synchronize()`` and ``skip_synchronize()`` are supported.
+    Horovod's ``synchronize()`` and ``skip_synchronize()`` are supported;
+    Horovod's keywords (``named_parameters=``, ``compression=``,
+    ``backward_passes_per_step=``, ``op=hvd.Average``, ...) are a
+    :class:`mpigc.ConfigError` on every rank that names the mpigc way.
     """
 
     _subclasses = {}
@@ -59,9 +62,12 @@ class DistributedOptimizer:
         return object.__new__(sub)
 
     def __init__(self, optimizer, module=None, *, sync=None, **kwargs):
-        if (module is None) == (sync is None):
-            raise ConfigError("DistributedOptimizer: pass either a module or sync=")
+        if module is not None and sync is not None:
+            raise ConfigError("DistributedOptimizer: pass either a module or sync=, not both")
         if sync is None:
+            # GradientSync checks the arguments, a missing module and Horovod's
+            # keywords (named_parameters=, compression=, ...) included, and
+            # agrees on them before anything can block: raised on every rank
             kwargs.setdefault("sync_on_backward", True)
             sync = GradientSync(module, **kwargs)
         elif kwargs:

@@ -17,7 +17,7 @@ from ._common import (BUCKET_DTYPES, JOIN, STEP, Rendezvous, ThresholdWatch, agr
                       engine_after_torch, engine_array, first_is_nan, positive, profiled,
                       raise_everywhere, resolve_comm, resolve_timeout, resolve_warn_s,
                       simulating, torch_after_engine, torch_compressor, torch_nonfinite,
-                      wait_request)
+                      wait_request, warn_if_uncompressed)
 from ._launch import broadcast_parameters
 from ._record import gather_record
 from ._state import (Layout, agree_hierarchy, entries_for_layouts, flat_to_hier,
@@ -221,6 +221,10 @@ class GradientSync:
             if not positive(bucket_mb):
                 raise ConfigError(f"bucket_mb: expected a positive number, got {bucket_mb!r}")
             check_gather(gather)
+            if module is None:
+                raise ConfigError("module: expected a torch.nn.Module or (name, parameter) "
+                                  "pairs, got None (DistributedOptimizer: pass the model, "
+                                  "DistributedOptimizer(opt, model, ...), or sync=)")
             named = (list(module.named_parameters()) if isinstance(module, torch.nn.Module)
                      else list(module))
             for n, p in named:
@@ -255,6 +259,9 @@ class GradientSync:
         self._params = [p for _, p in named]
         self.size, self.rank = self._comm.size, self._comm.rank
         self.buckets = self._make_buckets(named, float(bucket_mb))
+        # all buckets under $MPIGC_MIN_COMPRESS_BYTES: nothing would be compressed
+        warn_if_uncompressed("GradientSync", self.compressor,
+                             [b.tensor for b in self.buckets])
         self._where = {}  # param index -> (bucket, offset, numel)
         self._views = {}  # param index -> its slice of the bucket (as_bucket_view)
         for b in self.buckets:

@@ -1246,3 +1246,42 @@ def test_warns_when_ddp_never_calls_the_hook(comm, gloo, monkeypatch):
     ok = len(got[False]) == 1 and "register_comm_hook" in got[False][0] and not got[True]
     assert_all(ok, str(got))
 
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kwargs", [{"backward_passes_per_step": 2},
+                                    {"compression": "fp16"}, {"op": 0},
+                                    {"op": "1bit", "rel_threshold": 1.5}],
+                         ids=["backward_passes_per_step", "compression", "op=hvd.Average",
+                              "rel_threshold-with-1bit"])
+def test_a_horovod_keyword_on_one_rank_raises_on_every_rank(comm, kwargs):
+    """A half-migrated call on the last rank only: DistributedOptimizer's
+    ConfigError (naming the mpigc way) on every rank, none left waiting in
+    the constructor's collectives."""
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mine = kwargs if comm.rank == comm.size - 1 else {}
+    e = raises_everywhere(mpigc.ConfigError,
+                          lambda: mt.DistributedOptimizer(opt, model, **mine))
+    assert_all(("Horovod" in str(e) or "parameter of 2bit" in str(e))
+               and f"rank {comm.size - 1}" in str(e), str(e))
+    mt.DistributedOptimizer(opt, model, op="none").sync.remove_hooks()  # nothing hooked
+
+
+@pytest.mark.mpi
+def test_a_model_under_the_cutoff_warns_on_every_rank(comm, monkeypatch):
+    """Every rank warns once that no bucket is compressed (the conftest's
+    cutoff 0 put back to the default)."""
+    monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "8192")
+    model = torch.nn.Linear(20, 1)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                      op="2bit")
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.ones(2, 20)).sum().backward()
+            opt.step()
+    got = [str(w.message) for w in record if "MPIGC_MIN_COMPRESS_BYTES" in str(w.message)]
+    opt.sync.remove_hooks()
+    assert_all(len(got) == 1 and "8192-byte cutoff" in got[0], repr(got))

@@ -80,7 +80,7 @@ class _Op(PendingCall):
 
     def __init__(self, kind, buf, op, params, cs, key, average, gather, feedback,
                  nonfinite, recvcounts, out, blocking, fill=None, keep_replaced=False,
-                 group=None, pre=None):
+                 group=None, pre=None, limits=None):
         self.kind = kind  # "allreduce" or "reduce_scatter"
         # a grouped call's members (mpigc._group.Group): the call reduces
         # their fused buffer, and its results go back to them
@@ -95,6 +95,11 @@ class _Op(PendingCall):
         # time, so that the sums overlap with the transfers of a pipelined call)
         self.fill = fill
         self.cs = cs  # the communicator's CommState (start() resolved it)
+        # the call's limits (mpigc._wire.Limits): given by the call that
+        # started this one, read by the short path, or read when it prepares
+        if limits is None and pre is not None:
+            limits = pre.limits
+        self.limits = limits
         self.trace = _trace.CallTrace()  # what Request.trace shows
         self.size, self.rank = self.cs.size, self.cs.rank
         if pre is None:
@@ -136,7 +141,8 @@ class _Op(PendingCall):
     # -- 1. prepare ----------------------------------------------------------
     def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
                  recvcounts, out, row):
-        _wire.read_limits()
+        if self.limits is None:
+            self.limits = _wire.read_limits()
         group = self.group
         if group is None:
             be, dbuf, dtype = _settings.adopt_input(self.kind, buf, self.cs)
@@ -153,11 +159,14 @@ class _Op(PendingCall):
         row[_N] = n
         row[_DTYPE] = _plan.DTYPE_CODE[dtype]
 
-        hit = _settings.settings_for(self.kind, dtype, self.size, op, params, key, average,
-                                     gather, nonfinite, n, recvcounts)
-        (self.comp, self.average, self.gather, self.nonfinite, self.bounds, self.key,
-         self.plain, self.settings, row[_FP]) = hit
-        comp, nonfinite = self.comp, self.nonfinite
+        st = _settings.settings_for(self.kind, dtype, self.size, op, params, key, average,
+                                    gather, nonfinite, n, recvcounts, self.limits)
+        self.comp = comp = st.comp
+        self.average, self.gather, self.bounds, self.key = (st.average, st.gather,
+                                                            st.bounds, st.key)
+        self.nonfinite = nonfinite = st.nonfinite
+        self.plain, self.settings = st.plain, st.config
+        row[_FP] = st.fp
         if group is not None:
             # a plain allreduce uses no residual: its members simply follow
             # one another
@@ -397,27 +406,30 @@ class _Op(PendingCall):
 
 
 def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,
-          recvcounts=None, out=None, blocking, fill=None, keep_replaced=False, group=None):
+          recvcounts=None, out=None, blocking, fill=None, keep_replaced=False, group=None,
+          short=False, limits=None):
     """Create and start one collective call; returns its ``_Op`` (``fill``,
-    host buffers only, ``keep_replaced`` and ``group``: see ``_Op.__init__``)."""
+    host buffers only, ``keep_replaced``, ``group`` and ``limits``: see
+    ``_Op.__init__``), or, where ``short`` (a blocking allreduce of one
+    buffer, as :mod:`mpigc._route` decides), what the short path of a
+    repeated small call returns when it completed the call."""
     # a communicator's first use is collective (Dup, a Sendrecv per peer),
     # outside the engine lock: the pending calls are completed first, as a
     # peer may wait for one of them (_sched.finish_pending). The user's
-    # thread was noted by mpigc._hiercall.start: this function also starts a
+    # thread was noted by mpigc._route.start: this function also starts a
     # hierarchical call's inter-node calls, in whatever thread advances it
     if not _sched.idle() and _comm.lookup(comm) is None:
         _sched.finish_pending()
     cs = _comm.resolve(comm)
     with _sched.lock:
         pre = None
-        if (blocking and kind == "allreduce" and group is None and fill is None
-                and recvcounts is None and out is None and not keep_replaced):
+        if short:
             # a repeated small call may run straight through (mpigc._shortcall)
             pre = _shortcall.run(buf, op, params, cs, key, average, gather, nonfinite)
             if isinstance(pre, _shortcall.Done):
                 return pre
         o = _Op(kind, buf, op, params, cs, key, average, gather, feedback, nonfinite,
-                recvcounts, out, blocking, fill, keep_replaced, group, pre)
+                recvcounts, out, blocking, fill, keep_replaced, group, pre, limits)
     if not blocking and o.state != "done":
         _sched.wake()
     return o

@@ -13,7 +13,6 @@ import numpy as np
 
 from . import _agree
 from . import _plan
-from . import _wire
 
 __all__ = ["start_rows", "act", "nonfinite_verdict"]
 
@@ -37,7 +36,7 @@ def _inline_kind(op):
     return _plan.inline_data(
         op.kind, op.size, op.plain, op.none_buf.nbytes if op.plain else 0,
         sizes, scaled, device=op.be.device, pipelined=pipelined,
-        plain_max=_wire.INLINE_PLAIN_MAX, payload_max=_wire.INLINE_PAYLOAD_MAX)
+        plain_max=op.limits.inline_plain, payload_max=op.limits.inline_payload)
 
 
 def _inline_payloads(op, kind):

@@ -1,18 +1,18 @@
 """A hierarchical call on the scheduler (:class:`_HierCall`): the steps of
 :mod:`mpigc._hierarchy` (an exact intra-node reduce-scatter, compressed
 inter-node calls of the flat engine per slice, an intra-node allgather or
-redistribution) as a generator of effects, and :func:`start`, which routes
-every collective to the flat engine or here."""
+redistribution) as a generator of effects; :func:`start` starts one
+(:mod:`mpigc._route` decides which calls are hierarchical)."""
 import itertools
 import json
 import zlib
 
 import numpy as np
 
-from . import _agree, _collective, _comm, _group, _plan, _sched, _settings, _trace, _wire
-from ._errors import CODES, ConfigError, MpigcError, NonFiniteError, StateError, code_of
-from ._hierarchy import (HIERARCHY_MODES, layout, node_sum_fill, own_sums, read_node_results,
-                         redistribute, slice_key, store_for_peers)
+from . import _agree, _collective, _comm, _plan, _sched, _settings, _trace, _wire
+from ._errors import CODES, MpigcError, NonFiniteError, StateError, code_of
+from ._hierarchy import (node_sum_fill, own_sums, read_node_results, redistribute, slice_key,
+                         store_for_peers)
 from .compressors import work_dtype
 from .feedback import get_default_feedback, shard_bounds
 
@@ -25,32 +25,10 @@ _NONFINITE_CODE = code_of(NonFiniteError())
 _call_ids = itertools.count(1)
 
 
-def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,
-          recvcounts=None, out=None, hierarchy="flat", blocking):
-    """Route one collective: the flat engine, or the hierarchical path. Returns
-    what :class:`mpigc.Request` wraps (an engine call, or a :class:`_HierCall`
-    in the engine's queue)."""
-    _sched.note_caller()
-    if hierarchy not in HIERARCHY_MODES:
-        # decides which collective runs, so it is checked here, on this rank:
-        # like the function called, it must be the same on every rank
-        raise ConfigError(f"hierarchy must be one of {HIERARCHY_MODES}, got {hierarchy!r}")
-    flat = hierarchy == "flat"
-    if not flat:
-        lay = layout(comm)
-        flat = not lay.hierarchical(hierarchy)
-    if _group.is_group(buf):
-        # one flat call on the members' fused buffer (mpigc._group): "auto"
-        # reduces a group flat; "node" across nodes fails in that call, on
-        # every rank
-        group = _group.Group(kind, buf, key, recvcounts, out, flat or hierarchy == "auto")
-        return _collective.start(kind, buf, op, params, comm=comm, key=None, average=average,
-                                 gather=gather, feedback=feedback, nonfinite=nonfinite,
-                                 blocking=blocking, group=group)
-    if flat:
-        return _collective.start(kind, buf, op, params, comm=comm, key=key, average=average,
-                                 gather=gather, feedback=feedback, nonfinite=nonfinite,
-                                 recvcounts=recvcounts, out=out, blocking=blocking)
+def start(lay, kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,
+          recvcounts, out, blocking):
+    """Start one hierarchical call on layout ``lay`` (:func:`mpigc._hierarchy.layout`
+    of ``comm``); returns the :class:`_HierCall`, in the engine's queue."""
     call = _HierCall(lay, kind, buf, op, params, comm, key, average, gather, feedback,
                      nonfinite, recvcounts, out)
     call.begin()
@@ -73,6 +51,7 @@ class _Input:
         # the intra-node steps run
         self.be = self.side_flat = self.flat = None
         self.n = self.dtype = self.settings = self.key = None
+        self.limits = None  # the call's (mpigc._wire.Limits), its inter-node calls' too
         self.plain = False
         self.fb = None  # the residual store, None with feedback=False
         self.busy = None  # this call's name in the store's keys in use (_hold_key)
@@ -82,8 +61,8 @@ class _Input:
         """Check the input and fill this rank's agreement ``row``; raises
         what a flat call would (its code travels in the row)."""
         # the limits the settings depend on, from the environment now, as a
-        # flat call reads them (else: whatever the last flat call here read)
-        _wire.read_limits()
+        # flat call reads them; its inter-node calls are given them
+        self.limits = _wire.read_limits()
         # (raises DTypeError where there are no CUDA kernels for a device
         # array: reported on every rank)
         self.be, a, dtype = _settings.adopt_input(kind, buf, _comm.resolve(lay.comm))
@@ -93,16 +72,18 @@ class _Input:
         self.wd = np.dtype(work_dtype(dtype))
         row[_N] = n
         row[_DTYPE] = _plan.DTYPE_CODE[dtype]
-        (self.comp, self.average, self.gather, self.nonfinite, self.bounds, self.key,
-         self.plain, flat_settings, _) = _settings.settings_for(
-            kind, dtype, lay.size, op, params, key, average, gather, nonfinite, n, recvcounts)
+        st = _settings.settings_for(kind, dtype, lay.size, op, params, key, average, gather,
+                                    nonfinite, n, recvcounts, self.limits)
+        self.comp, self.average, self.gather, self.nonfinite = (st.comp, st.average,
+                                                                st.gather, st.nonfinite)
+        self.bounds, self.key, self.plain = st.bounds, st.key, st.plain
         lo, hi = self.bounds[lay.rank]
         self.out, self.dout = out, None
         if out is not None:
             self.dout = self.be.adopt_out(out, hi - lo, dtype)  # or raises
         if feedback is not False:
             self.fb = get_default_feedback() if feedback is None else feedback
-        self.settings = settings = dict(flat_settings, layout=lay.describe())
+        self.settings = settings = dict(st.config, layout=lay.describe())
         row[_FP] = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
         if not self.plain:
             # a device buffer's values to the host now (the caller's thread,
@@ -319,7 +300,8 @@ class _HierCall(_sched.PendingCall):
         sub = _collective.start(self.kind, self.buf, self.op, self.params,
                                 comm=self.lay.comm, key=x.key, average=x.average,
                                 gather=x.gather, feedback=feedback, nonfinite=x.nonfinite,
-                                recvcounts=recvcounts, out=out, blocking=False)
+                                recvcounts=recvcounts, out=out, blocking=False,
+                                limits=x.limits)
         yield _sched.Calls([sub])
         sub.settle()
         sub.finished()
@@ -371,7 +353,7 @@ class _HierCall(_sched.PendingCall):
                                     feedback=False if fb is None else fb,
                                     nonfinite="ignore" if x.nonfinite == "ignore"
                                     else "raise", blocking=False, fill=fill,
-                                    keep_replaced=True)
+                                    keep_replaced=True, limits=x.limits)
             subs.append((s, sub))
             parts.append((v, sub))
         if subs:

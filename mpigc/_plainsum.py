@@ -37,7 +37,6 @@ from . import _plan
 from . import _reducer
 from . import _sched
 from . import _timeline
-from . import _wire
 from .compressors import NoCompression
 from .feedback import shard_bounds
 from .kernels import cpu as _cpu
@@ -140,7 +139,8 @@ class PlainSum:
     def _reduce(self, comm, blocking):
         """MPI's sum of ``wire`` on ``comm`` (reduce_scatter: this rank's
         shard into ``rwire``), blocking or not (then it returns the
-        requests). A call of more than ``mpigc._wire.MAX_COUNT`` elements is
+        requests). A call of more than the call's ``limits.max_count``
+        (:class:`mpigc._wire.Limits`) elements is
         summed in pieces of at most that many: an allreduce slice by slice, a
         reduce_scatter by one reduction to its owner per piece of each shard
         (MPI's counts are C ints)."""
@@ -154,7 +154,7 @@ class PlainSum:
         op = self.call
         wire, reqs = self.wire, []
         n = len(wire)
-        self.pieces = npieces = _plan.sum_pieces(n, _wire.MAX_COUNT)
+        self.pieces = npieces = _plan.sum_pieces(n, op.limits.max_count)
         if op.kind == "allreduce":
             for a, b in shard_bounds(n, npieces):
                 if blocking:

@@ -1,11 +1,12 @@
 """A call's settings: its arguments validated once per call signature
-(:func:`settings_for`), the buffer's checks (:func:`adopt_input`), and the
+(:func:`settings_for`, a :class:`Settings` record), the buffer's checks (:func:`adopt_input`), and the
 environment variables that shape a call (:func:`min_compress_bytes`,
 :func:`chunk_bytes`, :func:`default_nonfinite`). No MPI, no state beyond a
 cache of validated settings."""
 import json
 import os
 import zlib
+from typing import NamedTuple
 
 import numpy as np
 
@@ -17,7 +18,7 @@ from .compressors import SUPPORTED_DTYPES, get_compressor
 from .feedback import shard_bounds
 
 __all__ = ["NONFINITE_POLICIES", "GATHER_MODES", "default_nonfinite", "min_compress_bytes",
-           "chunk_bytes", "adopt_input", "settings_for"]
+           "chunk_bytes", "adopt_input", "Settings", "settings_for"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 GATHER_MODES = ("compressed", "exact")
@@ -47,6 +48,25 @@ def chunk_bytes():
     return _wire.env_int("MPIGC_CHUNK_BYTES", 2 << 20)
 
 
+class Settings(NamedTuple):
+    """A call's validated settings (:func:`settings_for`), frozen and shared
+    by every call of one signature: the compressor (``comp``), ``average``,
+    ``gather``, the ``nonfinite`` policy (the default resolved), the shards'
+    ``bounds`` (``[(lo, hi)]`` per rank), the residuals' ``key`` (the
+    default resolved), whether MPI sums the values (``plain``: op="none" or
+    the small-buffer fallback), the settings that ranks must agree on
+    (``config``, a dict, never changed) and their CRC (``fp``)."""
+    comp: object
+    average: bool
+    gather: str
+    nonfinite: str
+    bounds: list
+    key: str
+    plain: bool
+    config: dict
+    fp: int
+
+
 # validated settings and their fingerprint per call signature (see _settings_key)
 _settings_cache = {}
 _SETTINGS_CACHE_MAX = 4096
@@ -54,7 +74,7 @@ _SCALAR = (str, int, float, bool, type(None))
 
 
 def _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype, recvcounts,
-                  size):
+                  size, max_count):
     """What the validated settings of a call depend on, as a hashable key, or
     None where an argument is not a plain value (a dict op, a compressor
     object: validated on every call). The environment variables that
@@ -74,7 +94,7 @@ def _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype, r
     return (kind, op, repr(sorted(params.items())) if params else "", type(key), key,
             average, gather, nonfinite, n, dtype, recvcounts, size,
             _wire.getenv("MPIGC_NONFINITE"), _wire.getenv("MPIGC_MIN_COMPRESS_BYTES"),
-            _wire.MAX_COUNT)
+            max_count)
 
 
 def adopt_input(kind, buf, cs):
@@ -101,16 +121,20 @@ def adopt_input(kind, buf, cs):
 
 
 def settings_for(kind, dtype, size, op, params, key, average, gather, nonfinite, n,
-                 recvcounts):
-    """A call's settings, validated (raises ConfigError or InvalidBufferError),
-    and their fingerprint: ``(comp, average, gather, nonfinite, bounds, key,
-    plain, settings, fingerprint)``; cached per :func:`_settings_key`."""
+                 recvcounts, limits=None):
+    """A call's :class:`Settings`, validated (raises ConfigError or
+    InvalidBufferError); cached per :func:`_settings_key`. ``limits``: the
+    call's :class:`mpigc._wire.Limits` (None: read now), whose ``max_count``
+    decides in how many pieces MPI sums a plain call."""
+    if limits is None:
+        limits = _wire.read_limits()
+    max_count = limits.max_count
     ck = _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype,
-                       recvcounts, size)
+                       recvcounts, size, max_count)
     hit = None if ck is None else _settings_cache.get(ck)
     if hit is None:
         hit = _validate_settings(kind, dtype, size, op, params, key, average, gather,
-                                 nonfinite, n, recvcounts)
+                                 nonfinite, n, recvcounts, max_count)
         if ck is not None:
             if len(_settings_cache) >= _SETTINGS_CACHE_MAX:
                 _settings_cache.clear()
@@ -119,7 +143,7 @@ def settings_for(kind, dtype, size, op, params, key, average, gather, nonfinite,
 
 
 def _validate_settings(kind, dtype, size, op, params, key, average, gather, nonfinite, n,
-                       recvcounts):
+                       recvcounts, max_count):
     comp = get_compressor(op, **params)
     if gather not in GATHER_MODES:
         raise ConfigError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
@@ -149,9 +173,9 @@ def _validate_settings(kind, dtype, size, op, params, key, average, gather, nonf
                 "average": average, "gather": gather, "nonfinite": nonfinite,
                 "bounds": None if recvcounts is None else bounds,
                 "fallback": fallback}
-    if plain and n > _wire.MAX_COUNT:
+    if plain and n > max_count:
         # MPI sums this many pieces, one collective each: ranks that cut
         # differently ($MPIGC_MAX_COUNT) would wait in different collectives
-        settings["sum_pieces"] = _plan.sum_pieces(n, _wire.MAX_COUNT)
+        settings["sum_pieces"] = _plan.sum_pieces(n, max_count)
     fp = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
-    return comp, average, gather, nonfinite, bounds, key, plain, settings, fp
+    return Settings(comp, average, gather, nonfinite, bounds, key, plain, settings, fp)

@@ -74,10 +74,11 @@ class Handover:
     finish (a verdict but "go", or a sum that MPI makes): the engine call
     made of it (``_Op(..., pre=handover)``) takes its tags, rows and sends
     instead of starting its own."""
-    __slots__ = ("seq", "tags", "rows", "sendreqs")
+    __slots__ = ("seq", "tags", "rows", "sendreqs", "limits")
 
-    def __init__(self, seq, tags, rows, sendreqs):
+    def __init__(self, seq, tags, rows, sendreqs, limits):
         self.seq, self.tags, self.rows, self.sendreqs = seq, tags, rows, sendreqs
+        self.limits = limits  # the call's (mpigc._wire.Limits), read once
 
 
 def run(buf, op, params, cs, key, average, gather, nonfinite):
@@ -92,17 +93,17 @@ def run(buf, op, params, cs, key, average, gather, nonfinite):
         return None
     n, nbytes = buf.size, buf.nbytes
     try:
-        _wire.read_limits()
-        hit = _settings.settings_for("allreduce", buf.dtype, 2, op, params, key, average,
-                                     gather, nonfinite, n, None)
+        limits = _wire.read_limits()
+        st = _settings.settings_for("allreduce", buf.dtype, 2, op, params, key, average,
+                                    gather, nonfinite, n, None, limits)
     except Exception:  # noqa: BLE001 - the engine reports it on every rank
         return None
-    # hit[6]: a plain sum; its values travel with the row only point to point
-    if (not hit[6] or nbytes > _wire.INLINE_PLAIN_MAX or _agree.P2P_MAX_RANKS < 2
+    # a plain sum; its values travel with the row only point to point
+    if (not st.plain or nbytes > limits.inline_plain or _agree.P2P_MAX_RANKS < 2
             or not _sched.alone()):
         return None
     try:
-        return _straight(buf, cs, hit, code)
+        return _straight(buf, cs, st, code, limits)
     except BaseException as exc:
         # this rank's alone (a defect, no memory, an interrupt): its peer may
         # wait for it forever, so the job is aborted, as for an engine call
@@ -111,17 +112,18 @@ def run(buf, op, params, cs, key, average, gather, nonfinite):
         raise
 
 
-def _straight(buf, cs, hit, code):
-    """The call, straight through (see :func:`run`)."""
+def _straight(buf, cs, st, code, limits):
+    """The call, straight through (see :func:`run`), with its settings
+    ``st`` (:class:`mpigc._settings.Settings`) and ``limits``."""
     n, nbytes = buf.size, buf.nbytes
-    average, nonfinite, fp = hit[1], hit[3], hit[8]
+    nonfinite = st.nonfinite
     rank, comm = cs.rank, cs.comm
     peer = 1 - rank
     seq = cs.seq
     tags = cs.next_tags()
     flat = buf.reshape(n)
     row = _plan.new_row()
-    row[_N], row[_DTYPE], row[_FP] = n, code, fp
+    row[_N], row[_DTYPE], row[_FP] = n, code, st.fp
     if nonfinite != "ignore":
         row[_NBAD] = _cpu.count_nonfinite(flat)
     sendreqs = []
@@ -136,10 +138,10 @@ def _straight(buf, cs, hit, code):
     if (_plan.verdict(rows.table, rank, nonfinite) is not _plan.GO
             or nonfinite == "ignore" and not _plainsum.inline_commutes(
                 flat, theirs.view(flat.dtype))):
-        return Handover(seq, tags, rows, sendreqs)
+        return Handover(seq, tags, rows, sendreqs, limits)
     trace.went("plain", True)
     _NONE.decode_into(theirs, flat, True)
-    if average:
+    if st.average:
         np.divide(flat, 2, out=flat)
     _wire.add_traffic(nbytes, nbytes)
     rows.release(sendreqs)

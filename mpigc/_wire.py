@@ -1,15 +1,17 @@
 """The engine's messages and limits: point-to-point messages of any size
 (:func:`post`), the largest counts handed to MPI and the sizes up to which
 data travels in the agreement messages (:func:`read_limits`, from the
-environment), the environment read cheaply (:func:`getenv`), and the
+environment, a :class:`Limits` value per call), the environment read cheaply (:func:`getenv`), and the
 counters of :func:`mpigc.diagnostics.counters` and :func:`mpigc.traffic`."""
 import os
+from typing import NamedTuple
 
 from mpi4py import MPI
 
 from ._errors import ConfigError
 
-__all__ = ["traffic", "reset_traffic", "add_traffic", "counters", "count", "read_limits", "getenv", "env_int", "bytes_msg", "post"]
+__all__ = ["traffic", "reset_traffic", "add_traffic", "counters", "count", "Limits",
+           "read_limits", "getenv", "env_int", "bytes_msg", "post"]
 
 _counters = {"pipelined_calls": 0, "typed_messages": 0, "short_calls": 0}
 _traffic = {"calls": 0, "bytes_sent": 0, "logical_bytes": 0}
@@ -70,14 +72,29 @@ INLINE_PAYLOAD_MAX = 256 << 10
 # mpi4py hands a larger count to MPI, which fails with MPI_ERR_ARG). The
 # largest count the engine hands to MPI in one argument: a message of more
 # bytes travels as one element of a derived datatype (bytes_msg), op="none"'s
-# reductions of more elements in several reductions (mpigc._collective). Tests
+# reductions of more elements in several reductions (mpigc._plainsum). Tests
 # lower it to exercise both on small calls.
 MAX_COUNT = (1 << 31) - 1
-# the three limits above from the environment (see read_limits)
+# the three limits above from the environment (see read_limits); constants
 _LIMIT_ENV = (("MPIGC_INLINE_PLAIN_BYTES", INLINE_PLAIN_MAX, 0),
               ("MPIGC_INLINE_PAYLOAD_BYTES", INLINE_PAYLOAD_MAX, 0),
               ("MPIGC_MAX_COUNT", MAX_COUNT, 1))
-_limits_seen = (None, None, None)
+
+
+class Limits(NamedTuple):
+    """A call's limits (:func:`read_limits`), read once when it starts and
+    passed to what needs them: bytes of ``op="none"``'s values that travel
+    with the rows on 2 ranks (``inline_plain``), of a compressed call's
+    payloads (``inline_payload``), and the largest count handed to MPI in
+    one argument (``max_count``)."""
+    inline_plain: int
+    inline_payload: int
+    max_count: int
+
+
+# the limits parsed per value of the three variables (a cache, cleared when full)
+_limits_cache = {}
+_LIMITS_CACHE_MAX = 64
 
 
 # the environment's own dict (bytes keys, POSIX): see getenv
@@ -114,45 +131,50 @@ def env_int(name, default, least=0, most=None):
 
 
 def read_limits():
-    """Set ``INLINE_PLAIN_MAX``, ``INLINE_PAYLOAD_MAX`` and ``MAX_COUNT``
-    from ``$MPIGC_INLINE_PLAIN_BYTES``, ``$MPIGC_INLINE_PAYLOAD_BYTES`` and
+    """The :class:`Limits` of a call starting now, from
+    ``$MPIGC_INLINE_PLAIN_BYTES``, ``$MPIGC_INLINE_PAYLOAD_BYTES`` and
     ``$MPIGC_MAX_COUNT`` (unset: the defaults above), read when a call
-    starts (parsed only when one changed; ConfigError on a bad value, reported
-    by the call on every rank). Tuning and test knobs: the first two move
-    only the point where data stops travelling in the agreement messages,
-    never a result; ``$MPIGC_MAX_COUNT`` lowers the largest count handed to
-    MPI in one argument (the results are the same bits). The ranks of an
-    op="none" call that sums in pieces must agree on it: the number of
-    pieces is part of the call's settings (a difference is a settings
-    mismatch on every rank). It must not change while a call is pending."""
-    global _limits_seen, INLINE_PLAIN_MAX, INLINE_PAYLOAD_MAX, MAX_COUNT
+    starts (parsed only for values not seen before; ConfigError on a bad
+    value, reported by the call on every rank). Tuning and test knobs: the
+    first two move only the point where data stops travelling in the
+    agreement messages, never a result; ``$MPIGC_MAX_COUNT`` lowers the
+    largest count handed to MPI in one argument (the results are the same
+    bits). The ranks of an op="none" call that sums in pieces must agree on
+    it: the number of pieces is part of the call's settings (a difference
+    is a settings mismatch on every rank). It must not change while a call
+    is pending."""
     raw = (getenv("MPIGC_INLINE_PLAIN_BYTES"), getenv("MPIGC_INLINE_PAYLOAD_BYTES"),
            getenv("MPIGC_MAX_COUNT"))
-    if raw == _limits_seen:
-        return
-    INLINE_PLAIN_MAX, INLINE_PAYLOAD_MAX, MAX_COUNT = (
-        env_int(name, default, least, _LIMIT_ENV[2][1])
-        for name, default, least in _LIMIT_ENV)
-    _limits_seen = raw
+    hit = _limits_cache.get(raw)
+    if hit is None:
+        hit = Limits(*(env_int(name, default, least, MAX_COUNT)
+                       for name, default, least in _LIMIT_ENV))
+        if len(_limits_cache) >= _LIMITS_CACHE_MAX:
+            _limits_cache.clear()
+        _limits_cache[raw] = hit
+    return hit
 
 
-def bytes_msg(buf):
+def bytes_msg(buf, max_count=None):
     """``(message, datatype)``: the mpi4py message of the bytes of ``buf`` (a
     1-d uint8 array, host or device), ``[buf, MPI.BYTE]`` up to
-    ``MAX_COUNT`` bytes; beyond, ``[buf, 1, datatype]``, one element of a
-    datatype of ``len(buf)`` bytes made of blocks of ``MAX_COUNT`` bytes and
-    the rest (BigMPI's construction), which the caller frees once the
+    ``max_count`` bytes (the call's ``Limits.max_count``; None: the
+    environment's now, :func:`read_limits`); beyond, ``[buf, 1, datatype]``,
+    one element of a datatype of ``len(buf)`` bytes made of blocks of
+    ``max_count`` bytes and the rest (BigMPI's construction), which the caller frees once the
     communication is posted (MPI completes the ones that use it). One
     message and one request either way, the same bytes on the wire, so a
     receive matches a send whatever grouping either uses."""
+    if max_count is None:
+        max_count = read_limits().max_count
     nbytes = len(buf)
-    if nbytes <= MAX_COUNT:
+    if nbytes <= max_count:
         return [buf, MPI.BYTE], None
     _counters["typed_messages"] += 1
-    q, rem = divmod(nbytes, MAX_COUNT)
-    block = MPI.BYTE.Create_contiguous(MAX_COUNT)
+    q, rem = divmod(nbytes, max_count)
+    block = MPI.BYTE.Create_contiguous(max_count)
     if rem:
-        t = MPI.Datatype.Create_struct([q, rem], [0, q * MAX_COUNT], [block, MPI.BYTE])
+        t = MPI.Datatype.Create_struct([q, rem], [0, q * max_count], [block, MPI.BYTE])
     else:
         t = block.Create_contiguous(q)
     t.Commit()
@@ -160,10 +182,11 @@ def bytes_msg(buf):
     return [buf, 1, t], t
 
 
-def post(start, buf, peer, tag):
+def post(start, buf, peer, tag, max_count=None):
     """``start(message, peer, tag)``, a communicator's ``Isend`` or ``Irecv``,
-    of the bytes of ``buf``, of any size (:func:`bytes_msg`); its request."""
-    msg, t = bytes_msg(buf)
+    of the bytes of ``buf``, of any size (:func:`bytes_msg`, ``max_count``
+    as there); its request."""
+    msg, t = bytes_msg(buf, max_count)
     req = start(msg, peer, tag)
     if t is not None:
         t.Free()

@@ -5,7 +5,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ._sched import Request
-from ._hiercall import start
+from ._route import start
 from .compressors import Compressor
 from .feedback import ErrorFeedback
 

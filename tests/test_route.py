@@ -1,0 +1,72 @@
+"""A call's settings and limits are named, frozen values (issue 51 item 2):
+:func:`mpigc._settings.settings_for` returns a :class:`~mpigc._settings.Settings`
+record, :func:`mpigc._wire.read_limits` a :class:`~mpigc._wire.Limits` value that
+a call reads once and passes down (no module global rewritten), and
+:mod:`mpigc._route` routes every call. No MPI."""
+import numpy as np
+import pytest
+
+from mpigc import _route, _settings, _wire
+from mpigc._errors import ConfigError
+
+_LIMIT_VARS = ("MPIGC_INLINE_PLAIN_BYTES", "MPIGC_INLINE_PAYLOAD_BYTES", "MPIGC_MAX_COUNT")
+
+
+@pytest.fixture
+def no_limits(monkeypatch):
+    for var in _LIMIT_VARS + ("MPIGC_NONFINITE", "MPIGC_MIN_COMPRESS_BYTES"):
+        monkeypatch.delenv(var, raising=False)
+    return monkeypatch
+
+
+def test_limits_are_a_value_read_from_the_environment(no_limits):
+    defaults = _wire.read_limits()
+    assert defaults == _wire.Limits(_wire.INLINE_PLAIN_MAX, _wire.INLINE_PAYLOAD_MAX,
+                                    _wire.MAX_COUNT)
+    no_limits.setenv("MPIGC_MAX_COUNT", "1500")
+    no_limits.setenv("MPIGC_INLINE_PLAIN_BYTES", "2048")
+    small = _wire.read_limits()
+    assert (small.inline_plain, small.inline_payload, small.max_count) == (
+        2048, _wire.INLINE_PAYLOAD_MAX, 1500)
+    # a value, not the module's state: the defaults stay what they were
+    assert (_wire.INLINE_PLAIN_MAX, _wire.MAX_COUNT) == (1 << 20, (1 << 31) - 1)
+    assert defaults.max_count == (1 << 31) - 1
+    with pytest.raises(AttributeError):
+        small.max_count = 7
+    no_limits.setenv("MPIGC_MAX_COUNT", "0")
+    with pytest.raises(ConfigError, match="MPIGC_MAX_COUNT"):
+        _wire.read_limits()
+    no_limits.delenv("MPIGC_MAX_COUNT")
+    no_limits.delenv("MPIGC_INLINE_PLAIN_BYTES")
+    assert _wire.read_limits() == defaults
+
+
+def test_bytes_msg_takes_the_call_s_count_limit(no_limits):
+    buf = np.zeros(100, np.uint8)
+    msg, t = _wire.bytes_msg(buf, 100)
+    assert t is None and len(msg) == 2
+    msg, t = _wire.bytes_msg(buf, 40)
+    assert t is not None and msg[1] == 1
+    t.Free()
+
+
+def test_settings_are_a_named_record_that_follows_the_limits_given(no_limits):
+    f32 = np.dtype(np.float32)
+    st = _settings.settings_for("allreduce", f32, 2, "none", {}, "w", False, "compressed",
+                                None, 4000, None, _wire.Limits(1 << 20, 256 << 10, 1500))
+    assert isinstance(st, _settings.Settings)
+    assert st.plain and st.key == "w" and st.nonfinite == "raise" and not st.average
+    assert st.bounds == [(0, 2000), (2000, 4000)]
+    assert st.config["sum_pieces"] == 3  # 4000 elements, at most 1500 per MPI sum
+    whole = _settings.settings_for("allreduce", f32, 2, "none", {}, "w", False,
+                                   "compressed", None, 4000, None)
+    assert "sum_pieces" not in whole.config and whole.fp != st.fp
+    with pytest.raises(AttributeError):
+        st.plain = False
+
+
+def test_hierarchy_is_checked_by_the_router_before_anything():
+    with pytest.raises(ConfigError, match="hierarchy must be one of"):
+        _route.start("allreduce", np.zeros(4, np.float32), "none", {}, comm=None, key=None,
+                     average=False, gather="compressed", feedback=None, nonfinite=None,
+                     hierarchy="nodes", blocking=True)

@@ -165,7 +165,8 @@ class TwoPhase:
                     for k in range(1, size):  # receives first, then sends
                         j = (r - k) % size
                         b = self.rbase[c] + j * m
-                        self.rreq1[c][j] = _wire.post(comm.Irecv, self.wire1[b:b + m], j, tag)
+                        self.rreq1[c][j] = _wire.post(comm.Irecv, self.wire1[b:b + m], j, tag,
+                                                      op.limits.max_count)
         if self.verdict is None:
             self.trail = _plan.new_table(size)  # every rank's row, counts filled in
             self.treq = [comm.Irecv(self.trail[j], source=j, tag=op.tags[2] + 1)
@@ -224,7 +225,8 @@ class TwoPhase:
             m = self.psz[c][j]
             if m:
                 o = self.poff[c][j]
-                op.sendreqs.append(_wire.post(comm.Isend, send[o:o + m], j, op.tags[0]))
+                op.sendreqs.append(_wire.post(comm.Isend, send[o:o + m], j, op.tags[0],
+                                              op.limits.max_count))
 
     def _piece1(self, c, j):
         """Sender ``j``'s payload of chunk ``c`` of this rank's shard."""
@@ -405,7 +407,8 @@ class Gather:
                     a, b = cuts[c][j]
                     if b > a:
                         self.meta.append((c, j))
-                        self.reqs.append(_wire.post(comm.Irecv, wire[a * isz:b * isz], j, tag))
+                        self.reqs.append(_wire.post(comm.Irecv, wire[a * isz:b * isz], j, tag,
+                                                    op.limits.max_count))
         else:
             self.recvbuf = op.be.empty(self.plan.total2, np.uint8)
             self.wire = wire = op.be.wire(self.recvbuf)
@@ -416,7 +419,8 @@ class Gather:
                     if m:
                         o = self.plan.poff2[c][j]
                         self.meta.append((c, j))
-                        self.reqs.append(_wire.post(comm.Irecv, wire[o:o + m], j, tag))
+                        self.reqs.append(_wire.post(comm.Irecv, wire[o:o + m], j, tag,
+                                                    op.limits.max_count))
             if op.use_ef:
                 lo, hi = op.bounds[r]
                 if op.txn.entry.owner is None:
@@ -466,7 +470,7 @@ class Gather:
             _timeline.span("compress (gather)", t0, args={"chunk": c})
         for k in range(1, size):
             op.sendreqs.append(_wire.post(comm.Isend, self.wire[p:q], (r + k) % size,
-                                          op.tags[1]))
+                                          op.tags[1], op.limits.max_count))
         if op.gather != "exact" and not op.be.batch_decode:
             self._decode_piece(src[p:q], a, b)
 

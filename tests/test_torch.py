@@ -43,6 +43,18 @@ def mt(torch):
     import mpigc.torch
     return mpigc.torch
 
+@pytest.fixture
+def gloo_group(torch, tmp_path):
+    """A one-process gloo process group (for DDP in this process), destroyed
+    after the test; skips where torch.distributed has no gloo."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
+                            world_size=1)
+    yield dist
+    dist.destroy_process_group()
+
 
 def mlp(torch, widths=(8, 16, 16, 4), dtype=None):
     torch.manual_seed(0)
@@ -261,34 +273,26 @@ def test_the_first_line_of_a_wait_comes_from_the_environment(mt, monkeypatch):
             mt.GradientSync(mlp(__import__("torch")), op="2bit")
 
 
-def test_an_error_in_the_ddp_hook_reaches_backward_as_itself(torch, mt, tmp_path):
+def test_an_error_in_the_ddp_hook_reaches_backward_as_itself(torch, mt, gloo_group):
     """DDP (one process, gloo) with the hook: NonFiniteError in the hook
     (nonfinite="raise", a NaN gradient) is what backward() raises, its
     message unchanged (it was "RuntimeError: Unable to cast ... to
     Tensor"), and DDP finished its step: the next steps run."""
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
-                            world_size=1)
-    try:
-        model = mlp(torch)
-        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
-        state = mt.CommHookState(ddp, op="2bit", nonfinite="raise")
-        ddp.register_comm_hook(state, mt.comm_hook)
-        x = torch.randn(4, 8)
+    model = mlp(torch)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.0005)
+    state = mt.CommHookState(ddp, op="2bit", nonfinite="raise")
+    ddp.register_comm_hook(state, mt.comm_hook)
+    x = torch.randn(4, 8)
+    ddp(x).sum().backward()
+    h = model[0].bias.register_hook(lambda g: g * float("nan"))
+    with pytest.raises(mpigc.NonFiniteError, match="non-finite") as got:
         ddp(x).sum().backward()
-        h = model[0].bias.register_hook(lambda g: g * float("nan"))
-        with pytest.raises(mpigc.NonFiniteError, match="non-finite") as got:
-            ddp(x).sum().backward()
-        assert "Unable to cast" not in str(got.value)
-        h.remove()
-        for _ in range(2):
-            ddp.zero_grad()
-            ddp(x).sum().backward()
-            assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
-    finally:
-        dist.destroy_process_group()
+    assert "Unable to cast" not in str(got.value)
+    h.remove()
+    for _ in range(2):
+        ddp.zero_grad()
+        ddp(x).sum().backward()
+        assert all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
 
 
 # -- issue 45 items 4, 5: Horovod users, models under the compression cutoff ------
@@ -403,31 +407,23 @@ def test_a_model_under_the_cutoff_warns_that_nothing_is_compressed(torch, mt, mo
 
 
 @pytest.mark.parametrize("params", [{}, {"threshold": 0.5}], ids=["groups", "ddp-buckets"])
-def test_the_ddp_hook_warns_once_when_no_bucket_is_compressed(torch, mt, tmp_path,
+def test_the_ddp_hook_warns_once_when_no_bucket_is_compressed(torch, mt, gloo_group,
                                                                monkeypatch, params):
     """The DDP hook, whose calls are DDP's buckets (absolute 2bit) or its own
     groups (relative 2bit), all under the cutoff: one UserWarning at the
     first step, none at the next ones."""
     import warnings
     monkeypatch.delenv("MPIGC_MIN_COMPRESS_BYTES", raising=False)
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0,
-                            world_size=1)
-    try:
-        model = mlp(torch)  # 484 floats: 1936 bytes
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
-        state = mt.CommHookState(ddp, op="2bit", **params)
-        ddp.register_comm_hook(state, mt.comm_hook)
-        x = torch.randn(4, 8)
-        with warnings.catch_warnings(record=True) as record:
-            warnings.simplefilter("always")
-            for _ in range(3):
-                ddp.zero_grad()
-                ddp(x).sum().backward()
-        got = _uncompressed_warnings(record)
-        assert len(got) == 1, [str(w.message) for w in record]
-        assert "CommHookState" in str(got[0].message) and "1936 bytes" in str(got[0].message)
-    finally:
-        dist.destroy_process_group()
+    model = mlp(torch)  # 484 floats: 1936 bytes
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    state = mt.CommHookState(ddp, op="2bit", **params)
+    ddp.register_comm_hook(state, mt.comm_hook)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            ddp.zero_grad()
+            ddp(x).sum().backward()
+    got = _uncompressed_warnings(record)
+    assert len(got) == 1, [str(w.message) for w in record]
+    assert "CommHookState" in str(got[0].message) and "1936 bytes" in str(got[0].message)

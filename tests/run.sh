@@ -1,8 +1,17 @@
 #!/usr/bin/env bash
-# The whole mpigc test suite: the plain tests, then the MPI tests under mpirun
-# with 1, 2, 3 and 4 ranks (3 gives uneven shards). Every launch runs under
-# `timeout`, so a hang fails instead of stalling. Rank 0's output is shown;
-# the other ranks' output goes to $MPIGC_TEST_LOGS and is shown on failure.
+# The whole mpigc test suite: the plain tests, with the MPI tests at 1 rank beside
+# them, then the MPI tests under mpirun with 2, 3 and 4 ranks (3 gives uneven
+# shards), then the emulated cluster. Every launch runs under `timeout`, so a hang
+# fails instead of stalling. Rank 0's output is shown; the other ranks' output goes
+# to $MPIGC_TEST_LOGS and is shown on failure.
+#
+# The plain tests run as a few pytest runs side by side ($MPIGC_TEST_LANES at a
+# time, default the cores this shell may use): the heaviest files one run each,
+# the heaviest first, then the rest of the plain suite in one run; the 1-rank MPI
+# tests are one more such run. Most plain tests keep one core busy (a simulator
+# run, the model checker, a job of two ranks that mostly wait), so one pytest
+# after another left the other core idle for much of the suite. Each run's output
+# is shown whole when it ends. MPIGC_TEST_LANES=1 runs them one after another.
 #
 #   bash tests/run.sh            # everything
 #   RANKS="2 3" bash tests/run.sh
@@ -11,13 +20,29 @@ cd "$(dirname "$0")/.."
 
 RANKS=${RANKS:-"1 2 3 4"}
 TIMEOUT=${MPIGC_TEST_TIMEOUT:-900}  # per MPI launch
-# the plain suite (the CUDA simulator and the PTX compile of every kernel are most of it)
+# per pytest run of the plain suite (the CUDA simulator, the model checker and the
+# jobs under mpirun are most of it)
 PLAIN_TIMEOUT=${MPIGC_PLAIN_TEST_TIMEOUT:-3600}
 LOGS=${MPIGC_TEST_LOGS:-$(mktemp -d /tmp/mpigc-tests.XXXXXX)}
+if [ -n "${MPIGC_TEST_LANES:-}" ]; then
+    LANES=$MPIGC_TEST_LANES
+else
+    LANES=$(nproc 2>/dev/null || echo 2)
+fi
+[ "$LANES" -ge 1 ] 2>/dev/null || LANES=1
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # harmless when not root
 export OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 export PYTHONUNBUFFERED=1
 PYTEST=(python -m pytest -p no:cacheprovider -q --color=no)
+
+# the plain files that are a run of their own, the longest first (seconds of each
+# as a run beside another on the 2-core VM, 2026-11-28: 367, 344 (one core: the
+# model checker), 315, 191, 120; then 95, 44, 27); the rest of the plain suite (149)
+# is one run, after the first five, and the 1-rank MPI tests (68) come after the
+# first light file
+HEAVY=(tests/test_gpu_path_sim.py tests/test_model_check.py tests/test_cuda_sim.py
+       tests/test_torch.py tests/test_example_lm.py)
+LIGHT=(tests/test_launch_abort.py tests/test_docs.py tests/test_example_gpt_ddp.py)
 
 passed=0; failed=0; status=0
 tally() {  # add up the counts of a pytest summary line in file $1; exit status $2
@@ -34,24 +59,81 @@ tally() {  # add up the counts of a pytest summary line in file $1; exit status 
     passed=$((passed + ${p:-0})); failed=$((failed + ${f:-0} + ${e:-0}))
 }
 
-echo "== plain tests"
-timeout "$PLAIN_TIMEOUT" "${PYTEST[@]}" --ignore=tests/mpi tests 2>&1 | tee "$LOGS/plain.log"
-rc=${PIPESTATUS[0]}; tally "$LOGS/plain.log" "$rc"
-[ "$rc" -eq 0 ] || { echo "plain tests: exit $rc"; status=1; }
+mpi_tests() {  # the MPI tests at $1 ranks: rank 0's output here, the others' in $LOGS
+    timeout "$TIMEOUT" mpirun --oversubscribe -n "$1" bash -c '
+        r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
+        if [ "$r" = 0 ]; then exec "$@"; else exec "$@" >"'"$LOGS"'/mpi'"$1"'.rank$r.log" 2>&1; fi
+    ' _ "${PYTEST[@]}" --with-mpi tests/mpi
+}
+
+mpi_failed() {  # what to say when the MPI tests at $1 ranks exited with $2
+    echo "MPI tests with $1 rank(s): exit $2 (124 = timed out; an abort of the job by the test watchdog of tests/mpi/conftest.py says why above or below); other ranks' logs:"
+    for f in "$LOGS"/mpi"$1".rank*.log; do
+        [ -f "$f" ] && { echo "--- $f"; tail -n 30 "$f"; }
+    done
+}
+
+# -- the plain tests (and the MPI tests at 1 rank), side by side -----------------------
+names=(); cmds=(); rest=(--ignore=tests/mpi)
+own() {  # each file of "$@" that exists: a run of its own, left out of the rest
+    for f in "$@"; do
+        [ -f "$f" ] || continue
+        names+=("$f"); cmds+=("plain $f"); rest+=("--ignore=$f")
+    done
+}
+own "${HEAVY[@]}"
+names+=("the other plain tests"); cmds+=("rest")
+own "${LIGHT[0]}"
+if [[ " $RANKS " == *" 1 "* ]]; then names+=("MPI tests, 1 rank"); cmds+=("mpi 1"); fi
+own "${LIGHT[@]:1}"
+
+run_item() {  # item $1: its command in $LOGS/item$1.log, its exit status and seconds in .rc
+    local i=$1 t0=$SECONDS rc
+    set -- ${cmds[$i]}
+    case $1 in
+        plain) timeout "$PLAIN_TIMEOUT" "${PYTEST[@]}" "$2" ;;
+        rest) timeout "$PLAIN_TIMEOUT" "${PYTEST[@]}" "${rest[@]}" tests ;;
+        mpi) mpi_tests "$2" ;;
+    esac >"$LOGS/item$i.log" 2>&1
+    rc=$?
+    echo "$rc $((SECONDS - t0))" >"$LOGS/item$i.rc"
+    {   # shown whole, one item at a time
+        flock 9
+        echo "== ${names[$i]}: exit $rc, $((SECONDS - t0)) s"
+        cat "$LOGS/item$i.log"
+    } 9>"$LOGS/print.lock"
+}
+
+with=""; [[ " $RANKS " == *" 1 "* ]] && with=", and the MPI tests at 1 rank"
+echo "== plain tests$with: ${#names[@]} pytest runs, $LANES at a time"
+t0=$SECONDS
+for i in "${!names[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$LANES" ]; do wait -n; done
+    run_item "$i" &
+done
+wait
+echo "== plain tests done in $((SECONDS - t0)) s"
+: >"$LOGS/plain.log"
+for i in "${!names[@]}"; do
+    read -r rc secs <"$LOGS/item$i.rc" 2>/dev/null || rc=1
+    tally "$LOGS/item$i.log" "$rc"
+    if [[ ${cmds[$i]} == mpi* ]]; then
+        cp "$LOGS/item$i.log" "$LOGS/mpi1.log"
+        [ "$rc" -eq 0 ] || { status=1; mpi_failed 1 "$rc"; }
+    else
+        cat "$LOGS/item$i.log" >>"$LOGS/plain.log"
+        [ "$rc" -eq 0 ] || { echo "plain tests, ${names[$i]}: exit $rc"; status=1; }
+    fi
+done
 
 for k in $RANKS; do
+    [ "$k" = 1 ] && continue  # beside the plain tests, above
     echo "== MPI tests, $k rank(s)"
-    timeout "$TIMEOUT" mpirun --oversubscribe -n "$k" bash -c '
-        r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
-        if [ "$r" = 0 ]; then exec "$@"; else exec "$@" >"'"$LOGS"'/mpi'"$k"'.rank$r.log" 2>&1; fi
-    ' _ "${PYTEST[@]}" --with-mpi tests/mpi 2>&1 | tee "$LOGS/mpi$k.log"
+    mpi_tests "$k" 2>&1 | tee "$LOGS/mpi$k.log"
     rc=${PIPESTATUS[0]}; tally "$LOGS/mpi$k.log" "$rc"
     if [ "$rc" -ne 0 ]; then
         status=1
-        echo "MPI tests with $k rank(s): exit $rc (124 = timed out; an abort of the job by the test watchdog of tests/mpi/conftest.py says why above or below); other ranks' logs:"
-        for f in "$LOGS"/mpi"$k".rank*.log; do
-            [ -f "$f" ] && { echo "--- $f"; tail -n 30 "$f"; }
-        done
+        mpi_failed "$k" "$rc"
     fi
 done
 

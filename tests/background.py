@@ -10,6 +10,10 @@ most ``workers()`` at a time, and each test waits for its own result. What a
 test checks does not change: the same command, environment and time limit, and
 its own assertion on its own output.
 
+A run that needs another's output (the PTX compile of the kernel signatures
+that a simulator run records) follows it in the same slot (``then``), so it
+starts as soon as its input is there instead of when its test comes up.
+
 ``MPIGC_TEST_JOBS=1`` runs them one at a time again.
 """
 import concurrent.futures
@@ -34,6 +38,16 @@ def _run(argv, env, timeout):
         return exc
 
 
+def _steps(steps, futures):
+    """Run ``steps`` ([(key, argv, env, timeout)]) one after the other, each
+    result (or the exception that kept it from running) into its future."""
+    for key, argv, env, timeout in steps:
+        try:
+            futures[key].set_result(_run(list(argv), env, timeout))
+        except BaseException as exc:  # noqa: BLE001 - the test waiting for it raises it
+            futures[key].set_exception(exc)
+
+
 class Runs:
     """Subprocess runs by key, started in the background by ``start``; a run's
     time limit counts from when it starts, not from when it was queued."""
@@ -42,14 +56,23 @@ class Runs:
         self._pool = None
         self._runs = {}
 
-    def start(self, jobs):
+    def start(self, jobs, then=None):
         """Queue ``jobs`` ({key: (argv, env, timeout)}, in the order given:
-        longest first makes the whole shortest) that are not queued yet."""
+        longest first makes the whole shortest) that are not queued yet.
+        ``then`` ({key: [(key2, argv2, env2, timeout2), ...]}): runs that
+        follow job ``key`` in its slot, one after the other, whatever its
+        outcome (each test still checks the runs it needs)."""
+        then = then or {}
         if self._pool is None:
             self._pool = concurrent.futures.ThreadPoolExecutor(workers())
         for key, (argv, env, timeout) in jobs.items():
-            if key not in self._runs:
-                self._runs[key] = self._pool.submit(_run, list(argv), env, timeout)
+            if key in self._runs:
+                continue
+            steps = [(key, argv, env, timeout)] + [s for s in then.get(key, ())
+                                                   if s[0] not in self._runs]
+            futures = {s[0]: concurrent.futures.Future() for s in steps}
+            self._runs.update(futures)
+            self._pool.submit(_steps, steps, futures)
 
     def result(self, key, argv, env, timeout):
         """The ``subprocess.CompletedProcess`` (or ``subprocess.TimeoutExpired``)
@@ -71,3 +94,11 @@ def selected(request, test_name, *params):
             vals = tuple(it.callspec.params[p] for p in params)
             out.append(vals[0] if len(params) == 1 else vals)
     return out
+
+
+def chosen(request, test_name):
+    """Whether a test ``test_name`` of this module is selected to run in this
+    pytest session (any of its parametrizations)."""
+    path = str(request.node.path)
+    return any(getattr(it, "originalname", None) == test_name and str(it.path) == path
+               for it in request.session.items)

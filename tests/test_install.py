@@ -178,13 +178,17 @@ def test_a_kernel_of_a_module_run_as_main_caches_in_the_user_folder(tmp_path):
 
 
 # Several processes that need the same kernel at once (the ranks of a job on a
-# cold cache): one compiles, the others wait and load what it saved.
+# cold cache): one compiles, the others wait and load what it saved. Each says it
+# is ready (a file in argv[1]) once mpigc is imported, and calls the kernel when
+# all argv[2] are (before, each waited for a clock time 8 s ahead).
 RACER = """
-import sys, time, numpy as np
-while time.time() < float(sys.argv[1]):
-    time.sleep(0.01)
+import os, sys, time, numpy as np
 import mpigc
 from mpigc.kernels import cpu
+ready, n = sys.argv[1], int(sys.argv[2])
+open(os.path.join(ready, str(os.getpid())), "w").close()
+while len(os.listdir(ready)) < n:
+    time.sleep(0.005)
 cpu.count_nonfinite(np.ones(10, np.float32))
 d = cpu._count_nonfinite_range
 print("misses", sum(d._cache_misses.values()), "hits", sum(d._cache_hits.values()))
@@ -192,10 +196,10 @@ print("misses", sum(d._cache_misses.values()), "hits", sum(d._cache_hits.values(
 
 
 def test_one_process_compiles_the_others_load(tmp_path):
-    import time
     env = dict(os.environ, MPIGC_CACHE_DIR=str(tmp_path / "cache"))
-    start = str(time.time() + 8)  # after every interpreter has started
-    procs = [subprocess.Popen([sys.executable, "-c", RACER, start], env=env,
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", RACER, str(ready), "3"], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(3)]
     outs = [p.communicate(timeout=600)[0] for p in procs]

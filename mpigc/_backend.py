@@ -7,7 +7,11 @@ on the array kind at every line. :func:`mpigc._dispatch.backend` picks the
 side from the array itself.
 
 - :class:`HostBackend`: numpy arrays, ``mpigc.kernels.cpu``; MPI reads and
-  writes the arrays themselves.
+  writes the arrays themselves. Other CPU arrays (torch CPU tensors, the
+  buffer protocol, ``__array_interface__``, DLPack) are taken as numpy views
+  of their memory, made in one place, :func:`host_view`, when the backend
+  adopts them: the engine sees numpy arrays only, and the results land in
+  the caller's object.
 - :class:`DeviceBackend`: CUDA device arrays, ``mpigc.kernels.cuda``; MPI gets
   device buffers when it is CUDA-aware, otherwise staging buffers (pinned
   host memory from a pool) that the backend fills and empties; a timeline
@@ -22,7 +26,7 @@ from . import _cuda
 from . import _timeline
 from ._errors import DTypeError, InvalidBufferError
 
-__all__ = ["HostBackend", "DeviceBackend", "part"]
+__all__ = ["HostBackend", "DeviceBackend", "part", "host_view"]
 
 
 def part(a, lo, hi):
@@ -33,7 +37,8 @@ def part(a, lo, hi):
 
 
 class HostBackend:
-    """numpy arrays; MPI takes them as they are."""
+    """numpy arrays (other CPU arrays as numpy views: :func:`host_view`); MPI
+    takes them as they are."""
 
     device = False
     device_id = None  # no GPU to make current (DeviceBackend: the call's)
@@ -44,27 +49,41 @@ class HostBackend:
 
     def __init__(self, kernels):
         self.kernels = kernels
+        self.given = self.view = None  # the buffer adopt took, and its view
 
     # -- the input -------------------------------------------------------------
     def adopt(self, buf, kind, cs):
-        """``buf`` as an array of this side (no copy), or raise."""
-        if not isinstance(buf, np.ndarray):
-            raise DTypeError(f"{kind}: expected a numpy array or a CUDA device array, "
-                             f"got {type(buf).__name__}")
-        return buf
+        """``buf`` as a numpy array over its memory (no copy; see
+        :func:`host_view`), or raise."""
+        a = buf if isinstance(buf, np.ndarray) else host_view(buf, kind)
+        self.given, self.view = buf, a  # what is_writable reads
+        return a
 
     def is_c_contiguous(self, buf, a):
         return bool(a.flags.c_contiguous)
 
     def is_writable(self, buf):
-        return bool(buf.flags.writeable)
+        """Whether ``buf`` may be written (the view :meth:`adopt` made of it
+        says so: a read-only buffer, ``__array_interface__`` or DLPack export
+        gives a read-only view)."""
+        if isinstance(buf, np.ndarray):
+            return bool(buf.flags.writeable)
+        a = self.view if buf is self.given else host_view(buf, "buf")
+        return bool(a.flags.writeable)
 
     def adopt_out(self, out, n, dtype):
-        """reduce_scatter's ``out=``: an array of this side, or raise."""
-        if not isinstance(out, np.ndarray):
+        """reduce_scatter's ``out=``: a numpy array over ``out``'s memory (a
+        numpy array, or a CPU array that exposes its memory: :func:`host_view`),
+        or raise."""
+        if _is_device(out):
             raise InvalidBufferError(
-                f"out: expected a numpy array like buf, got {_side(out)}: host and device "
+                f"out: expected a host array like buf, got {_side(out)}: host and device "
                 "arrays cannot be mixed in one call")
+        if not isinstance(out, np.ndarray):
+            try:
+                out = host_view(out, "out")
+            except DTypeError as exc:  # out= is refused as a buffer, whatever its fault
+                raise InvalidBufferError(str(exc)) from exc
         if (out.dtype != dtype or out.size != n or not out.flags.c_contiguous
                 or not out.flags.writeable):
             raise InvalidBufferError(f"out: expected a writable contiguous array of {n} "
@@ -301,6 +320,85 @@ class DeviceBackend:
         self.staged = []
 
 
-def _side(a):
+def _is_device(a):
     from ._dispatch import is_device_array
-    return "a CUDA device array" if is_device_array(a) else type(a).__name__
+    return is_device_array(a)
+
+
+def _side(a):
+    return "a CUDA device array" if _is_device(a) else type(a).__name__
+
+
+# -- host arrays that are not numpy arrays ------------------------------------------
+
+#: DLPack's device type of CPU memory (kDLCPU)
+_DLPACK_CPU = 1
+
+
+def host_view(obj, kind):
+    """A numpy array over the memory of CPU array ``obj`` (no copy: writes
+    to it land in ``obj``), found by protocol, never by importing the
+    array's library: ``__array_interface__`` (the view checked to start at
+    the interface's pointer), the buffer protocol (``memoryview``:
+    ``array.array``, ``bytearray``, a ``ctypes`` array, ...), or DLPack
+    (``__dlpack__`` with ``__dlpack_device__`` on the CPU: torch CPU
+    tensors). The view is read-only where ``obj`` says its memory is
+    (a read-only buffer or interface; a DLPack export flagged read-only,
+    or one of the legacy protocol, which cannot say it is writable, as
+    ``numpy.from_dlpack`` reads it). Raises DTypeError for an object that
+    exposes no memory or one of a dtype numpy has not (a torch bfloat16
+    tensor), InvalidBufferError where the export is refused (a torch tensor
+    that requires grad: pass ``t.detach()``, which shares its memory)."""
+    name = type(obj).__name__
+    if isinstance(obj, np.generic):  # a numpy scalar: no memory of its own
+        raise DTypeError(f"{kind}: expected an array, got the scalar {name}")
+    iface = getattr(obj, "__array_interface__", None)
+    if isinstance(iface, dict):
+        a = np.asarray(obj)
+        data = iface.get("data")
+        if (isinstance(data, tuple) and a.size
+                and a.__array_interface__["data"][0] != data[0]):
+            raise InvalidBufferError(f"{kind}: numpy copied the {name} instead of viewing "
+                                     "its memory (through __array_interface__): pass a "
+                                     "numpy array")
+        return a
+    try:
+        mem = memoryview(obj)
+    except TypeError:
+        mem = None
+    if mem is not None:
+        try:
+            return np.asarray(mem)
+        except (TypeError, ValueError, NotImplementedError) as exc:
+            raise DTypeError(f"{kind}: expected float16, float32 or float64 (native byte "
+                             f"order), got a {name} of format {mem.format!r} ({exc})") from exc
+    if hasattr(obj, "__dlpack__") and hasattr(obj, "__dlpack_device__"):
+        return _dlpack_view(obj, kind, name)
+    raise DTypeError(f"{kind}: expected a numpy array, a CPU array that exposes its memory "
+                     "(the buffer protocol, __array_interface__ or DLPack: a torch CPU "
+                     f"tensor) or a CUDA device array, got {name}")
+
+
+def _dlpack_view(obj, kind, name):
+    """``numpy.from_dlpack(obj)`` for :func:`host_view`, its failures as
+    mpigc errors."""
+    try:
+        dev = obj.__dlpack_device__()
+        dev_type = int(dev[0])
+    except Exception as exc:  # noqa: BLE001 - the producer's own error, named below
+        raise InvalidBufferError(f"{kind}: the {name}'s __dlpack_device__() failed: "
+                                 f"{exc}") from exc
+    if dev_type != _DLPACK_CPU:
+        raise DTypeError(f"{kind}: expected a numpy array, a CPU array or a CUDA device "
+                         f"array (with __cuda_array_interface__), got a {name} on DLPack "
+                         f"device {tuple(int(d) for d in dev)}")
+    from_dlpack = getattr(np, "from_dlpack", None) or np._from_dlpack  # numpy 1.22
+    try:
+        return from_dlpack(obj)
+    except Exception as exc:  # noqa: BLE001 - BufferError, RuntimeError, ...: the producer's
+        dtype = str(getattr(obj, "dtype", "")).rsplit(".", 1)[-1]
+        if dtype and dtype not in ("float16", "float32", "float64"):
+            raise DTypeError(f"{kind}: expected float16, float32 or float64 (native byte "
+                             f"order), got {dtype}") from exc
+        raise InvalidBufferError(f"{kind}: the {name}'s memory cannot be read through "
+                                 f"DLPack: {exc}") from exc

@@ -4,7 +4,11 @@ An array is a device array when it exposes ``__cuda_array_interface__`` (CuPy,
 Numba device arrays, CUDA torch tensors); this is checked per object, never
 cached per type. Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``
 only) the simulator's device arrays count too: they carry Numba's
-``__cuda_ndarray__`` marker instead of the interface. Host arrays use ``mpigc.kernels.cpu``; device arrays use
+``__cuda_ndarray__`` marker instead of the interface. Everything else is a
+host array: a numpy array, or a CPU array that exposes its memory (torch CPU
+tensors, the buffer protocol, ``__array_interface__``, DLPack on the CPU),
+which the host backend views through numpy (:func:`mpigc._backend.host_view`;
+an object that exposes nothing is refused there). Host arrays use ``mpigc.kernels.cpu``; device arrays use
 ``mpigc.kernels.cuda``, imported on first use so that importing mpigc never
 touches CUDA. :func:`backend` gives the collectives the host or the device
 backend (:mod:`mpigc._backend`) for an array.
@@ -87,7 +91,8 @@ def kernels(a):
 
 def backend(a):
     """A new backend (:mod:`mpigc._backend`) for one call on array ``a``:
-    the device one for device arrays, the host one otherwise."""
+    the device one for device arrays, the host one otherwise (numpy arrays
+    and other CPU arrays, which its ``adopt`` views or refuses)."""
     from ._backend import DeviceBackend, HostBackend
     if is_device_array(a):
         return DeviceBackend(_cuda_kernels())

@@ -1,5 +1,7 @@
-"""Foreign device arrays for the simulator tests: objects that behave like CUDA
-torch tensors, as far as mpigc may look at them.
+"""Foreign arrays: objects that behave like CUDA torch tensors, as far as mpigc
+may look at them (the simulator tests), and CPU arrays that expose their
+memory by one protocol only (``tests/test_cpu_buffers.py``,
+``tests/mpi/test_cpu_buffers_mpi.py``).
 
 A CUDA torch tensor exports ``__cuda_array_interface__`` (version 3, numpy
 ``typestr``, ``shape``, ``strides`` None when contiguous, ``data`` pointer and
@@ -13,7 +15,7 @@ import types
 
 import numpy as np
 
-__all__ = ["TorchDtype", "TorchLikeTensor"]
+__all__ = ["TorchDtype", "TorchLikeTensor", "InterfaceOnly", "DLPackOnly", "OtherDevice"]
 
 
 class TorchDtype:
@@ -57,3 +59,49 @@ class TorchLikeTensor:
 
     def __getattr__(self, name):  # no numpy attributes leak through
         raise AttributeError(f"'TorchLikeTensor' object has no attribute {name!r}")
+
+
+class _Only:
+    """A CPU array over numpy array ``a``'s memory, exposing it by one
+    protocol only (no buffer protocol, no ``__array__``, no numpy
+    attributes)."""
+
+    def __init__(self, a):
+        self._a = a  # keeps the memory alive
+
+    def __getattr__(self, name):  # no numpy attributes leak through
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+
+class InterfaceOnly(_Only):
+    """Only ``__array_interface__`` (version 3, its read-only flag that of
+    ``a``)."""
+
+    @property
+    def __array_interface__(self):
+        a = self._a
+        return {"typestr": a.dtype.str, "shape": tuple(a.shape),
+                "strides": None if a.flags.c_contiguous else a.strides,
+                "data": (a.ctypes.data, not a.flags.writeable), "version": 3}
+
+
+class DLPackOnly(_Only):
+    """Only ``__dlpack__`` and ``__dlpack_device__`` (numpy's export of ``a``:
+    DLPack 1.0 when asked for it, with its read-only flag)."""
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+class OtherDevice(_Only):
+    """A DLPack array on a device that is neither the CPU nor CUDA with
+    ``__cuda_array_interface__`` (DLPack device type 8, Metal)."""
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("mpigc must not export an array of another device")
+
+    def __dlpack_device__(self):
+        return (8, 0)

@@ -610,9 +610,11 @@ def unpack_1bit(bits, means, out, block_size, accumulate):
 # ----------------------------------------------------------------------------
 # 2bit, relative mode: MXNet codes with one threshold per block,
 # t_b = float32(c * sqrt(sum(v^2) / len)), the float64 sum of squares in the
-# canonical order of the 1bit block sums (32 lanes, then the pairwise tree);
-# the selected values decode to their mean magnitude r_b (an mpigc rule: the
-# float64 sum of |v| over the selection, in the same order, over its count)
+# canonical order of the 1bit block sums (32 lanes, then the pairwise tree),
+# or, where no |v| reaches it, dtype(max|v| / max(c, 1)) (the fallback: no
+# block starves); the selected values decode to their mean magnitude r_b (an
+# mpigc rule: the float64 sum of |v| over the selection, in the same order,
+# over its count)
 # ----------------------------------------------------------------------------
 @njit(**_JIT)
 def _lane_sumsq(xb, eb, sq):
@@ -702,6 +704,41 @@ def _rel_threshold(ss, count, rel):
 
 
 @njit(**_JIT)
+def _block_absmax(xb, eb):
+    """max |v| of one block (``v = xb + eb`` in its dtype) by explicit
+    compares: exact, in any order; a NaN never wins (the CUDA kernel does
+    the same; it is only called for blocks of finite values)."""
+    m = xb.dtype.type(0)
+    for i in range(xb.size):
+        v = xb[i]
+        if eb is not None:
+            v = v + eb[i]
+        a = abs(v)
+        if a > m:
+            m = a
+    return m
+
+
+@njit(**_JIT)
+def _rel_mean_magnitude(xb, eb, tc, sq, sc):
+    """r_b of the values of one block selected by ``tc`` (float32, 0 when
+    none) and their count: the float64 sum of their |v| in the canonical
+    order over the count."""
+    sq[:] = 0.0
+    sc[:] = 0
+    _lane_abssum_sel(xb, eb, tc, sq, sc)
+    cnt = 0
+    for l in range(LANES):
+        cnt += sc[l]
+    s = LANES // 2
+    while s > 0:
+        for l in range(s):
+            sq[l] += sq[l + s]
+        s //= 2
+    return (np.float32(sq[0] / cnt) if cnt > 0 else np.float32(0.0)), cnt
+
+
+@njit(**_JIT)
 def _pack_2bit_rel_range(x, e_in, e_out, out, scales, rel, block, k0, k1):
     n = x.size
     sq = np.empty(LANES, np.float64)
@@ -710,6 +747,7 @@ def _pack_2bit_rel_range(x, e_in, e_out, out, scales, rel, block, k0, k1):
     words = codes.view(np.uint32)
     inplace = _same(e_in, e_out)
     nan = x.dtype.type(np.nan)
+    zero = x.dtype.type(0)
     nbad = 0
     for k in range(k0, k1):
         lo = k * block
@@ -728,18 +766,18 @@ def _pack_2bit_rel_range(x, e_in, e_out, out, scales, rel, block, k0, k1):
             tc = nan  # t_b = 0 (or NaN): nothing selected, all 00
         # pass 2 (the block is in cache): the mean magnitude of the selected
         # values, the float64 sum of |v| in the same canonical order
-        sq[:] = 0.0
-        sc[:] = 0
-        _lane_abssum_sel(x[lo:hi], _win(e_in, lo, hi), tc, sq, sc)
-        cnt = 0
-        for l in range(LANES):
-            cnt += sc[l]
-        s = LANES // 2
-        while s > 0:
-            for l in range(s):
-                sq[l] += sq[l + s]
-            s //= 2
-        r32 = np.float32(sq[0] / cnt) if cnt > 0 else np.float32(0.0)
+        r32, cnt = _rel_mean_magnitude(x[lo:hi], _win(e_in, lo, hi), tc, sq, sc)
+        if cnt == 0 and np.isfinite(t32) and t32 > np.float32(0.0):
+            # nothing reaches c * rms (a block of similar magnitudes): the
+            # fallback tc = dtype(float64(max|v|) / max(c, 1)) (never above
+            # max|v|: rounding is monotone; max|v| itself should it round to
+            # 0) selects at least the largest values, so no block starves
+            # (docs/error-feedback.md). t_b is finite: so are the values
+            mx = _block_absmax(x[lo:hi], _win(e_in, lo, hi))
+            tc = x.dtype.type(np.float64(mx) / (rel if rel > 1.0 else 1.0))
+            if not tc > zero:
+                tc = mx
+            r32, cnt = _rel_mean_magnitude(x[lo:hi], _win(e_in, lo, hi), tc, sq, sc)
         scales[k] = r32
         td = x.dtype.type(r32)
         # pass 3: codes and residual
@@ -823,7 +861,12 @@ def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size):
     lanes, lane l summing elements l, l+32, ... in sequence, then the tree
     ``sum[l] += sum[l + s]``, s = 16, 8, 4, 2, 1) and ``m_b`` its length.
     Codes as :func:`pack_2bit` with ``t_b`` (all ``00`` where ``t_b`` is 0
-    or NaN) into ``out`` (uint8, ``ceil(n / 4)``). The selected values S_b
+    or NaN) into ``out`` (uint8, ``ceil(n / 4)``); where ``t_b`` is finite
+    and > 0 but no ``|v|`` reaches it, the block uses the fallback
+    ``dtype(float64(max|v|) / max(rel_threshold, 1))`` instead (``max|v|``
+    itself should that round to 0), so a nonzero block always sends its
+    largest values and no residual grows without bound
+    (docs/error-feedback.md). The selected values S_b
     (codes ``11``/``10``) give ``r_b = float32(A_b / |S_b|)``, ``A_b`` the
     float64 sum of their ``|v|`` in the same canonical order (0 when S_b is
     empty); ``r_b`` goes into ``scales`` (float32, one per block; ``t_b``

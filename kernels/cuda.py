@@ -33,7 +33,11 @@ Kernels (one thread per value, coalesced)
   pairwise tree ``sum[l] += sum[l + s]``, s = 16, 8, 4, 2, 1, is done by warp
   shuffles (``shfl_down``), bit for bit the CPU's tree. The second pass reads
   the block again row by row: 1bit signs by one ``ballot`` per row of 32
-  (four bytes, MSB first after a bit reversal), 2bit codes by shuffles. The
+  (four bytes, MSB first after a bit reversal), 2bit codes by shuffles. A
+  relative 2bit block where no value reaches ``c * rms`` reads the block once
+  more for its ``max |v|`` (explicit compares per lane, then a tree of
+  compares over ``shfl_down``: exact) and selects again with the fallback
+  threshold (``docs/wire-format.md``). The
   reconstruction pairs and magnitudes are written as little-endian float32
   bytes straight into the payload after the codes.
 - ``fp16`` / ``bf16``: one generic element-wise body, the conversion being
@@ -884,6 +888,31 @@ def unpack_1bit(bits, means, out, block_size, accumulate, *, cuda_stream=0):
 # ----------------------------------------------------------------------------
 # 2bit, relative mode: one warp per quantization block (as 1bit)
 # ----------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _rel_selected_sum(x, e_in, has_e_in, lo, b0, b1, lane, tc):
+    """(A, count) of the block's values selected by ``tc`` (``v >= tc`` or
+    ``v <= -tc``), in every lane: lane l sums the float64 |v| of the selected
+    b0+l, b0+l+32, ... in order, then the canonical tree; every lane of the
+    warp must call it."""
+    neg_tc = -tc
+    a = 0.0
+    c = 0
+    for v in range(b0 + lane, b1, LANES):
+        i = lo + v
+        val = x[i]
+        if has_e_in:
+            val = val + e_in[i]
+        sel = (val >= tc) or (val <= neg_tc)
+        a += abs(np.float64(val)) if sel else 0.0
+        c += 1 if sel else 0
+    s = LANES // 2
+    while s > 0:  # the same tree
+        a += _shfl_down(a, s)
+        c += _shfl_down(c, s)
+        s //= 2
+    return _shfl_idx(a, 0), _shfl_idx(c, 0)
+
+
 @cuda.jit(cache=_CACHE)
 def _pack_2bit_rel_kernel(x, e_in, has_e_in, e_out, has_e_out, out, tail, inline, starts,
                           offs, rel, block, nbad_out):
@@ -919,25 +948,37 @@ def _pack_2bit_rel_kernel(x, e_in, has_e_in, e_out, has_e_out, out, tail, inline
         tc = nan
         if t32 > np.float32(0.0):
             tc = x.dtype.type(t32)  # else (t_b = 0 or NaN) nothing selected
-        neg_tc = -tc
         # pass 2: lane l sums |v| of the selected b0+l, b0+l+32, ... in order
-        a = 0.0
-        c = 0
-        for v in range(b0 + lane, b1, LANES):
-            i = lo + v
-            val = x[i]
-            if has_e_in:
-                val = val + e_in[i]
-            sel = (val >= tc) or (val <= neg_tc)
-            a += abs(np.float64(val)) if sel else 0.0
-            c += 1 if sel else 0
-        s = LANES // 2
-        while s > 0:  # the same tree
-            a += _shfl_down(a, s)
-            c += _shfl_down(c, s)
-            s //= 2
-        a = _shfl_idx(a, 0)
-        cnt = _shfl_idx(c, 0)
+        a, cnt = _rel_selected_sum(x, e_in, has_e_in, lo, b0, b1, lane, tc)
+        # (warp-uniform: cnt and t32 are the same in every lane)
+        if cnt == 0 and math.isfinite(t32) and t32 > np.float32(0.0):
+            # nothing reaches c * rms: the fallback threshold
+            # dtype(float64(max|v|) / max(c, 1)) (max|v| itself should it
+            # round to 0) selects at least the largest values, as the CPU's.
+            # t_b is finite: so are the values. max by explicit compares
+            # (a NaN never wins, on the GPU and in the simulator alike)
+            mx = zero
+            for v in range(b0 + lane, b1, LANES):
+                i = lo + v
+                val = x[i]
+                if has_e_in:
+                    val = val + e_in[i]
+                av = abs(val)
+                if av > mx:
+                    mx = av
+            mf = np.float64(mx)
+            s = LANES // 2
+            while s > 0:
+                o = _shfl_down(mf, s)
+                if o > mf:
+                    mf = o
+                s //= 2
+            mf = _shfl_idx(mf, 0)
+            tc = x.dtype.type(mf / (rel if rel > 1.0 else 1.0))
+            if not tc > zero:
+                tc = x.dtype.type(mf)
+            a, cnt = _rel_selected_sum(x, e_in, has_e_in, lo, b0, b1, lane, tc)
+        neg_tc = -tc
         r32 = np.float32(0.0)
         if cnt > 0:
             r32 = np.float32(a / cnt)  # the mean magnitude r_b

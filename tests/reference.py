@@ -38,7 +38,10 @@ Conventions spelled out here (the contract):
   the squares ``float64(v)**2`` in the canonical order of the 1bit sums, each
   step (division, sqrt, product) in float64. Codes as ``2bit`` with
   ``dtype(t_b)``, except that a block with ``t_b == 0`` (or NaN) is all
-  ``00``. The selected values (codes ``11``/``10``) decode to their mean
+  ``00``. Fallback: where ``t_b`` is finite and > 0 but no ``|v| >= dtype(t_b)``,
+  the block's threshold is ``dtype(float64(M) / max(c, 1))`` (``M`` its
+  largest ``|v|`` in the dtype; ``M`` itself should that round to 0), so the
+  largest values are always selected. The selected values (codes ``11``/``10``) decode to their mean
   magnitude ``r_b = float32(A_b / count)``, ``A_b`` the float64 sum of their
   ``|v|`` in the same canonical order (0 for no selected value): ``11`` ->
   ``dtype(r_b)``, ``10`` -> ``-dtype(r_b)``; residual ``v - decoded``.
@@ -329,7 +332,14 @@ def encode_2bit_rel(x, rel, block_size=1024, e=None):
     dt = v.dtype
     n = v.size
     t = rel_thresholds(v, rel, block_size)
-    tt = t.astype(dt)[np.arange(n) // block_size] if n else np.zeros(0, dt)
+    tb = t.astype(dt)
+    for k in range(t.size):  # the fallback: nothing reaches t_b
+        vb = v[k * block_size:(k + 1) * block_size]
+        if np.isfinite(t[k]) and t[k] > 0 and not (np.abs(vb) >= tb[k]).any():
+            m = np.abs(vb).max()
+            f = dt.type(np.float64(m) / max(rel, 1.0))
+            tb[k] = f if f > 0 else m
+    tt = tb[np.arange(n) // block_size] if n else np.zeros(0, dt)
     live = tt > 0  # a block whose threshold is 0 (or NaN) sends only 00
     codes = np.full(n, CODE_ZERO, np.uint8)
     with np.errstate(invalid="ignore"):

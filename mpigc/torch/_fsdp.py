@@ -1,0 +1,310 @@
+"""mpigc's compressed reduce-scatter as FSDP2's gradient reduce-scatter."""
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from mpi4py import MPI
+
+from .. import _comm as _engine_comm
+from .. import _wire
+from .._errors import ConfigError, DTypeError, MpigcError, StateError
+from ..feedback import ErrorFeedback
+from ..reduce_scatter import ireduce_scatter
+
+from ._common import (NP_OF_TORCH, Wait, agree_construction, check_feedback, check_same,
+                      describe, raise_everywhere, resolve_comm, resolve_timeout,
+                      resolve_warn_s, torch_compressor, torch_nonfinite, wait_request)
+
+__all__ = ["FsdpHookState", "register_fsdp_hooks"]
+
+_REGISTER = Wait("call register_fsdp_hooks",
+                 "It is collective: call it on every rank, on the same FSDP2 model",
+                 "Its communicator duplication stays posted: this rank cannot use "
+                 "mpigc on that communicator any more")
+_STEP = Wait("reach this FSDP group's gradient reduce-scatter",
+             "Hooks registered on some ranks only, or ranks that run different "
+             "backward passes (a parameter group reduced on some ranks only)",
+             "The call stays posted")
+
+
+def _fsdp_groups(model):
+    """``[(fqn, module, its FSDP parameter group)]`` of the FSDP2 modules of
+    ``model`` that manage parameters, in ``named_modules`` order."""
+    from torch.distributed.fsdp import FSDPModule
+    found, out = False, []
+    for fqn, m in model.named_modules():
+        if not isinstance(m, FSDPModule):
+            continue
+        found = True
+        groups = m._get_fsdp_state()._fsdp_param_groups
+        if len(groups) > 1:
+            raise ConfigError(f"register_fsdp_hooks: FSDP module {fqn or '<root>'!r} has "
+                              f"{len(groups)} parameter groups (shard_placement_fn with "
+                              "several meshes); one per module is supported")
+        if groups:
+            out.append((fqn, m, groups[0]))
+    if not found:
+        raise ConfigError(f"register_fsdp_hooks: {type(model).__name__} holds no FSDP2 "
+                          "module: call torch.distributed.fsdp.fully_shard on it (and its "
+                          "blocks) first")
+    return out
+
+
+def _shard_ranks(group):
+    """The global ranks of FSDP group ``group``'s reduce-scatter, or raise
+    for an HSDP mesh (a replicate dimension)."""
+    if group._is_hsdp or getattr(group.mesh_info, "replicate_process_group", None) is not None:
+        raise ConfigError("register_fsdp_hooks: an HSDP mesh (replicas x shards) is not "
+                          "supported yet: shard over a 1-D mesh")
+    return dist.get_process_group_ranks(group._reduce_scatter_process_group)
+
+
+class _MpiReduceScatter:
+    """FSDP2's custom reduce-scatter (``set_custom_reduce_scatter``) of one
+    FSDP parameter group: mpigc's compressed reduce-scatter over MPI."""
+
+    def __init__(self, state, key, group):
+        self.state, self.key, self.group = state, key, group
+
+    def allocate(self, size, *, dtype, device):
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        return self.state._reduce_scatter(self, output_tensor, input_tensor, group, op)
+
+
+# the torch.distributed.fsdp class: FSDP checks isinstance(comm, ReduceScatter)
+# in places; made a subclass at first use (importing fsdp is slow)
+_CLASS = []
+
+
+def _comm_class():
+    if not _CLASS:
+        from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+        _CLASS.append(type("MpiReduceScatter", (_MpiReduceScatter, ReduceScatter), {}))
+    return _CLASS[0]
+
+
+class FsdpHookState:
+    """What :func:`register_fsdp_hooks` installed: the residuals of each FSDP
+    parameter group (key ``"fsdp:<module fqn>"``, ``"fsdp:"`` for the root)
+    and the traffic of its calls.
+
+    Attributes
+    ----------
+    keys : list of str
+        The residual keys, one per FSDP parameter group, in module order.
+    feedback : ErrorFeedback
+        The residuals: on each rank, its worker residual of each group's
+        flat (padded) reduce-scatter input.
+    reduce_scatters : dict
+        Key -> the reduce-scatter object installed on its FSDP module
+        (``set_custom_reduce_scatter``; a wrapper may delegate to it).
+    calls, bytes_sent, logical_bytes : int
+        This rank's reduce-scatter calls, the payload bytes it handed to MPI
+        and the bytes of the inputs they reduced (:func:`mpigc.traffic`'s
+        counters, for these calls only).
+    """
+
+    def __init__(self, model, op, comm, nonfinite, feedback, timeout, params):
+        self.comm = resolve_comm(comm)
+        exc, settings, named, groups = None, None, [], []
+        self.timeout = self._warn_s = None  # a bad timeout: the agreement says so
+        try:
+            self.timeout = resolve_timeout(timeout)
+            self._warn_s = resolve_warn_s()
+            self.compressor = torch_compressor(op, params)
+            self.nonfinite = torch_nonfinite(nonfinite)
+            self.feedback = check_feedback(feedback)
+            if not isinstance(model, torch.nn.Module):
+                raise ConfigError(f"register_fsdp_hooks: expected a torch.nn.Module, got "
+                                  f"{type(model).__name__}")
+            groups = _fsdp_groups(model)
+            if not dist.is_initialized():
+                raise ConfigError("register_fsdp_hooks: torch.distributed is not "
+                                  "initialised (FSDP2 needs its process group)")
+            if (dist.get_rank(), dist.get_world_size()) != (self.comm.rank, self.comm.size):
+                raise ConfigError(
+                    f"register_fsdp_hooks: torch.distributed rank {dist.get_rank()} of "
+                    f"{dist.get_world_size()} is not MPI rank {self.comm.rank} of "
+                    f"{self.comm.size}: start the process group with the MPI rank and size "
+                    "(mpigc.torch.init_process_group)")
+            ranks = list(range(self.comm.size))
+            for fqn, _, g in groups:
+                if _shard_ranks(g) != ranks:
+                    raise ConfigError(f"register_fsdp_hooks: FSDP module {fqn or '<root>'!r} "
+                                      "shards over a subgroup; its group must span the "
+                                      "communicator, in rank order")
+            named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+            settings = {"op": self.compressor.get_config(), "nonfinite": self.nonfinite,
+                        "groups": [fqn for fqn, _, _ in groups]}
+        except (MpigcError, TypeError, ValueError, AttributeError) as e:
+            exc = e
+        # the first collective, within the timeout: registered on some ranks
+        # only raises there instead of waiting for ever
+        self._comm, req = self.comm.Idup()
+        wait_request(req.Test, f"register_fsdp_hooks (rank {self.comm.rank} of "
+                     f"{self.comm.size})", _REGISTER, timeout=self.timeout,
+                     warn_s=self._warn_s)
+        _engine_comm.resolve(self._comm)
+        agree_construction(self._comm, exc, settings, "register_fsdp_hooks")
+        check_same(self._comm, describe(named), "register_fsdp_hooks")
+        self.size, self.rank = self._comm.size, self._comm.rank
+        self.keys = [f"fsdp:{fqn}" for fqn, _, _ in groups]
+        self._layouts = {}  # key -> (numel, dtype) of its flat input
+        self.calls = self.bytes_sent = self.logical_bytes = 0
+        self._groups = groups
+        cls = _comm_class()
+        self._comms = [cls(self, key, g) for key, (_, _, g) in zip(self.keys, groups)]
+        self.reduce_scatters = dict(zip(self.keys, self._comms))
+        for (_, m, _), c in zip(groups, self._comms):
+            m.set_custom_reduce_scatter(c)
+
+    # -- in backward ---------------------------------------------------------------
+    def _reduce_scatter(self, rs, output, inp, group, op):
+        key = rs.key
+        if group.size() != self.size:
+            raise StateError(f"register_fsdp_hooks: {key}'s reduce-scatter group has "
+                             f"{group.size()} ranks, the communicator {self.size}")
+        if inp.device.type != "cpu":
+            raise DTypeError(f"register_fsdp_hooks: {key}: CPU tensors only so far, got "
+                             f"{inp.device}")
+        layout = (inp.numel(), str(inp.dtype).replace("torch.", ""))
+        known = self._layouts.get(key)
+        if known is not None and known != layout:
+            raise StateError(
+                f"register_fsdp_hooks: the flat reduce-scatter input of {key} changed from "
+                f"{known[0]} {known[1]} elements to {layout[0]} {layout[1]}: its residuals "
+                "no longer line up (a parameter without a gradient in this step? FSDP "
+                "leaves it out: module.set_reduce_scatter_unused_params(True) reduces "
+                "every parameter each step; or a new reduce_dtype: load_state_dict({}) "
+                "drops the residuals)")
+        if inp.dtype not in NP_OF_TORCH and inp.dtype != torch.bfloat16:
+            raise DTypeError(f"register_fsdp_hooks: {key}: expected float16, bfloat16, "
+                             f"float32 or float64 gradients, got {inp.dtype}")
+        # FSDP's division: AVG (its default over the group), SUM (it divides
+        # before/after itself), PREMUL_SUM(1/factor) (set_gradient_divide_factor)
+        average, scale = False, None
+        kind = getattr(op, "op", op)
+        if kind == dist.ReduceOp.AVG:
+            average = True
+        elif kind == dist.ReduceOp.PREMUL_SUM:
+            scale = 1.0 / rs.group.gradient_divide_factor
+        elif kind != dist.ReduceOp.SUM:
+            raise ConfigError(f"register_fsdp_hooks: {key}: reduce op {kind} is not a sum")
+        x = inp.detach()
+        if x.dtype == torch.bfloat16 or scale is not None:
+            x = x.float() if scale is None else x.to(torch.float32 if x.dtype ==
+                                                    torch.bfloat16 else x.dtype) * scale
+        xs = x.numpy()
+        out = (output.detach().numpy() if output.dtype == x.dtype
+               else np.empty(output.numel(), xs.dtype))
+        m = output.numel()
+        before = _wire.traffic()
+        req = ireduce_scatter(xs, op=self.compressor, recvcounts=[m] * self.size, out=out,
+                              comm=self._comm, key=key, average=average,
+                              feedback=self.feedback, nonfinite=self.nonfinite)
+        wait_request(lambda: _settled(req), f"FSDP reduce-scatter of {key} (rank "
+                     f"{self.rank} of {self.size})", _STEP, timeout=self.timeout,
+                     warn_s=self._warn_s)
+        req.wait()
+        after = _wire.traffic()
+        self.calls += after["calls"] - before["calls"]
+        self.bytes_sent += after["bytes_sent"] - before["bytes_sent"]
+        self.logical_bytes += after["logical_bytes"] - before["logical_bytes"]
+        self._layouts[key] = layout
+        if output.dtype != x.dtype:
+            with torch.no_grad():
+                output.copy_(torch.from_numpy(out))
+        return None
+
+    # -- state ---------------------------------------------------------------------
+    def state_dict(self):
+        """This rank's residuals (a copy), per key, with the layouts they
+        belong to; :meth:`load_state_dict` takes it at the same world size on
+        the same rank."""
+        return {"world_size": self.size, "rank": self.rank,
+                "layouts": {k: list(v) for k, v in self._layouts.items()},
+                "residuals": self.feedback.state_dict()}
+
+    def load_state_dict(self, state):
+        """Load :meth:`state_dict` output (collective): on an error on any
+        rank, the same error on every rank and nothing changed."""
+        exc = None
+        try:
+            if not isinstance(state, dict) or not {"world_size", "rank", "layouts",
+                                                   "residuals"} <= set(state):
+                raise StateError("FsdpHookState.load_state_dict: expected the output of "
+                                 "FsdpHookState.state_dict()")
+            if (state["world_size"], state["rank"]) != (self.size, self.rank):
+                raise StateError(
+                    f"FsdpHookState.load_state_dict: the state is rank {state['rank']} of "
+                    f"{state['world_size']}, this is rank {self.rank} of {self.size} (only "
+                    "the same world size, each rank its own state)")
+            unknown = sorted(set(state["residuals"]) - set(self.keys))
+            if unknown:
+                raise StateError(f"FsdpHookState.load_state_dict: unknown keys {unknown[:5]} "
+                                 f"(this model's: {self.keys[:5]})")
+            trial = ErrorFeedback()
+            trial.load_state_dict(state["residuals"])
+        except (MpigcError, TypeError, ValueError, KeyError) as e:
+            exc = e
+        raise_everywhere(self._comm, exc, "FsdpHookState.load_state_dict")
+        self.feedback.reset()
+        self.feedback.load_state_dict(state["residuals"])
+        self._layouts = {k: tuple(v) for k, v in state["layouts"].items()}
+
+    def __repr__(self):
+        return (f"FsdpHookState(op={self.compressor!r}, groups={len(self.keys)}, "
+                f"ranks={self.size})")
+
+
+def _settled(req):
+    try:
+        return req.test()
+    except Exception:  # noqa: BLE001 - raised again by its wait()
+        return True
+
+
+def register_fsdp_hooks(model, op="2bit", *, comm=None, nonfinite=None, feedback=None,
+                        timeout=None, **params):
+    """Make every FSDP2 module of ``model`` reduce-scatter its gradients with
+    mpigc's compressed :func:`mpigc.reduce_scatter` over MPI, with error
+    feedback per FSDP parameter group (collective over ``comm``).
+
+    >>> state = mpigc.torch.register_fsdp_hooks(model, op="2bit",
+    ...                                         rel_threshold=1.5)  # doctest: +SKIP
+
+    ``model`` is sharded already (``fully_shard`` on its blocks and on
+    itself) over a 1-D mesh whose process group has the ranks of ``comm``
+    (default ``MPI.COMM_WORLD``) in the same order. FSDP keeps its process
+    group for its all-gathers; only the gradient reduce-scatter moves to
+    MPI, compressed. FSDP's division is kept (its average over the group,
+    ``set_gradient_divide_factor``, the sum it divides itself for fp16), as
+    are its padded layout (uneven shards), ``reduce_dtype`` (bf16 is reduced
+    in float32 and rounded once), ``set_requires_gradient_sync(False)``
+    (no call) and ``reshard_after_forward``.
+
+    A group's flat layout is fixed from its first call: a later call of
+    another size or dtype (a parameter without a gradient, which FSDP leaves
+    out) raises :class:`mpigc.StateError` on every rank, residuals unchanged
+    (``set_reduce_scatter_unused_params(True)`` keeps the layout).
+
+    Parameters
+    ----------
+    op, **params
+        The compressor (as :class:`GradientSync`'s: ``"2bit"`` without a
+        threshold is the relative mode).
+    comm, nonfinite, feedback, timeout
+        As for :class:`GradientSync`. ``timeout`` also bounds the wait in
+        this function (registered on some ranks only: :class:`StateError`
+        there) and in each reduce-scatter.
+
+    Returns
+    -------
+    FsdpHookState
+        The residuals (``state_dict()``/``load_state_dict()``) and the
+        traffic counters.
+    """
+    return FsdpHookState(model, op, comm, nonfinite, feedback, timeout, params)

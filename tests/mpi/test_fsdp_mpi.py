@@ -1,0 +1,249 @@
+"""FSDP2's gradient reduce-scatter as mpigc's compressed reduce-scatter
+(issue 46, item 1): ``op="none"`` matches plain FSDP2 over gloo, the
+compressors conserve per shard, accumulation, uneven shards, resume, and
+errors on every rank."""
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpigc
+
+from conftest import assert_all, raises_everywhere
+
+torch = pytest.importorskip("torch")
+import mpigc.torch as mt  # noqa: E402
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
+
+import test_torch_mpi  # noqa: E402
+
+# 2: the sums of two are order-free (bit-identical to gloo); 3: uneven
+# shards and padding of the 7-row layer; 4: gloo's order of sums differs
+pytestmark = pytest.mark.ranks(2, 3, 4)
+
+gloo = test_torch_mpi.gloo  # its module-scoped fixture: torch.distributed over gloo
+
+_OPS = {"2bit-abs": {"op": "2bit", "threshold": 0.5},
+        "2bit-rel": {"op": "2bit", "rel_threshold": 1.5},
+        "1bit": {"op": "1bit"},
+        "terngrad": {"op": "terngrad", "error_feedback": True}}
+
+
+def _model(reduce_dtype=torch.float32, reshard=True, extra=0):
+    """Two linear blocks and the root, each fully_shard'ed: the 7-row layer
+    is padded and sharded unevenly at 2, 3 and 4 ranks."""
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3 + extra)]
+    m = torch.nn.Sequential(*layers)
+    mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    for layer in layers[::2]:
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
+    fully_shard(m, mp_policy=mp, reshard_after_forward=reshard)
+    return m
+
+
+def _backward(m, rank, step):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(4, 5, generator=g)
+    m(x).pow(2).sum().backward()
+
+
+def _train(m, steps, rank, first=0, accumulate=False):
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    for step in range(first, first + steps):
+        opt.zero_grad()
+        if accumulate:
+            m.set_requires_gradient_sync(False)
+            _backward(m, rank, 500 + step)
+            m.set_requires_gradient_sync(True)
+        _backward(m, rank, step)
+        opt.step()
+    return {n: p.to_local().detach().clone() for n, p in m.named_parameters()}
+
+
+def _compare(a, b, exact, rtol):
+    """Bit for bit when ``exact``, else within ``rtol`` of the model's
+    largest parameter value."""
+    if exact:
+        return all(torch.equal(a[n], b[n]) for n in a)
+    atol = rtol * max(float(t.float().abs().max()) for t in a.values() if t.numel())
+    return all(torch.allclose(a[n].float(), b[n].float(), rtol=0, atol=atol) for n in a)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("reduce_dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("reshard", [True, False])
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_none_matches_plain_fsdp(comm, gloo, reduce_dtype, reshard, accumulate):
+    """20 steps with ``op="none"``: bit for bit FSDP2's gloo reduce-scatter
+    where the sum's order cannot differ (fp32 at 2 and 3 ranks, where gloo
+    adds in rank order; bf16 at 2, where gloo's bf16 sum of two is rounded
+    once, as ours); else within rounding (gloo adds pairwise at 4 ranks and
+    rounds each bf16 partial sum, mpigc adds in float32 and rounds once)."""
+    dt = torch.float32 if reduce_dtype == "fp32" else torch.bfloat16
+    plain = _train(_model(dt, reshard), 20, comm.rank, accumulate=accumulate)
+    m = _model(dt, reshard)
+    state = mt.register_fsdp_hooks(m, op="none")
+    hooked = _train(m, 20, comm.rank, accumulate=accumulate)
+    exact = comm.size <= 3 if dt == torch.float32 else comm.size == 2
+    ok = _compare(plain, hooked, exact, 1e-5 if dt == torch.float32 else 1e-2)
+    assert_all(ok, f"op='none' differs from plain FSDP2 (exact={exact})")
+    # the hook ran: one call per FSDP parameter group and synchronising step
+    assert_all(state.calls == 20 * len(state.keys) and state.bytes_sent > 0,
+               f"calls {state.calls}, bytes {state.bytes_sent}")
+
+
+class _Recorder:
+    """Delegates to mpigc's reduce-scatter of one group and records, per
+    call, the input, this rank's delivered shard and the worker residual
+    after the call (all float64)."""
+
+    def __init__(self, state, key):
+        self.inner, self.state, self.key, self.rows = state.reduce_scatters[key], state, key, []
+
+    def allocate(self, size, *, dtype, device):
+        return self.inner.allocate(size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        x = input_tensor.double().numpy().copy()
+        self.inner(output_tensor, input_tensor, group, op)
+        res = self.state.feedback.state_dict()[self.key]["worker"]
+        self.rows.append((x, output_tensor.double().numpy().copy(),
+                          np.zeros_like(x) if res is None else res.astype(np.float64)))
+
+
+def _record(m, state):
+    from torch.distributed.fsdp import FSDPModule
+    recs = {}
+    for fqn, mod in m.named_modules():
+        key = f"fsdp:{fqn}"
+        if isinstance(mod, FSDPModule) and key in state.reduce_scatters:
+            recs[key] = _Recorder(state, key)
+            mod.set_custom_reduce_scatter(recs[key])
+    return recs
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", list(_OPS))
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_conservation_per_shard(comm, gloo, name, accumulate):
+    """Per group and shard, over the steps: what the ranks put in (their
+    inputs) = N x what the owner delivered (the average) + the change of
+    the ranks' residuals; the residuals are not all zero (the compressor
+    kept something back)."""
+    m = _model()
+    state = mt.register_fsdp_hooks(m, **_OPS[name])
+    recs = _record(m, state)
+    _train(m, 6, comm.rank, accumulate=accumulate)
+    ok, worst, kept = True, 0.0, 0.0
+    for key, rec in recs.items():
+        rows = comm.allgather(rec.rows)
+        n = rows[0][0][0].size
+        m_ = n // comm.size
+        prev = np.zeros((comm.size, n))
+        for step in range(len(rows[0])):
+            inputs = sum(rows[r][step][0] for r in range(comm.size))
+            res = np.stack([rows[r][step][2] for r in range(comm.size)])
+            delivered = np.concatenate([rows[r][step][1] for r in range(comm.size)])
+            assert delivered.size == n and n == m_ * comm.size
+            err = np.abs(inputs - (comm.size * delivered + res.sum(0) - prev.sum(0)))
+            scale = 1e-5 * (1 + np.abs(inputs).max() + np.abs(res).max())
+            worst = max(worst, float(err.max() / scale))
+            ok &= bool(err.max() <= scale)
+            prev = res
+        kept = max(kept, float(np.abs(prev).max()))
+    assert_all(ok and kept > 0, f"{name}: conservation off by {worst:g} x tolerance, "
+                                f"largest residual {kept:g}")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["2bit-abs", "1bit"])
+def test_resume_bit_exact(comm, gloo, name):
+    """10 steps in one go = 5 steps, the model, optimizer and hook state
+    into a new model, 5 steps; without the residuals it differs."""
+    m = _model()
+    mt.register_fsdp_hooks(m, **_OPS[name])
+    want = _train(m, 10, comm.rank)
+    m = _model()
+    state = mt.register_fsdp_hooks(m, **_OPS[name])
+    _train(m, 5, comm.rank)
+    saved = state.state_dict()
+    params = {n: p.to_local().detach().clone() for n, p in m.named_parameters()}
+    runs = []
+    for load in (True, False):
+        m2 = _model()
+        state2 = mt.register_fsdp_hooks(m2, **_OPS[name])
+        with torch.no_grad():
+            for n, p in m2.named_parameters():
+                p.to_local().copy_(params[n])
+        if load:
+            state2.load_state_dict(saved)
+        runs.append(_train(m2, 5, comm.rank, first=5))
+    assert_all(_compare(want, runs[0], True, 0), f"{name}: resumed run differs")
+    assert_all(comm.allreduce(int(not _compare(want, runs[1], True, 0))) > 0,
+               f"{name}: a run without the residuals is the same (test too weak)")
+
+
+# -- errors ---------------------------------------------------------------------------
+@pytest.mark.mpi
+def test_settings_differ(comm, gloo):
+    m = _model()
+    op = {"op": "2bit", "threshold": 0.5 if comm.rank == 0 else 0.25}
+    raises_everywhere(mpigc.MismatchError, lambda: mt.register_fsdp_hooks(m, **op),
+                      match="different settings")
+    _train(m, 1, comm.rank)  # nothing installed: FSDP's own reduce-scatter
+
+
+@pytest.mark.mpi
+def test_parameters_differ(comm, gloo):
+    m = _model(extra=1 if comm.rank == 1 else 0)
+    raises_everywhere(mpigc.MismatchError,
+                      lambda: mt.register_fsdp_hooks(m, op="2bit", threshold=0.5),
+                      match="different parameters")
+
+
+@pytest.mark.mpi
+def test_not_fsdp_on_one_rank(comm, gloo):
+    m = _model() if comm.rank else torch.nn.Linear(3, 3)
+    raises_everywhere(mpigc.ConfigError,
+                      lambda: mt.register_fsdp_hooks(m, op="2bit", threshold=0.5),
+                      match="no FSDP2 module")
+
+
+@pytest.mark.mpi
+def test_registered_on_one_rank_only(comm, gloo):
+    sub = comm.Dup()  # rank 0's registration stays posted on it; no one uses it again
+    m = _model()
+    if comm.rank == 0:
+        raises_everywhere(mpigc.StateError, lambda: mt.register_fsdp_hooks(
+            m, op="none", comm=sub, timeout=1.0), comm=MPI.COMM_SELF,
+            match="call register_fsdp_hooks")
+
+
+@pytest.mark.mpi
+def test_layout_change_raises_everywhere(comm, gloo):
+    """A parameter without a gradient in one step (FSDP leaves it out of the
+    flat input): StateError on every rank, the residuals unchanged."""
+    m = _model()
+    state = mt.register_fsdp_hooks(m, op="2bit", threshold=0.5)
+    _train(m, 2, comm.rank)
+    before = state.state_dict()["residuals"]
+    m[2].bias.requires_grad_(False)
+    raises_everywhere(mpigc.StateError, lambda: _train(m, 1, comm.rank),
+                      match="changed from")
+    after = state.feedback.state_dict()
+    assert_all(all(np.array_equal(before[k]["worker"], after[k]["worker"]) for k in before),
+               "residuals changed")
+
+
+@pytest.mark.mpi
+def test_load_bad_state_everywhere(comm, gloo):
+    m = _model()
+    state = mt.register_fsdp_hooks(m, op="2bit", threshold=0.5)
+    _train(m, 1, comm.rank)
+    good = state.state_dict()
+    bad = dict(good, rank=(comm.rank + 1) % comm.size) if comm.rank == 0 else good
+    raises_everywhere(mpigc.StateError, lambda: state.load_state_dict(bad),
+                      match="load_state_dict")
+    now = state.feedback.state_dict()
+    assert_all(all(np.array_equal(good["residuals"][k]["worker"], now[k]["worker"])
+                   for k in now), "residuals changed")

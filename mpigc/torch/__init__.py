@@ -39,11 +39,13 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 # (CompressedAdamW), _launch (process group and broadcasts).
 from ._adam import CompressedAdamW, local_gradients_hook
 from ._hook import CommHookState, comm_hook
+from ._fsdp import FsdpHookState, register_fsdp_hooks
 from ._launch import broadcast_optimizer_state, broadcast_parameters, init_process_group
 from ._optimizer import DistributedOptimizer
 from ._sync import Bucket, GradientSync
 
 __all__ = ["GradientSync", "DistributedOptimizer", "CommHookState", "comm_hook",
+           "register_fsdp_hooks", "FsdpHookState",
            "broadcast_parameters", "broadcast_optimizer_state", "Bucket", "CompressedAdamW",
            "init_process_group", "local_gradients_hook"]
 

@@ -301,8 +301,8 @@ class _Op(PendingCall):
         """The two phases are over (:mod:`mpigc._twophase`): ``sent`` bytes
         of data went out; ``acc``: this rank's reduced shard."""
         self.sendreqs = []  # complete: the steps waited for them
-        if self.txn is not None and self.txn.entry is not None:
-            self.txn.entry.calls += 1
+        if self.txn is not None:
+            self.txn.count_call()
         self._done(None if self.kind == "allreduce" else acc, sent)
 
     def _done(self, v, sent):

@@ -76,8 +76,9 @@ def layout(op):
 def _stream(op, rank, stage):
     """terngrad's random stream: seed and key, rank, the key's call count
     (the communicator's call count for calls without state), stage."""
-    entry = None if op.txn is None else op.txn.entry
-    calls = entry.calls if entry is not None else op.seq
+    calls = None if op.txn is None else op.txn.calls()
+    if calls is None:
+        calls = op.seq
     seed = op.comp.seed ^ (zlib.crc32(op.key.encode()) << 32)
     return _cpu.ternary_stream(seed, rank, calls, stage)
 
@@ -107,10 +108,7 @@ def _pack_scaled(op):
     """terngrad quantizes only once the rows agree, with the scale all
     ranks agreed on (the largest)."""
     if op.use_ef:
-        entry = op.txn.entry
-        if entry.worker is None:
-            entry.worker = op.be.empty(op.n, op.wdtype)
-        op.e_out = entry.worker
+        op.e_out = op.txn.ensure_worker(lambda: op.be.empty(op.n, op.wdtype))
     else:
         op.e_out = None
     pack_shards(op, None, scale=max(_bits_f64(v) for v in op.table[:, _plan.SCALE]))
@@ -423,8 +421,7 @@ class Gather:
                                                     op.limits.max_count))
             if op.use_ef:
                 lo, hi = op.bounds[r]
-                if op.txn.entry.owner is None:
-                    op.txn.entry.owner = op.be.zeros(hi - lo, op.wdtype)
+                op.txn.ensure_owner(lambda: op.be.zeros(hi - lo, op.wdtype))
                 self.owner_out = op.be.empty(hi - lo, op.wdtype)
         self.left = len(self.reqs)
 
@@ -450,7 +447,7 @@ class Gather:
             src = self.recvbuf
             e = eo = None
             if op.use_ef:
-                e, eo = (part(op.txn.entry.owner, a - lo, b - lo),
+                e, eo = (part(op.txn.owner(), a - lo, b - lo),
                          part(self.owner_out, a - lo, b - lo))
             kw, bad = {"offset": a}, 0
             if op.comp.needs_global_scale:
@@ -550,4 +547,4 @@ class Gather:
         a piece was beyond the wire format (the old one is kept whole)."""
         op = self.call
         if op.use_ef and not self.obad and op.gather != "exact":
-            op.txn.entry.owner = self.owner_out
+            op.txn.set_owner(self.owner_out)

@@ -52,7 +52,7 @@ from . import _comm, _hierarchy, _jitcache
 from ._errors import ConfigError, MismatchError, MpigcError, StateError
 from ._version import __version__
 from .compressors import get_compressor
-from .feedback import ErrorFeedback, _Entry, get_default_feedback, shard_bounds
+from .feedback import ErrorFeedback, get_default_feedback, new_entry, shard_bounds
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "FORMAT_VERSION"]
 
@@ -342,7 +342,7 @@ def hier_rows(c, hier):
 
 
 def hier_to_flat(c, lay, hier, rows, size, rank):
-    """``{key@hier: _Entry}``: each hierarchical key's residuals of this rank
+    """``{key@hier: entry}``: each hierarchical key's residuals of this rank
     in the flat layout of the communicator (collective; ``hier`` and ``rows``
     from :func:`hier_rows`; see ``mpigc._hierarchy.to_flat_form``)."""
     flags = []
@@ -366,9 +366,8 @@ def hier_to_flat(c, lay, hier, rows, size, rank):
         slices = {s: (e.worker, e.owner) for s, e in ents.items()}
         w, o = _hierarchy.to_flat_form(lay, slices, n, np.dtype(dtype), bool(flags[i, 0]),
                                        bool(flags[i, 1]))
-        e = _Entry(n, dtype, size, rank, json.loads(config))
-        e.calls, e.worker, e.owner = calls, w, o
-        out[b + HIER_SUFFIX] = e
+        out[b + HIER_SUFFIX] = new_entry(n, dtype, size, rank, json.loads(config), calls,
+                                         w, o)
     return out
 
 
@@ -553,9 +552,8 @@ def to_layout(c, comm, entries, mode, hierarchical=None):
         parts = _hierarchy.from_flat_form(lay, w, o, e.n, e.dtype)
         for s, (w, o) in parts.items():
             lo, hi = shard_bounds(e.n, lay.L)[s]
-            se = _Entry(hi - lo, e.dtype, lay.M, lay.node, dict(e.config))
-            se.calls, se.worker, se.owner = e.calls, w, o
-            out[_hierarchy.slice_key(b, s, lay.L, e.n)] = se
+            out[_hierarchy.slice_key(b, s, lay.L, e.n)] = new_entry(
+                hi - lo, e.dtype, lay.M, lay.node, dict(e.config), e.calls, w, o)
     return out
 
 
@@ -926,7 +924,7 @@ def owner_sources(n, old_size, new_size, new_rank):
 
 
 def _read_entries(meta, skip, new_size, new_rank):
-    """This rank's new entries ``{key: _Entry}`` (memory: its own residuals
+    """This rank's new entries ``{key: entry}`` (memory: its own residuals
     plus one 4 MiB block)."""
     old_size = meta["attrs"]["world_size"]
     files = {}
@@ -942,15 +940,14 @@ def _read_entries(meta, skip, new_size, new_rank):
             if key in skip:
                 continue
             dtype = np.dtype(dname)
-            e = _Entry(n, dtype, new_size, new_rank, json.loads(cfg))
-            e.calls = calls
+            worker = owner = None
             if meta["has_worker"][i]:
                 w, got = None, False
                 for r in worker_sources(old_size, new_size, new_rank):
                     if w is None:
                         w = np.empty(n, dtype)
                     got |= rf(r).read(i, "worker", dtype, n, 0, n, w, add=got)
-                e.worker = w if got else None
+                worker = w if got else None
             if meta["has_owner"][i]:
                 nlo, nhi = shard_bounds(n, new_size)[new_rank]
                 o, got = None, False
@@ -960,8 +957,9 @@ def _read_entries(meta, skip, new_size, new_rank):
                         o = np.zeros(nhi - nlo, dtype)
                     got |= rf(r).read(i, "owner", dtype, ohi - olo, a - olo, z - olo,
                                       o[a - nlo:z - nlo], add=False)
-                e.owner = o if got else None
-            entries[key] = e
+                owner = o if got else None
+            entries[key] = new_entry(n, dtype, new_size, new_rank, json.loads(cfg), calls,
+                                     worker, owner)
     finally:
         for f in files.values():
             f.close()
@@ -1137,8 +1135,7 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
     entries = to_layout(c, comm, entries, mode, forms)
     exc = None
     try:
-        fb.replace_entries(entries)
-        fb.skipped_steps = int(meta["attrs"].get("skipped_steps", 0))
+        fb.replace_entries(entries, skipped_steps=meta["attrs"].get("skipped_steps", 0))
     except Exception as e:  # noqa: BLE001
         exc = e
     _agree(c, exc, "load_checkpoint")

@@ -318,16 +318,39 @@ class ErrorFeedback:
         with self._lock:
             self._busy.difference_update(entries)
 
-    def replace_entries(self, entries):
-        """For mpigc's own modules: install ``{key: entry}`` (not copied) in
-        place of every entry. Raises StateError, and changes nothing, if a
-        key (or a hierarchical call's name) is in use. Under the lock."""
+    def replace_entries(self, entries, skipped_steps=None):
+        """For mpigc's own modules: install ``{key: entry}`` (not copied; made
+        by :func:`new_entry`) in place of every entry, and the count of
+        skipped steps if given (a checkpoint's). Raises StateError, and
+        changes nothing, if a key (or a hierarchical call's name) is in
+        use. Under the lock."""
         with self._lock:
             busy = sorted(self._busy)
             if busy:
                 raise StateError(f"key(s) {busy} in use by a pending collective; wait "
                                  "for them before loading")
             self._entries = dict(entries)
+            if skipped_steps is not None:
+                self.skipped_steps = int(skipped_steps)
+
+    def count_skipped_step(self):
+        """For mpigc's own modules: one more call was skipped on every rank
+        because of non-finite values (``skipped_steps``). Under the lock."""
+        with self._lock:
+            self.skipped_steps += 1
+
+    def add_to_worker(self, key, lo, hi, add):
+        """For mpigc's own modules (mpigc.torch's fold-back): add to the
+        worker residual of ``key`` in ``[lo, hi)``: ``add(view)`` adds, in
+        place, to ``view``, that range of the residual (a view on its side:
+        a host or device array). Does nothing, and returns False, if the key
+        has no worker residual; True otherwise. Only while no call uses the
+        key."""
+        e = self._entries.get(key)
+        if e is None or e.worker is None or hi <= lo:
+            return False
+        add(e.worker[lo:hi])
+        return True
 
     def update_entries(self, entries):
         """For mpigc's own modules: install ``{key: entry}`` (not copied),
@@ -412,6 +435,17 @@ class ErrorFeedback:
             name = make_name()
             self._busy.add(name)
             return name
+
+
+def new_entry(n, dtype, world_size, rank, config, calls=0, worker=None, owner=None):
+    """For mpigc's own modules (checkpoints, mpigc.torch's state): an entry
+    to install with :meth:`ErrorFeedback.replace_entries` or
+    :meth:`ErrorFeedback.update_entries`, holding ``worker`` and ``owner``
+    (host arrays or None, not copied) and the call count ``calls``; placed
+    on the device, if its buffers are there, by its key's next call."""
+    e = _Entry(n, dtype, world_size, rank, config)
+    e.calls, e.worker, e.owner = int(calls), worker, owner
+    return e
 
 
 # -- a step that may be rolled back, by copy (mpigc.torch's nonfinite="skip") ---------
@@ -524,7 +558,45 @@ class Transaction:
 
     def skipped(self):
         """The call was skipped on every rank (``nonfinite="skip"``)."""
-        self.fb.skipped_steps += 1
+        self.fb.count_skipped_step()
+
+    def calls(self):
+        """How many calls used the key before this one (None: no entry yet;
+        a grouped call's: the most of its members')."""
+        return None if self.entry is None else self.entry.calls
+
+    def count_call(self):
+        """The call is over: one more call used the key (nothing for a key
+        that has no entry)."""
+        if self.entry is not None:
+            self.entry.calls += 1
+
+    def ensure_worker(self, make):
+        """The worker residual of the committed call's entry, to update in
+        place (terngrad, whose residual is written once the scale is
+        agreed): ``make()``, an array of the entry's size whose values the
+        call writes whole, installed first when the entry has none."""
+        e = self.entry
+        if e.worker is None:
+            e.worker = make()
+        return e.worker
+
+    def owner(self):
+        """The owner residual of the committed call's entry (None: none)."""
+        return self.entry.owner
+
+    def ensure_owner(self, make):
+        """The owner residual of the committed call's entry: ``make()``
+        (zeros of this rank's shard) installed first when it has none."""
+        e = self.entry
+        if e.owner is None:
+            e.owner = make()
+        return e.owner
+
+    def set_owner(self, arr):
+        """The committed call's new owner residual ``arr`` replaces the old
+        (which the call no longer reads)."""
+        self.entry.owner = arr
 
     def end(self, defer=False):
         """The call is over, or will not go ahead: an unused scratch array

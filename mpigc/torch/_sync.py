@@ -611,12 +611,12 @@ class GradientSync:
         if self._hier:
             self._fold_back_hier(b, off, m)
             return
-        entry = self.feedback.entry(b.key)
-        if entry is None or entry.worker is None:
-            return
         delivered = b.tensor[off:off + m]
-        worker = as_tensor(entry.worker, b.tensor)[off:off + m]  # a view, either side
-        worker += delivered if self.average else delivered / self.size
+
+        def add(view):  # a view of the residual, either side
+            as_tensor(view, b.tensor).add_(delivered if self.average
+                                           else delivered / self.size)
+        self.feedback.add_to_worker(b.key, off, off + m, add)
 
     def _residual_keys(self, b):
         return residual_keys(self._lay, self._hier, b.key, b.n)
@@ -629,13 +629,12 @@ class GradientSync:
         total = self.size if self.average else 1  # delivered = total sum / this
         sb = shard_bounds(b.n, lay.L)
         for sl, key in self._residual_keys(b):
-            e = self.feedback.entry(key)
             slo, shi = sb[sl]
             lo, hi = max(off, slo), min(off + m, shi)
-            if e is None or e.worker is None or hi <= lo:
-                continue
-            worker = as_tensor(e.worker, b.tensor)[lo - slo:hi - slo]
-            worker += b.tensor[lo:hi] * (total / lay.M)
+
+            def add(view, lo=lo, hi=hi):  # a view of the residual, either side
+                as_tensor(view, b.tensor).add_(b.tensor[lo:hi] * (total / lay.M))
+            self.feedback.add_to_worker(key, lo - slo, hi - slo, add)
 
     # -- state -------------------------------------------------------------------
     def _idle(self, what):

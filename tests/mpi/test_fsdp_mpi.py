@@ -92,6 +92,41 @@ def test_none_matches_plain_fsdp(comm, gloo, reduce_dtype, reshard, accumulate):
                f"calls {state.calls}, bytes {state.bytes_sent}")
 
 
+def _divide_by(m, factor, force_sum=False):
+    from torch.distributed.fsdp import FSDPModule
+    for mod in m.modules():
+        if isinstance(mod, FSDPModule):
+            mod.set_gradient_divide_factor(factor)
+            mod.set_force_sum_reduction_for_comms(force_sum)
+    return m
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("setting", ["factor", "factor=N", "fp16"])
+def test_none_keeps_fsdp_division(comm, gloo, setting):
+    """FSDP's other divisions: ``set_gradient_divide_factor`` (PREMUL_SUM
+    of 1/factor; AVG when the factor is the group size) and an fp16
+    ``reduce_dtype`` (a SUM, FSDP divides before and after). Gloo has no
+    PREMUL_SUM: plain FSDP2 sums and divides after (force_sum), within
+    rounding of the hook's premultiplied sum."""
+    dt = torch.float16 if setting == "fp16" else torch.float32
+    factor = {"factor": 2.5 * comm.size, "factor=N": comm.size}.get(setting)
+
+    def build(force_sum):
+        m = _model(dt)
+        return _divide_by(m, factor, force_sum) if factor is not None else m
+
+    plain = _train(build(setting == "factor"), 10, comm.rank)
+    m = build(False)
+    state = mt.register_fsdp_hooks(m, op="none")
+    hooked = _train(m, 10, comm.rank)
+    exact = (comm.size <= 3 and setting == "factor=N") or (setting == "fp16"
+                                                            and comm.size == 2)
+    ok = _compare(plain, hooked, exact, 1e-5 if dt == torch.float32 else 1e-2)
+    assert_all(ok and state.calls == 10 * len(state.keys),
+               f"{setting}: differs from plain FSDP2 (exact={exact}) or no calls")
+
+
 class _Recorder:
     """Delegates to mpigc's reduce-scatter of one group and records, per
     call, the input, this rank's delivered shard and the worker residual

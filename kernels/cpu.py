@@ -706,8 +706,9 @@ def _rel_threshold(ss, count, rel):
 @njit(**_JIT)
 def _block_absmax(xb, eb):
     """max |v| of one block (``v = xb + eb`` in its dtype) by explicit
-    compares: exact, in any order; a NaN never wins (the CUDA kernel does
-    the same; it is only called for blocks of finite values)."""
+    compares: exact, in any order (the CUDA kernel takes the integer max of
+    the bits of float64(|v|): the same value). Only called for blocks of
+    finite values (a NaN would never win here, and would on the GPU)."""
     m = xb.dtype.type(0)
     for i in range(xb.size):
         v = xb[i]
@@ -774,7 +775,9 @@ def _pack_2bit_rel_range(x, e_in, e_out, out, scales, rel, block, k0, k1):
             # 0) selects at least the largest values, so no block starves
             # (docs/error-feedback.md). t_b is finite: so are the values
             mx = _block_absmax(x[lo:hi], _win(e_in, lo, hi))
-            tc = x.dtype.type(np.float64(mx) / (rel if rel > 1.0 else 1.0))
+            tc = mx
+            if rel > 1.0:
+                tc = x.dtype.type(np.float64(mx) / rel)
             if not tc > zero:
                 tc = mx
             r32, cnt = _rel_mean_magnitude(x[lo:hi], _win(e_in, lo, hi), tc, sq, sc)

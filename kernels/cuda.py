@@ -35,8 +35,9 @@ Kernels (one thread per value, coalesced)
   the block again row by row: 1bit signs by one ``ballot`` per row of 32
   (four bytes, MSB first after a bit reversal), 2bit codes by shuffles. A
   relative 2bit block where no value reaches ``c * rms`` reads the block once
-  more for its ``max |v|`` (explicit compares per lane, then a tree of
-  compares over ``shfl_down``: exact) and selects again with the fallback
+  more for its ``max |v|`` (an integer max of the bits of ``float64(|v|)``
+  per lane, then a tree over ``shfl_down``: exact, and no float max) and
+  selects again with the fallback
   threshold (``docs/wire-format.md``). The
   reconstruction pairs and magnitudes are written as little-endian float32
   bytes straight into the payload after the codes.
@@ -955,26 +956,30 @@ def _pack_2bit_rel_kernel(x, e_in, has_e_in, e_out, has_e_out, out, tail, inline
             # nothing reaches c * rms: the fallback threshold
             # dtype(float64(max|v|) / max(c, 1)) (max|v| itself should it
             # round to 0) selects at least the largest values, as the CPU's.
-            # t_b is finite: so are the values. max by explicit compares
-            # (a NaN never wins, on the GPU and in the simulator alike)
-            mx = zero
+            # t_b is finite: so are the values. The max of |v| is an integer
+            # max of the bits of float64(|v|) (ordered as the values for
+            # non-negative finite floats; exact): a float compare-and-select
+            # would become max.f64, which tests/test_cuda_sim.py bans
+            mb = np.int64(0)
             for v in range(b0 + lane, b1, LANES):
                 i = lo + v
                 val = x[i]
                 if has_e_in:
                     val = val + e_in[i]
-                av = abs(val)
-                if av > mx:
-                    mx = av
-            mf = np.float64(mx)
+                ab = np.float64(abs(val)).view(np.int64)
+                if ab > mb:
+                    mb = ab
             s = LANES // 2
             while s > 0:
-                o = _shfl_down(mf, s)
-                if o > mf:
-                    mf = o
+                o = _shfl_down(mb, s)
+                if o > mb:
+                    mb = o
                 s //= 2
-            mf = _shfl_idx(mf, 0)
-            tc = x.dtype.type(mf / (rel if rel > 1.0 else 1.0))
+            mf = np.int64(_shfl_idx(mb, 0)).view(np.float64)
+            # (a branch, not max(rel, 1.0): NVVM would make that a max.f64)
+            tc = x.dtype.type(mf)
+            if rel > 1.0:
+                tc = x.dtype.type(mf / rel)
             if not tc > zero:
                 tc = x.dtype.type(mf)
             a, cnt = _rel_selected_sum(x, e_in, has_e_in, lo, b0, b1, lane, tc)

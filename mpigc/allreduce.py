@@ -6,6 +6,7 @@ from mpi4py import MPI
 
 from ._sched import Request
 from ._route import start
+from ._threshold import observe_allreduce
 from .compressors import Compressor
 from .feedback import ErrorFeedback
 
@@ -93,7 +94,10 @@ def allreduce(buf: Buf, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = None
     req = start("allreduce", buf, op, params, comm=comm, key=key, average=average,
                 gather=gather, feedback=feedback, nonfinite=nonfinite, hierarchy=hierarchy,
                 blocking=True)
-    return Request(req).wait()
+    out = Request(req).wait()
+    # warns once per key when 2bit's absolute threshold sends almost nothing
+    observe_allreduce(buf, op, params, key)
+    return out
 
 
 def iallreduce(buf: Buf, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = None,

@@ -462,51 +462,95 @@ class BF16(_TwoByte):
     _kernel = "bf16"
 
 
+#: What ``"2bit"`` without a threshold means in every layer (``op="2bit"``,
+#: ``{"type": "2bit"}``, ``TwoBit()``, the torch layer): the relative mode with
+#: ``rel_threshold=1.5``, measured on the mpi4py + numpy MLP
+#: (``examples/mlp_numpy.py``; docs/user-guide.md, "Which compressor").
+#: Before, it meant MXNet's absolute ``threshold=0.5``, which now has to be
+#: given explicitly.
+DEFAULT_REL_THRESHOLD = 1.5
+
+
+def config_change_hint(saved, used):
+    """What to tell a user whose residuals were made under compressor config
+    ``saved`` (a checkpoint's, a key's entry) and are now used with ``used``
+    (``get_config()`` forms): when ``saved`` is 2bit's absolute mode at
+    MXNet's 0.5 and ``used`` is the relative default, the change of meaning
+    of ``"2bit"`` and its fix (``threshold=0.5``); else ``""``. For the
+    checks that compare configs (checkpoint loads, a call on a key whose
+    residuals another config made)."""
+    try:
+        saved_c, used_c = get_compressor(dict(saved)), get_compressor(dict(used))
+    except (ConfigError, TypeError, ValueError):
+        return ""
+    if (isinstance(saved_c, TwoBit) and isinstance(used_c, TwoBit)
+            and not saved_c.relative and used_c.relative
+            and used_c.rel_threshold == DEFAULT_REL_THRESHOLD):
+        return (f"these residuals were made by 2bit's absolute mode "
+                f"(threshold={saved_c.threshold:g}, what op=\"2bit\" meant before "
+                f"it meant rel_threshold={DEFAULT_REL_THRESHOLD:g}): pass "
+                f"threshold={saved_c.threshold:g} to continue with them, or start "
+                "the relative mode afresh (reset the key, or load with strict=False)")
+    return ""
+
+
 @register_compressor
 class TwoBit(Compressor):
-    """``2bit``: MXNet's threshold quantization, bit-compatible layout.
+    """``2bit``: threshold quantization in MXNet's 2-bit code layout.
 
-    ``x >= t`` -> ``11`` (+t), ``x <= -t`` -> ``10`` (-t), else ``00`` (0);
+    ``v >= t`` -> ``11`` (+), ``v <= -t`` -> ``10`` (-), else ``00`` (0);
     four codes per byte, element 0 in the two most significant bits.
 
     Two modes:
 
-    - absolute (default, MXNet's): one ``threshold`` (default 0.5) for every
-      element; the payload is the codes alone, bit-compatible with MXNet.
-    - relative (``rel_threshold=c``, an mpigc extension): each block of
-      ``block_size`` elements (default 1024, a multiple of 4) has its own
-      selection threshold ``t_b = float32(c * rms(block))``; the selected
-      elements (``|v| >= t_b``) decode to ``+-r_b``, their mean magnitude
-      ``r_b = float32(sum |v| / count)`` (0 if none), not to ``+-t_b``: the
-      codes are followed by one little-endian float32 ``r_b`` per block (1.6%
-      more bytes at 1024); ``t_b`` is not sent. Decoding to ``t_b`` lost 10
-      points of accuracy in ``examples/train_torch.py``; the mean matches
-      ``none`` there (docs/torch.md). Suited to buffers that mix tensors of
-      very different gradient scales.
+    - relative (the default: ``TwoBit()``, ``get_compressor("2bit")``,
+      ``op="2bit"`` and ``{"type": "2bit"}`` without a threshold mean
+      ``rel_threshold=1.5``, :data:`DEFAULT_REL_THRESHOLD`; an mpigc
+      extension): each block of ``block_size`` elements (default 1024, a
+      multiple of 4) has its own selection threshold ``t_b = float32(c *
+      rms(block))``; the selected elements decode to ``+-r_b``, their mean
+      magnitude ``r_b = float32(sum |v| / count)`` (0 if none), not to
+      ``+-t_b``: the codes are followed by one little-endian float32 ``r_b``
+      per block (1.6% more bytes at 1024); ``t_b`` is not sent. Scale-free:
+      it trains like ``none`` whatever the gradients' scale (the mpi4py +
+      numpy MLP of ``examples/mlp_numpy.py``: docs/user-guide.md, "Which
+      compressor"). Decoding to ``t_b`` lost 10 points of accuracy in
+      ``examples/train_torch.py``; the mean matches ``none`` there
+      (docs/torch.md).
+    - absolute (``threshold=t``, MXNet's): one threshold for every element,
+      values beyond ``+-t`` send ``+-t``; the payload is the codes alone,
+      bit-compatible with MXNet (whose default is ``t = 0.5``: give
+      ``threshold=0.5`` for MXNet's behaviour and bytes). ``t`` must suit the
+      gradients' scale: gradients far below it are almost never sent (the
+      residuals hold them), and :func:`mpigc.allreduce` and the torch layer
+      warn when a threshold let through almost nothing
+      (:class:`ThresholdWatch`).
 
-    Giving both ``threshold`` and ``rel_threshold`` is an error.
+    Giving both ``threshold`` and ``rel_threshold`` is an error, as is
+    ``block_size`` with ``threshold``.
 
     Examples
     --------
-    >>> TwoBit(rel_threshold=1.5)
+    >>> TwoBit()
     TwoBit(rel_threshold=1.5, block_size=1024, error_feedback=True)
+    >>> TwoBit(threshold=0.5)
+    TwoBit(threshold=0.5, error_feedback=True)
     """
 
     codec_id = "2bit"
-    _params = {"threshold": 0.5, "rel_threshold": None, "block_size": 1024,
+    _params = {"threshold": None, "rel_threshold": None, "block_size": 1024,
                "error_feedback": True}
     wire_range = "block thresholds and magnitudes in float32, up to 3.4e38"
 
     def __init__(self, **params):
-        explicit_threshold = "threshold" in params and params["threshold"] is not None
-        if params.get("rel_threshold") is not None and explicit_threshold:
+        if params.get("rel_threshold") is not None and params.get("threshold") is not None:
             raise ConfigError(
                 f"2bit: give either threshold (absolute, got {params['threshold']!r}) or "
                 f"rel_threshold (relative to each block's RMS, got "
                 f"{params['rel_threshold']!r}), not both")
-        if params.get("threshold", 0.5) is None and params.get("rel_threshold") is None:
-            raise ConfigError("2bit: threshold is None: give a threshold > 0, or a "
-                              "rel_threshold > 0 for the relative mode")
+        if params.get("threshold") is None and params.get("rel_threshold") is None:
+            # no threshold: the relative mode (one meaning of "2bit" everywhere)
+            params = {**params, "rel_threshold": DEFAULT_REL_THRESHOLD}
         super().__init__(**params)
 
     @property
@@ -531,7 +575,9 @@ class TwoBit(Compressor):
             return
         if self.block_size != self._params["block_size"]:
             raise ConfigError(f"2bit: block_size (got {b!r}) applies only to the relative "
-                              "mode: give rel_threshold too, or leave block_size out")
+                              f"mode, and threshold={self.threshold!r} gives the absolute "
+                              "one: leave threshold out (or give rel_threshold), or leave "
+                              "block_size out")
         t = self.threshold
         if (isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t)
                 or t <= 0):

@@ -64,7 +64,7 @@ def test_get_is_case_insensitive_and_none_means_none():
 
 def test_defaults():
     assert mpigc.get_compressor("2bit").get_config() == {
-        "id": "2bit", "threshold": 0.5, "error_feedback": True}
+        "id": "2bit", "rel_threshold": 1.5, "block_size": 1024, "error_feedback": True}
     assert mpigc.get_compressor("1bit").get_config() == {
         "id": "1bit", "block_size": 1024, "error_feedback": True}
     assert mpigc.get_compressor("fp16").get_config() == {"id": "fp16", "error_feedback": False}
@@ -144,7 +144,6 @@ BAD_PARAMS = [
     ("2bit", {"threshold": 1e-50}),  # 0 in float32
     ("2bit", {"threshold": True}),
     ("2bit", {"threshold": "0.5"}),
-    ("2bit", {"threshold": None}),
     ("2bit", {"error_feedback": 1}),
     ("2bit", {"error_feedback": "yes"}),
     ("2bit", {"rel_threshold": 0}),
@@ -159,7 +158,7 @@ BAD_PARAMS = [
     ("2bit", {"rel_threshold": 1.5, "block_size": -4}),
     ("2bit", {"rel_threshold": 1.5, "block_size": 8.0}),
     ("2bit", {"rel_threshold": 1.5, "block_size": True}),
-    ("2bit", {"block_size": 512}),  # block_size without rel_threshold
+    ("2bit", {"threshold": 0.5, "block_size": 512}),  # block_size in the absolute mode
     ("1bit", {"block_size": 12}),
     ("1bit", {"block_size": 0}),
     ("1bit", {"block_size": -8}),
@@ -206,8 +205,33 @@ def test_2bit_threshold_and_rel_threshold_together_is_a_clear_error():
         mpigc.TwoBit(rel_threshold=1.5, block_size=1022)
 
 
+def test_2bit_without_a_threshold_is_the_relative_mode_everywhere():
+    """One meaning of "2bit" (issue 45): the id, the dict form without a
+    threshold (MXNet's compression_params spelling) and the class without
+    arguments are the relative mode at rel_threshold=1.5; an explicit
+    threshold is MXNet's absolute mode."""
+    rel = {"id": "2bit", "rel_threshold": 1.5, "block_size": 1024, "error_feedback": True}
+    for c in (mpigc.get_compressor("2bit"), mpigc.get_compressor({"type": "2bit"}),
+              mpigc.get_compressor({"id": "2bit"}), mpigc.TwoBit(),
+              mpigc.TwoBit(threshold=None), mpigc.get_compressor("2bit", threshold=None)):
+        assert c.relative and c.get_config() == rel, c
+    assert C.DEFAULT_REL_THRESHOLD == 1.5
+    assert mpigc.get_compressor("2bit", block_size=256).get_config() == dict(rel, block_size=256)
+    assert mpigc.get_compressor("2bit", error_feedback=False).get_config() == \
+        dict(rel, error_feedback=False)
+    for c in (mpigc.get_compressor("2bit", threshold=0.5),
+              mpigc.get_compressor({"type": "2bit", "threshold": 0.5}), mpigc.TwoBit(threshold=0.5)):
+        assert not c.relative and c.get_config() == {"id": "2bit", "threshold": 0.5,
+                                                      "error_feedback": True}, c
+    # a saved config keeps its meaning: the absolute form names its threshold
+    old = {"id": "2bit", "threshold": 0.5, "error_feedback": True}
+    assert mpigc.Compressor.from_config(old).get_config() == old
+    with pytest.raises(mpigc.ConfigError, match="leave threshold out"):
+        mpigc.get_compressor("2bit", threshold=0.5, block_size=256)
+
+
 def test_2bit_modes():
-    a, r = mpigc.TwoBit(), mpigc.TwoBit(rel_threshold=2)
+    a, r = mpigc.TwoBit(threshold=0.5), mpigc.TwoBit(rel_threshold=2)
     assert not a.relative and a.threshold == 0.5
     assert r.relative and r.rel_threshold == 2.0 and type(r.rel_threshold) is float
     assert r.block_size == 1024 and r.threshold is None
@@ -259,7 +283,8 @@ def test_from_config_does_not_modify_its_argument(config):
 
 
 def test_equality_and_hash():
-    a, b = mpigc.TwoBit(threshold=0.5), mpigc.get_compressor({"type": "2bit"})
+    a, b = mpigc.TwoBit(threshold=0.5), mpigc.get_compressor({"type": "2bit",
+                                                              "threshold": 0.5})
     assert a == b and hash(a) == hash(b)
     assert len({a, b, mpigc.TwoBit(threshold=0.25)}) == 2
     assert mpigc.TwoBit(threshold=0.5) != mpigc.TwoBit(threshold=0.25)
@@ -268,7 +293,8 @@ def test_equality_and_hash():
     assert mpigc.FP16() != mpigc.NoCompression()
     assert mpigc.BF16() != mpigc.FP16()
     assert mpigc.TernGrad(seed=1) != mpigc.TernGrad(seed=2)
-    assert mpigc.TwoBit() != {"id": "2bit", "threshold": 0.5, "error_feedback": True}
+    assert mpigc.TwoBit(threshold=0.5) != {"id": "2bit", "threshold": 0.5,
+                                           "error_feedback": True}
     assert mpigc.TwoBit() != "2bit"
 
 
@@ -304,8 +330,9 @@ def test_payload_nbytes(n):
     assert mpigc.FP16().payload_nbytes(n, np.float64) == 2 * n
     assert mpigc.BF16().payload_nbytes(n) == 2 * n
     assert mpigc.BF16().payload_nbytes(n, np.float64) == 2 * n
-    assert mpigc.TwoBit().payload_nbytes(n) == math.ceil(n / 4)
-    assert mpigc.TwoBit().payload_nbytes(n, np.float64) == math.ceil(n / 4)
+    assert mpigc.TwoBit(threshold=0.5).payload_nbytes(n) == math.ceil(n / 4)
+    assert mpigc.TwoBit(threshold=0.5).payload_nbytes(n, np.float64) == math.ceil(n / 4)
+    assert mpigc.TwoBit().payload_nbytes(n) == math.ceil(n / 4) + 4 * math.ceil(n / 1024)
     for b in (8, 16, 1024):
         assert mpigc.OneBit(block_size=b).payload_nbytes(n) == \
             math.ceil(n / 8) + 8 * math.ceil(n / b)
@@ -539,7 +566,7 @@ def test_nonfinite_residual_raises_and_is_kept(cid):
 
 @pytest.mark.parametrize("cid", ["2bit", "1bit", "fp16", "bf16", "none"])
 def test_nonfinite_without_check_does_not_raise(cid):
-    c = mpigc.get_compressor(cid)
+    c = mpigc.get_compressor(cid, **({"threshold": 0.5} if cid == "2bit" else {}))
     x = np.ones(9, np.float32)
     x[2] = np.inf
     e = np.zeros(9, np.float32)
@@ -701,7 +728,7 @@ def test_terngrad_clip_delivers_a_constant_gradient(n):
 # means, magnitudes, thresholds or scale of 1bit, relative 2bit and terngrad
 # (float64 input; float32 input too for relative 2bit, whose threshold is
 # c * rms with c > 1)
-RANGE_CONFIGS = {"none": {"id": "none"}, "2bit": {"id": "2bit"},
+RANGE_CONFIGS = {"none": {"id": "none"}, "2bit": {"id": "2bit", "threshold": 0.5},
                  "2bit_rel": {"id": "2bit", "rel_threshold": 1.5},
                  "1bit": {"id": "1bit"},
                  "terngrad": {"id": "terngrad", "error_feedback": True},

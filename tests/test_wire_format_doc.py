@@ -15,9 +15,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_fingerprint_example_is_the_codes(monkeypatch):
     for var in ("MPIGC_NONFINITE", "MPIGC_MIN_COMPRESS_BYTES"):
         monkeypatch.delenv(var, raising=False)
-    # allreduce(buf, "2bit", key="w") on 4096 float32 values (16 KiB), one rank
+    # allreduce(buf, "2bit", key="w", threshold=0.5) on 4096 float32 values (16 KiB),
+    # one rank
     *_, settings, fp = _settings.settings_for(
-        "allreduce", np.dtype(np.float32), 1, "2bit", {}, "w", False, "compressed", None,
+        "allreduce", np.dtype(np.float32), 1, "2bit", {"threshold": 0.5}, "w", False,
+        "compressed", None,
         4096, None)
     with open(os.path.join(ROOT, "docs", "wire-format.md"), encoding="utf-8") as f:
         doc = f.read()

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import _comm
+from .. import _comm, _threshold
 from .._settings import GATHER_MODES, NONFINITE_POLICIES, min_compress_bytes
 from .._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError,
                        MpigcError, StateError)
@@ -142,15 +142,6 @@ def resolve_timeout(timeout):
     return timeout or None
 
 
-#: What ``op="2bit"`` means in the torch layer when neither ``threshold=`` nor
-#: ``rel_threshold=`` is given: 2bit's relative mode (a threshold per block of
-#: 1024 values, 1.5 times the block's RMS), not MXNet's absolute threshold 0.5,
-#: which lets almost nothing through on gradients of a typical scale
-#: (docs/torch.md, "Accuracy and the 2bit threshold"). ``threshold=`` gives the
-#: absolute mode, as in :func:`mpigc.allreduce`.
-TORCH_2BIT_DEFAULT = {"rel_threshold": 1.5}
-
-
 def _horovod_compression(value):
     """The mpigc op for Horovod's ``compression=`` value (``hvd.Compression.fp16``
     is a class ``FP16Compressor``), or None."""
@@ -200,56 +191,25 @@ def refuse_horovod_keywords(params):
 
 
 def torch_compressor(op, params):
-    """:func:`mpigc.get_compressor` for the torch layer: ``"2bit"`` without a
-    threshold is the relative mode (:data:`TORCH_2BIT_DEFAULT`); a keyword
-    of Horovod's (:data:`HOROVOD_KEYWORDS`) is refused with the mpigc way."""
+    """:func:`mpigc.get_compressor` for the torch layer (``"2bit"`` without a
+    threshold is the relative mode there as everywhere); a keyword of
+    Horovod's (:data:`HOROVOD_KEYWORDS`) is refused with the mpigc way."""
     refuse_horovod_keywords(params)
-    name = op.get("type", op.get("id")) if isinstance(op, dict) else op
-    given = set(params) | (set(op) if isinstance(op, dict) else set())
-    if (isinstance(name, str) and name.lower() == "2bit"
-            and not {"threshold", "rel_threshold"} & given):
-        params = {**TORCH_2BIT_DEFAULT, **params}
     return get_compressor(op, **params)
 
 
-class ThresholdWatch:
-    """Warns (once, on each rank) when 2bit's absolute threshold lets almost
-    nothing through: over the first :attr:`STEPS` synchronised steps (after
-    :attr:`SETTLE`, while the residuals grow), fewer than :attr:`FRACTION` of
-    the averaged gradients' elements were non-zero. Only for 2bit with an
-    absolute ``threshold=``; free for every other compressor, and after those
-    steps (one ``count_nonzero`` per bucket per watched step)."""
-
-    SETTLE, STEPS, FRACTION = 5, 50, 1e-3
-
-    def __init__(self, compressor, who):
-        cfg = compressor.get_config()
-        self.active = cfg.get("id") == "2bit" and cfg.get("rel_threshold") is None
-        self.threshold = cfg.get("threshold")
-        self.who = who
-        self.step = self.nonzero = self.total = 0
+class ThresholdWatch(_threshold.ThresholdWatch):
+    """The core's watch (:class:`mpigc._threshold.ThresholdWatch`: a warning,
+    once on each rank, when 2bit's absolute threshold lets almost nothing
+    through) fed with the torch layer's averaged gradients (one
+    ``count_nonzero`` per bucket per watched step)."""
 
     def observe(self, tensors):
         """One synchronised step's averaged gradients (the results)."""
         if not self.active:
             return
-        self.step += 1
-        if self.step <= self.SETTLE:
-            return
-        for t in tensors:
-            self.nonzero += int(torch.count_nonzero(t))
-            self.total += t.numel()
-        if self.step < self.SETTLE + self.STEPS:
-            return
-        self.active = False
-        if self.total and self.nonzero < self.FRACTION * self.total:
-            warnings.warn(
-                f"{self.who}: 2bit's absolute threshold {self.threshold:g} let through "
-                f"{self.nonzero / self.total:.2e} of the gradient elements over "
-                f"{self.STEPS} steps: these gradients are far below it, so the residuals "
-                "hold almost everything and the model barely trains. Use the relative "
-                "mode (leave threshold= out, or rel_threshold=1.5), or a threshold of "
-                "your gradients' scale", RuntimeWarning, stacklevel=3)
+        self.observe_counts(sum(int(torch.count_nonzero(t)) for t in tensors),
+                            sum(t.numel() for t in tensors), stacklevel=3)
 
 
 def warn_if_uncompressed(who, compressor, buffers):

@@ -185,7 +185,7 @@ def test_shards_one_launch(gpu, op, dtype):
     cuda, cpu, kc = gpu
     sizes = [BIG, 0, 37, BIG // 3 + 1]
     codec, pack, pargs, unpack, uargs = {
-        "2bit": (mpigc.TwoBit(), "pack_2bit_shards", (0.5,), "unpack_2bit_shards", (0.5,)),
+        "2bit": (mpigc.TwoBit(threshold=0.5), "pack_2bit_shards", (0.5,), "unpack_2bit_shards", (0.5,)),
         "2bit_rel": (mpigc.TwoBit(rel_threshold=1.5), "pack_2bit_rel_shards", (1.5, 1024),
                      "unpack_2bit_rel_shards", (1024,)),
         "1bit": (mpigc.OneBit(), "pack_1bit_shards", (1024,), "unpack_1bit_shards", (1024,)),

@@ -1177,8 +1177,8 @@ def test_gathered_state_in_a_rank_0_torch_save_resumes_bit_exact(comm, op, tmp_p
 @pytest.mark.mpi
 def test_2bit_means_the_relative_mode_in_the_torch_layer(comm):
     """op="2bit" without a threshold is 2bit's relative mode (rel_threshold=1.5)
-    in GradientSync, the DDP hook and CompressedAdamW; threshold= gives MXNet's
-    absolute mode, as mpigc.allreduce's "2bit" is."""
+    in GradientSync, the DDP hook and CompressedAdamW, as in mpigc.allreduce;
+    threshold= gives MXNet's absolute mode in both."""
     rel = {"id": "2bit", "rel_threshold": 1.5, "block_size": 1024, "error_feedback": True}
     got = [mt.GradientSync(make_model(), op="2bit").compressor.get_config(),
            mt.CommHookState(make_model(), op="2bit").compressor.get_config(),
@@ -1188,7 +1188,8 @@ def test_2bit_means_the_relative_mode_in_the_torch_layer(comm):
     want = [rel, rel, rel, dict(rel, block_size=256)]
     absolute = mt.GradientSync(make_model(), op="2bit",
                                threshold=0.5).compressor.get_config()
-    ok = got == want and absolute == mpigc.get_compressor("2bit").get_config()
+    ok = (got == want and rel == mpigc.get_compressor("2bit").get_config()
+          and absolute == mpigc.get_compressor("2bit", threshold=0.5).get_config())
     assert_all(ok, f"{got} {absolute}")
 
 

@@ -1,7 +1,8 @@
 """A call's agreement on the wire: every rank's row, and the data that can
-travel with it (:class:`Rows`), and the error report of a failed agreement
-(:class:`Report`); hierarchical calls use both too (their rows by
-allgather, the texts of their groups' outcome by a report).
+travel with it (:class:`Rows`), and the report of a failed agreement
+(:func:`failure_report`, its texts by :class:`Report`); hierarchical calls
+use both too (their rows by allgather, the texts of their groups' outcome
+by a report).
 
 Up to :data:`P2P_MAX_RANKS` ranks each rank sends every peer its row point
 to point, in front of the data it sends that peer where the data is known
@@ -19,7 +20,7 @@ from mpi4py import MPI
 from . import _plan
 from . import _sched
 
-__all__ = ["P2P_MAX_RANKS", "Rows", "Report", "Outcomes"]
+__all__ = ["P2P_MAX_RANKS", "Rows", "Report", "failure_report", "Outcomes"]
 
 # up to this many ranks the agreement travels point to point, each rank's row
 # in front of the data it sends to each peer (one round for the whole call
@@ -189,12 +190,25 @@ class Report:
         return self.make_error(self.texts())
 
 
+def failure_report(comm, kind, v, table, rank, exc, describe):
+    """The report of a failed agreement (verdict ``v`` of ``table``:
+    ``"mismatch"`` or ``"failed"``), flat or hierarchical: this rank's
+    :func:`mpigc._plan.report_text` (``exc``: its own error, or None;
+    ``describe()``: its size, dtype and settings as texts) to every rank of
+    ``comm``; its :meth:`Report.error` is :func:`mpigc._plan.report_error`'s,
+    the same on every rank."""
+    text = _plan.report_text(v, table, rank, exc, describe)
+    return Report(comm, comm.Get_size(), text,
+                  lambda texts: _plan.report_error(kind, v, texts, len(table), exc))
+
+
 class Outcomes:
     """The outcomes of several parts of a call (one int64 code per part: 0
     for success, else its error's :func:`mpigc._errors.code_of`) from every
     rank of ``comm``, by one nonblocking allgather: a hierarchical call's
     slice groups, each of which every node handles. The steps wait for
-    :attr:`req`, then read :meth:`failed`."""
+    :attr:`req`, then read :attr:`table` (a row per rank:
+    :func:`mpigc._plan.slice_verdict`)."""
 
     __slots__ = ("req", "codes", "table")
 
@@ -202,8 +216,3 @@ class Outcomes:
         self.codes = np.ascontiguousarray(codes, np.int64)
         self.table = np.zeros((comm.Get_size(), self.codes.size), np.int64)
         self.req = comm.Iallgather(self.codes, self.table)
-
-    def failed(self):
-        """``{part: code}`` of the parts that failed on any rank (the largest
-        code reported), once :attr:`req` is done."""
-        return {s: int(c) for s, c in enumerate(self.table.max(axis=0)) if c}

@@ -15,7 +15,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _plan
-from ._errors import DTypeError, MpigcError, warn_caller
+from ._errors import DTypeError, MpigcError, code_of, warn_caller
 
 __all__ = ["CommState", "resolve", "lookup", "creation_lock", "agree", "on_root",
            "internal_error"]
@@ -166,28 +166,24 @@ def lookup(comm=None):
 
 
 def agree(comm, exc, what, classes=None, default=None):
-    """Raise on every rank if ``exc`` is set on any rank (one small allreduce
-    when all went well). Every rank raises the class of the lowest failing
-    rank's error (looked up by name in ``classes``, else ``default``, else
-    MpigcError), with every failing rank's message."""
-    nbad = comm.allreduce(0 if exc is None else 1, op=MPI.SUM)
-    if not nbad:
+    """Raise on every rank if ``exc`` is set on any rank (one allgather of an
+    int64 per rank when all went well). Every rank raises the class of the
+    lowest failing rank's error (``classes``: ``{name: class}``, the same on
+    every rank; an error of another class is raised as ``default``, else
+    MpigcError), with every failing rank's message: the engine's failure
+    report (:func:`mpigc._plan.report_error`), its numeric codes in the rows
+    (:func:`mpigc._errors.code_of` in the table ``classes`` then ``default``)."""
+    table = tuple((classes or {}).values()) + (default or MpigcError,)
+    codes = np.zeros(comm.Get_size(), np.int64)
+    comm.Allgather(np.array([code_of(exc, table)], np.int64), codes)
+    v = _plan.failures(codes, table)
+    if v is _plan.GO:
         return
-    # the report slots of the engine's failed agreements (mpigc._plan), the
-    # class name on the first line of the text
-    text = None if exc is None else f"{type(exc).__name__}\n{str(exc) or type(exc).__name__}"
+    # every rank's text in the report slots of the engine's failed agreements
     slots = np.empty(_plan.REPORT_SLOT * comm.Get_size(), np.uint8)
-    comm.Allgather([_plan.report_slot(text), MPI.BYTE], [slots, MPI.BYTE])
-    rows = [None if t is None else t.partition("\n")[::2] for t in _plan.read_report(slots)]
-    first = next(r for r in rows if r is not None)
-    cls = (classes or {}).get(first[0], default or MpigcError)
-    by_msg = {}
-    for r, x in enumerate(rows):
-        if x is not None:
-            by_msg.setdefault(x[1], []).append(r)
-    detail = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {m}"
-                       for m, rs in by_msg.items())
-    raise cls(f"{what} failed on {nbad} of {comm.Get_size()} rank(s): {detail}") from exc
+    comm.Allgather([_plan.report_slot(_plan.error_text(exc, table)), MPI.BYTE],
+                   [slots, MPI.BYTE])
+    raise _plan.report_error(what, v, _plan.read_report(slots), comm.Get_size(), exc)
 
 
 def on_root(comm, fn, what, *, exc=None, classes=None, default=None):
@@ -202,17 +198,6 @@ def on_root(comm, fn, what, *, exc=None, classes=None, default=None):
             exc = e
     agree(comm, exc, what, classes, default)
     return comm.bcast(value, root=0)
-
-
-def _ranges(ranks):
-    out, start = [], None
-    for i, r in enumerate(ranks):
-        if start is None:
-            start = r
-        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
-            out.append(str(start) if start == r else f"{start}-{r}")
-            start = None
-    return ",".join(out)
 
 
 def internal_error(exc, comm, what):

@@ -39,26 +39,35 @@ class StateError(MpigcError, RuntimeError):
     """Error-feedback state does not fit the call (size, layout, key in use)."""
 
 
-# Exception classes by wire code. A collective raises on every rank the class
-# of error that the failing rank raised (codes travel in the agreement step),
-# so ``except ValueError`` catches the same thing everywhere.
-CODES = {
-    0: None,
-    1: ConfigError,
-    2: InvalidBufferError,
-    3: DTypeError,
-    4: StateError,
-    5: NonFiniteError,
-    6: MpigcError,
-}
+# The engine's error classes by wire code (code i + 1 is ENGINE_CLASSES[i];
+# 0: no error). A collective raises on every rank the class of error that the
+# lowest failing rank raised (codes travel in the agreement rows), so
+# ``except ValueError`` catches the same thing everywhere. The last class is
+# also the code of any exception not in the table.
+ENGINE_CLASSES = (ConfigError, InvalidBufferError, DTypeError, StateError, NonFiniteError,
+                  MpigcError)
+CODES = {0: None, **{i + 1: c for i, c in enumerate(ENGINE_CLASSES)}}
 
 
-def code_of(exc):
-    """The wire code of an exception (6 for anything unexpected)."""
-    for code, cls in CODES.items():
-        if cls is not None and code != 6 and type(exc) is cls:
-            return code
-    return 6
+def code_of(exc, classes=ENGINE_CLASSES):
+    """The wire code of exception ``exc`` in the table ``classes`` (a tuple of
+    exception classes, the same on every rank; its last is the class of
+    anything else): 1 + the index of its class (the exact class), else
+    ``len(classes)``; 0 for None."""
+    if exc is None:
+        return 0
+    t = type(exc)
+    for i, cls in enumerate(classes):
+        if t is cls:
+            return i + 1
+    return len(classes)
+
+
+def class_of(code, classes=ENGINE_CLASSES):
+    """The exception class of wire code ``code`` (> 0) in the table ``classes``
+    (see :func:`code_of`); a code outside it is the last class's."""
+    code = int(code)
+    return classes[code - 1] if 1 <= code <= len(classes) else classes[-1]
 
 
 _PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep

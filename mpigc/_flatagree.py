@@ -3,7 +3,8 @@ carry besides the row (the data that travels with them, so that the
 agreement costs no round of its own), and what the call does with the
 table's verdict: go ahead, skip (NaN results on every rank), raise
 ``NonFiniteError`` on every rank, or report an error or mismatch to every
-rank (:class:`mpigc._agree.Report`). The messages are :mod:`mpigc._agree`'s,
+rank (:func:`mpigc._agree.failure_report`, the one report of flat, grouped,
+short and hierarchical agreements). The messages are :mod:`mpigc._agree`'s,
 the verdict :mod:`mpigc._plan`'s; these functions read the call's public
 attributes and set its ``rows``, ``table``, ``report``, ``state`` and
 ``result``."""
@@ -80,26 +81,14 @@ def act(op):
     v = _plan.verdict(op.table, op.rank, op.nonfinite)
     if v.kind == "go":
         return True
-    comm = op.cs.post  # collectives started after an agreement
-    if v.kind == "mismatch":
-        op.abandon()
-        what = v.what
-        # only complete rows have these values; the allgather is reached
-        # by every rank whatever this one holds
-        mine = None
-        if _plan.complete(op.table[op.rank]):
-            chunking = (f"{len(op.chunks)} chunks" if op.chunks is not None
-                        else "not pipelined")
-            mine = str({"size": op.n, "dtype": str(op.dtype),
-                        "settings": json.dumps(op.settings, sort_keys=True),
-                        "chunking": chunking}[what])
-        _start_report(op, comm, mine,
-                      lambda allv: _plan.mismatch_error(op.kind, what, allv))
-        return None
-    if v.kind == "failed":
-        _start_report(op, comm, _plan.error_text(op.local_error),
-                      lambda texts: _plan.failed_error(op.kind, v, op.size, texts,
-                                                       op.local_error))
+    if v.kind in ("mismatch", "failed"):
+        if v.kind == "mismatch":
+            op.abandon()
+        # the report is a collective started after the agreement (cs.post),
+        # reached by every rank whatever this one holds
+        op.report = _agree.failure_report(op.cs.post, op.kind, v, op.table, op.rank,
+                                          op.local_error, lambda: _describe(op))
+        op.state = "report"
         return None
     return nonfinite_verdict(op)
 
@@ -124,10 +113,12 @@ def nonfinite_verdict(op):
     return True
 
 
-def _start_report(op, comm, text, make_error):
-    """The error report of a failed agreement (:class:`mpigc._agree.Report`)."""
-    op.report = _agree.Report(comm, op.size, text, make_error)
-    op.state = "report"
+def _describe(op):
+    """This rank's size, dtype, settings and chunking, as texts (a mismatch's;
+    asked only where its row is complete)."""
+    chunking = f"{len(op.chunks)} chunks" if op.chunks is not None else "not pipelined"
+    return {"size": str(op.n), "dtype": str(op.dtype),
+            "settings": json.dumps(op.settings, sort_keys=True), "chunking": chunking}
 
 
 def _finish_skipped(op):

@@ -10,7 +10,7 @@ import zlib
 import numpy as np
 
 from . import _agree, _collective, _comm, _plan, _sched, _settings, _trace, _wire
-from ._errors import CODES, MpigcError, NonFiniteError, StateError, code_of
+from ._errors import StateError, code_of
 from ._hierarchy import (node_sum_fill, own_sums, read_node_results, redistribute, slice_key,
                          store_for_peers)
 from .compressors import work_dtype
@@ -21,7 +21,6 @@ __all__ = ["start"]
 # the agreement row of the flat calls (mpigc._plan), with the columns a
 # hierarchical call fills: code, size, dtype, settings
 _CODE, _N, _DTYPE, _FP = _plan.CODE, _plan.N, _plan.DTYPE, _plan.FP
-_NONFINITE_CODE = code_of(NonFiniteError())
 _call_ids = itertools.count(1)
 
 
@@ -280,8 +279,11 @@ class _HierCall(_sched.PendingCall):
             store_for_peers(lay, lay.shared(self.need), x.flat, x.n, x.wd)
         yield self.agree_req
         v = self._verdict()  # the window is large enough then (begin)
-        if v.kind != "go":
-            yield from _disagreement(self.kind, lay, self.table, v, self.exc, x.describe)
+        if v.kind != "go":  # mismatch or failed (no non-finite counts here)
+            report = _agree.failure_report(lay.comm, self.kind, v, self.table, lay.rank,
+                                           self.exc, x.describe)
+            yield report.req
+            raise report.error()
         if x.plain:
             return (yield from self._plain())
         segs, acc = yield from self._node_sums(stored)
@@ -378,20 +380,18 @@ class _HierCall(_sched.PendingCall):
         failed = yield from _group_failures(self.lay, subs)
         if failed is None:
             return None
-        codes, what, cause = failed
+        v, texts, cause = failed
         for mark in marks:
             self.x.fb.rollback(mark)
-        if all(c == _NONFINITE_CODE for c in codes.values()):
+        if v.kind == "nonfinite":
             ranks = ""
             if self.x.nonfinite == "raise":
                 ranks = yield from _input_nonfinite(self.lay.comm, self.x.flat)
             return self._nonfinite(ranks or (
                 "a node's sum is not finite, or beyond the range of the wire format ("
-                + what + ")"))
-        code = next(c for s, c in sorted(codes.items()) if c != _NONFINITE_CODE)
-        raise (CODES.get(code) or MpigcError)(
-            f"{self.kind} (hierarchical) failed in {len(codes)} of {self.lay.L} slice "
-            f"group(s): {what}; no residual changed") from cause
+                + _plan.report_detail(v.ranks, texts, _plan.SLICE_GROUPS) + ")"))
+        raise _plan.report_error(f"{self.kind} (hierarchical)", v, texts, self.lay.L, cause,
+                                 _plan.SLICE_GROUPS, "; no residual changed")
 
     def _allreduce_result(self, segs, acc):
         """Steps of stage 3 of allreduce: every node rank's range, reduced in
@@ -432,29 +432,17 @@ class _HierCall(_sched.PendingCall):
         return x.shard_result(np.full(hi - lo, np.nan, x.dtype))
 
 
-def _disagreement(kind, lay, table, v, exc, describe):
-    """Steps: the agreement failed (``v``, the table's
-    :class:`mpigc._plan.Verdict`): the error, raised on every rank;
-    ``describe()``: this rank's size, dtype and settings, as texts, for a
-    mismatch (called only where this rank's row is complete: a rank that
-    failed early has none); ``exc``: this rank's own error, if any."""
-    if v.kind == "mismatch":
-        mine = describe()[v.what] if _plan.complete(table[lay.rank]) else ""
-        allv = yield from _texts(lay.comm, mine)
-        raise _plan.mismatch_error(kind, v.what, allv)
-    texts = yield from _texts(lay.comm, _plan.error_text(exc))
-    raise _plan.failed_error(kind, v, lay.size, texts, exc)
-
-
 def _group_failures(lay, subs):
     """Steps: the outcome of every slice group, agreed inside the node only
-    (:class:`mpigc._agree.Outcomes`): an inter-node call (``subs``, ``(slice,
-    call)`` of this rank's) fails or succeeds on all of its group, and every
-    node has a handler of every slice, so each node learns every group's
-    outcome without a collective across the nodes. Decided on the set of
-    failed slices (the same on every node), never on which rank reported
-    them. None when every group succeeded, else ``({slice: code}, what,
-    cause)``: the failed slices, their errors' texts, this rank's first error."""
+    (:class:`mpigc._agree.Outcomes`: a code per group in each rank's row): an
+    inter-node call (``subs``, ``(slice, call)`` of this rank's) fails or
+    succeeds on all of its group, and every node has a handler of every slice,
+    so each node learns every group's outcome without a collective across the
+    nodes. Decided on the set of failed slices (the same on every node), never
+    on which rank reported them (:func:`mpigc._plan.slice_verdict`). None when
+    every group succeeded, else ``(verdict, texts, cause)``: the texts of the
+    failed slices' errors (a list by slice, from whichever node rank ran
+    each), this rank's first error."""
     codes = np.zeros(lay.L, np.int64)
     texts, cause = {}, None
     for s, sub in subs:
@@ -464,13 +452,14 @@ def _group_failures(lay, subs):
             texts[s] = str(sub.error)
     outcomes = _agree.Outcomes(lay.node_comm, codes)
     yield outcomes.req
-    failed = outcomes.failed()
-    if not failed:
+    v = _plan.slice_verdict(outcomes.table)
+    if v is _plan.GO:
         return None
+    # a node rank's texts of the groups it ran, as JSON in its report slot
     got = yield from _texts(lay.node_comm, _plan.fit_json(texts))
     for t in got:
-        texts.update({int(s): v for s, v in json.loads(t).items()})
-    return failed, "; ".join(f"slice {s}: {texts[s]}" for s in sorted(failed)), cause
+        texts.update({int(s): x for s, x in json.loads(t).items()})
+    return v, [texts.get(s) for s in range(lay.L)], cause
 
 
 def _input_nonfinite(comm, flat):
@@ -486,6 +475,6 @@ def _input_nonfinite(comm, flat):
 def _texts(comm, text):
     """Steps: every rank's ``text`` (a str, or None) by the engine's report
     (:class:`mpigc._agree.Report`)."""
-    report = _agree.Report(comm, comm.Get_size(), text)
+    report = _agree.Report(comm, comm.Get_size(), text, None)
     yield report.req
     return report.texts()

@@ -10,7 +10,7 @@ The agreement row
     Each rank of a call sends every peer one row of ``NCOLS`` int64 before any
     data moves (``ROW_BYTES`` at the head of its agreement message): ``CODE``
     (0, or the wire code of the error this rank raised while preparing:
-    ``mpigc._errors.CODES``), ``NBAD`` and ``RANGE`` (its non-finite values
+    ``mpigc._errors.code_of``), ``NBAD`` and ``RANGE`` (its non-finite values
     and the finite values the wire format cannot carry), ``N``, ``DTYPE``,
     ``FP`` (the fingerprint of the settings), ``SCALE`` (terngrad's local
     scale, as float64 bits), ``INLINE`` (1 when its data follows the row in
@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._errors import CODES, MismatchError, MpigcError, NonFiniteError
+from ._errors import ENGINE_CLASSES, MismatchError, NonFiniteError, class_of, code_of
 
 CODE, NBAD, N, DTYPE, FP, SCALE, RANGE, INLINE, CHUNK, NCOLS = range(10)
 ROW_BYTES = NCOLS * 8
@@ -111,11 +111,20 @@ def verdict(table, rank, nonfinite):
         vals = table[full, col]
         if vals.size and np.any(vals != vals[0]):
             return Verdict("mismatch", what=what)
-    bad = np.flatnonzero(table[:, CODE])
-    if bad.size:
-        return Verdict("failed", ranks=tuple(int(r) for r in bad),
-                       error=CODES.get(int(table[int(bad[0]), CODE])) or MpigcError)
-    return nonfinite_verdict(table, nonfinite)
+    v = failures(table[:, CODE])
+    return nonfinite_verdict(table, nonfinite) if v is GO else v
+
+
+def failures(codes, classes=ENGINE_CLASSES):
+    """GO, or ``Verdict("failed", ...)`` of a column of error codes (one per
+    rank, or per part of a call; 0: no error; :func:`mpigc._errors.code_of`
+    in the table ``classes``): the parts whose code is not 0, and the class of
+    the lowest one's code."""
+    bad = np.flatnonzero(np.asarray(codes))
+    if not bad.size:
+        return GO
+    return Verdict("failed", ranks=tuple(int(r) for r in bad),
+                   error=class_of(codes[int(bad[0])], classes))
 
 
 def mismatch_error(kind, what, values):
@@ -128,20 +137,101 @@ def mismatch_error(kind, what, values):
     return MismatchError(f"{kind}: ranks disagree on the {what} ({detail}){hint}")
 
 
-def error_text(exc):
-    """What a failed rank reports of its error ``exc`` (None: none)."""
+# -- the failure report --------------------------------------------------------------
+# Every agreement that fails (a flat, grouped, short or hierarchical call's
+# rows, a hierarchical call's slice groups, a blocking agreement outside calls)
+# ends the same way: a verdict of the numeric codes in its rows (:func:`verdict`,
+# :func:`failures`), each rank's text for it (:func:`report_text`; one slot per
+# rank, :func:`report_slot`), and :func:`report_error`, which turns the verdict
+# and the gathered texts into the same exception, class and text, on every rank.
+class Parts(NamedTuple):
+    """What the rows of a report are about: ``noun`` (counted), ``label``
+    (one of them, named), ``prep`` (the call failed ``prep`` so many)."""
+    noun: str
+    label: str
+    prep: str
+
+
+RANKS = Parts("rank(s)", "rank", "on")
+SLICE_GROUPS = Parts("slice group(s)", "slice", "in")
+
+
+def error_text(exc, classes=ENGINE_CLASSES):
+    """What a failed rank reports of its error ``exc`` ("": none): its message,
+    after its class's name where the code table ``classes`` cannot carry the
+    class (an exception raised elsewhere as another class), or the class's
+    name alone where the message is empty."""
     if exc is None:
         return ""
-    return str(exc) if isinstance(exc, MpigcError) else f"{type(exc).__name__}: {exc}"
+    msg = str(exc)
+    name = type(exc).__name__
+    if class_of(code_of(exc, classes), classes) is type(exc):
+        return msg or name
+    return f"{name}: {msg}" if msg else name
 
 
-def failed_error(kind, v, size, texts, cause=None):
-    """The error of ``Verdict("failed", ...)`` ``v`` on ``size`` ranks, with
-    the failed ranks' :func:`error_text` from ``texts``."""
-    detail = "; ".join(f"rank {r}: {texts[r]}" for r in v.ranks)
-    exc = v.error(f"{kind} failed on {len(v.ranks)} of {size} rank(s): {detail}")
+def report_text(v, table, rank, exc, describe, classes=ENGINE_CLASSES):
+    """This rank's text in the report of verdict ``v`` of agreement ``table``:
+    for a mismatch, its own value of the disagreeing column
+    (``describe()[v.what]``, asked only where its row is complete: a rank that
+    failed early has none), else its error's :func:`error_text` (``exc``)."""
+    if v.kind == "mismatch":
+        return str(describe()[v.what]) if complete(table[rank]) else ""
+    return error_text(exc, classes)
+
+
+def report_error(what, v, texts, total, cause=None, parts=RANKS, tail=""):
+    """The one exception of a failed agreement, the same class and text on every
+    rank: ``v``, its verdict (``"mismatch"`` or ``"failed"``); ``texts``, every
+    rank's (or part's) :func:`report_text`, gathered (None or "" where it has
+    none); ``total``: how many ranks (parts) there are; ``what``: the call.
+    ``cause``, this rank's own error, is chained to it (None: nothing)."""
+    if v.kind == "mismatch":
+        return mismatch_error(what, v.what, texts)
+    exc = v.error(f"{what} failed {parts.prep} {len(v.ranks)} of {total} {parts.noun}: "
+                  f"{report_detail(v.ranks, texts, parts)}{tail}")
     exc.__cause__ = cause
     return exc
+
+
+def report_detail(ranks, texts, parts=RANKS):
+    """``"rank 1: a; ranks 0,2-3: b"``: the texts of ``ranks`` (or parts), each
+    text once with the ranks that reported it, in the order of the lowest."""
+    by_text = {}
+    for r in ranks:
+        by_text.setdefault(texts[r] or "", []).append(r)
+    return "; ".join(f"{parts.label}{'s' if len(rs) > 1 else ''} {_ranges(rs)}: {t}"
+                     for t, rs in by_text.items())
+
+
+def slice_verdict(table, nonfinite_code=code_of(NonFiniteError())):
+    """The verdict of a hierarchical call's slice groups from ``table`` (one
+    row per rank of a node, a column per slice group: 0, or the code of the
+    error of the inter-node call that this rank ran for that group; every
+    node has a handler of every group): GO, ``"nonfinite"`` when every failed
+    group's sum was not finite, else ``"failed"``: ``ranks``, every failed
+    group, ``error``, the class of the lowest one whose failure is not a
+    non-finite sum."""
+    codes = np.asarray(table).max(axis=0)
+    v = failures(codes)
+    if v is GO:
+        return GO
+    other = failures(np.where(codes == nonfinite_code, 0, codes))
+    if other is GO:
+        return Verdict("nonfinite", ranks=v.ranks)
+    return other._replace(ranks=v.ranks)
+
+
+def _ranges(ranks):
+    """``"0-2,5"``: sorted ``ranks`` as runs."""
+    out, start = [], None
+    for i, r in enumerate(ranks):
+        if start is None:
+            start = r
+        if i + 1 == len(ranks) or ranks[i + 1] != r + 1:
+            out.append(str(start) if start == r else f"{start}-{r}")
+            start = None
+    return ",".join(out)
 
 
 def per_rank(counts):

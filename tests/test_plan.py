@@ -121,7 +121,7 @@ def test_the_verdicts_errors_name_every_rank_and_cause():
     assert P.error_text(StateError("key 'k' busy")) == "key 'k' busy"
     assert P.error_text(None) == ""
     v = P.Verdict("failed", ranks=(1, 3), error=StateError)
-    e = P.failed_error("reduce_scatter", v, 4, ["", "a", "", "b"], cause)
+    e = P.report_error("reduce_scatter", v, ["", "a", "", "b"], 4, cause)
     assert type(e) is StateError and e.__cause__ is cause and e.__suppress_context__
     assert str(e) == "reduce_scatter failed on 2 of 4 rank(s): rank 1: a; rank 3: b"
 
@@ -333,3 +333,70 @@ def test_verdict_is_the_same_for_small_and_large_tables():
                     assert got.kind == ("nonfinite" if nonfinite == "raise" else "skip")
                 else:
                     assert got is P.GO, (t, got)
+
+
+# -- the one failure report ------------------------------------------------------------
+def test_error_codes_and_classes_round_trip_in_any_table():
+    """Codes 1..6 of the engine's table are the wire format's (docs/wire-format.md);
+    a caller's table (a blocking agreement's classes, then its default) gives
+    anything else the last code, and a code out of the table the last class."""
+    from mpigc._errors import ENGINE_CLASSES, class_of, code_of
+    assert [code_of(c("x")) for c in (ConfigError, InvalidBufferError, DTypeError,
+                                      StateError, mpigc.NonFiniteError, MpigcError)] == [
+        1, 2, 3, 4, 5, 6]
+    assert code_of(ValueError("x")) == code_of(mpigc.MismatchError("x")) == 6
+    assert code_of(None) == 0 and class_of(99) is MpigcError and class_of(6) is MpigcError
+    table = (StateError, TypeError, mpigc.MismatchError)
+    for cls, code in ((StateError, 1), (TypeError, 2), (OSError, 3), (MpigcError, 3)):
+        assert code_of(cls("x"), table) == code
+    assert class_of(2, table) is TypeError and class_of(7, table) is mpigc.MismatchError
+    assert ENGINE_CLASSES[-1] is MpigcError
+
+
+def test_a_ranks_text_names_a_class_that_its_code_cannot_carry():
+    table = (StateError, MpigcError)
+    assert P.error_text(StateError("busy"), table) == "busy"
+    assert P.error_text(OSError("disk full"), table) == "OSError: disk full"
+    assert P.error_text(ConfigError("bad"), table) == "ConfigError: bad"
+    assert P.error_text(TypeError(""), table) == "TypeError"
+    assert P.error_text(StateError(""), table) == "StateError"
+    assert P.error_text(mpigc.MismatchError("n")) == "MismatchError: n"  # not a wire code
+
+
+def test_report_error_names_each_text_once_with_its_ranks():
+    v = P.failures(np.array([3, 0, 1, 3, 3, 0, 3]))
+    assert v == P.Verdict("failed", ranks=(0, 2, 3, 4, 6), error=DTypeError)
+    texts = ["t", None, "c", "t", "t", None, "t"]
+    e = P.report_error("allreduce", v, texts, 7)
+    assert type(e) is DTypeError and e.__cause__ is None and e.__suppress_context__
+    assert str(e) == "allreduce failed on 5 of 7 rank(s): ranks 0,3-4,6: t; rank 2: c"
+    s = P.report_error("allreduce (hierarchical)", P.Verdict("failed", ranks=(0, 1), error=StateError),
+                       ["a", "a"], 3, None, P.SLICE_GROUPS, "; no residual changed")
+    assert str(s) == ("allreduce (hierarchical) failed in 2 of 3 slice group(s): "
+                      "slices 0-1: a; no residual changed")
+
+
+def test_report_text_is_the_mismatching_value_or_the_error():
+    t = table(same(n=4), {P.CODE: 3}, same(n=5))
+    v = P.verdict(t, 0, "raise")
+    assert v.kind == "mismatch"
+    describe = {"size": 4}.copy
+    assert P.report_text(v, t, 0, None, describe) == "4"
+    assert P.report_text(v, t, 1, DTypeError("x"), describe) == ""  # never asked
+    f = P.Verdict("failed", ranks=(1,), error=DTypeError)
+    assert P.report_text(f, t, 1, DTypeError("x"), None) == "x"
+
+
+@pytest.mark.parametrize("rows,want", [
+    ([[0, 0], [0, 0]], P.GO),
+    ([[5, 0], [0, 0]], P.Verdict("nonfinite", ranks=(0,))),
+    ([[5, 0], [0, 5]], P.Verdict("nonfinite", ranks=(0, 1))),
+    ([[5, 0, 0], [0, 4, 1]], P.Verdict("failed", ranks=(0, 1, 2), error=StateError)),
+    ([[0, 0, 2], [6, 0, 0]], P.Verdict("failed", ranks=(0, 2), error=MpigcError)),
+])
+def test_slice_verdict_reads_every_group_on_every_node_rank(rows, want):
+    """A hierarchical call's groups: failed wherever any node rank saw a
+    failure; the class of the lowest failure that is not a non-finite sum."""
+    t = np.array(rows, np.int64)
+    assert P.slice_verdict(t) == want
+    assert P.slice_verdict(t[::-1]) == want  # whichever rank ran a group

@@ -80,3 +80,15 @@ def test_torch_layer_uses_the_core_watch():
     assert issubclass(torch_common.ThresholdWatch, _threshold.ThresholdWatch)
     assert not hasattr(torch_common, "TORCH_2BIT_DEFAULT")
     assert torch_common.torch_compressor("2bit", {}) == mpigc.get_compressor("2bit")
+
+
+def test_config_change_hint_names_the_old_default_and_the_fix():
+    """Residuals saved under the old meaning of "2bit" (MXNet's 0.5), used
+    with the new one: the words that checks comparing configs give."""
+    from mpigc.compressors import config_change_hint
+    old = {"id": "2bit", "threshold": 0.5, "error_feedback": True}
+    hint = config_change_hint(old, mpigc.get_compressor("2bit").get_config())
+    assert "threshold=0.5" in hint and "rel_threshold=1.5" in hint, hint
+    assert config_change_hint(old, old) == ""
+    assert config_change_hint({"id": "1bit"}, mpigc.get_compressor("2bit").get_config()) == ""
+    assert config_change_hint({"id": "nope"}, old) == ""

@@ -62,8 +62,9 @@ def get_compressor(op, **params):
     Parameters
     ----------
     op : str, dict or Compressor
-        ``"2bit"``; an MXNet-style dict ``{"type": "2bit", "threshold": 0.5}``
-        (``"id"`` is accepted for ``"type"``); or a compressor, returned as is.
+        ``"2bit"`` (without a threshold: the relative mode, ``rel_threshold=1.5``);
+        an MXNet-style dict ``{"type": "2bit", "threshold": 0.5}`` (``"id"`` is
+        accepted for ``"type"``); or a compressor, returned as is.
     **params
         Compressor parameters, merged over those of a dict.
 
@@ -524,7 +525,7 @@ class TwoBit(Compressor):
       gradients' scale: gradients far below it are almost never sent (the
       residuals hold them), and :func:`mpigc.allreduce` and the torch layer
       warn when a threshold let through almost nothing
-      (:class:`ThresholdWatch`).
+      (:class:`mpigc._threshold.ThresholdWatch`).
 
     Giving both ``threshold`` and ``rel_threshold`` is an error, as is
     ``block_size`` with ``threshold``.

@@ -10,6 +10,7 @@ from .. import _comm as _engine_comm
 from .. import _wire
 from .._errors import ConfigError, DTypeError, MpigcError, StateError
 from ..feedback import ErrorFeedback
+from ..allreduce import iallreduce
 from ..reduce_scatter import ireduce_scatter
 
 from ._common import (NP_OF_TORCH, Wait, agree_construction, check_feedback, check_same,
@@ -53,11 +54,33 @@ def _fsdp_groups(model):
 
 def _shard_ranks(group):
     """The global ranks of FSDP group ``group``'s reduce-scatter, or raise
-    for an HSDP mesh (a replicate dimension)."""
+    for FSDP's native HSDP (a 2-D mesh), whose replica all-reduce FSDP2
+    runs itself (its all-reduce hook comes after it)."""
     if group._is_hsdp or getattr(group.mesh_info, "replicate_process_group", None) is not None:
-        raise ConfigError("register_fsdp_hooks: an HSDP mesh (replicas x shards) is not "
-                          "supported yet: shard over a 1-D mesh")
+        raise ConfigError("register_fsdp_hooks: fully_shard on a 2-D mesh (native HSDP) "
+                          "all-reduces the replicas over its own process group, and FSDP2 "
+                          "has no hook to replace that all-reduce: fully_shard over the shard "
+                          "dimension alone (mesh['shard']) and register_fsdp_hooks runs the "
+                          "replica all-reduce, compressed")
     return dist.get_process_group_ranks(group._reduce_scatter_process_group)
+
+
+def _replica_split(comm, ranks):
+    """``(shard position, replica index)`` of this rank, from every rank's
+    shard group ``ranks`` (collective): they must cut the ranks into groups
+    of one size, as a 2-D mesh's shard dimension does."""
+    lists = comm.allgather(ranks)
+    exc = None
+    me = comm.rank
+    for r, rr in enumerate(lists):
+        if (r not in rr or len(rr) != len(lists[0]) or any(lists[q] != rr for q in rr)
+                or comm.size % len(rr)):
+            exc = ConfigError(f"register_fsdp_hooks: the FSDP shard groups do not cut the "
+                              f"{comm.size} ranks into groups of one size (rank {r}: {rr})")
+            break
+    raise_everywhere(comm, exc, "register_fsdp_hooks")
+    heads = sorted({min(rr) for rr in lists})
+    return lists[me].index(me), heads.index(min(lists[me]))
 
 
 class _MpiReduceScatter:
@@ -88,8 +111,8 @@ def _comm_class():
 
 class FsdpHookState:
     """What :func:`register_fsdp_hooks` installed: the residuals of each FSDP
-    parameter group (key ``"fsdp:<module fqn>"``, ``"fsdp:"`` for the root)
-    and the traffic of its calls.
+    parameter group (key ``"fsdp:<module fqn>"``, ``"fsdp:"`` for the root;
+    under HSDP those of its replica allreduce) and the traffic of its calls.
 
     Attributes
     ----------
@@ -101,6 +124,9 @@ class FsdpHookState:
     reduce_scatters : dict
         Key -> the reduce-scatter object installed on its FSDP module
         (``set_custom_reduce_scatter``; a wrapper may delegate to it).
+    replicas : int
+        1, or under HSDP the number of replicas that the compressed
+        allreduce spans.
     calls, bytes_sent, logical_bytes : int
         This rank's reduce-scatter calls, the payload bytes it handed to MPI
         and the bytes of the inputs they reduced (:func:`mpigc.traffic`'s
@@ -130,15 +156,17 @@ class FsdpHookState:
                     f"{dist.get_world_size()} is not MPI rank {self.comm.rank} of "
                     f"{self.comm.size}: start the process group with the MPI rank and size "
                     "(mpigc.torch.init_process_group)")
-            ranks = list(range(self.comm.size))
-            for fqn, _, g in groups:
-                if _shard_ranks(g) != ranks:
-                    raise ConfigError(f"register_fsdp_hooks: FSDP module {fqn or '<root>'!r} "
-                                      "shards over a subgroup; its group must span the "
-                                      "communicator, in rank order")
+            shard = sorted({tuple(_shard_ranks(g)) for _, _, g in groups})
+            if len(shard) > 1:
+                raise ConfigError("register_fsdp_hooks: the FSDP modules shard over "
+                                  f"different groups {shard[:3]}; one mesh for all")
+            shard = list(shard[0]) if shard else list(range(self.comm.size))
+            if len(shard) == self.comm.size and shard != sorted(shard):
+                raise ConfigError("register_fsdp_hooks: the FSDP group's ranks must be in "
+                                  "the communicator's order")
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
             settings = {"op": self.compressor.get_config(), "nonfinite": self.nonfinite,
-                        "groups": [fqn for fqn, _, _ in groups]}
+                        "groups": [fqn for fqn, _, _ in groups], "shards": len(shard)}
         except (MpigcError, TypeError, ValueError, AttributeError) as e:
             exc = e
         # the first collective, within the timeout: registered on some ranks
@@ -155,18 +183,59 @@ class FsdpHookState:
         self._layouts = {}  # key -> (numel, dtype) of its flat input
         self.calls = self.bytes_sent = self.logical_bytes = 0
         self._groups = groups
-        cls = _comm_class()
-        self._comms = [cls(self, key, g) for key, (_, _, g) in zip(self.keys, groups)]
-        self.reduce_scatters = dict(zip(self.keys, self._comms))
-        for (_, m, _), c in zip(groups, self._comms):
-            m.set_custom_reduce_scatter(c)
+        #: the number of replicas (HSDP: FSDP shards over groups of
+        #: ``size / replicas`` ranks), 1 for FSDP over every rank
+        self.replicas = self.size // len(shard)
+        self.reduce_scatters = {}
+        if self.replicas == 1:
+            self._replica_comm = None
+            cls = _comm_class()
+            for key, (_, m, g) in zip(self.keys, groups):
+                self.reduce_scatters[key] = cls(self, key, g)
+                m.set_custom_reduce_scatter(self.reduce_scatters[key])
+        else:  # FSDP's own reduce-scatter in the replica, the replicas' all-reduce here
+            pos, replica = _replica_split(self._comm, shard)
+            self._replica_comm = self._comm.Split(pos, replica)
+            _engine_comm.resolve(self._replica_comm)
+            for key, (_, m, g) in zip(self.keys, groups):
+                m.set_all_reduce_hook(self._all_reduce_hook(key, g))
 
     # -- in backward ---------------------------------------------------------------
-    def _reduce_scatter(self, rs, output, inp, group, op):
-        key = rs.key
-        if group.size() != self.size:
-            raise StateError(f"register_fsdp_hooks: {key}'s reduce-scatter group has "
-                             f"{group.size()} ranks, the communicator {self.size}")
+    def _all_reduce_hook(self, key, group):
+        """FSDP's all-reduce hook of ``group`` (run after its reduce-scatter
+        in the replica, on the shard, before FSDP's post-division): the
+        compressed allreduce over the replicas, averaged as native HSDP's
+        (a sum when ``set_gradient_divide_factor`` set the whole division)."""
+        def hook(reduce_output):
+            self._check_input(key, reduce_output)
+            x = reduce_output.detach()
+            xs = (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+            self._run(key, lambda: iallreduce(
+                xs, op=self.compressor, comm=self._replica_comm, key=key,
+                average=group.gradient_divide_factor is None, feedback=self.feedback,
+                nonfinite=self.nonfinite))
+            if x.dtype == torch.bfloat16:
+                with torch.no_grad():
+                    reduce_output.copy_(torch.from_numpy(xs))
+        return hook
+
+    def _run(self, key, start):
+        """Start a call (``start()``: its request), wait for it within the
+        timeout, count its traffic (which a call that completes at its start
+        counts there)."""
+        before = _wire.traffic()
+        req = start()
+        wait_request(lambda: _settled(req), f"FSDP gradient reduction of {key} (rank "
+                     f"{self.rank} of {self.size})", _STEP, timeout=self.timeout,
+                     warn_s=self._warn_s)
+        req.wait()
+        after = _wire.traffic()
+        self.calls += after["calls"] - before["calls"]
+        self.bytes_sent += after["bytes_sent"] - before["bytes_sent"]
+        self.logical_bytes += after["logical_bytes"] - before["logical_bytes"]
+
+    def _check_input(self, key, inp):
+        """``inp`` is a CPU float tensor in the layout of ``key``'s first call."""
         if inp.device.type != "cpu":
             raise DTypeError(f"register_fsdp_hooks: {key}: CPU tensors only so far, got "
                              f"{inp.device}")
@@ -178,11 +247,18 @@ class FsdpHookState:
                 f"{known[0]} {known[1]} elements to {layout[0]} {layout[1]}: its residuals "
                 "no longer line up (a parameter without a gradient in this step? FSDP "
                 "leaves it out: module.set_reduce_scatter_unused_params(True) reduces "
-                "every parameter each step; or a new reduce_dtype: load_state_dict({}) "
-                "drops the residuals)")
+                "every parameter each step; or another reduce_dtype)")
         if inp.dtype not in NP_OF_TORCH and inp.dtype != torch.bfloat16:
             raise DTypeError(f"register_fsdp_hooks: {key}: expected float16, bfloat16, "
                              f"float32 or float64 gradients, got {inp.dtype}")
+        self._layouts[key] = layout
+
+    def _reduce_scatter(self, rs, output, inp, group, op):
+        key = rs.key
+        if group.size() != self.size:
+            raise StateError(f"register_fsdp_hooks: {key}'s reduce-scatter group has "
+                             f"{group.size()} ranks, the communicator {self.size}")
+        self._check_input(key, inp)
         # FSDP's division: AVG (its default over the group), SUM (it divides
         # before/after itself), PREMUL_SUM(1/factor) (set_gradient_divide_factor)
         average, scale = False, None
@@ -201,19 +277,9 @@ class FsdpHookState:
         out = (output.detach().numpy() if output.dtype == x.dtype
                else np.empty(output.numel(), xs.dtype))
         m = output.numel()
-        before = _wire.traffic()
-        req = ireduce_scatter(xs, op=self.compressor, recvcounts=[m] * self.size, out=out,
-                              comm=self._comm, key=key, average=average,
-                              feedback=self.feedback, nonfinite=self.nonfinite)
-        wait_request(lambda: _settled(req), f"FSDP reduce-scatter of {key} (rank "
-                     f"{self.rank} of {self.size})", _STEP, timeout=self.timeout,
-                     warn_s=self._warn_s)
-        req.wait()
-        after = _wire.traffic()
-        self.calls += after["calls"] - before["calls"]
-        self.bytes_sent += after["bytes_sent"] - before["bytes_sent"]
-        self.logical_bytes += after["logical_bytes"] - before["logical_bytes"]
-        self._layouts[key] = layout
+        self._run(key, lambda: ireduce_scatter(
+            xs, op=self.compressor, recvcounts=[m] * self.size, out=out, comm=self._comm,
+            key=key, average=average, feedback=self.feedback, nonfinite=self.nonfinite))
         if output.dtype != x.dtype:
             with torch.no_grad():
                 output.copy_(torch.from_numpy(out))
@@ -280,7 +346,15 @@ def register_fsdp_hooks(model, op="2bit", *, comm=None, nonfinite=None, feedback
     itself) over a 1-D mesh whose process group has the ranks of ``comm``
     (default ``MPI.COMM_WORLD``) in the same order. FSDP keeps its process
     group for its all-gathers; only the gradient reduce-scatter moves to
-    MPI, compressed. FSDP's division is kept (its average over the group,
+    MPI, compressed.
+
+    HSDP: sharded over ``mesh["shard"]`` of a 2-D mesh (replicas x shards),
+    FSDP's own reduce-scatter in each replica stays (exact, or in
+    ``reduce_dtype``), and the all-reduce across the replicas
+    (``set_all_reduce_hook``) is mpigc's compressed :func:`mpigc.allreduce`
+    with error feedback (:attr:`FsdpHookState.replicas` > 1). FSDP2's native
+    HSDP (``fully_shard`` on the 2-D mesh) is refused: it all-reduces over
+    its own group before any hook runs. FSDP's division is kept (its average over the group,
     ``set_gradient_divide_factor``, the sum it divides itself for fp16), as
     are its padded layout (uneven shards), ``reduce_dtype`` (bf16 is reduced
     in float32 and rounded once), ``set_requires_gradient_sync(False)``

@@ -28,7 +28,7 @@ _OPS = {"2bit-abs": {"op": "2bit", "threshold": 0.5},
         "terngrad": {"op": "terngrad", "error_feedback": True}}
 
 
-def _model(reduce_dtype=torch.float32, reshard=True, extra=0):
+def _model(reduce_dtype=torch.float32, reshard=True, extra=0, mesh=None):
     """Two linear blocks and the root, each fully_shard'ed: the 7-row layer
     is padded and sharded unevenly at 2, 3 and 4 ranks."""
     torch.manual_seed(0)
@@ -36,8 +36,8 @@ def _model(reduce_dtype=torch.float32, reshard=True, extra=0):
     m = torch.nn.Sequential(*layers)
     mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for layer in layers[::2]:
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
-    fully_shard(m, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard, mesh=mesh)
+    fully_shard(m, mp_policy=mp, reshard_after_forward=reshard, mesh=mesh)
     return m
 
 
@@ -282,3 +282,67 @@ def test_load_bad_state_everywhere(comm, gloo):
     now = state.feedback.state_dict()
     assert_all(all(np.array_equal(good["residuals"][k]["worker"], now[k]["worker"])
                    for k in now), "residuals changed")
+
+
+# -- HSDP (item 2) --------------------------------------------------------------------
+def _mesh_2x2(comm):
+    if comm.size != 4:
+        pytest.skip("HSDP 2 x 2 runs at 4 ranks")
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("reduce_dtype", ["fp32", "bf16"])
+def test_hsdp_none_matches_native_hsdp(comm, gloo, reduce_dtype):
+    """HSDP 2 x 2: FSDP over mesh['shard'] with the hooks (FSDP's own
+    reduce-scatter in the replica, mpigc's allreduce across the replicas)
+    = native HSDP (fully_shard on the 2-D mesh) bit for bit with op='none'
+    (sums of two)."""
+    mesh = _mesh_2x2(comm)
+    dt = torch.float32 if reduce_dtype == "fp32" else torch.bfloat16
+    native = _train(_model(dt, mesh=mesh), 20, comm.rank)
+    m = _model(dt, mesh=mesh["shard"])
+    state = mt.register_fsdp_hooks(m, op="none")
+    hooked = _train(m, 20, comm.rank)
+    assert_all(state.replicas == 2 and state.calls == 20 * len(state.keys)
+               and _compare(native, hooked, True, 0),
+               f"differs from native HSDP (replicas {state.replicas}, calls {state.calls})")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["2bit-abs", "1bit"])
+def test_hsdp_compressed_replicas_agree(comm, gloo, name):
+    """HSDP 2 x 2 compressed: the replicas' parameters stay identical (each
+    rank of a shard position gets the same allreduce result), residuals
+    are kept, and it is not the exact result; resume is bit-exact."""
+    mesh = _mesh_2x2(comm)
+    m = _model(mesh=mesh["shard"])
+    state = mt.register_fsdp_hooks(m, **_OPS[name])
+    got = _train(m, 5, comm.rank)
+    saved = state.state_dict()
+    flat = np.concatenate([t.numpy().ravel() for t in got.values()])
+    others = comm.allgather(flat)
+    twin = others[comm.rank ^ 2]  # the same shard position in the other replica
+    kept = max(float(np.abs(e["worker"]).max()) for e in saved["residuals"].values())
+    exact = _train(_model(mesh=mesh), 5, comm.rank)
+    differs = comm.allreduce(int(not _compare(exact, got, True, 0)))
+    assert_all(np.array_equal(flat, twin) and kept > 0 and differs > 0,
+               f"{name}: replicas differ, no residuals ({kept}) or exact")
+    # resume: 5 more steps from the saved state = 5 more steps on
+    more = _train(m, 5, comm.rank, first=5)
+    m2 = _model(mesh=mesh["shard"])
+    state2 = mt.register_fsdp_hooks(m2, **_OPS[name])
+    with torch.no_grad():
+        for n, p in m2.named_parameters():
+            p.to_local().copy_(got[n])
+    state2.load_state_dict(saved)
+    assert_all(_compare(more, _train(m2, 5, comm.rank, first=5), True, 0),
+               f"{name}: HSDP resume differs")
+
+
+@pytest.mark.mpi
+def test_native_hsdp_refused(comm, gloo):
+    mesh = _mesh_2x2(comm)
+    raises_everywhere(mpigc.ConfigError, lambda: mt.register_fsdp_hooks(
+        _model(mesh=mesh), op="2bit", threshold=0.5), match="mesh\\['shard'\\]")

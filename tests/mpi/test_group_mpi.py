@@ -50,6 +50,11 @@ def _bits(arrays):
     return [a.tobytes() for a in arrays]
 
 
+#: parameters that make an op element-wise (2bit's absolute mode: its relative
+#: mode, the default, has blocks that a group's fused shards cut differently)
+ELEMENTWISE = {"2bit": {"threshold": 0.5}}
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("op", ["none", "fp16", "bf16", "2bit"])
 @pytest.mark.parametrize("gather", ["compressed", "exact"])
@@ -60,13 +65,14 @@ def test_group_allreduce_is_the_single_calls_bits(comm, op, gather, dtype, monke
                     "buffer's bits may differ from the members' beyond 2 ranks")
     monkeypatch.setenv("MPIGC_CHUNK_BYTES", str(16 << 10))  # the group is pipelined
     fb1, fb2 = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
+    kw = ELEMENTWISE.get(op, {})
     for step in range(3):
         xs = _members(comm, step, dtype=dtype)
         group = [x.copy() for x in xs]
         out = mpigc.allreduce(group, op=op, key="p", gather=gather, average=step == 1,
-                              feedback=fb1)
+                              feedback=fb1, **kw)
         singles = [mpigc.allreduce(x.copy(), op=op, key=f"p/{i}", gather=gather,
-                                   average=step == 1, feedback=fb2)
+                                   average=step == 1, feedback=fb2, **kw)
                    for i, x in enumerate(xs)]
         assert_all(isinstance(out, list) and all(a is b for a, b in zip(out, group)))
         assert_all(_bits(group) == _bits(singles), f"step {step}: results differ")
@@ -80,8 +86,8 @@ def test_group_reduce_scatter_is_the_single_calls_bits(comm, op):
     for step in range(2):
         xs = _members(comm, step)
         shards = mpigc.reduce_scatter([x.copy() for x in xs], op=op, key=["a", "b", 7, "d", "e"],
-                                      feedback=fb1)
-        singles = [mpigc.reduce_scatter(x, op=op, key=k, feedback=fb2)
+                                      feedback=fb1, **ELEMENTWISE.get(op, {}))
+        singles = [mpigc.reduce_scatter(x, op=op, key=k, feedback=fb2, **ELEMENTWISE.get(op, {}))
                    for x, k in zip(xs, ["a", "b", 7, "d", "e"])]
         assert_all([s.shape for s in shards] == [s.shape for s in singles])
         assert_all(_bits(shards) == _bits(singles), f"step {step}: shards differ")
@@ -129,11 +135,11 @@ def test_group_and_single_calls_take_turns_on_keys(comm, monkeypatch):
         xs = _members(comm, step)
         a = [x.copy() for x in xs]
         if step % 2:
-            mpigc.allreduce(a, op="2bit", key=keys, feedback=fb1)
+            mpigc.allreduce(a, op="2bit", key=keys, feedback=fb1, threshold=0.5)
         else:
             for x, k in zip(a, keys):
-                mpigc.allreduce(x, op="2bit", key=k, feedback=fb1)
-        b = [mpigc.allreduce(x.copy(), op="2bit", key=k, feedback=fb2)
+                mpigc.allreduce(x, op="2bit", key=k, feedback=fb1, threshold=0.5)
+        b = [mpigc.allreduce(x.copy(), op="2bit", key=k, feedback=fb2, threshold=0.5)
              for x, k in zip(xs, keys)]
         assert_all(_bits(a) == _bits(b) and _same_state(fb1, fb2), f"step {step}")
 
@@ -141,14 +147,16 @@ def test_group_and_single_calls_take_turns_on_keys(comm, monkeypatch):
 @pytest.mark.mpi
 def test_nonblocking_groups(comm, fb):
     xs = [_members(comm, s) for s in range(3)]
-    reqs = [mpigc.iallreduce([x.copy() for x in g], op="2bit", key=f"g{s}", feedback=fb)
+    reqs = [mpigc.iallreduce([x.copy() for x in g], op="2bit", key=f"g{s}", feedback=fb,
+                             threshold=0.5)
             for s, g in enumerate(xs)]
     rs = mpigc.ireduce_scatter(xs[0], op="fp16", key="rs", feedback=fb)
     outs = [r.wait() for r in reqs]
     shards = rs.wait()
     fb2 = mpigc.ErrorFeedback()
     for s, g in enumerate(xs):
-        ref = [mpigc.allreduce(x.copy(), op="2bit", key=f"g{s}/{i}", feedback=fb2)
+        ref = [mpigc.allreduce(x.copy(), op="2bit", key=f"g{s}/{i}", feedback=fb2,
+                               threshold=0.5)
                for i, x in enumerate(g)]
         assert_all(_bits(outs[s]) == _bits(ref))
     ref = [mpigc.reduce_scatter(x, op="fp16", key=f"rs/{i}", feedback=fb2)

@@ -423,7 +423,7 @@ class _HierCall(_sched.PendingCall):
         if x.nonfinite == "raise":
             raise _plan.nonfinite_error(self.kind, what)
         if x.fb is not None:
-            x.fb.skipped_steps += 1
+            x.fb.count_skipped_step()
         if self.kind == "allreduce":
             x.be.fill_nan(x.side_flat)
             x.be.sync()

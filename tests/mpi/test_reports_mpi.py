@@ -176,3 +176,20 @@ def test_random_failures_of_a_blocking_agreement(comm):
         every = comm.allgather(got)
         assert_all(all(g == every[0] for g in every) and got == want and chained,
                    f"seed {seed}: want {want}, got {got}, chained to its own: {chained}")
+
+
+@pytest.mark.mpi
+def test_a_hierarchical_skip_is_one_skipped_step_everywhere(comm, monkeypatch):
+    """Non-finite values on one rank under nonfinite="skip": every slice group's
+    call fails with a non-finite sum (mpigc._plan.slice_verdict: "nonfinite"),
+    every rank gets NaN and counts one skipped step in its store
+    (ErrorFeedback.count_skipped_step)."""
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")
+    fb = mpigc.ErrorFeedback()
+    x = np.ones(N, np.float32)
+    if comm.rank == comm.size - 1:
+        x[5] = np.inf
+    y = mpigc.allreduce(x, op="2bit", key="skip", feedback=fb, comm=comm, hierarchy="node",
+                        nonfinite="skip")
+    assert_all(bool(np.isnan(y).all()) and fb.skipped_steps == 1,
+               f"NaN: {bool(np.isnan(y).all())}, skipped_steps {fb.skipped_steps}")

@@ -15,7 +15,8 @@ from ..reduce_scatter import ireduce_scatter
 
 from ._common import (NP_OF_TORCH, Wait, agree_construction, check_feedback, check_same,
                       describe, raise_everywhere, resolve_comm, resolve_timeout,
-                      resolve_warn_s, torch_compressor, torch_nonfinite, wait_request)
+                      resolve_warn_s, torch_compressor, torch_nonfinite, wait_request,
+                      warn_if_uncompressed)
 
 __all__ = ["FsdpHookState", "register_fsdp_hooks"]
 
@@ -181,6 +182,7 @@ class FsdpHookState:
         self.size, self.rank = self._comm.size, self._comm.rank
         self.keys = [f"fsdp:{fqn}" for fqn, _, _ in groups]
         self._layouts = {}  # key -> (numel, dtype) of its flat input
+        self._first = {}  # key -> its first call's buffer, until every key has had one
         self.calls = self.bytes_sent = self.logical_bytes = 0
         self._groups = groups
         #: the number of replicas (HSDP: FSDP shards over groups of
@@ -210,7 +212,7 @@ class FsdpHookState:
             self._check_input(key, reduce_output)
             x = reduce_output.detach()
             xs = (x.float() if x.dtype == torch.bfloat16 else x).numpy()
-            self._run(key, lambda: iallreduce(
+            self._run(key, xs, lambda: iallreduce(
                 xs, op=self.compressor, comm=self._replica_comm, key=key,
                 average=group.gradient_divide_factor is None, feedback=self.feedback,
                 nonfinite=self.nonfinite))
@@ -219,10 +221,17 @@ class FsdpHookState:
                     reduce_output.copy_(torch.from_numpy(xs))
         return hook
 
-    def _run(self, key, start):
-        """Start a call (``start()``: its request), wait for it within the
-        timeout, count its traffic (which a call that completes at its start
-        counts there)."""
+    def _run(self, key, buf, start):
+        """Start a call on ``buf`` (``start()``: its request), wait for it
+        within the timeout, count its traffic (which a call that completes at
+        its start counts there). Once every group has had a call: a warning
+        when they are all under $MPIGC_MIN_COMPRESS_BYTES (sent exactly)."""
+        if self._first is not None:
+            self._first.setdefault(key, torch.from_numpy(buf))
+            if len(self._first) == len(self.keys):
+                warn_if_uncompressed("register_fsdp_hooks", self.compressor,
+                                     list(self._first.values()))
+                self._first = None
         before = _wire.traffic()
         req = start()
         wait_request(lambda: _settled(req), f"FSDP gradient reduction of {key} (rank "
@@ -277,7 +286,7 @@ class FsdpHookState:
         out = (output.detach().numpy() if output.dtype == x.dtype
                else np.empty(output.numel(), xs.dtype))
         m = output.numel()
-        self._run(key, lambda: ireduce_scatter(
+        self._run(key, xs, lambda: ireduce_scatter(
             xs, op=self.compressor, recvcounts=[m] * self.size, out=out, comm=self._comm,
             key=key, average=average, feedback=self.feedback, nonfinite=self.nonfinite))
         if output.dtype != x.dtype:

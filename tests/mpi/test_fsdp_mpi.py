@@ -346,3 +346,16 @@ def test_native_hsdp_refused(comm, gloo):
     mesh = _mesh_2x2(comm)
     raises_everywhere(mpigc.ConfigError, lambda: mt.register_fsdp_hooks(
         _model(mesh=mesh), op="2bit", threshold=0.5), match="mesh\\['shard'\\]")
+
+
+@pytest.mark.mpi
+def test_warns_when_nothing_is_compressed(comm, gloo, monkeypatch):
+    """Every group's call under $MPIGC_MIN_COMPRESS_BYTES (the engine sends
+    it exactly): one warning at the first step, as the DDP hook's."""
+    monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "8192")  # the default, every rank
+    m = _model()
+    mt.register_fsdp_hooks(m, op="2bit", threshold=0.5)
+    with pytest.warns(UserWarning, match="none of its 2 bucket") as got:
+        _train(m, 2, comm.rank)
+    assert_all(len([w for w in got if "none of its" in str(w.message)]) == 1,
+               "warned more than once")

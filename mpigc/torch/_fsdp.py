@@ -1,10 +1,7 @@
 """mpigc's compressed reduce-scatter as FSDP2's gradient reduce-scatter."""
-import time
-
 import numpy as np
 import torch
 import torch.distributed as dist
-from mpi4py import MPI
 
 from .. import _comm as _engine_comm
 from .. import _wire

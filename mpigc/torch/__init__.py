@@ -36,7 +36,8 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 # timed waits, tensors <-> engine arrays), _state (residual snapshots and the
 # per-parameter state of bucket layouts), _sync (GradientSync), _optimizer
 # (DistributedOptimizer), _hook (the DDP communication hook), _adam
-# (CompressedAdamW), _launch (process group and broadcasts).
+# (CompressedAdamW), _fsdp (FSDP2 and HSDP hooks), _launch (process group and
+# broadcasts).
 from ._adam import CompressedAdamW, local_gradients_hook
 from ._hook import CommHookState, comm_hook
 from ._fsdp import FsdpHookState, register_fsdp_hooks

@@ -29,7 +29,9 @@ def allreduce(buf: Buf, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = None
 
     Parameters
     ----------
-    buf : numpy.ndarray, or a list or tuple of them
+    buf : numpy.ndarray, a CPU array that exposes its memory (torch CPU tensor,
+        buffer protocol, ``__array_interface__``, DLPack), a CUDA device array,
+        or a list or tuple of them
         float16, float32 or float64, C-contiguous, writable, same size on
         every rank. Overwritten with the (decompressed) result. A list is a
         grouped call: its arrays (one side, one dtype) are reduced in one

@@ -30,7 +30,9 @@ def reduce_scatter(buf: Buf, op: Op = "2bit", *,
 
     Parameters
     ----------
-    buf : numpy.ndarray, or a list or tuple of them
+    buf : numpy.ndarray, a CPU array that exposes its memory (torch CPU tensor,
+        buffer protocol, ``__array_interface__``, DLPack), a CUDA device array,
+        or a list or tuple of them
         The input, left unchanged (it may be read-only). A list is a grouped
         call (keys as for :func:`mpigc.allreduce`'s): it returns a list of
         this rank's shard of each array, as ``numpy.array_split`` cuts it,

@@ -3,7 +3,7 @@ without a threshold is the relative mode (``rel_threshold=1.5``), an explicit
 ``threshold=`` is MXNet's absolute mode with MXNet's bytes, and an absolute
 threshold that lets almost nothing through warns once per rank per key, with
 the same watch as the torch layer's (``mpigc._threshold``). One process (a
-world of one rank); the ranks' side is in ``tests/mpi/test_allreduce_mpi.py``."""
+world of one rank); averaging over ranks is in ``tests/mpi/test_allreduce_mpi.py``."""
 import warnings
 
 import numpy as np

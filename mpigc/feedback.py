@@ -52,29 +52,66 @@ def shard_bounds(n, size):
 
 
 class _Entry:
-    __slots__ = ("n", "dtype", "world_size", "rank", "worker", "owner", "config",
-                 "calls", "on_device")
+    """A key's residuals (``worker``, ``owner``), call count and config.
+
+    ``worker`` and ``owner`` are properties: while the key is one member of
+    a grouped call's fused residuals (``fused``, a :class:`_Fused`), its
+    residuals live in the group's fused buffers, and the first read or write
+    of either (a single call on the key, a state, a checkpoint, a snapshot)
+    first copies every member's back into arrays of their own (:meth:`_Fused.evict`)."""
+
+    __slots__ = ("n", "dtype", "world_size", "rank", "_worker", "_owner", "config",
+                 "calls", "on_device", "fused")
 
     def __init__(self, n, dtype, world_size, rank, config, on_device=None):
         self.n = n
         self.dtype = np.dtype(dtype)
         self.world_size = world_size
         self.rank = rank
-        self.worker = None
-        self.owner = None
+        self._worker = None
+        self._owner = None
+        self.fused = None
         self.config = config
         self.calls = 0
         #: True: residuals in device memory; False: host; None: not placed yet
         #: (loaded from a state dict or a checkpoint; see the module docstring)
         self.on_device = on_device
 
+    @property
+    def worker(self):
+        if self.fused is not None:
+            self.fused.evict()
+        return self._worker
+
+    @worker.setter
+    def worker(self, a):
+        if self.fused is not None:
+            self.fused.evict()
+        self._worker = a
+
+    @property
+    def owner(self):
+        if self.fused is not None:
+            self.fused.evict()
+        return self._owner
+
+    @owner.setter
+    def owner(self, a):
+        if self.fused is not None:
+            self.fused.evict()
+        self._owner = a
+
+    def holds(self):
+        """Whether the key holds a residual (without moving fused ones)."""
+        return self.fused is not None or self._worker is not None or self._owner is not None
+
     def place(self, device):
         """Move not-yet-placed residuals to where a call needs them."""
-        if self.on_device is None:
+        if self.on_device is None:  # loaded: never fused
             if device:
                 from . import _cuda
-                self.worker = None if self.worker is None else _cuda.to_device(self.worker)
-                self.owner = None if self.owner is None else _cuda.to_device(self.owner)
+                self._worker = None if self._worker is None else _cuda.to_device(self._worker)
+                self._owner = None if self._owner is None else _cuda.to_device(self._owner)
             self.on_device = bool(device)
 
     def host_copy(self):
@@ -90,6 +127,86 @@ class _Entry:
 
     def describe(self):
         return (f"{self.n} values of {self.dtype} on {self.world_size} rank(s)")
+
+
+class _Fused:
+    """The residuals of a grouped call's members, kept fused between calls
+    (issue 51 item 6): ``worker``, laid out as the group's fused buffer
+    (placement ``place``), and ``owner``, as this rank's fused shard
+    (``owner_place``); None where the members keep their own arrays. A
+    grouped call with the same keys, entries and placement uses them as they
+    are (no gather or scatter per call); anything else that reads or writes a
+    member's residual first moves every member's back into arrays of their
+    own (:meth:`evict`), which is the scatter a call used to make at its end."""
+
+    __slots__ = ("members", "place", "owner_place", "dtype", "device", "worker", "owner",
+                 "lock")
+
+    def __init__(self, members, place, owner_place, dtype, device):
+        self.members = list(members)
+        self.place, self.owner_place = place, owner_place
+        self.dtype, self.device = dtype, device
+        self.worker = self.owner = None
+        self.lock = threading.Lock()
+
+    def serves(self, entries, place, owner_place):
+        """Whether a grouped call of ``entries`` (its members' entries, in
+        order) and this placement finds its residuals here."""
+        if (self.worker is None and self.owner is None) or len(entries) != len(self.members):
+            return False
+        if not (self.place is place or self.place == place) or not (
+                self.owner_place is owner_place or self.owner_place == owner_place):
+            return False
+        for e, m in zip(entries, self.members):
+            if e is not m or e.fused is not self:
+                return False
+        return True
+
+    def evict(self):
+        """Every member's residuals back into arrays of their own (new ones:
+        the store's lock may be held); the fused arrays are dropped. Under
+        the group's own lock; does nothing once done."""
+        with self.lock:
+            members, dtype, device = self.members, self.dtype, self.device
+            if self.worker is None and self.owner is None:
+                return
+            t0 = _timeline.ON and _timeline.now()
+            for arr, place, attr in ((self.worker, self.place, "_worker"),
+                                     (self.owner, self.owner_place, "_owner")):
+                if arr is None or place is None:
+                    continue
+                pieces, ats, nshards = place
+                for i, lo, hi, at in pieces:
+                    e = members[i]
+                    dst = getattr(e, attr)
+                    m = e.n if attr == "_worker" else hi - lo
+                    if dst is None or dst.size != m:
+                        dst = _empty(m, dtype, device)
+                        setattr(e, attr, dst)
+                    if not device:
+                        dst[lo:hi] = arr[at:at + hi - lo]
+                if device:  # one launch per member
+                    _dispatch.kernels(arr).group_copy(
+                        arr, [getattr(e, attr) for e in members], ats, nshards, False)
+                if attr == "_owner":
+                    # a member smaller than the ranks owns no element here: an
+                    # empty owner residual, as its single call leaves
+                    for e in members:
+                        if e._owner is None:
+                            e._owner = _empty(0, dtype, device)
+            self.worker = self.owner = None
+            for e in members:
+                if e.fused is self:
+                    e.fused = None
+            if t0:
+                _timeline.span("group: residuals out", t0)
+
+
+def _empty(n, dtype, device):
+    if device:
+        from . import _cuda
+        return _cuda.empty(n, dtype)
+    return np.empty(n, dtype)
 
 
 def _entry_state(e):
@@ -134,6 +251,7 @@ class ErrorFeedback:
         self._busy = set()  # keys used by a call in progress
         self._first = set()  # those of them whose call is their first (new keys)
         self._lock = threading.Lock()
+        self._fused = {}  # a grouped call's keys -> its members' fused residuals
         #: how many calls were skipped because of non-finite gradients
         self.skipped_steps = 0
 
@@ -193,6 +311,7 @@ class ErrorFeedback:
             if self._busy:
                 raise StateError("a collective is pending; wait for it before loading")
             self._entries = entries
+            self._fused.clear()
 
     def reset(self, key=None):
         """Forget the residuals of ``key`` (or of every key)."""
@@ -203,6 +322,7 @@ class ErrorFeedback:
             if key is None:
                 self._entries.clear()
                 self._spares.clear()
+                self._fused.clear()
             else:
                 self._entries.pop(str(key), None)
 
@@ -235,7 +355,7 @@ class ErrorFeedback:
                     f"key {key!r} holds residuals of {e.describe()} (rank {e.rank}); this "
                     f"call has {n} values of {np.dtype(dtype)} on {world_size} rank(s) "
                     f"(rank {rank}): use another key, or reset({key!r})")
-            if e is not None and e.worker is None and e.owner is None:
+            if e is not None and not e.holds():
                 e.on_device = None  # nothing held: the key may change sides
             if e is not None and e.on_device is not None and e.on_device != bool(device):
                 held, given = (("device", "host") if e.on_device else ("host", "device"))
@@ -330,6 +450,7 @@ class ErrorFeedback:
                 raise StateError(f"key(s) {busy} in use by a pending collective; wait "
                                  "for them before loading")
             self._entries = dict(entries)
+            self._fused.clear()
             if skipped_steps is not None:
                 self.skipped_steps = int(skipped_steps)
 
@@ -625,16 +746,21 @@ class GroupTransaction(Transaction):
     (:meth:`ErrorFeedback.begin_group`), with the interface of a
     :class:`Transaction`: the call reads and writes ``entry``, a fused entry
     of the whole fused buffer, as a single call does its key's. The members'
-    residuals are gathered into it at the start and scattered back at
-    :meth:`end` once the call committed, so a call that does not go ahead
-    changes no member. Where: ``place``, a placement ``(pieces, ats,
-    nshards)`` of the fused buffer (``pieces``: member ``i``'s elements
-    ``[lo, hi)`` at fused offset ``at``; ``ats``: the same per member shard,
-    for one device launch per member; see :class:`mpigc._group._Layout`);
-    ``owner_place``: the same for this rank's fused shard of ``shard_n``
-    values. Every key is held from the start to :meth:`end`."""
+    residuals stay fused between calls (:class:`_Fused`, one per group of
+    keys in the store): a call whose keys, entries and placement are those
+    of the last grouped call on them takes the fused arrays as they are;
+    any other gathers the members' residuals into new fused arrays at the
+    start. Once the call committed, :meth:`end` makes its fused arrays the
+    members' (no scatter: a member's own arrays are made again only when
+    something else reads it); a call that does not go ahead changes no
+    member. Where: ``place``, a placement ``(pieces, ats, nshards)`` of the
+    fused buffer (``pieces``: member ``i``'s elements ``[lo, hi)`` at fused
+    offset ``at``; ``ats``: the same per member shard, for one device launch
+    per member; see :class:`mpigc._group._Layout`); ``owner_place``: the
+    same for this rank's fused shard of ``shard_n`` values. Every key is
+    held from the start to :meth:`end`."""
 
-    __slots__ = ("keys", "sizes", "entries", "committed", "place", "owner_place")
+    __slots__ = ("keys", "sizes", "entries", "committed", "place", "owner_place", "fused")
 
     def __init__(self, fb, keys, sizes, place, owner_place, shard_n, dtype, world_size,
                  rank, device):
@@ -654,6 +780,13 @@ class GroupTransaction(Transaction):
         self.scratch = None
         self.held, self.deferred, self.committed = True, False, False
         self.entry = None
+        fused = self.fused = fb._fused.get(tuple(keys))
+        if fused is not None and fused.serves(entries, place, owner_place):
+            f = self.entry = _Entry(n, dtype, world_size, rank, None, bool(device))
+            f.calls = max(e.calls for e in entries)
+            f._worker, f._owner = fused.worker, fused.owner  # resident: no copies
+            return
+        self.fused = None
         if any(e is not None for e in entries):
             t0 = _timeline.ON and _timeline.now()
             f = self.entry = _Entry(n, dtype, world_size, rank, None, bool(device))
@@ -689,8 +822,8 @@ class GroupTransaction(Transaction):
             out[at:at + hi - lo] = 0 if a is None else a[lo:hi]
         return out
 
-    # worker(), take_scratch() and skipped() are the Transaction's, on the
-    # fused entry and the fused buffer's size
+    # worker(), take_scratch(), skipped() and the rest are the Transaction's,
+    # on the fused entry and the fused buffer's size
 
     def commit(self, config, keep_replaced=False):
         """The call goes ahead: every member's key gets an entry (made for a
@@ -709,48 +842,38 @@ class GroupTransaction(Transaction):
             old, f.worker = f.worker, self.scratch
             self.scratch = None
             if old is not None:
-                self.fb.give_spare(old)
+                self.fb.give_spare(old)  # the members' get the new one at end()
         self.committed = True
         return f
 
-    def _scatter(self):
-        """The fused entry's residuals and call count into the members'."""
+    def _install(self):
+        """The fused entry's residuals become the members' (kept fused) and
+        its call count theirs."""
         f, (_, dtype, _, _, device) = self.entry, self._shape
-        t0 = _timeline.ON and _timeline.now()
-        for arr, place, attr in ((f.worker, self.place, "worker"),
-                                 (f.owner, self.owner_place, "owner")):
-            if arr is None or place is None:
-                continue
-            pieces, ats, nshards = place
-            for i, lo, hi, at in pieces:
-                e = self.entries[i]
-                dst = getattr(e, attr)
-                m = e.n if attr == "worker" else hi - lo
-                if dst is None or dst.size != m:
-                    dst = self.fb.take_spare(m, dtype, device)
-                    setattr(e, attr, dst)
-                if not device:
-                    dst[lo:hi] = arr[at:at + hi - lo]
-            if device:  # one launch per member
-                _dispatch.kernels(arr).group_copy(
-                    arr, [getattr(e, attr) for e in self.entries], ats, nshards, False)
-            if attr == "owner":
-                # a member smaller than the ranks owns no element here: an
-                # empty owner residual, as its single call leaves
-                for e in self.entries:
-                    if e.owner is None:
-                        e.owner = self.fb.take_spare(0, dtype, device)
-            self.fb.give_spare(arr)
+        fused = self.fused
+        if fused is None:
+            fused = _Fused(self.entries, self.place, self.owner_place, dtype, device)
+        worker = f._worker if self.place is not None else None
+        owner = f._owner if self.owner_place is not None else None
         for e in self.entries:
+            # their own arrays (gathered) are stale: the fused ones hold them
+            if worker is not None:
+                e._worker = None
+            if owner is not None:
+                e._owner = None
             e.calls = f.calls
-        f.worker = f.owner = None
-        if t0:
-            _timeline.span("group: residuals out", t0)
+        fused.worker, fused.owner = worker, owner
+        if worker is not None or owner is not None:
+            for e in self.entries:
+                e.fused = fused
+            self.fb._fused[tuple(self.keys)] = fused
+        f._worker = f._owner = None
 
     def end(self, defer=False):
         """The call is over, or will not go ahead: a committed call's
-        residuals go to the members; the fused arrays become spares; the
-        keys are released (with ``defer``, at :meth:`settle`, as
+        residuals become the members' (fused); the fused arrays of a call
+        that did not commit become spares, unless they are the members'
+        already; the keys are released (with ``defer``, at :meth:`settle`, as
         :meth:`Transaction.end`)."""
         if self.scratch is not None:
             self.fb.give_spare(self.scratch)
@@ -758,12 +881,12 @@ class GroupTransaction(Transaction):
         f = self.entry
         if f is not None:
             if self.committed:
-                self._scatter()
-            else:
-                for a in (f.worker, f.owner):
+                self._install()
+            elif self.fused is None:
+                for a in (f._worker, f._owner):
                     if a is not None:
                         self.fb.give_spare(a)
-                f.worker = f.owner = None
+            f._worker = f._owner = None
             self.committed = False
         if self.held:
             if defer:

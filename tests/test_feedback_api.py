@@ -6,6 +6,7 @@ import ast
 import os
 
 import numpy as np
+import pytest
 
 import mpigc
 from mpigc import feedback
@@ -81,4 +82,30 @@ def test_the_api_writes_what_callers_wrote():
     assert txn.calls() == 1
     txn.end()
     s = fb.state_dict()["t"]
-    assert s["calls"] == 1 and s["worker"].tolist() == [1] * 4 and s["owner"].tolist() == [2] * 4
+    assert s["calls"] == 1
+    assert s["worker"].tolist() == [1] * 4 and s["owner"].tolist() == [2] * 4
+
+
+@pytest.mark.parametrize("field", ["worker", "owner"])
+def test_a_fused_member_is_its_own_once_read(field):
+    """A member of fused residuals: reading or writing either residual moves
+    every member's out of the fused arrays, once."""
+    fb = mpigc.ErrorFeedback()
+    place = ([(0, 0, 2, 0), (1, 0, 1, 2)], (0, 2), 1)
+    own = ([(0, 0, 2, 0), (1, 0, 1, 2)], (0, 2), 1)
+    txn = fb.begin_group(["p", "q"], [2, 1], place, own, 3, np.float32, 1, 0)
+    txn.take_scratch()[:] = [1, 2, 3]
+    txn.commit({"type": "2bit"})
+    txn.set_owner(np.array([4, 5, 6], np.float32))
+    txn.end()
+    p, q = fb.entry("p"), fb.entry("q")
+    assert p.fused is not None and p.fused is q.fused
+    assert p._worker is None and q._owner is None  # only the fused arrays hold them
+    got = getattr(q, field)
+    assert got.tolist() == ([3] if field == "worker" else [6])
+    assert p.fused is None and q.fused is None
+    assert p.worker.tolist() == [1, 2] and p.owner.tolist() == [4, 5]
+    again = fb.begin_group(["p", "q"], [2, 1], place, own, 3, np.float32, 1, 0)
+    assert again.entry.worker.tolist() == [1, 2, 3]  # gathered anew
+    again.end()
+    assert p.worker.tolist() == [1, 2]  # a call that did not commit changed nothing

@@ -12,6 +12,7 @@ import warnings
 
 import numpy as np
 
+from ._backend import host_view
 from .compressors import get_compressor
 
 __all__ = ["ThresholdWatch", "observe_allreduce"]
@@ -80,8 +81,9 @@ def _signature(op, params, key):
 def observe_allreduce(buf, op, params, key, stacklevel=2):
     """After a blocking :func:`mpigc.allreduce` of ``buf`` (an array or a
     grouped call's list) with ``op``/``params`` under ``key``: observe its
-    results, once per rank per key. Host arrays only (a device array is not
-    counted: that would read it back)."""
+    results, once per rank per key. Host arrays only, numpy's and the other
+    CPU arrays the call takes (a device array is not counted: that would read
+    it back)."""
     sig = _signature(op, params, key)
     if sig is None:
         return
@@ -99,8 +101,8 @@ def observe_allreduce(buf, op, params, key, stacklevel=2):
         _WATCHES[sig] = watch
         if watch is None:
             return
-    arrays = buf if isinstance(buf, (list, tuple)) else [buf]
-    if not all(isinstance(a, np.ndarray) for a in arrays):
+    arrays = [_host(a) for a in (buf if isinstance(buf, (list, tuple)) else [buf])]
+    if any(a is None for a in arrays):
         watch.active = False
         _WATCHES[sig] = None
         return
@@ -109,6 +111,20 @@ def observe_allreduce(buf, op, params, key, stacklevel=2):
     watch.observe_counts(nonzero, total, stacklevel=stacklevel + 1)
     if not watch.active:
         _WATCHES[sig] = None
+
+
+def _host(a):
+    """``a`` as a numpy array over its memory (a CPU array the call took: a
+    torch CPU tensor, a buffer, ...), or None for a device array (counting it
+    would read it back)."""
+    if isinstance(a, np.ndarray):
+        return a
+    if hasattr(a, "__cuda_array_interface__"):
+        return None
+    try:
+        return host_view(a, "allreduce")
+    except Exception:  # noqa: BLE001 (not a CPU array: nothing to count)
+        return None
 
 
 def _label(buf, key):

@@ -92,3 +92,19 @@ def test_config_change_hint_names_the_old_default_and_the_fix():
     assert config_change_hint(old, old) == ""
     assert config_change_hint({"id": "1bit"}, mpigc.get_compressor("2bit").get_config()) == ""
     assert config_change_hint({"id": "nope"}, old) == ""
+
+
+def test_the_watch_counts_other_cpu_arrays():
+    """A torch CPU tensor (or any CPU array the call takes) is watched as a
+    numpy array is."""
+    torch = pytest.importorskip("torch")
+    fb = mpigc.ErrorFeedback()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        for step in range(8):
+            t = torch.from_numpy(_grad(step))
+            assert mpigc.allreduce(t, op="2bit", threshold=0.5, key="t", feedback=fb) is t
+            m = memoryview(bytearray(_grad(step).tobytes())).cast("f")
+            mpigc.allreduce(m, op="2bit", threshold=0.5, key="m", feedback=fb)
+    got = [str(m.message) for m in w if "absolute threshold" in str(m.message)]
+    assert len(got) == 2 and "key 't'" in got[0] and "key 'm'" in got[1], got

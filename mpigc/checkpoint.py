@@ -51,7 +51,7 @@ from mpi4py import MPI
 from . import _comm, _hierarchy, _jitcache
 from ._errors import ConfigError, MismatchError, MpigcError, StateError
 from ._version import __version__
-from .compressors import get_compressor
+from .compressors import config_change_hint, get_compressor
 from .feedback import ErrorFeedback, get_default_feedback, new_entry, shard_bounds
 
 __all__ = ["save_checkpoint", "load_checkpoint", "CheckpointError", "FORMAT_VERSION"]
@@ -970,6 +970,13 @@ def _normal_config(cfg):
     return get_compressor(dict(cfg) if isinstance(cfg, dict) else cfg).get_config()
 
 
+def _hint(saved, used):
+    """``" (" + what to do + ")"`` where residuals saved under config ``saved``
+    meet ``used`` because ``"2bit"`` changed meaning, else ``""``."""
+    text = config_change_hint(saved, used)
+    return f" ({text})" if text else ""
+
+
 def _mismatches(meta, fb, configs):
     """``{key: reason}`` for the checkpoint's keys that do not fit what is in
     use: ``configs[key]`` if given, else the store's live entries of the key.
@@ -999,14 +1006,15 @@ def _mismatches(meta, fb, configs):
         if want is not None:
             if want != saved:
                 out[key] = f"saved {json.dumps(saved, sort_keys=True)}, configs= gives " \
-                           f"{json.dumps(want, sort_keys=True)}"
+                           f"{json.dumps(want, sort_keys=True)}" + _hint(saved, want)
             continue
         for ln, ld, lc in live.get(base, ()):
             if (ln, ld) != (n, dname):
                 out[key] = f"saved {n} values of {dname}, in use {ln} values of {ld}"
             elif _normal_config(lc) != saved:
                 out[key] = f"saved {json.dumps(saved, sort_keys=True)}, in use " \
-                           f"{json.dumps(_normal_config(lc), sort_keys=True)}"
+                           f"{json.dumps(_normal_config(lc), sort_keys=True)}" \
+                           + _hint(saved, _normal_config(lc))
             if key in out:
                 break
     return out

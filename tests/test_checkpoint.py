@@ -508,3 +508,25 @@ def test_cli_info_json(saved, tmp_path):
     doc = json.loads(p.stdout)
     assert p.returncode == 1 and not doc["valid"] and "not an mpigc checkpoint" in doc["errors"][0]
     assert doc["checkpoints_inside"] == [os.path.relpath(path, tmp_path)]
+
+
+def test_residuals_of_the_old_2bit_default_name_the_fix(tmp_path):
+    """Residuals saved when op="2bit" meant MXNet's threshold 0.5, loaded where
+    "2bit" is the relative mode: the mismatch says why and what to pass
+    (threshold=0.5), by configs= and against a key in use."""
+    old = mpigc.ErrorFeedback()
+    mpigc.allreduce(np.ones(64, np.float32) * 0.3, "2bit", key="w", threshold=0.5,
+                    feedback=old, comm=SELF)
+    mpigc.save_checkpoint(tmp_path / "c", old, comm=SELF)
+    with pytest.raises(mpigc.MismatchError, match=r"configs= gives .*threshold=0\.5"):
+        mpigc.load_checkpoint(tmp_path / "c", feedback=mpigc.ErrorFeedback(), comm=SELF,
+                              configs={"w": "2bit"})
+    live = mpigc.ErrorFeedback()
+    mpigc.allreduce(np.ones(64, np.float32), "2bit", key="w", feedback=live, comm=SELF)
+    with pytest.raises(mpigc.MismatchError, match=r"in use .*pass threshold=0\.5"):
+        mpigc.load_checkpoint(tmp_path / "c", feedback=live, comm=SELF)
+    # another change of config gets no such hint
+    with pytest.raises(mpigc.MismatchError) as ei:
+        mpigc.load_checkpoint(tmp_path / "c", feedback=mpigc.ErrorFeedback(), comm=SELF,
+                              configs={"w": "1bit"})
+    assert "threshold=0.5 to continue" not in str(ei.value)

@@ -509,7 +509,10 @@ class TwoBit(Compressor):
       ``rel_threshold=1.5``, :data:`DEFAULT_REL_THRESHOLD`; an mpigc
       extension): each block of ``block_size`` elements (default 1024, a
       multiple of 4) has its own selection threshold ``t_b = float32(c *
-      rms(block))``; the selected elements decode to ``+-r_b``, their mean
+      rms(block))``; a block where no element reaches it (values of about
+      the same magnitude: then ``max|v| < c * rms`` for c > 1) selects with
+      ``max|v| / max(c, 1)`` instead, so its largest elements are always sent
+      and no block starves. The selected elements decode to ``+-r_b``, their mean
       magnitude ``r_b = float32(sum |v| / count)`` (0 if none), not to
       ``+-t_b``: the codes are followed by one little-endian float32 ``r_b``
       per block (1.6% more bytes at 1024); ``t_b`` is not sent. Scale-free:
@@ -517,7 +520,10 @@ class TwoBit(Compressor):
       numpy MLP of ``examples/mlp_numpy.py``: docs/user-guide.md, "Which
       compressor"). Decoding to ``t_b`` lost 10 points of accuracy in
       ``examples/train_torch.py``; the mean matches ``none`` there
-      (docs/torch.md).
+      (docs/torch.md). The compressor is contractive in every block,
+      ``||v - C(v)||^2 = ||v||^2 - count * r_b^2 <= (1 - 1 / (B * max(c,
+      1/c)^2)) ||v||^2``, so error-feedback residuals stay bounded
+      (docs/error-feedback.md).
     - absolute (``threshold=t``, MXNet's): one threshold for every element,
       values beyond ``+-t`` send ``+-t``; the payload is the codes alone,
       bit-compatible with MXNet (whose default is ``t = 0.5``: give

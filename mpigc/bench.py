@@ -423,10 +423,12 @@ def build_parser():
     p.add_argument("--scale", type=float, default=1.0,
                    help="standard deviation of the synthetic per-rank input (default 1)")
     thr = p.add_mutually_exclusive_group()
-    thr.add_argument("--threshold", type=float, help="2bit threshold (default mpigc's, 0.5)")
+    thr.add_argument("--threshold", type=float,
+                     help="2bit in MXNet's absolute mode at this threshold (MXNet's "
+                          "default is 0.5); without it, 2bit is the relative mode")
     thr.add_argument("--rel-threshold", type=float, metavar="C",
                      help="2bit in its relative mode: values with |v| >= C x the RMS of "
-                          "their block send +- the block's mean |v| (e.g. 1.5)")
+                          "their block send +- the block's mean |v| (default 1.5)")
     p.add_argument("--block-size", type=int, help="1bit block size (default mpigc's)")
     p.add_argument("--json", metavar="PATH", help="write every row (and the machine) here")
     p.add_argument("--plot", metavar="PATH", help="write a PNG (needs matplotlib)")

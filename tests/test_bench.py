@@ -76,12 +76,12 @@ def test_bad_arguments_are_usage_errors(capsys, argv, message):
 
 def test_rel_threshold_and_no_progress_bar_off_a_terminal(capsys):
     """--rel-threshold runs 2bit's relative mode (its own wire size: 1/4 byte
-    per value plus a float32 per block); the progress bar stays off when
+    per value plus a float32 per block), --threshold MXNet's absolute mode; the progress bar stays off when
     stderr is not a terminal (here: captured), unless asked for."""
     args = ["--sizes", "64K", "--ops", "2bit", "--collectives", "reduce_scatter",
             "--iters", "1", "--min-iters", "1", "--warmup", "1"]
     rows = bench.run(bench.build_parser().parse_args(args + ["--rel-threshold", "1.5"]))
-    plain = bench.run(bench.build_parser().parse_args(args))
+    plain = bench.run(bench.build_parser().parse_args(args + ["--threshold", "0.5"]))
     err = capsys.readouterr().err
     assert "[#" not in err and "[-" not in err  # no bar: stderr is not a terminal
     rel = {r["op"]: r for r in rows}["2bit"]
@@ -105,9 +105,10 @@ def test_bench_under_mpirun(tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert {r["ranks"] for r in rows} == {2}
     by = {(r["op"], r["size_bytes"]): r for r in rows}
-    # wire bytes: none sends 2(N-1)/N = 1 buffer per rank; 2bit a sixteenth of it
+    # wire bytes: none sends 2(N-1)/N = 1 buffer per rank; 2bit (the relative mode)
+    # a sixteenth of it plus a float32 per block of 1024 values
     assert by[("none", 65536)]["wire_bytes"] == 65536
-    assert by[("2bit", 65536)]["compression_ratio"] == pytest.approx(16.0)
+    assert by[("2bit", 65536)]["compression_ratio"] == pytest.approx(65536 / (4096 + 64))
     assert by[("1bit", 65536)]["compression_ratio"] > 25
     assert by[("bf16", 65536)]["compression_ratio"] == pytest.approx(2.0)
     assert "speedup against none" in p.stdout
@@ -127,16 +128,16 @@ def test_small_message_fallback(monkeypatch):
     x = rng.standard_normal(256).astype(np.float32)  # 1 KiB
     fb = mpigc.ErrorFeedback()
     monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "4096")
-    y = mpigc.allreduce(x.copy(), op="2bit", key="small", feedback=fb)
+    y = mpigc.allreduce(x.copy(), op="2bit", threshold=0.5, key="small", feedback=fb)
     np.testing.assert_array_equal(y, x)  # one rank: the exact sum is x
     assert "small" not in fb.state_dict()
     monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "1024")
-    y = mpigc.allreduce(x.copy(), op="2bit", key="small", feedback=fb)
-    assert not np.array_equal(y, x)  # compressed: values are 0 or +-threshold
+    y = mpigc.allreduce(x.copy(), op="2bit", threshold=0.5, key="small", feedback=fb)
+    assert not np.array_equal(y, x)  # compressed (MXNet's mode): values are 0 or +-threshold
     assert set(np.unique(np.abs(y)).tolist()) <= {0.0, 0.5}
     monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "lots")
     with pytest.raises(mpigc.ConfigError):
-        mpigc.allreduce(x.copy(), op="2bit", key="small2", feedback=fb)
+        mpigc.allreduce(x.copy(), op="2bit", threshold=0.5, key="small2", feedback=fb)
 
 
 def test_latency_defaults_and_columns(capsys):

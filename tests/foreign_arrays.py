@@ -11,11 +11,14 @@ dtype, shape, strides and read-only from the interface only. Under the
 simulator the pointer is host memory (a simulated device array's numpy
 array), which ``mpigc._cuda.as_device`` maps back without a copy.
 """
+import array
 import types
 
 import numpy as np
+import pytest
 
-__all__ = ["TorchDtype", "TorchLikeTensor", "InterfaceOnly", "DLPackOnly", "OtherDevice"]
+__all__ = ["TorchDtype", "TorchLikeTensor", "InterfaceOnly", "DLPackOnly", "OtherDevice",
+           "CPU_KINDS"]
 
 
 class TorchDtype:
@@ -105,3 +108,41 @@ class OtherDevice(_Only):
 
     def __dlpack_device__(self):
         return (8, 0)
+
+
+# -- CPU arrays that are not numpy arrays (issue 45 item 3) -------------------
+# Each maker takes a numpy array g and returns (an object of its kind holding
+# a copy of g, a function giving a numpy view of that object's memory).
+def _torch(g):
+    torch = pytest.importorskip("torch")  # imported here: the GPU jobs need it not
+    t = torch.from_numpy(g.copy())
+    return t, t.numpy  # the tensor's memory, read through numpy
+
+
+def _memoryview(g):
+    if g.dtype == np.float16:  # memoryview.cast has no 'e': a numpy array's buffer
+        raw = g.copy()
+        return memoryview(raw), lambda: raw
+    raw = bytearray(g.tobytes())
+    return memoryview(raw).cast(g.dtype.char), lambda: np.frombuffer(raw, g.dtype)
+
+
+def _array(g):
+    if g.dtype.char not in "fd":
+        pytest.skip("array.array has no float16")
+    arr = array.array(g.dtype.char, g.tolist())
+    return arr, lambda: np.frombuffer(arr, g.dtype)
+
+
+def _interface(g):
+    a = g.copy()
+    return InterfaceOnly(a), lambda: a
+
+
+def _dlpack(g):
+    a = g.copy()
+    return DLPackOnly(a), lambda: a
+
+
+CPU_KINDS = {"torch": _torch, "memoryview": _memoryview, "array": _array,
+             "interface": _interface, "dlpack": _dlpack}

@@ -15,6 +15,7 @@ import pytest
 import mpigc
 from mpigc import _dispatch
 from mpigc import _backend
+from foreign_arrays import CPU_KINDS as KINDS
 from foreign_arrays import DLPackOnly, InterfaceOnly, OtherDevice, TorchLikeTensor
 
 try:
@@ -33,40 +34,6 @@ def always_compress(monkeypatch):
     monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "0")
 
 
-def _torch(g):
-    if torch is None:
-        pytest.skip("torch is not installed")
-    t = torch.from_numpy(g.copy())
-    return t, t.numpy  # the tensor's memory, read through numpy
-
-
-def _memoryview(g):
-    if g.dtype == np.float16:  # memoryview.cast has no 'e': a numpy array's buffer
-        raw = g.copy()
-        return memoryview(raw), lambda: raw
-    raw = bytearray(g.tobytes())
-    return memoryview(raw).cast(g.dtype.char), lambda: np.frombuffer(raw, g.dtype)
-
-
-def _array(g):
-    if g.dtype.char not in "fd":
-        pytest.skip("array.array has no float16")
-    arr = array.array(g.dtype.char, g.tolist())
-    return arr, lambda: np.frombuffer(arr, g.dtype)
-
-
-def _interface(g):
-    a = g.copy()
-    return InterfaceOnly(a), lambda: a
-
-
-def _dlpack(g):
-    a = g.copy()
-    return DLPackOnly(a), lambda: a
-
-
-KINDS = {"torch": _torch, "memoryview": _memoryview, "array": _array,
-         "interface": _interface, "dlpack": _dlpack}
 
 
 def _grad(n, dtype, seed):

@@ -6,7 +6,6 @@ ranks may hold different kinds (numpy on one, a tensor on another); a
 read-only one on one rank fails on every rank with the error a read-only
 numpy array gives. The single-process cases are in
 ``tests/test_cpu_buffers.py``."""
-import array
 import os
 import sys
 
@@ -18,6 +17,7 @@ import mpigc
 from conftest import assert_all, grads, raises_everywhere
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
+from foreign_arrays import CPU_KINDS as KINDS  # noqa: E402
 from foreign_arrays import DLPackOnly, InterfaceOnly  # noqa: E402
 
 try:
@@ -35,33 +35,6 @@ OP_IDS = ["none", "2bit-abs", "2bit-rel", "1bit", "fp16"]
 WORLD = MPI.COMM_WORLD
 
 
-def _torch(g):
-    t = torch.from_numpy(g.copy())
-    return t, t.numpy
-
-
-def _memoryview(g):
-    raw = bytearray(g.tobytes())
-    return memoryview(raw).cast(g.dtype.char), lambda: np.frombuffer(raw, g.dtype)
-
-
-def _array(g):
-    arr = array.array(g.dtype.char, g.tolist())
-    return arr, lambda: np.frombuffer(arr, g.dtype)
-
-
-def _interface(g):
-    a = g.copy()
-    return InterfaceOnly(a), lambda: a
-
-
-def _dlpack(g):
-    a = g.copy()
-    return DLPackOnly(a), lambda: a
-
-
-KINDS = {"torch": _torch, "memoryview": _memoryview, "array": _array,
-         "interface": _interface, "dlpack": _dlpack}
 
 
 @pytest.fixture(params=sorted(KINDS))

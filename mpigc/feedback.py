@@ -642,7 +642,7 @@ class Transaction:
     a call that does not go ahead leaves the old one; ``entry`` is the key's
     entry (None before a first call's commit)."""
 
-    __slots__ = ("fb", "key", "entry", "scratch", "held", "deferred", "_shape")
+    __slots__ = ("fb", "key", "entry", "scratch", "held", "deferred", "_shape", "keep")
 
     def __init__(self, fb, key, n, dtype, world_size, rank, device):
         self.entry = fb.acquire(key, n, dtype, world_size, rank, device)
@@ -651,6 +651,7 @@ class Transaction:
         self.scratch = None
         self.held = True
         self.deferred = False
+        self.keep = False  # the caller keeps the arrays the call replaces (commit)
 
     def worker(self):
         """The worker residual before the call (None: none yet)."""
@@ -670,6 +671,7 @@ class Transaction:
         n, dtype, size, rank, device = self._shape
         e = self.entry = self.fb.commit(self.key, self.entry, n, dtype, size, rank, config,
                                         device)
+        self.keep = keep_replaced
         if self.scratch is not None:
             old, e.worker = e.worker, self.scratch
             self.scratch = None
@@ -693,12 +695,15 @@ class Transaction:
             self.entry.calls += 1
 
     def ensure_worker(self, make):
-        """The worker residual of the committed call's entry, to update in
-        place (terngrad, whose residual is written once the scale is
-        agreed): ``make()``, an array of the entry's size whose values the
-        call writes whole, installed first when the entry has none."""
+        """The array the committed call writes its new worker residual to
+        (terngrad, whose residual is written once the scale is agreed, after
+        the commit): the entry's, updated in place, or ``make()``, an array
+        of the entry's size whose values the call writes whole, installed
+        first when the entry has none or when the call keeps the arrays it
+        replaces (``keep_replaced``: a hierarchical call may put the old one
+        back, :meth:`ErrorFeedback.rollback`, so it must not be written)."""
         e = self.entry
-        if e.worker is None:
+        if e.worker is None or self.keep:
             e.worker = make()
         return e.worker
 
@@ -778,6 +783,7 @@ class GroupTransaction(Transaction):
         n = sum(sizes)
         self._shape = (n, np.dtype(dtype), world_size, rank, bool(device))
         self.scratch = None
+        self.keep = False
         self.held, self.deferred, self.committed = True, False, False
         self.entry = None
         fused = self.fused = fb._fused.get(tuple(keys))

@@ -19,7 +19,8 @@ from ._common import (HOOK_STALE, HOOK_STEP, NP_OF_TORCH, Rendezvous, ThresholdW
                       torch_after_engine, torch_compressor, torch_nonfinite, wait_request,
                       warn_if_uncompressed)
 from ._record import gather_record
-from ._state import (Layout, agree_hierarchy, bucket_assignment, entries_for_layouts,
+from ._buckets import Layout, own_dtype, plan_buckets
+from ._state import (agree_hierarchy, entries_for_layouts,
                      flat_to_hier, hier_to_flat, incoming_state, residual_keys, restore_keys,
                      snapshot_keys, state_from_layouts, store_state)
 
@@ -123,7 +124,9 @@ class CommHookState:
     parameters. So the result does not depend on DDP's bucketing, which
     differs between a job's first step and the later ones, and a resumed
     run continues bit for bit; with the same bucket size it is
-    :class:`GradientSync`'s bit for bit.
+    :class:`GradientSync`'s bit for bit for float32 and float64 parameters
+    (float16 ones are grouped apart, in their own dtype as DDP's buckets,
+    where GradientSync reduces them in float32 buckets with the others).
 
     :meth:`state_dict` is per parameter name, in
     :meth:`GradientSync.state_dict`'s format: a checkpoint of either loads
@@ -286,15 +289,15 @@ class CommHookState:
 
     @staticmethod
     def _make_groups(named, bucket_mb):
-        """GradientSync's buckets of ``bucket_mb`` MiB, each in the dtype of
-        its parameters (as DDP's buckets): ``(layouts, torch dtypes)``."""
-        sizes = [(p.numel() * p.element_size(), p.dtype) for _, p in named]
+        """The one bucketing (:mod:`mpigc.torch._buckets`) of ``bucket_mb``
+        MiB, each group in the dtype of its parameters (as DDP's buckets):
+        ``(layouts, torch dtypes)``."""
         groups, dtypes = [], []
-        for k, members in enumerate(bucket_assignment(sizes, bucket_mb * (1 << 20))):
-            dtypes.append(named[members[0]][1].dtype)
+        for k, (members, dt) in enumerate(plan_buckets(named, bucket_mb, own_dtype)):
+            dtypes.append(dt)
             groups.append(Layout(k, [named[i][0] for i in members],
                                  [named[i][1].numel() for i in members],
-                                 NP_OF_TORCH.get(dtypes[-1], np.float32)))
+                                 NP_OF_TORCH.get(dt, np.float32)))
         return groups, dtypes
 
     def _reset_step(self):

@@ -1,9 +1,6 @@
 """Residual state of bucketed gradients, per parameter: snapshots of a
 bucket's residuals, the per-parameter state of a set of bucket layouts and its
 conversions (across bucketings, world sizes and hierarchical slices)."""
-import hashlib
-import json
-
 import numpy as np
 
 from .. import _hierarchy
@@ -28,42 +25,6 @@ def restore_keys(fb, snaps):
     then are forgotten)."""
     for k, snap in snaps.items():
         restore(fb, k, snap)
-
-
-class Layout:
-    """Where parameters sit in one flat buffer (a bucket of GradientSync or
-    of DDP): ``index``, ``key``, ``names``, ``offsets``, ``numels``, ``n``,
-    ``dtype`` (numpy)."""
-
-    def __init__(self, index, names, numels, dtype):
-        self.index = index
-        self.names = list(names)
-        self.numels = [int(m) for m in numels]
-        self.offsets = np.concatenate([[0], np.cumsum(self.numels)])[:-1].astype(int).tolist()
-        self.n = int(sum(self.numels))
-        self.dtype = np.dtype(dtype)
-        desc = json.dumps([[n, m] for n, m in zip(self.names, self.numels)]).encode()
-        digest = hashlib.sha1(desc).hexdigest()[:12]
-        self.key = f"torch/{self.names[0]}..{self.names[-1]}/{digest}"
-
-
-def bucket_assignment(sizes, cap):
-    """GradientSync's bucketing of parameters, by index: ``sizes`` holds
-    ``(nbytes, dtype)`` per parameter in registration order. Filled in the
-    reverse of that order (roughly backward's), one dtype per bucket, a
-    bucket closed once it holds ``cap`` bytes or more; the buckets come in
-    backward order (by their first index, descending). Depends on the sizes
-    and ``cap`` alone, so it is the same on every rank and in every run."""
-    groups, filling, held = [], {}, {}
-    for i in range(len(sizes) - 1, -1, -1):
-        nbytes, dt = sizes[i]
-        filling.setdefault(dt, []).append(i)
-        held[dt] = held.get(dt, 0) + nbytes
-        if held[dt] >= cap:
-            groups.append(filling.pop(dt))
-            held[dt] = 0
-    groups.extend(g for g in filling.values() if g)
-    return sorted(groups, key=lambda g: -g[0])
 
 
 def _uses_owner(gather, config):

@@ -20,7 +20,8 @@ from ._common import (BUCKET_DTYPES, JOIN, STEP, Rendezvous, ThresholdWatch, agr
                       wait_request, warn_if_uncompressed)
 from ._launch import broadcast_parameters
 from ._record import gather_record
-from ._state import (Layout, agree_hierarchy, entries_for_layouts, flat_to_hier,
+from ._buckets import Layout, accumulating_dtype, plan_buckets
+from ._state import (agree_hierarchy, entries_for_layouts, flat_to_hier,
                      incoming_state, residual_keys, restore_keys, snapshot_keys,
                      state_from_layouts, store_state)
 
@@ -295,32 +296,20 @@ class GradientSync:
 
     # -- construction ----------------------------------------------------------
     def _make_buckets(self, named, bucket_mb):
-        # reverse registration order: roughly the order in which backward
-        # produces the gradients (DDP does the same); one dtype per bucket
-        cap = bucket_mb * (1 << 20)
-        open_, nbytes, done = {}, {}, []
-        for i in reversed(range(len(named))):
-            name, p = named[i]
-            dt = BUCKET_DTYPES[p.dtype]
-            cur = open_.setdefault(dt, [])
-            cur.append((name, i, p))
-            nbytes[dt] = nbytes.get(dt, 0) + p.numel() * np.dtype(dt).itemsize
-            if nbytes[dt] >= cap:
-                done.append((cur[0][1], dt, cur))
-                open_[dt], nbytes[dt] = [], 0
-        done += [(cur[0][1], dt, cur) for dt, cur in open_.items() if cur]
-        done.sort(key=lambda t: -t[0])  # by first parameter, in backward order
-        # where each bucket lives is this rank's choice (the layout above is
-        # the same on every rank whatever the devices): on the GPU that holds
-        # all its parameters, else in host memory
+        # the one bucketing (float16/bfloat16 gradients in float32 buckets);
+        # where each bucket lives is this rank's choice (the layout is the
+        # same on every rank whatever the devices): on the GPU that holds all
+        # its parameters, else in host memory
         buckets = []
-        for k, (_, dt, entries) in enumerate(done):
+        for k, (members, dt) in enumerate(plan_buckets(named, bucket_mb, accumulating_dtype)):
+            entries = [(named[i][0], i, named[i][1]) for i in members]
             devices = {p.device for _, _, p in entries}
             dev = next(iter(devices)) if len(devices) == 1 else None
             on_gpu = dev is not None and dev.type == "cuda" and self.device_buckets
             pin = (not on_gpu and torch.cuda.is_available()
                    and any(p.is_cuda for _, _, p in entries))
-            buckets.append(Bucket(k, entries, dt, dev if on_gpu else None, pin))
+            buckets.append(Bucket(k, entries, np.float64 if dt == torch.float64 else np.float32,
+                                  dev if on_gpu else None, pin))
         return buckets
 
     def _make_hook(self, i):

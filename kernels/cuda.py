@@ -75,7 +75,7 @@ Bit-identity with the CPU kernels
   and sum of squares are summed in a different order (per thread, then a
   tree per CUDA block, then the blocks by a tree), deterministic
   for a given device, but the grid depends on its SM count (132 on H100
-  SXM and H200, 114 on H100 PCIe, fewer under MIG): ``tests/device_order.py``
+  SXM and H200, 114 on H100 PCIe, fewer under MIG): ``tests/support/device_order.py``
   computes the device's bits on a host for any SM count. TernGrad with
   ``clip`` derives its clip bound from them, so in rare last-bit cases the
   bound (and then a code) can differ from the CPU's, and between GPU

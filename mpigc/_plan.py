@@ -4,7 +4,7 @@ layout of the call's data.
 Everything here is a pure function of a call's arguments and of the rows its
 ranks exchanged; nothing sends, receives or waits. The engine
 (``mpigc._collective``) carries the plan out, and the tests hold these
-functions to ``tests/reference.py`` without ``mpirun`` (``tests/test_plan.py``).
+functions to ``tests/support/reference.py`` without ``mpirun`` (``tests/test_plan.py``).
 
 The agreement row
     Each rank of a call sends every peer one row of ``NCOLS`` int64 before any

@@ -12,9 +12,9 @@ import mpigc
 from mpigc import compressors as C
 
 try:
-    from . import reference as ref
+    from .support import reference as ref
 except ImportError:
-    import reference as ref
+    from support import reference as ref
 
 GOLDEN = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "golden.json")
 IDS = ["1bit", "2bit", "bf16", "fp16", "none", "terngrad"]

@@ -1,7 +1,7 @@
 """CPU arrays that are not numpy arrays in the core API (issue 45 item 3):
 torch CPU tensors, the buffer protocol (``memoryview``, ``array.array``),
 objects with only ``__array_interface__`` and objects with only DLPack
-(``tests/foreign_arrays.py``) are reduced in place, as numpy arrays are, to
+(``tests/support/foreign_arrays.py``) are reduced in place, as numpy arrays are, to
 the same bits and the same residuals; the call returns the caller's object.
 Read-only, non-contiguous and unsupported ones get what numpy arrays get;
 what numpy cannot view gets a clear error. Device arrays still take the
@@ -15,8 +15,8 @@ import pytest
 import mpigc
 from mpigc import _dispatch
 from mpigc import _backend
-from foreign_arrays import CPU_KINDS as KINDS
-from foreign_arrays import DLPackOnly, InterfaceOnly, OtherDevice, TorchLikeTensor
+from support.foreign_arrays import CPU_KINDS as KINDS
+from support.foreign_arrays import DLPackOnly, InterfaceOnly, OtherDevice, TorchLikeTensor
 
 try:
     import torch

@@ -1,12 +1,12 @@
 """CUDA kernels (``mpigc.kernels.cuda``) against the CPU kernels, bit for bit,
 in Numba's CUDA simulator, every launch under the launch contract of
-``tests/launch_contract.py`` (only what a real launch accepts); plus checks
+``tests/support/launch_contract.py`` (only what a real launch accepts); plus checks
 that need no GPU either: importing the CUDA module touches no driver, the
 contract fails on planted defects, every kernel compiles to PTX for sm_90
 with the argument types it is launched with, and ptxas makes of that PTX
 what the bit-identity needs (no contraction, no spills, at most 64
 registers); the CUDA kernels are cached on disk; the summation order of the
-device statistics follows a numpy model (``tests/device_order.py``).
+device statistics follows a numpy model (``tests/support/device_order.py``).
 
 GPU semantics in the simulator
 ------------------------------
@@ -37,7 +37,7 @@ costs its 64 thread starts per block whatever the size below 64 (20-40 ms of
 CPU), so the time of a group is its number of launches; the launching thread
 yields while it waits for a block's threads (:func:`yield_while_polling`).
 Every subprocess run of the module starts in the background when its first
-test runs, two at a time, the longest first (tests/background.py).
+test runs, two at a time, the longest first (tests/support/background.py).
 """
 import importlib.util
 import os
@@ -46,7 +46,7 @@ import sys
 
 import pytest
 
-import background
+from support import background
 
 HERE = os.path.abspath(__file__)
 
@@ -117,7 +117,7 @@ def _argv(args):
 @pytest.fixture(scope="module", autouse=True)
 def runs(request, tmp_path_factory):
     """Every subprocess run of the selected tests of this module, started side
-    by side in the background (tests/background.py) when the module's first
+    by side in the background (tests/support/background.py) when the module's first
     test runs: the simulator groups, the import and contract checks, the
     planted PTX, and the signature recording of the PTX test with the PTX
     compile after it in the same slot. The tests that work in this process
@@ -168,7 +168,7 @@ def test_no_early_return_in_warp_kernels():
     AST check, ``launch_contract.early_returns``); the check finds one
     planted into the 2bit pack kernel and into the 1bit kernel's device
     function chain (``_warp_sum_i``)."""
-    import launch_contract
+    from support import launch_contract
     src = _warp_source()
     assert launch_contract.early_returns(src) == []
     planted = src.replace("    nv = (n + 3) // 4 * 4\n    neg_t = -t\n",
@@ -244,7 +244,7 @@ def test_cuda_kernels_cached_on_disk(tmp_path):
 
 def test_device_stats_order_depends_on_sm_count():
     """The numpy model of the device's summation order
-    (``tests/device_order.py``; bit for bit the simulator's, group
+    (``tests/support/device_order.py``; bit for bit the simulator's, group
     ``stats_order``): for the same 2**20 float64 values, the sum on 132 SMs
     (H100 SXM, H200) and on 114 (H100 PCIe) differ in their last bits, and
     both differ from the CPU's; the maximum and the non-finite count are the
@@ -252,7 +252,7 @@ def test_device_stats_order_depends_on_sm_count():
     rare last-bit cases, as docs/gpu.md says."""
     import numpy as np
 
-    import device_order
+    from support import device_order
     x = np.random.default_rng(0).standard_normal((1 << 20) + 3)
     sxm = device_order.stats_model(x, max_blocks=132 * device_order.BLOCKS_PER_SM)
     pcie = device_order.stats_model(x, max_blocks=114 * device_order.BLOCKS_PER_SM)
@@ -271,7 +271,7 @@ def test_import_creates_no_cuda_context(runs):
 
 def test_launch_contract_catches_planted_defects(runs):
     """The launch contract that every simulator test runs under (see
-    ``tests/launch_contract.py``) fails on defects planted into real launches
+    ``tests/support/launch_contract.py``) fails on defects planted into real launches
     of the module: a ``None`` residual, a host array, a uint16 view at an odd
     address, more than 65535 shards in one launch, a block of 48 threads, a
     launch on Numba's stream 0."""
@@ -802,7 +802,7 @@ def _check_block_sizes(np, cuda, cpu, kc):
     """A 1bit block that is not a positive multiple of 8, or a relative 2bit
     block not one of 4, is a ConfigError on both sides, raised before any
     launch (on a GPU two warps would write one byte: timing-dependent bits)."""
-    import launch_contract
+    from support import launch_contract
 
     import mpigc
     n = 40
@@ -925,7 +925,7 @@ def _check_shard_chunks(np, cuda, cpu, kc, cases):
     """More shards than one launch's ``gridDim.y`` takes (65535 on a GPU;
     ``MAX_GRID_Y`` lowered to 2 here, so the 5 shards of SHARDS take 3
     launches): the same bytes as the CPU, one launch per 2 shards."""
-    import launch_contract
+    from support import launch_contract
     old = kc.MAX_GRID_Y
     kc.MAX_GRID_Y = 2
     try:
@@ -1019,7 +1019,7 @@ def check_contract():
     """The launch contract fails on defects planted into real launches: the
     old absent residual (``None`` as the kernel argument) and a host array."""
     np, cuda, cpu, kc = _ctx()
-    from launch_contract import LaunchContractError
+    from support.launch_contract import LaunchContractError
     x = cuda.to_device(np.ones(16, np.float32))
     out = cuda.to_device(np.zeros(4, np.uint8))
     assert kc.pack_2bit(x, None, None, out, 0.5) == 0  # the real path passes
@@ -1177,7 +1177,7 @@ def check_signatures(path):
     """Record the argument types of every launch (engine and kernel module,
     under the launch contract) into ``path`` for :func:`check_ptx`."""
     np, cuda, cpu, kc = _ctx()
-    import launch_contract
+    from support import launch_contract
     _engine_launches(np, cuda)
     _kernel_launches(np, cuda, kc)
     launch_contract.dump(path)
@@ -1220,7 +1220,7 @@ def check_gpu_semantics():
     kernel that clips with ``min(max(v, -c), c)`` (terngrad before issue 29:
     a NaN became -c, then code 10, -scale, where the CPU gives 00)."""
     np, cuda, cpu, kc = _ctx()
-    from simulator_fix import gpu_float_minmax
+    from support.simulator_fix import gpu_float_minmax
     restore = gpu_float_minmax(kc)
     try:
         _nonfinite_kernels(np, cuda, cpu, kc)
@@ -1314,10 +1314,10 @@ def _nonfinite_engine(np, cuda):
 def check_stats_order():
     """``kernels.cuda.stats`` in the simulator, at grid caps of 1, 2, 3 and 5
     blocks (what the SM count sets on a GPU) and 64 threads, equals the
-    numpy model of ``tests/device_order.py`` bit for bit: sum and sum of
+    numpy model of ``tests/support/device_order.py`` bit for bit: sum and sum of
     squares (whose order depends on the cap), maximum and non-finite count."""
     np, cuda, cpu, kc = _ctx()
-    import device_order
+    from support import device_order
     cap = kc._max_blocks
     try:
         for blocks in (1, 2, 3, 5):
@@ -1458,7 +1458,7 @@ def check_ptx(path):
     _device_cc_90()
     from numba import cuda
 
-    import launch_contract
+    from support import launch_contract
     from mpigc.kernels import cuda as kc
     sigs = launch_contract.load(path)
     missing = _module_kernels(kc) - set(sigs)
@@ -1619,7 +1619,7 @@ def check_cache(path):
     import time
     _numba_cuda_version()
     _no_gpu_compile()
-    import launch_contract
+    from support import launch_contract
     from mpigc.kernels import cuda as kc
     assert kc._CACHE, "the CUDA kernels are not cached (MPIGC_CACHE_DIR=off?)"
     sigs = launch_contract.load(path)
@@ -1706,12 +1706,12 @@ def yield_while_polling():
 
 def _main(group, *args):
     if group not in _NO_SIMULATOR:
-        from simulator_fix import fix_simulator_shared_arrays, gpu_float_minmax
+        from support.simulator_fix import fix_simulator_shared_arrays, gpu_float_minmax
         fix_simulator_shared_arrays()
         if not yield_while_polling():
             print("note: numba-cuda's simulator BlockManager.run is not the one "
                   "yield_while_polling copies: left as it is (slower, the same checks)")
-        import launch_contract
+        from support import launch_contract
         from mpigc.kernels import cuda as kc
         launch_contract.install(kc)  # every simulated launch is checked
         if os.environ.get("MPIGC_SIM_GPU_SEMANTICS", "0").strip() not in ("", "0"):

@@ -46,7 +46,7 @@ rest of its line)::
 How it runs
 -----------
 The blocks of one doc that run the same way (plain ``python``, or ``mpirun -n K``)
-run in one launch of ``tests/docs_harness.py``, one after another, each as a script
+run in one launch of ``tests/support/docs_harness.py``, one after another, each as a script
 of its own (fresh namespace, fresh working directory, mpigc's process-wide residual
 store and traffic counters reset in between). A launch starts when the first test of
 its blocks runs, under a timeout (``$MPIGC_DOCS_TIMEOUT`` seconds, default 300). The
@@ -76,7 +76,7 @@ import time
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HARNESS = os.path.join(ROOT, "tests", "docs_harness.py")
+HARNESS = os.path.join(ROOT, "tests", "support", "docs_harness.py")
 DOCS = ["README.md"] + sorted(os.path.relpath(p, ROOT)
                               for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 

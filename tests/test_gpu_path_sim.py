@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-import background
+from support import background
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SCRIPT = os.path.join(HERE, "mpi", "test_gpu_path_mpi.py")
@@ -53,7 +53,7 @@ def _mpirun():
 _SIM_RANKS = [int(k) for k in os.environ.get("MPIGC_SIM_RANKS", "1 3").split()]
 
 
-_RUNS = background.Runs()  # the groups run side by side (tests/background.py)
+_RUNS = background.Runs()  # the groups run side by side (tests/support/background.py)
 
 
 @pytest.mark.parametrize("ranks", _SIM_RANKS)
@@ -157,7 +157,7 @@ def test_device_call_costs_do_not_grow_with_shards(ranks):
     small device-to-host reads at 3 ranks (3 shards, 3 senders) as on one
     rank, and for absolute ``2bit`` exactly 2 pack and 2 decode launches and 2 small
     reads (the worker's and the owner's non-finite counts). Counted by the
-    launch-contract recorder (``tests/launch_contract.py``) in the
+    launch-contract recorder (``tests/support/launch_contract.py``) in the
     simulator; run as ``mpirun -n 3 python tests/test_gpu_path_sim.py``."""
     cmd = [_mpirun(), "--oversubscribe", "-n", str(ranks), sys.executable,
            os.path.abspath(__file__), "counts"]
@@ -184,9 +184,9 @@ def _counts_main():
     import numpy as np
     from mpi4py import MPI
     sys.path.insert(0, HERE)
-    from simulator_fix import fix_simulator_shared_arrays
+    from support.simulator_fix import fix_simulator_shared_arrays
     fix_simulator_shared_arrays()
-    import launch_contract
+    from support import launch_contract
     from numba import cuda
 
     import mpigc

@@ -14,9 +14,9 @@ import mpigc
 from mpigc.kernels import cpu
 
 try:
-    from . import reference as ref
+    from .support import reference as ref
 except ImportError:
-    import reference as ref
+    from support import reference as ref
 
 # deterministic, fast property tests
 PROP = settings(max_examples=60, deadline=None, derandomize=True, database=None,

@@ -1,4 +1,4 @@
-"""The model checker (tests/model_check.py, on tests/fakempi.py): mpigc's
+"""The model checker (tests/support/model_check.py, on tests/support/fakempi.py): mpigc's
 engine, 2-4 ranks in one process, through seeded random interleavings of
 every MPI call; hangs and wrong results found by search, each reported as
 the seed that replays it.
@@ -31,8 +31,8 @@ import os
 import numpy as np
 import pytest
 
-import fakempi
-import model_check as mc
+from support import fakempi
+from support import model_check as mc
 
 
 def _seeds():

@@ -1,6 +1,6 @@
 """mpigc._plan without MPI: the verdict of an agreement table, and the layout
 of a call (chunks, offsets, what travels with the rows), held to
-tests/reference.py where bits are concerned."""
+tests/support/reference.py where bits are concerned."""
 import itertools
 
 import numpy as np
@@ -11,7 +11,7 @@ from mpigc import _plan
 from mpigc._errors import (ConfigError, DTypeError, InvalidBufferError, MpigcError,
                            StateError)
 
-import reference as ref
+from support import reference as ref
 
 P = _plan
 

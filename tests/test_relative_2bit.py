@@ -26,9 +26,9 @@ import mpigc
 from mpigc.kernels import cpu
 
 try:
-    from . import reference as ref
+    from .support import reference as ref
 except ImportError:
-    import reference as ref
+    from support import reference as ref
 
 PROP = settings(max_examples=40, deadline=None, derandomize=True, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -270,9 +270,9 @@ def _sim_blocks(np, b, dtype, rng):
 
 def _sim_check():
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    import launch_contract
+    from support import launch_contract
     import test_cuda_sim as tcs
-    from simulator_fix import fix_simulator_shared_arrays, gpu_float_minmax
+    from support.simulator_fix import fix_simulator_shared_arrays, gpu_float_minmax
     fix_simulator_shared_arrays()
     tcs.yield_while_polling()
     from mpigc.kernels import cuda as kc

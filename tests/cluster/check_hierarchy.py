@@ -3,7 +3,7 @@
 Checks, with the real node split (no MPIGC_NODE_SPLIT): two nodes of two ranks
 with distinct hostnames; ``hierarchy="auto"`` takes the hierarchical path; the
 results of a few 2bit and 1bit steps are bit-identical to the numpy reference
-(tests/reference.py). Rank 0 prints "N passed" or "N failed".
+(tests/support/reference.py). Rank 0 prints "N passed" or "N failed".
 """
 import os
 import socket
@@ -13,7 +13,7 @@ import numpy as np
 from mpi4py import MPI
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import reference  # noqa: E402
+from support import reference  # noqa: E402
 
 import mpigc  # noqa: E402
 from mpigc import _hierarchy  # noqa: E402

@@ -48,9 +48,9 @@ def main(path):
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # the staging warning
     if SIM:
         assert os.environ.get("NUMBA_ENABLE_CUDASIM") == "1", "MPIGC_GPU_SIM=1 needs the simulator"
-        from simulator_fix import fix_simulator_shared_arrays
+        from support.simulator_fix import fix_simulator_shared_arrays
         fix_simulator_shared_arrays()
-        import launch_contract
+        from support import launch_contract
         from mpigc.kernels import cuda as kc
         launch_contract.install(kc)
     else:

@@ -44,8 +44,8 @@ def gpu():
     if SIM:
         import sys
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        import launch_contract
-        from simulator_fix import fix_simulator_shared_arrays
+        from support import launch_contract
+        from support.simulator_fix import fix_simulator_shared_arrays
         fix_simulator_shared_arrays()
         launch_contract.install(kc)
     return cuda, cpu, kc
@@ -407,7 +407,7 @@ def test_device_allreduce_foreign_arrays(gpu):
     want = g.copy()
     mpigc.allreduce(want, "2bit", key="foreign-host", feedback=False)
     if SIM:  # no CUDA torch here: an object that behaves like one
-        from foreign_arrays import TorchLikeTensor
+        from support.foreign_arrays import TorchLikeTensor
         d = cuda.to_device(g)
         t = TorchLikeTensor(d)
         assert mpigc.allreduce(t, "2bit", key="foreign-sim", feedback=False) is t
@@ -469,12 +469,12 @@ def test_terngrad_nonfinite_like_cpu(gpu, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_stats_order_matches_model(gpu, dtype):
     """The device's float64 sums follow the numpy model of
-    ``tests/device_order.py`` for this GPU's SM count, bit for bit (132 on
+    ``tests/support/device_order.py`` for this GPU's SM count, bit for bit (132 on
     H100 SXM / H200, 114 on H100 PCIe: the sums, and so terngrad's clip
     bound, may differ between them)."""
     cuda, cpu, kc = gpu
     _tests_dir()
-    import device_order
+    from support import device_order
     n = BIG
     x, e = _data(n, dtype, 37, scale=1e3)
     got = kc.stats(cuda.to_device(x), cuda.to_device(e))

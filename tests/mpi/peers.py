@@ -4,7 +4,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import scenarios  # noqa: E402 (tests/scenarios.py)
+from support import scenarios  # noqa: E402 (tests/support/scenarios.py)
 
 state_bytes = scenarios.state_bytes  # residuals as comparable values
 

@@ -1,6 +1,6 @@
 """CPU arrays that are not numpy arrays, across ranks (issue 45 item 3): torch
 CPU tensors, ``memoryview``, ``array.array``, objects with only
-``__array_interface__`` or only DLPack (``tests/foreign_arrays.py``) give the
+``__array_interface__`` or only DLPack (``tests/support/foreign_arrays.py``) give the
 numpy path's bits and residuals, in place, the caller's object returned;
 ranks may hold different kinds (numpy on one, a tensor on another); a
 read-only one on one rank fails on every rank with the error a read-only
@@ -17,8 +17,8 @@ import mpigc
 from conftest import assert_all, grads, raises_everywhere
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
-from foreign_arrays import CPU_KINDS as KINDS  # noqa: E402
-from foreign_arrays import DLPackOnly, InterfaceOnly  # noqa: E402
+from support.foreign_arrays import CPU_KINDS as KINDS  # noqa: E402
+from support.foreign_arrays import DLPackOnly, InterfaceOnly  # noqa: E402
 
 try:
     import torch

@@ -244,11 +244,11 @@ def _matrix(c, cuda, full):
 
 
 def _compare_foreign(c, cuda, op, dtype, n):
-    """Arrays that behave like CUDA torch tensors (``tests/foreign_arrays.py``:
+    """Arrays that behave like CUDA torch tensors (``tests/support/foreign_arrays.py``:
     a torch ``.dtype``, the numpy type only in ``__cuda_array_interface__``)
     give what host arrays give, in place, as ``out=`` too; a read-only one is
     refused on every rank."""
-    from foreign_arrays import TorchLikeTensor
+    from support.foreign_arrays import TorchLikeTensor
     name = op if isinstance(op, str) else op["type"]
     what = f"foreign {name} {np.dtype(dtype).name} n={n}"
     fbh, fbd = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
@@ -525,7 +525,7 @@ def group_hier(c, cuda):
     c.check(("staging to host", 404) in got and ("staging to device", 404) in got,
             f"hier: the whole buffer staged each way: {got}")
     # a torch-like tensor (foreign __cuda_array_interface__), out= on the device
-    from foreign_arrays import TorchLikeTensor
+    from support.foreign_arrays import TorchLikeTensor
     n = 45
     g = _grad(r, n, np.float32, 40)
     d = cuda.to_device(g)
@@ -726,9 +726,9 @@ def main(group):
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"mpigc\.kernels\.cuda")
     from numba import cuda
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from simulator_fix import fix_simulator_shared_arrays
+    from support.simulator_fix import fix_simulator_shared_arrays
     fix_simulator_shared_arrays()
-    import launch_contract
+    from support import launch_contract
     from mpigc.kernels import cuda as kc
     launch_contract.install(kc)  # every simulated launch: what a real launch accepts
     comm = MPI.COMM_WORLD

@@ -2,7 +2,7 @@
 
 Nodes are emulated with ``MPIGC_NODE_SPLIT=2`` (ranks 0-1 form node 0, 2-3
 node 1, ...): 4 ranks are 2 nodes of 2, 3 ranks are 2 + 1 (uneven), 1 and 2
-ranks a single node. ``tests/reference.py``'s :class:`Hierarchical` rebuilds
+ranks a single node. ``tests/support/reference.py``'s :class:`Hierarchical` rebuilds
 every rank's inputs and the whole algorithm in numpy; results and residuals
 must match bit for bit. The real emulated cluster (network namespaces) is
 exercised by ``tests/cluster_test.sh``.
@@ -21,7 +21,7 @@ from conftest import assert_all, grads, raises_everywhere
 from peers import await_word
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import reference  # noqa: E402  (tests/reference.py)
+from support import reference  # noqa: E402  (tests/support/reference.py)
 
 # ranks: nodes of 2: 1 and 2 one node, 3 nodes of 2 + 1, 4 nodes of 2 (and 4-only tests)
 pytestmark = pytest.mark.ranks(1, 2, 3, 4)

@@ -42,7 +42,7 @@ import mpigc
 
 from conftest import assert_all
 from peers import state_bytes
-from scenarios import call_input, draw_calls, outcome  # tests/scenarios.py (path: peers)
+from support.scenarios import call_input, draw_calls, outcome  # tests/support/scenarios.py (path: peers)
 
 # ranks: a search for hangs: each count draws its own schedules (4: halves of 2, nodes of 2)
 pytestmark = pytest.mark.ranks(1, 2, 3, 4)

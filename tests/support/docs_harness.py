@@ -1,8 +1,8 @@
 """Run the code blocks of the documentation in one process (one rank of an
 ``mpirun``, or a plain ``python``), for ``tests/test_docs.py``.
 
-    python tests/docs_harness.py SPEC.json                 # single-process blocks
-    mpirun -n K python tests/docs_harness.py SPEC.json     # every rank runs every block
+    python tests/support/docs_harness.py SPEC.json                 # single-process blocks
+    mpirun -n K python tests/support/docs_harness.py SPEC.json     # every rank runs every block
 
 ``SPEC.json`` holds ``{"workdir": DIR, "results": PREFIX, "blocks": [...]}``; each
 block is ``{"id", "file", "first", "code", "mode", "env", "ns", "imports", "ellipsis"}``.

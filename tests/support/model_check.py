@@ -1,5 +1,5 @@
 """A model checker for hangs: mpigc's engine, N ranks in one process, on a
-fake MPI (``tests/fakempi.py``) whose every call is a point where a seeded
+fake MPI (``tests/support/fakempi.py``) whose every call is a point where a seeded
 random scheduler picks which rank runs next.
 
 Each simulated rank has an engine of its own: the modules that hold the
@@ -51,11 +51,12 @@ import mpigc.kernels  # noqa: F401 - shared by the copies
 from mpigc import _plan
 from mpigc import MpigcError
 
-import fakempi
-from scenarios import call_input, draw_calls, outcome, state_bytes
+from . import fakempi
+from .scenarios import call_input, draw_calls, outcome, state_bytes
 
 # the engine's modules with MPI or state of their own: one copy per rank
-ENGINE = ("_sched", "_comm", "_reducer", "_wire", "_settings", "_agree", "_flatagree",
+ENGINE = ("_sched", "_comm", "_reducer", "_wire", "_settings", "_prepared", "_agree",
+          "_flatagree",
           "_shortcall", "_collective", "_twophase", "_plainsum", "_group", "_hierarchy",
           "_hiercall", "_route", "allreduce", "reduce_scatter")
 

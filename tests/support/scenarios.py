@@ -1,5 +1,5 @@
 """What the two searches for hangs share (tests/mpi/test_schedules_mpi.py on
-real MPI, tests/model_check.py on the fake one): drawing the calls of a
+real MPI, tests/support/model_check.py on the fake one): drawing the calls of a
 scenario, a call's input on a rank, with its fault, and how a call ended."""
 import numpy as np
 

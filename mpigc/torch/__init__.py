@@ -16,7 +16,8 @@ an optimizer of the wrapped class whose gradients are averaged by the end of
 ``backward()`` (as with DDP); or, keeping DDP, its communication hook:
 ``ddp.register_comm_hook(mpigc.torch.CommHookState(ddp, op="2bit"), mpigc.torch.comm_hook)``.
 With AdamW, :class:`CompressedAdamW` compresses the momentum instead (under DDP with
-:func:`local_gradients_hook`); Lightning takes the hook through
+:func:`local_gradients_hook`); :class:`DiLoCo` takes H local steps of any optimizer
+between compressed outer steps (``docs/lowcomm.md``); Lightning takes the hook through
 :class:`mpigc.torch.lightning.MpigcCommHook`; :func:`init_process_group` (or
 ``python -m mpigc.launch``) sets up a ``torchrun`` script's process group under ``mpirun``.
 
@@ -36,9 +37,10 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 # timed waits, tensors <-> engine arrays), _state (residual snapshots and the
 # per-parameter state of bucket layouts), _sync (GradientSync), _optimizer
 # (DistributedOptimizer), _hook (the DDP communication hook), _adam
-# (CompressedAdamW), _fsdp (FSDP2 and HSDP hooks), _launch (process group and
-# broadcasts).
+# (CompressedAdamW), _diloco (DiLoCo: local steps, outer Nesterov step), _fsdp
+# (FSDP2 and HSDP hooks), _launch (process group and broadcasts).
 from ._adam import CompressedAdamW, local_gradients_hook
+from ._diloco import DiLoCo
 from ._hook import CommHookState, comm_hook
 from ._fsdp import FsdpHookState, register_fsdp_hooks
 from ._launch import broadcast_optimizer_state, broadcast_parameters, init_process_group
@@ -48,7 +50,7 @@ from ._sync import Bucket, GradientSync
 __all__ = ["GradientSync", "DistributedOptimizer", "CommHookState", "comm_hook",
            "register_fsdp_hooks", "FsdpHookState",
            "broadcast_parameters", "broadcast_optimizer_state", "Bucket", "CompressedAdamW",
-           "init_process_group", "local_gradients_hook"]
+           "init_process_group", "local_gradients_hook", "DiLoCo"]
 
 #: Test seam (private). Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)
 #: only: buckets of CPU parameters become device buckets whose engine array is a

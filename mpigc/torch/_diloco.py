@@ -1,0 +1,329 @@
+"""DiLoCo: local steps of an inner optimizer, then an outer Nesterov step on
+the pseudo-gradient averaged with a compressed allreduce (Douillard et al.
+2023, "DiLoCo: Distributed Low-Communication Training of Language Models").
+
+Exported as :class:`mpigc.torch.DiLoCo`; see ``docs/lowcomm.md``.
+
+Every rank (a replica) steps its own inner optimizer on its own batches for
+``sync_every`` steps. Then the ranks average the pseudo-gradient
+``delta = anchor - params`` (the anchor is the parameters at the last
+synchronisation) with :func:`mpigc.allreduce` (any op, with error feedback),
+apply SGD with Nesterov momentum to the anchor and restart from it, the same
+bits on every rank. The inner optimizer's state stays local and is never
+exchanged.
+"""
+import zlib
+
+import torch
+
+from ..allreduce import allreduce
+from .._errors import ConfigError, InvalidBufferError, MismatchError, MpigcError, NonFiniteError
+from ..feedback import ErrorFeedback
+from ._common import (Rendezvous, agree_construction, resolve_timeout, resolve_warn_s,
+                      torch_compressor, warn_if_uncompressed)
+
+__all__ = ["DiLoCo"]
+
+
+def _inner_settings(opt):
+    """The inner optimizer's class and hyperparameters per group (not its
+    parameters or state): the same on every rank."""
+    groups = getattr(opt, "param_groups", [])
+    return [type(opt).__name__] + [
+        {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(g.items())
+         if k != "params" and isinstance(v, (int, float, str, bool, tuple, type(None)))}
+        for g in groups]
+
+
+class DiLoCo:
+    """The outer optimizer of DiLoCo over an inner optimizer (collective).
+
+    >>> inner = torch.optim.AdamW(model.parameters(), lr=1e-3)      # doctest: +SKIP
+    >>> opt = mpigc.torch.DiLoCo(model, inner, sync_every=50, op="2bit")  # doctest: +SKIP
+    >>> inner.zero_grad(); loss.backward(); opt.step()  # doctest: +SKIP
+
+    Parameters
+    ----------
+    model : torch.nn.Module or iterable of (name, parameter)
+        The replica. Its parameters that require gradients, all float32 or
+        all float64 on one device, the same names, shapes and order on every
+        rank. Rank 0's values are broadcast at construction (every replica
+        starts from the same anchor).
+    inner_optimizer : torch.optim.Optimizer
+        Steps the parameters locally (its state is this rank's own; no
+        gradient synchronisation besides this object's).
+    sync_every : int
+        H, the inner steps between outer synchronisations (default 100).
+    outer_lr, outer_momentum, nesterov : float, float, bool
+        The outer SGD (defaults as the paper: 0.7, 0.9, Nesterov):
+        ``m = mu * m + g``; ``anchor -= lr * (g + mu * m)`` (``lr * m``
+        without Nesterov), ``g`` the averaged pseudo-gradient.
+    op : str or Compressor
+        The exchange of the pseudo-gradient (default ``"none"``: exact);
+        ``"bf16"``, ``"fp16"``, ``"2bit"``, ``"1bit"``... with error feedback
+        in :attr:`feedback` under ``key``. Its parameters as keywords.
+    comm : mpi4py communicator (default ``MPI.COMM_WORLD``): the replicas.
+    gather : ``"compressed"`` (default) or ``"exact"``, as :func:`mpigc.allreduce`.
+    nonfinite : ``"raise"`` (default) or ``"skip"``
+        A synchronisation whose pseudo-gradient is not finite on some rank
+        is dropped on every rank (parameters back at the anchor; anchor,
+        momentum and residuals unchanged): :class:`mpigc.NonFiniteError` on
+        every rank, or without error (``skipped_syncs`` counts it).
+    timeout : float, optional
+        Seconds a synchronisation waits for every rank to reach it
+        (``$MPIGC_TORCH_TIMEOUT``, default 1800): a rank that reached it
+        alone gets :class:`mpigc.StateError` instead of waiting forever.
+    """
+
+    def __init__(self, model, inner_optimizer, *, sync_every=100, outer_lr=0.7,
+                 outer_momentum=0.9, nesterov=True, op="none", comm=None, key="diloco",
+                 gather="compressed", nonfinite="raise", timeout=None, **op_params):
+        from mpi4py import MPI
+
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        exc, settings, named = None, None, []
+        try:  # every check before the first collective, agreed on there
+            if not isinstance(self.comm, MPI.Intracomm):
+                raise ConfigError(f"comm: expected an mpi4py Intracomm, got "
+                                  f"{type(self.comm).__name__}")
+            if not (isinstance(sync_every, int) and sync_every >= 1):
+                raise ConfigError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+            if not (float(outer_lr) > 0 and 0 <= float(outer_momentum) < 1):
+                raise ConfigError(f"DiLoCo: expected outer_lr > 0 and 0 <= outer_momentum "
+                                  f"< 1, got {outer_lr!r}, {outer_momentum!r}")
+            if nonfinite not in ("raise", "skip"):
+                raise ConfigError(f"nonfinite must be 'raise' or 'skip', got {nonfinite!r}")
+            if gather not in ("compressed", "exact"):
+                raise ConfigError(f"gather must be 'compressed' or 'exact', got {gather!r}")
+            if not callable(getattr(inner_optimizer, "step", None)):
+                raise ConfigError("DiLoCo: inner_optimizer must be an optimizer (with "
+                                  f"step()), got {type(inner_optimizer).__name__}")
+            self.timeout = resolve_timeout(timeout)
+            self.compressor = torch_compressor(op, op_params)
+            pairs = model.named_parameters() if isinstance(model, torch.nn.Module) else model
+            named = [(str(n), p) for n, p in pairs if p.requires_grad]
+            if not named:
+                raise ConfigError("DiLoCo: no parameters that require gradients")
+            dtypes = {p.dtype for _, p in named}
+            devices = {p.device for _, p in named}
+            if len(dtypes) > 1 or len(devices) > 1 or next(iter(dtypes)) not in (
+                    torch.float32, torch.float64):
+                raise InvalidBufferError(
+                    "DiLoCo: parameters must all be float32 or all float64, on one "
+                    f"device; got {sorted(map(str, dtypes))} on {sorted(map(str, devices))}")
+            settings = {"sync_every": sync_every, "outer_lr": float(outer_lr),
+                        "outer_momentum": float(outer_momentum), "nesterov": bool(nesterov),
+                        "op": self.compressor.get_config(), "key": str(key),
+                        "gather": gather, "nonfinite": nonfinite,
+                        "inner": _inner_settings(inner_optimizer),
+                        "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in named]}
+        except (MpigcError, TypeError, ValueError) as e:
+            exc = e
+        if not isinstance(self.comm, MPI.Intracomm):
+            raise exc  # no communicator to tell the others on
+        self._comm = self.comm.Dup()  # this object's own small collectives
+        agree_construction(self._comm, exc, settings, "DiLoCo")
+        self.inner = inner_optimizer
+        self.sync_every = sync_every
+        self.outer_lr = float(outer_lr)
+        self.outer_momentum = float(outer_momentum)
+        self.nesterov = bool(nesterov)
+        self.key = str(key)
+        self.gather = gather
+        self.nonfinite = nonfinite
+        self.feedback = ErrorFeedback()
+        self._rendezvous = Rendezvous(self._comm, resolve_warn_s())
+        self._params = [p for _, p in named]
+        self._shapes = settings["parameters"]
+        n = sum(p.numel() for p in self._params)
+        dev, dt = self._params[0].device, self._params[0].dtype
+        self._anchor = torch.zeros(n, dtype=dt, device=dev)
+        self._delta = torch.zeros(n, dtype=dt, device=dev)   # exchanged in place
+        self._m = torch.zeros(n, dtype=dt, device=dev)       # outer momentum
+        warn_if_uncompressed("DiLoCo", self.compressor, [self._delta])
+        with torch.no_grad():
+            self._flatten(self._anchor)
+            host = self._anchor.cpu()
+            self._comm.Bcast(host.numpy(), root=0)  # every replica starts from rank 0's
+            self._anchor.copy_(host)
+            self._unflatten(self._anchor)
+        #: inner steps in the open window (0: every rank holds the anchor)
+        self.window = 0
+        #: outer synchronisations done, and those dropped (non-finite, mismatch)
+        self.syncs = 0
+        self.skipped_syncs = 0
+
+    # -- helpers ----------------------------------------------------------------
+    @staticmethod
+    def _wire(t):
+        return t.numpy() if t.device.type == "cpu" else t
+
+    def _flatten(self, out):
+        off = 0
+        for p in self._params:
+            out[off:off + p.numel()].copy_(p.detach().reshape(-1))
+            off += p.numel()
+
+    def _unflatten(self, src):
+        off = 0
+        for p in self._params:
+            p.detach().copy_(src[off:off + p.numel()].view_as(p))
+            off += p.numel()
+
+    def _settings_crc(self):
+        row = (self.sync_every, self.outer_lr, self.outer_momentum, self.nesterov,
+               repr(sorted(self.compressor.get_config().items())), self.key, self.gather,
+               self.nonfinite, repr(self._shapes), repr(_inner_settings(self.inner)))
+        return zlib.crc32(repr(row).encode())
+
+    @property
+    def in_sync(self):
+        """True when the parameters are the anchor on every rank (no inner
+        step since the last synchronisation)."""
+        return self.window == 0
+
+    @property
+    def anchor(self):
+        """The parameters of the last synchronisation, flat (a copy)."""
+        return self._anchor.clone()
+
+    @property
+    def outer_gradient(self):
+        """The averaged pseudo-gradient that the last synchronisation applied
+        (flat; its values after the exchange, a copy)."""
+        return self._delta.clone()
+
+    # -- steps ------------------------------------------------------------------
+    def zero_grad(self, set_to_none=True):
+        self.inner.zero_grad(set_to_none=set_to_none)
+
+    def step(self, closure=None):
+        """One inner step; every ``sync_every``-th one ends with the outer
+        synchronisation (collective then). Returns the inner step's loss."""
+        loss = self.inner.step() if closure is None else self.inner.step(closure)
+        self.window += 1
+        if self.window >= self.sync_every:
+            self.synchronize()
+        return loss
+
+    @torch.no_grad()
+    def synchronize(self):
+        """End the open window now: the outer step (collective: on every rank,
+        e.g. before an evaluation or a checkpoint). Nothing to do in sync.
+
+        On failure (a rank alone past ``timeout``, a pseudo-gradient not
+        finite on some rank, settings or window lengths that differ between
+        ranks, an error of the exchange) the window is dropped on every rank
+        that took part: the parameters are set back to the anchor, and the
+        anchor, the outer momentum and the residuals are unchanged. A rank
+        that timed out alone keeps its window instead (the others never
+        came): its next call takes up the barrier it posted.
+        """
+        if self.window == 0:
+            return
+        self._rendezvous(self.timeout, f"DiLoCo.synchronize after {self.window} inner steps")
+        delta = self._delta
+        self._flatten(delta)
+        torch.sub(self._anchor, delta, out=delta)
+        row = (self.syncs, self.window, self._settings_crc(),
+               zlib.crc32(self._wire(self._anchor).tobytes()) if self._anchor.device.type
+               == "cpu" else 0)
+        finite = bool(torch.isfinite(delta).all())
+        rows = self._comm.allgather((row, finite))
+        exc = None
+        if any(r != rows[0][0] for r, _ in rows):
+            exc = MismatchError(
+                "DiLoCo.synchronize: the ranks differ in (syncs done, inner steps in the "
+                "window, settings, anchor): " + ", ".join(
+                    f"rank {i}: {r[0]}, {r[1]}, {r[2]:08x}, {r[3]:08x}"
+                    for i, (r, _) in enumerate(rows)) + " (every rank must run the same "
+                "number of inner steps with the same settings and load the same state)")
+        elif not all(f for _, f in rows):
+            bad = [i for i, (_, f) in enumerate(rows) if not f]
+            exc = NonFiniteError(f"DiLoCo.synchronize: the pseudo-gradient is not finite "
+                                 f"on rank(s) {bad}; the window of {self.window} inner "
+                                 "steps is dropped on every rank (parameters back at the "
+                                 "anchor)")
+        if exc is None:
+            try:
+                allreduce(self._wire(delta), self.compressor, comm=self.comm, key=self.key,
+                          average=True, gather=self.gather, feedback=self.feedback,
+                          nonfinite="raise")
+            except MpigcError as e:  # raised on every rank by the engine
+                exc = e
+        if exc is not None:
+            self._drop()
+            if isinstance(exc, NonFiniteError) and self.nonfinite == "skip":
+                return
+            raise exc
+        self._outer_step(delta)
+        self._unflatten(self._anchor)
+        self.syncs += 1
+        self.window = 0
+
+    def _outer_step(self, g):
+        """SGD with (Nesterov) momentum on the anchor; no fused multiply-adds,
+        so that every element is rounded as the formula says."""
+        mu, lr = self.outer_momentum, self.outer_lr
+        self._m.mul_(mu).add_(g)
+        upd = g + self._m * mu if self.nesterov else self._m
+        self._anchor.sub_(upd * lr)
+
+    def _drop(self):
+        self._unflatten(self._anchor)
+        self._delta.zero_()
+        self.window = 0
+        self.skipped_syncs += 1
+
+    # -- state ------------------------------------------------------------------
+    def state_dict(self):
+        """The outer state (not collective): anchor, outer momentum, counters,
+        this rank's residuals. The inner optimizer's state and the model's
+        parameters are saved by their own ``state_dict()``."""
+        return {"anchor": self._anchor.clone(), "momentum": self._m.clone(),
+                "window": self.window, "syncs": self.syncs,
+                "skipped_syncs": self.skipped_syncs, "world_size": self.comm.size,
+                "rank": self.comm.rank, "sync_every": self.sync_every,
+                "residuals": self.feedback.state_dict()}
+
+    def load_state_dict(self, state):
+        """Restore :meth:`state_dict` (not collective). At the world size it was
+        saved at, every rank loads its own: the run continues bit for bit. At
+        another world size the anchor, momentum and counters load (they are the
+        same on every rank) and the residuals are not (use
+        :meth:`load_checkpoint`, which re-shards them); a window open at the
+        save is then refused (save in sync)."""
+        if state["anchor"].numel() != self._anchor.numel():
+            raise InvalidBufferError(f"DiLoCo.load_state_dict: the state holds "
+                                     f"{state['anchor'].numel()} values, the parameters "
+                                     f"{self._anchor.numel()}")
+        same = int(state["world_size"]) == self.comm.size
+        window = int(state["window"])
+        if window and (not same or window >= self.sync_every):
+            raise ConfigError(f"DiLoCo.load_state_dict: the state was saved {window} inner "
+                              "steps into a window; resume it at the same world size and "
+                              "sync_every, or save after synchronize()")
+        self._anchor.copy_(state["anchor"])
+        self._m.copy_(state["momentum"])
+        self.window = window
+        self.syncs = int(state["syncs"])
+        self.skipped_syncs = int(state["skipped_syncs"])
+        if same:
+            self.feedback.load_state_dict(state["residuals"])
+        else:
+            self.feedback.reset()
+
+    def save_checkpoint(self, path, step=None):
+        """The residuals with :func:`mpigc.save_checkpoint` (collective; loadable
+        on any number of ranks)."""
+        import mpigc
+        return mpigc.save_checkpoint(path, self.feedback, comm=self.comm, step=step)
+
+    def load_checkpoint(self, path):
+        import mpigc
+        return mpigc.load_checkpoint(path, self.feedback, comm=self.comm)
+
+    def __repr__(self):
+        return (f"DiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, "
+                f"outer_momentum={self.outer_momentum}, op={self.compressor!r}, "
+                f"values={self._anchor.numel()}, ranks={self.comm.size})")

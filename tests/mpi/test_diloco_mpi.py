@@ -1,0 +1,376 @@
+"""mpigc.torch.DiLoCo under mpirun: the exact equivalences with data-parallel
+training (op="none", H=1, outer lr 1, momentum 0), the outer Nesterov step
+against numpy at every synchronisation, the parameters the same bits on every
+rank, conservation of the residuals, resume bit for bit, and bad input (a
+non-finite pseudo-gradient, settings or windows that differ, a
+synchronisation reached by one rank only) raised on every rank with the
+window dropped."""
+import zlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpigc
+
+from conftest import assert_all, grads, raises_everywhere
+
+torch = pytest.importorskip("torch")
+import mpigc.torch as mt  # noqa: E402
+
+# ranks: 1 for the single replica, 2 pairs, 3 uneven shards of the compressed
+# exchange, 4 a power of two past the pair (averages by 4 are exact)
+pytestmark = pytest.mark.ranks(1, 2, 3, 4)
+
+SHAPES = [(7, 300), (300,), (5, 41)]   # 2605 values: several 1bit/2bit blocks
+N_VALUES = sum(int(np.prod(s)) for s in SHAPES)
+
+
+def make_model(dtype=torch.float32, seed=7, shapes=SHAPES):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.nn.Module()
+    for i, s in enumerate(shapes):
+        m.register_parameter(f"p{i}", torch.nn.Parameter(torch.randn(*s, generator=g,
+                                                                     dtype=dtype)))
+    return m
+
+
+def flat(model):
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def set_grads(model, rank, step, nan=False, integer=0):
+    n = sum(p.numel() for p in model.parameters())
+    g = grads(rank, n, np.float64, seed=step, scale=0.1)
+    if integer:   # multiples of ``integer``: their mean over that many ranks is exact
+        g = np.round(g * 100) * integer
+    if nan:
+        g[n // 3] = np.nan
+    off = 0
+    for p in model.parameters():
+        k = p.numel()
+        p.grad = torch.from_numpy(g[off:off + k].copy()).to(p.dtype).view_as(p)
+        off += k
+
+
+def crc(t):
+    return zlib.crc32(t.detach().cpu().numpy().tobytes())
+
+
+def same_everywhere(t, comm):
+    return len(set(comm.allgather(crc(t)))) == 1
+
+
+def inner_steps(model, d, comm, steps, start=0, nan_at=None):
+    for s in range(start, start + steps):
+        d.zero_grad()
+        set_grads(model, comm.rank, s, nan=nan_at == s)
+        d.step()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_h1_none_is_data_parallel_on_the_deltas(comm, dtype):
+    """op="none", H=1, outer lr 1, momentum 0: every sync sets the parameters
+    to anchor - mean_r(anchor - x_r), the mean being mpigc's exact average
+    (MPI's sum / N), bit for bit, on every rank."""
+    model = make_model(dtype)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    d = mt.DiLoCo(model, inner, sync_every=1, outer_lr=1.0, outer_momentum=0.0, op="none")
+    for s in range(4):
+        anchor = flat(model)
+        d.zero_grad()
+        set_grads(model, comm.rank, s)
+        inner.step()
+        delta = (anchor - flat(model)).numpy()
+        mpigc.allreduce(delta, "none", average=True, feedback=False)
+        expect = anchor - torch.from_numpy(delta)
+        d.window += 1   # the inner step above, taken outside d.step()
+        d.synchronize()
+        assert_all(torch.equal(flat(model), expect), f"sync {s} differs")
+        assert_all(same_everywhere(flat(model), comm), "ranks differ")
+    assert d.syncs == 4 and d.skipped_syncs == 0
+
+
+def test_h1_none_with_exact_inner_steps_is_data_parallel_sgd(comm):
+    """With inner SGD (lr 1) on gradients that are integer multiples of N,
+    every inner step, delta and mean is exact: DiLoCo(op="none", H=1, outer lr 1, momentum 0) equals
+    data-parallel SGD whose gradients are averaged by mpigc (op="none"), bit
+    for bit."""
+    a, b = make_model(torch.float64), make_model(torch.float64)
+    with torch.no_grad():
+        for p, q in zip(a.parameters(), b.parameters()):
+            p.copy_(torch.round(p * 100))
+            q.copy_(p)
+    d = mt.DiLoCo(a, torch.optim.SGD(a.parameters(), lr=1.0), sync_every=1, outer_lr=1.0,
+                  outer_momentum=0.0, op="none")
+    dp = torch.optim.SGD(b.parameters(), lr=1.0)
+    for s in range(5):
+        d.zero_grad()
+        set_grads(a, comm.rank, s, integer=comm.size)
+        d.step()
+        dp.zero_grad()
+        set_grads(b, comm.rank, s, integer=comm.size)
+        for p in b.parameters():
+            mpigc.allreduce(p.grad.numpy(), "none", average=True, feedback=False)
+        dp.step()
+        assert_all(torch.equal(flat(a), flat(b)), f"step {s}: DiLoCo != data-parallel SGD")
+
+
+class OuterReference:
+    """The outer step in numpy: m = mu m + g; anchor -= lr (g + mu m)."""
+
+    def __init__(self, anchor, lr, mu, nesterov):
+        self.anchor = anchor.numpy().copy()
+        self.m = np.zeros_like(self.anchor)
+        self.lr, self.mu, self.nesterov = lr, mu, nesterov
+
+    def step(self, g):
+        dt = self.anchor.dtype.type
+        self.m = self.m * dt(self.mu) + g
+        upd = g + self.m * dt(self.mu) if self.nesterov else self.m
+        self.anchor = self.anchor - upd * dt(self.lr)
+        return self.anchor
+
+
+@pytest.mark.parametrize("op,params,nesterov", [
+    ("none", {}, True), ("bf16", {}, True), ("2bit", {}, True), ("1bit", {}, False),
+    ("fp16", {}, True)])
+def test_outer_step_against_numpy_at_every_sync(comm, op, params, nesterov):
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    d = mt.DiLoCo(model, inner, sync_every=3, outer_lr=0.7, outer_momentum=0.9,
+                  nesterov=nesterov, op=op, **params)
+    ref = OuterReference(flat(model), 0.7, 0.9, nesterov)
+    for sync in range(4):
+        inner_steps(model, d, comm, 2, start=3 * sync)
+        d.zero_grad()
+        set_grads(model, comm.rank, 3 * sync + 2)
+        d.step()              # the third inner step ends the window
+        assert d.window == 0 and d.syncs == sync + 1
+        g = d.outer_gradient.numpy()
+        expect = ref.step(g)
+        assert_all(np.array_equal(flat(model).numpy(), expect), f"sync {sync}: outer step")
+        assert_all(torch.equal(d.anchor, flat(model)), "parameters are not the anchor")
+        assert_all(same_everywhere(flat(model), comm), f"sync {sync}: ranks differ")
+
+
+def test_none_exchange_is_the_mean_of_the_deltas(comm):
+    """With op="none" the applied pseudo-gradient is the ranks' mean delta
+    (within float32 rounding of a float64 sum)."""
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    d = mt.DiLoCo(model, inner, sync_every=100, op="none")
+    inner_steps(model, d, comm, 3)
+    mine = (d.anchor - flat(model)).double()
+    mean = sum(comm.allgather(mine)) / comm.size
+    d.synchronize()
+    assert_all(torch.allclose(d.outer_gradient.double(), mean, rtol=0, atol=1e-7),
+               "not the mean of the deltas")
+
+
+@pytest.mark.parametrize("op,params", [("2bit", {}), ("1bit", {}),
+                                       ("2bit", {"threshold": 0.05})])
+def test_residuals_conserve_the_pseudo_gradients(comm, op, params):
+    """Over the syncs, sum_r delta_r / N = sum of the applied pseudo-gradients
+    + (worker residuals summed over the ranks) / N + owner residuals."""
+    model = make_model(torch.float64)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = mt.DiLoCo(model, inner, sync_every=2, outer_lr=0.7, outer_momentum=0.9, op=op,
+                  key="w", **params)
+    put_in = torch.zeros(N_VALUES, dtype=torch.float64)
+    delivered = torch.zeros(N_VALUES, dtype=torch.float64)
+    for sync in range(6):
+        inner_steps(model, d, comm, 1, start=2 * sync)
+        d.zero_grad()
+        set_grads(model, comm.rank, 2 * sync + 1)
+        inner.step()      # the window's last inner step, then its delta before the sync
+        d.window += 1
+        put_in += sum(comm.allgather(d.anchor - flat(model)))
+        d.synchronize()
+        delivered += d.outer_gradient
+    st = d.feedback.state_dict()["w"]
+    worker = comm.allreduce(st["worker"].astype(np.float64))
+    owner = np.concatenate(comm.allgather(st["owner"])).astype(np.float64)
+    gap = put_in.numpy() / comm.size - (delivered.numpy() + worker / comm.size + owner)
+    assert_all(np.abs(gap).max() < 1e-10, f"conservation gap {np.abs(gap).max():.3g}")
+    assert_all(np.abs(worker).max() + np.abs(owner).max() > 0, "no residuals held")
+
+
+def train(comm, model, inner, d, start, stop):
+    for s in range(start, stop):
+        d.zero_grad()
+        set_grads(model, comm.rank, s)
+        d.step()
+
+
+@pytest.mark.parametrize("cut", [4, 5])   # at a sync, and 1 step into a window
+def test_resume_is_bit_exact(comm, cut):
+    def build():
+        model = make_model()
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return model, inner, mt.DiLoCo(model, inner, sync_every=2, op="2bit", key="k")
+
+    model, inner, d = build()
+    train(comm, model, inner, d, 0, cut)
+    saved = ({k: v.clone() for k, v in model.state_dict().items()}, inner.state_dict(),
+             d.state_dict())
+    import copy
+    saved = copy.deepcopy(saved)
+    train(comm, model, inner, d, cut, 10)
+    whole = flat(model)
+
+    model2, inner2, d2 = build()
+    model2.load_state_dict(saved[0])
+    inner2.load_state_dict(saved[1])
+    d2.load_state_dict(saved[2])
+    assert d2.window == cut % 2
+    train(comm, model2, inner2, d2, cut, 10)
+    assert_all(torch.equal(flat(model2), whole), "resumed run differs")
+    assert_all(torch.equal(d2.state_dict()["momentum"], d.state_dict()["momentum"]),
+               "momentum differs")
+
+
+def test_resume_on_fewer_replicas(comm):
+    """At another world size the anchor and the outer momentum load, the
+    residuals do not (the store is empty), and a state saved inside a window
+    is refused."""
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = mt.DiLoCo(model, inner, sync_every=2, op="2bit", key="k")
+    train(comm, model, inner, d, 0, 4)
+    st = d.state_dict()
+    st_open = dict(st, window=1)
+    sub = comm.Split(0 if comm.rank < max(1, comm.size - 1) else MPI.UNDEFINED, comm.rank)
+    if sub != MPI.COMM_NULL:
+        m2 = make_model(seed=99)
+        d2 = mt.DiLoCo(m2, torch.optim.SGD(m2.parameters(), lr=0.1), sync_every=2,
+                       op="2bit", key="k", comm=sub)
+        d2.load_state_dict(st)
+        ok = (torch.equal(d2.anchor, d.anchor) and torch.equal(d2._m, d._m)
+              and (len(d2.feedback) > 0) == (sub.size == comm.size))
+        try:
+            d2.load_state_dict(st_open)
+            refused = sub.size == comm.size   # the same world size takes it
+        except mpigc.MpigcError:
+            refused = sub.size != comm.size
+        sub.Free()
+    else:
+        ok = refused = True
+    assert_all(ok and refused, "resume on another world size")
+
+
+# -- bad input -----------------------------------------------------------------
+def snapshot(d):
+    return (d.anchor, d._m.clone(), {k: {n: (v.copy() if isinstance(v, np.ndarray) else v)
+                                         for n, v in s.items()}
+                                     for k, s in d.feedback.state_dict().items()})
+
+
+def same_state(a, b):
+    if not (torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]) and a[2].keys() == b[2].keys()):
+        return False
+    for k in a[2]:
+        for n in ("worker", "owner"):
+            x, y = a[2][k][n], b[2][k][n]
+            if (x is None) != (y is None) or x is not None and not np.array_equal(x, y):
+                return False
+    return True
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip"])
+def test_nonfinite_on_one_rank_drops_the_window_everywhere(comm, policy):
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = mt.DiLoCo(model, inner, sync_every=2, op="2bit", key="k", nonfinite=policy)
+    train(comm, model, inner, d, 0, 2)     # one good sync: residuals exist
+    before = snapshot(d)
+    bad = comm.size - 1
+
+    def window():
+        d.zero_grad()
+        set_grads(model, comm.rank, 2, nan=comm.rank == bad)
+        d.step()
+        d.zero_grad()
+        set_grads(model, comm.rank, 3)
+        d.step()
+
+    if policy == "raise":
+        raises_everywhere(mpigc.NonFiniteError, window, comm, match=f"rank\\(s\\) \\[{bad}\\]")
+    else:
+        window()
+    assert_all(same_state(before, snapshot(d)), "state changed")
+    assert_all(torch.equal(flat(model), before[0]), "parameters not back at the anchor")
+    assert_all(d.window == 0 and d.skipped_syncs == 1 and d.syncs == 1, "counters")
+    train(comm, model, inner, d, 4, 6)     # and it goes on
+    assert_all(d.syncs == 2 and same_everywhere(flat(model), comm), "no recovery")
+
+
+@pytest.mark.parametrize("what", ["sync_every", "op", "outer_lr", "shape", "inner_lr"])
+def test_settings_that_differ_raise_everywhere(comm, what):
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    odd = comm.rank == comm.size - 1
+    kw = dict(sync_every=2, op="2bit", outer_lr=0.7)
+    shapes, lr = SHAPES, 0.1
+    if odd and what == "shape":
+        shapes = SHAPES[:-1] + [(5, 42)]
+    elif odd and what == "op":
+        kw["op"] = "1bit"
+    elif odd and what == "inner_lr":
+        lr = 0.2
+    elif odd:
+        kw[what] = {"sync_every": 3, "outer_lr": 0.5}[what]
+    model = make_model(shapes=shapes)
+    raises_everywhere(mpigc.MismatchError, lambda: mt.DiLoCo(
+        model, torch.optim.SGD(model.parameters(), lr=lr), **kw), comm)
+
+
+def test_settings_changed_later_or_uneven_windows_raise_everywhere(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = mt.DiLoCo(model, inner, sync_every=100, op="none")
+    train(comm, model, inner, d, 0, 2)
+    anchor = d.anchor
+    if comm.rank == 0:
+        d.outer_lr = 0.5
+    raises_everywhere(mpigc.MismatchError, d.synchronize, comm, match="settings")
+    assert_all(torch.equal(flat(model), anchor) and d.window == 0, "window not dropped")
+    d.outer_lr = 0.7
+    train(comm, model, inner, d, 2, 4 if comm.rank else 5)   # rank 0: one step more
+    raises_everywhere(mpigc.MismatchError, d.synchronize, comm, match="inner steps")
+    train(comm, model, inner, d, 5, 7)
+    d.synchronize()
+    assert_all(d.syncs == 1 and same_everywhere(flat(model), comm), "no recovery")
+
+
+def test_sync_reached_by_one_rank_only(comm):
+    """Rank 0 synchronises alone: a StateError there after the timeout, its
+    window kept; the others are not held. The next synchronisation on every
+    rank takes up rank 0's barrier and completes."""
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = mt.DiLoCo(model, inner, sync_every=100, op="2bit", timeout=0.5 if comm.size > 1
+                  else None)
+    train(comm, model, inner, d, 0, 2)
+    got = None
+    if comm.rank == 0 and comm.size > 1:
+        try:
+            d.synchronize()
+        except mpigc.StateError as e:
+            got = e
+    assert_all(got is not None or comm.rank or comm.size == 1, "no StateError on rank 0")
+    assert_all(d.window == 2 and d.syncs == 0, "window not kept")
+    d.synchronize()
+    assert_all(d.syncs == 1 and same_everywhere(flat(model), comm), "no recovery")
+
+
+def test_bad_arguments_raise_everywhere(comm):
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    bad = comm.rank == comm.size - 1
+    for kw in ({"sync_every": 0}, {"outer_momentum": 1.0}, {"outer_lr": -1},
+               {"nonfinite": "ignore"}, {"op": "nope"}):
+        raises_everywhere(mpigc.MpigcError, lambda: mt.DiLoCo(
+            model, inner, **(kw if bad else {})), comm)

@@ -747,3 +747,47 @@ def test_nonfinite_input_is_named_by_rank(comm, fb, split):
                       match=f"input on rank {last} \\(1\\)")
     assert_all(not any(k == "n" or k.startswith("n@") for k in fb.keys()),
                f"residuals created: {fb.keys()}", comm)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("op", ["2bit", {"type": "terngrad", "error_feedback": True}, "1bit"],
+                         ids=_id)
+def test_failed_slice_group_puts_back_every_residual(comm, fb, split, op):
+    """A node sum that overflows in slice 0 only: slice 0's inter-node group
+    fails after the other groups committed, and the hierarchical call puts
+    their residuals back. terngrad writes its worker residual once the scale
+    is agreed, after the commit: it must not write over the array the call
+    puts back (it did, in place: the failed call changed the residuals)."""
+    if comm.size == 1:  # a node of one rank: no sum to overflow
+        pytest.skip("needs a node of two ranks")
+    g = grads(comm.rank, 600)
+    for _ in range(2):  # residuals and owner residuals to put back
+        mpigc.allreduce(g.copy(), op, key="r", feedback=fb, hierarchy="node")
+
+    def snap():
+        return _bytes(fb)
+
+    before = snap()
+    big = g.copy()
+    big[0] = 3e38
+    raises_everywhere(mpigc.NonFiniteError,
+                      lambda: mpigc.allreduce(big, op, key="r", feedback=fb,
+                                              hierarchy="node"), comm, match="node")
+    after = snap()
+    changed = sorted(k for k in before if after.get(k) != before[k])
+    assert_all(not changed and sorted(after) == sorted(before),
+               f"residuals changed by a failed call: {changed}", comm)
+    # and the next call gives what it gives on a store that never saw the failure
+    twin = mpigc.ErrorFeedback()
+    twin.load_state_dict(fb.state_dict())
+    a = mpigc.allreduce(g.copy(), op, key="r", feedback=fb, hierarchy="node")
+    b = mpigc.allreduce(g.copy(), op, key="r", feedback=twin, hierarchy="node")
+    assert_all(a.tobytes() == b.tobytes() and snap() == _bytes(twin),
+        "the store after the failed call differs from one that never saw it", comm)
+
+
+def _bytes(fb):
+    """Every residual of store ``fb`` as bytes, with its call count."""
+    return {k: tuple(None if v.get(f) is None else np.asarray(v[f]).tobytes()
+                     for f in ("worker", "owner", "calls"))
+            for k, v in fb.state_dict().items()}

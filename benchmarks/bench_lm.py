@@ -7,6 +7,10 @@ and seeds, one table and one plot.
     python benchmarks/bench_lm.py --ops 1bit:compressed-adamw --label "1bit h2" \\
         --json h2.json -- --sync-every 2
     python benchmarks/bench_lm.py --merge none.json h2.json --plot both.png
+    python benchmarks/bench_lm.py --ops none,none:diloco=50,2bit:diloco=50 --steps 1200
+
+``OP:diloco=H`` runs ``--diloco H --op OP`` (``mpigc.torch.DiLoCo``: local AdamW, the
+outer exchange every H steps with OP; ``docs/lowcomm.md``).
 
 Runs ``mpirun -n RANKS python examples/train_lm.py --op OP --seed S --steps STEPS``
 for every op and seed, one after the other (arguments after ``--`` go to every
@@ -32,7 +36,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ops", default="none,fp16,2bit,1bit,terngrad",
                    help="comma-separated ops (default: all five); OP:compressed-adamw "
-                        "runs OP with --optimizer compressed-adamw")
+                        "runs OP with --optimizer compressed-adamw, OP:diloco=H with "
+                        "--diloco H (the outer exchange with OP)")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=600)
@@ -66,7 +71,9 @@ def run_one(args, entry, seed):
     op, _, optimizer = (args.entry if args.label else entry).partition(":")
     cmd = [args.mpirun, "--oversubscribe", "-n", str(args.ranks), sys.executable, EXAMPLE,
            "--op", op, "--seed", str(seed), "--steps", str(args.steps), *args.extra]
-    if optimizer:
+    if optimizer.startswith("diloco="):
+        cmd += ["--diloco", optimizer.partition("=")[2]]
+    elif optimizer:
         cmd += ["--optimizer", optimizer]
     print("$", " ".join(cmd), flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True)

@@ -45,6 +45,15 @@ bfloat16), ``--freeze-steps auto``, ``--var-refresh N`` and ``--sync-every H`` (
 Adam's variance refreshes and local steps; with local steps every evaluation and
 checkpoint first ends the open window with ``opt.synchronize()``).
 
+``--diloco H`` trains with ``mpigc.torch.DiLoCo`` instead (``docs/lowcomm.md``): each
+rank steps its own AdamW on its own batches (no gradient exchange), and every ``H``
+steps the ranks average the pseudo-gradient (parameters at the last synchronisation
+minus now) with ``--op`` (with error feedback) and apply an outer Nesterov step
+(``--outer-lr``, default 0.7, ``--outer-momentum``, default 0.9). Every evaluation
+and checkpoint first ends the open window (``synchronize()``); a checkpoint also
+holds each rank's own AdamW state and outer state (``DIR/diloco.rank{R}.pt``), so a
+resume at the same number of ranks is bit for bit.
+
 2bit runs in its relative mode (``--rel-threshold``, default 1.5; see
 ``docs/torch.md``) unless ``--threshold`` gives MXNet's absolute one.
 """
@@ -113,6 +122,12 @@ def parse_args(argv=None):
     p.add_argument("--var-refresh", type=int, default=0,
                    help="compressed-adamw: refresh the frozen variance after N, 2N, 4N, "
                         "... more steps (0/1 Adam; default 0: never)")
+    p.add_argument("--diloco", type=int, default=0, metavar="H",
+                   help="DiLoCo: H local AdamW steps per rank between outer "
+                        "synchronisations of the pseudo-gradient with --op (default 0: off)")
+    p.add_argument("--outer-lr", type=float, default=0.7, help="--diloco: outer learning rate")
+    p.add_argument("--outer-momentum", type=float, default=0.9,
+                   help="--diloco: outer Nesterov momentum")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
@@ -123,6 +138,10 @@ def parse_args(argv=None):
         p.error("give at most one of --threshold, --rel-threshold")
     if args.resume and not args.checkpoint:
         p.error("--resume needs --checkpoint DIR")
+    if args.diloco and args.optimizer != "adamw":
+        p.error("--diloco takes AdamW as its inner optimizer (--optimizer adamw)")
+    if args.diloco < 0:
+        p.error("--diloco H needs H >= 1")
     if args.n_embd % args.n_head:
         p.error("--n-embd must be a multiple of --n-head")
     return args
@@ -230,6 +249,9 @@ def lr_factor(step, args):
 def save(args, comm, step, model, opt, sched, sync):
     sync = sync or opt  # CompressedAdamW keeps its own residuals
     os.makedirs(args.checkpoint, exist_ok=True)
+    if isinstance(sync, mpigc.torch.DiLoCo):  # each rank's own AdamW and outer state
+        torch.save({"optimizer": opt.state_dict(), "diloco": sync.state_dict()},
+                   os.path.join(args.checkpoint, f"diloco.rank{comm.rank}.pt"))
     comm.Barrier()
     if comm.rank == 0:
         tmp = os.path.join(args.checkpoint, "train.pt.tmp")
@@ -249,6 +271,11 @@ def resume(args, model, opt, sched, sync):
     opt.load_state_dict(ck["optimizer"])
     sched.load_state_dict(ck["scheduler"])
     sync.load_checkpoint(os.path.join(args.checkpoint, "residuals"))
+    if isinstance(sync, mpigc.torch.DiLoCo):
+        own = torch.load(os.path.join(args.checkpoint, f"diloco.rank{MPI.COMM_WORLD.rank}.pt"),
+                         weights_only=True, map_location="cpu")
+        opt.load_state_dict(own["optimizer"])
+        sync.load_state_dict(own["diloco"])
     return ck["step"]
 
 
@@ -286,7 +313,14 @@ def main(argv=None):
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    if args.optimizer == "adamw":
+    if args.diloco:  # local AdamW; the outer exchange is DiLoCo's own
+        opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
+        sync = mpigc.torch.DiLoCo(model, opt, sync_every=args.diloco, outer_lr=args.outer_lr,
+                                  outer_momentum=args.outer_momentum, op=args.op,
+                                  gather=args.gather, **params)
+        params = dict(params, diloco=args.diloco, outer_lr=args.outer_lr,
+                      outer_momentum=args.outer_momentum)
+    elif args.optimizer == "adamw":
         sync = mpigc.torch.GradientSync(model, op=args.op, bucket_mb=args.bucket_mb,
                                         gather=args.gather, **params)
         opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
@@ -318,16 +352,21 @@ def main(argv=None):
         opt.zero_grad()
         loss = loss_of(model, x.to(device), y.to(device))
         loss.backward()       # buckets start their compressed allreduce as they fill
-        if sync is not None:
+        if sync is not None and not args.diloco:
             sync.wait()       # averaged gradients in param.grad
         if args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        opt.step()
+        if args.diloco:
+            sync.step()       # AdamW's local step; every H-th ends with the outer one
+        else:
+            opt.step()
         sched.step()
         last = step + 1 == args.steps
         if (step + 1) % args.eval_every == 0 or last:
             if sync is None:
                 opt.synchronize()  # local steps (--sync-every): end the window first
+            elif args.diloco:
+                sync.synchronize()  # DiLoCo: the outer step of the open window first
             val_loss = evaluate(model, val, args, device, comm)
             curve.append((step + 1, val_loss))
             if comm.rank == 0:
@@ -349,7 +388,8 @@ def main(argv=None):
                           "bytes_sent_per_rank": sent, "val_curve": curve,
                           "seconds": time.perf_counter() - t0,
                           "parameters_equal": all(v == same[0] for v in same),
-                          "frozen_at": getattr(opt, "frozen_at", None)}))
+                          "frozen_at": getattr(opt, "frozen_at", None),
+                          "outer_syncs": sync.syncs if args.diloco else None}))
 
 
 if __name__ == "__main__":

@@ -35,7 +35,10 @@ def run(*args):
     ("1bit", ["--optimizer", "compressed-adamw", "--freeze-steps", "1"]),
     # with a bf16 warm-up, local steps (synchronised at each evaluation) and a refresh
     ("1bit", ["--optimizer", "compressed-adamw", "--freeze-steps", "1", "--warmup-op",
-              "bf16", "--sync-every", "2", "--var-refresh", "1"])])
+              "bf16", "--sync-every", "2", "--var-refresh", "1"]),
+    # DiLoCo: local AdamW, the outer exchange (2bit, error feedback) every 2 steps;
+    # each rank's own AdamW and outer state come back from the checkpoint
+    ("2bit", ["--diloco", "2"])])
 def test_resume_is_bit_identical(op, extra, tmp_path):
     whole = run("--op", op, "--steps", "4", *extra)
     assert whole["parameters_equal"] and whole["steps"] == 4
@@ -44,6 +47,8 @@ def test_resume_is_bit_identical(op, extra, tmp_path):
     else:  # a variance frozen after one step makes a wild start: resume is the point here
         assert 0 < whole["val_loss"] < float("inf")
     assert whole["bytes_sent_per_rank"] > 0
+    if "--diloco" in extra:   # outer steps after steps 2 and 4
+        assert whole["outer_syncs"] == 2
     ck = str(tmp_path / "ck")
     first = run("--op", op, "--steps", "2", "--checkpoint", ck, *extra)
     assert first["val_loss"] != whole["val_loss"]

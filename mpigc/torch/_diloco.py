@@ -14,6 +14,7 @@ exchanged.
 """
 import zlib
 
+import numpy as np
 import torch
 
 from ..allreduce import allreduce
@@ -33,6 +34,17 @@ def _inner_settings(opt):
         {k: (list(v) if isinstance(v, tuple) else v) for k, v in sorted(g.items())
          if k != "params" and isinstance(v, (int, float, str, bool, tuple, type(None)))}
         for g in groups]
+
+
+def _residuals_to_torch(state):
+    """:meth:`mpigc.ErrorFeedback.state_dict` with its arrays as tensors."""
+    return {k: {n: (torch.from_numpy(v) if isinstance(v, np.ndarray) else v)
+                for n, v in e.items()} for k, e in state.items()}
+
+
+def _residuals_from_torch(state):
+    return {k: {n: (v.numpy() if isinstance(v, torch.Tensor) else v) for n, v in e.items()}
+            for k, e in state.items()}
 
 
 class DiLoCo:
@@ -278,13 +290,14 @@ class DiLoCo:
     # -- state ------------------------------------------------------------------
     def state_dict(self):
         """The outer state (not collective): anchor, outer momentum, counters,
-        this rank's residuals. The inner optimizer's state and the model's
+        this rank's residuals (as CPU tensors, so that ``torch.load`` with
+        ``weights_only=True`` reads it). The inner optimizer's state and the model's
         parameters are saved by their own ``state_dict()``."""
         return {"anchor": self._anchor.clone(), "momentum": self._m.clone(),
                 "window": self.window, "syncs": self.syncs,
                 "skipped_syncs": self.skipped_syncs, "world_size": self.comm.size,
                 "rank": self.comm.rank, "sync_every": self.sync_every,
-                "residuals": self.feedback.state_dict()}
+                "residuals": _residuals_to_torch(self.feedback.state_dict())}
 
     def load_state_dict(self, state):
         """Restore :meth:`state_dict` (not collective). At the world size it was
@@ -309,7 +322,7 @@ class DiLoCo:
         self.syncs = int(state["syncs"])
         self.skipped_syncs = int(state["skipped_syncs"])
         if same:
-            self.feedback.load_state_dict(state["residuals"])
+            self.feedback.load_state_dict(_residuals_from_torch(state["residuals"]))
         else:
             self.feedback.reset()
 

@@ -56,6 +56,7 @@ from . import _comm
 from . import _flatagree
 from . import _plan
 from . import _plainsum
+from . import _prepared
 from . import _sched
 from . import _settings
 from . import _shortcall
@@ -64,7 +65,6 @@ from . import _twophase
 from . import _wire
 from ._sched import PendingCall
 from ._errors import code_of
-from .compressors import work_dtype
 from .feedback import get_default_feedback
 
 __all__ = ["start"]
@@ -117,8 +117,10 @@ class _Op(PendingCall):
         self.error = None
         self.plain = False
         self.chunks = None  # a pipelined call's cuts (see _chunk_plan)
-        self.plan = None  # the two phases' layout, once known (_twophase.layout)
+        self.sendbuf = None  # phase 1's payloads, once packed (mpigc._twophase)
         self.be = None  # the backend of the buffer's side (mpigc._backend)
+        self.prep = None  # the call prepared (mpigc._prepared.Prepared)
+        self.bufs = None  # its working buffers (a mpigc._prepared.BufferSet)
         # what the agreement step reads of a rank that failed early: defined
         # before anything can raise, so every rank evaluates it the same way
         self.n = self.dtype = self.settings = self.nonfinite = None
@@ -155,29 +157,34 @@ class _Op(PendingCall):
         self.buf = buf
         self.n = n
         self.dtype = dtype
-        self.wdtype = work_dtype(dtype)  # not buf.dtype: torch's is a torch dtype
         row[_N] = n
         row[_DTYPE] = _plan.DTYPE_CODE[dtype]
 
-        st = _settings.settings_for(self.kind, dtype, self.size, op, params, key, average,
-                                    gather, nonfinite, n, recvcounts, self.limits)
+        # what the call's signature fixes, prepared once (mpigc._prepared)
+        rec = self.prep = _prepared.prepare(self.kind, be.device, be.device_id, dtype, n,
+                                            self.size, self.rank, op, params, key, average,
+                                            gather, nonfinite, recvcounts, self.limits)
+        st = rec.settings
+        self.wdtype = rec.wdtype
         self.comp = comp = st.comp
         self.average, self.gather, self.bounds, self.key = (st.average, st.gather,
                                                             st.bounds, st.key)
         self.nonfinite = nonfinite = st.nonfinite
         self.plain, self.settings = st.plain, st.config
         row[_FP] = st.fp
+        # the call's working buffers, re-bound from the record's pool
+        self.bufs = bufs = rec.buffers.take()
         if group is not None:
             # a plain allreduce uses no residual: its members simply follow
             # one another
-            dbuf = group.fuse(be, dtype, self.size, self.plain and self.kind == "allreduce")
+            dbuf = group.fuse(be, bufs.get("fused", be, n, dtype), self.size,
+                              self.plain and self.kind == "allreduce")
         self.flat = dbuf.reshape(dbuf.size)
-        if not self.plain:
-            # before anything that can fail with a full row (a key in use):
-            # every complete row says how the call is cut
-            self.chunks = self._chunk_plan()
-            if self.chunks is not None:
-                row[_CHUNK] = len(self.chunks)
+        # before anything that can fail with a full row (a key in use):
+        # every complete row says how the call is cut
+        self.chunks = rec.chunks
+        if self.chunks is not None:
+            row[_CHUNK] = len(self.chunks)
         if self.fill is not None and self.chunks is None:
             self.fill(0, n)  # read whole below (or by the inline path)
         lo, hi = self.bounds[self.rank]
@@ -200,13 +207,19 @@ class _Op(PendingCall):
 
         if self.plain:
             # MPI has no float16 sum: reduce a float32 copy
-            self.none_buf = self.be.converted(self.flat, np.float32) \
-                if self.dtype == np.float16 else self.flat
+            if rec.f32_copy:
+                self.none_buf = bufs.get("f32", be, n, np.float32)
+                be.assign(self.none_buf, self.flat)
+            else:
+                self.none_buf = self.flat
             if nonfinite != "ignore":
                 row[_NBAD] = be.count_nonfinite(self.none_buf)
             return
-        self.x = self.flat if self.dtype == self.wdtype else self.be.converted(self.flat,
-                                                                               self.wdtype)
+        if self.dtype == self.wdtype:
+            self.x = self.flat
+        else:
+            self.x = bufs.get("x", be, n, self.wdtype)
+            be.assign(self.x, self.flat)
         self.e_in = self.txn.worker() if self.use_ef else None
         if comp.needs_global_scale:
             amax, self.clip_bound, nbad = comp.local_scale(self.x, self.e_in)
@@ -218,20 +231,6 @@ class _Op(PendingCall):
         if self.chunks is not None:
             return  # pipelined: chunk by chunk once the rows agree (mpigc._twophase)
         _twophase.pack_shards(self, row)
-
-    def _chunk_plan(self):
-        """How a pipelined call cuts the buffer: ``plan[c][j]`` is the range
-        ``(lo, hi)`` of shard j that chunk c covers; None for a call that is
-        not pipelined. Host buffers of a compressor that says where it may
-        cut (``chunk_align``), on 2 ranks or more, at least two chunks of
-        ``$MPIGC_CHUNK_BYTES`` (:func:`chunk_bytes`). Each shard is cut
-        into as many pieces as there are chunks, at multiples of the
-        alignment from the shard's start, so each piece encodes as its part
-        of the whole shard would: the results are the same bits."""
-        if self.be.device or self.size < 2:
-            return None
-        return _plan.chunk_cuts(self.bounds, self.n * self.dtype.itemsize,
-                                self.comp.chunk_align(), _settings.chunk_bytes())
 
     # -- 2. agree ------------------------------------------------------------
     def abandon(self):
@@ -266,6 +265,15 @@ class _Op(PendingCall):
         if self.rows is not None:
             self.rows.drop(self.sendreqs)
         self.sendreqs = []
+
+    def release_buffers(self):
+        """The call completed (or was skipped on every rank), every transfer
+        done and its kernels synchronised: its working buffers serve a later
+        call of its signature, but for its result (a failed call's are never
+        given back: an MPI operation may still write them)."""
+        bufs, self.bufs = self.bufs, None
+        if bufs is not None:
+            self.prep.buffers.give(bufs, self.result)
 
     def set_result(self, v):
         """The call's result. allreduce: the buffer (``v``, when not None,
@@ -313,8 +321,7 @@ class _Op(PendingCall):
         self.set_result(v)
         self.be.sync()  # the kernels are asynchronous
         self.be.release()  # the staging buffers
-        if self.group is not None:
-            self.group.release()  # the fused buffer
+        self.release_buffers()
         self.release_agree()
         self.abandon()
         self.state = "done"

@@ -22,22 +22,14 @@ _NBAD, _RANGE = _plan.NBAD, _plan.RANGE
 
 def _inline_kind(op):
     """``"values"``, ``"payloads"`` or None: what this rank's agreement
-    messages carry after its row (:func:`mpigc._plan.inline_data`). A
-    rank that failed early sends its row alone. The row says
-    (``_INLINE``) whether data follows, so the decision need not be the
-    same on every rank: the data path is taken only when every row says
-    so."""
-    if op.local_error is not None or op.be is None:
+    messages carry after its row (the call's prepared ``inline``,
+    :func:`mpigc._plan.inline_data`). A rank that failed early sends its
+    row alone. The row says (``_INLINE``) whether data follows, so the
+    decision need not be the same on every rank: the data path is taken
+    only when every row says so."""
+    if op.local_error is not None or op.prep is None:
         return None
-    scaled = not op.plain and op.comp.needs_global_scale
-    pipelined = op.chunks is not None
-    # the payloads' sizes are known before the agreement unless the call
-    # is pipelined or waits for the global scale
-    sizes = None if op.plain or scaled or pipelined else op.plan.sizes
-    return _plan.inline_data(
-        op.kind, op.size, op.plain, op.none_buf.nbytes if op.plain else 0,
-        sizes, scaled, device=op.be.device, pipelined=pipelined,
-        plain_max=op.limits.inline_plain, payload_max=op.limits.inline_payload)
+    return op.prep.inline
 
 
 def _inline_payloads(op, kind):
@@ -49,7 +41,7 @@ def _inline_payloads(op, kind):
         return None
     if kind == "values":
         return {1 - op.rank: op.none_buf.view(np.uint8)}
-    off, psz = op.plan.poff[0], op.plan.psz[0]
+    off, psz = op.prep.phases.poff[0], op.prep.phases.psz[0]
     return {j: op.sendbuf[off[j]:off[j] + psz[j]]
             for j in range(op.size) if j != op.rank}
 
@@ -57,11 +49,7 @@ def _inline_payloads(op, kind):
 def _expected_inline(op, kind):
     """Bytes of data that a peer that agrees with this rank sends after
     its row (0: rows only), for this rank's ``kind``."""
-    if kind is None:
-        return 0
-    if kind == "values":
-        return op.none_buf.nbytes
-    return op.plan.sizes[op.rank]
+    return 0 if kind is None else op.prep.inline_bytes
 
 
 def start_rows(op):
@@ -132,6 +120,5 @@ def _finish_skipped(op):
         op.be.fill_nan(res)
         op.set_result(res)
     op.be.sync()
-    if op.group is not None:
-        op.group.release()  # the fused buffer
+    op.release_buffers()
     op.state = "done"

@@ -20,7 +20,6 @@ dtype; each passes the checks of a single call. A group that fails any check
 on any rank fails on every rank, with no member and no residual changed (the
 error travels in the call's agreement, as a single call's does).
 """
-import threading
 import zlib
 
 import numpy as np
@@ -92,8 +91,6 @@ _LAYOUTS_MAX = 256
 # members: 0.5 ms of string formatting per call otherwise)
 _keys_cache = {}
 _KEYS_CACHE_MAX = 256
-_pool = {}  # (n, dtype, device) -> free fused buffers
-_pool_lock = threading.Lock()
 
 
 def _layout(sizes, world, concat):
@@ -118,7 +115,6 @@ class Group:
         self.key = None  # the group's name in the settings' fingerprint
         self.flats = None  # the members, flat, on their side
         self.layout = None
-        self.fused = None
         self.device = False
         self._arg_error = None
         if recvcounts is not None:
@@ -215,12 +211,12 @@ class Group:
         """The fused shard sizes (the settings' recvcounts)."""
         return _layout(self.sizes, world, False).counts
 
-    def fuse(self, be, dtype, world, concat):
-        """The fused buffer, the members copied in (owner-major, or one after
-        another when ``concat``)."""
+    def fuse(self, be, fused, world, concat):
+        """The members copied into ``fused`` (the call's fused buffer, of
+        their total size: its prepared record's, :mod:`mpigc._prepared`),
+        owner-major, or one after another when ``concat``; returns it."""
         self.layout = lay = _layout(self.sizes, world, concat)
         t0 = _timeline.ON and _timeline.now()
-        fused = self._take(be, lay.n, dtype)
         flats = self.flats
         if be.device:
             be.place_members(fused, flats, lay.place, True)
@@ -231,7 +227,6 @@ class Group:
                 fused[at:at + hi - lo] = flats[i][lo:hi]
         if t0:
             _timeline.span("group: members in", t0)
-        self.fused = fused
         return fused
 
     def scatter(self, be, v):
@@ -259,25 +254,3 @@ class Group:
         """The placement of rank ``rank``'s fused shard (see :class:`_Layout`)."""
         lay = self.layout
         return None if lay.owner is None else lay.owner[rank]
-
-    # -- the fusion buffers, reused ---------------------------------------------
-    def _take(self, be, n, dtype):
-        k = (n, np.dtype(dtype), be.device)
-        with _pool_lock:
-            free = _pool.get(k)
-            if free:
-                return free.pop()
-        return be.empty(n, dtype)
-
-    def release(self):
-        """The call is over and its results are out: the fused buffer may
-        serve a later call (a failed call's is dropped instead: an MPI
-        operation may still write it)."""
-        f, self.fused = self.fused, None
-        if f is None:
-            return
-        k = (f.size, np.dtype(f.dtype), self.device)
-        with _pool_lock:
-            free = _pool.setdefault(k, [])
-            if len(free) < 2:
-                free.append(f)

@@ -18,7 +18,7 @@ from .compressors import SUPPORTED_DTYPES, get_compressor
 from .feedback import shard_bounds
 
 __all__ = ["NONFINITE_POLICIES", "GATHER_MODES", "default_nonfinite", "min_compress_bytes",
-           "chunk_bytes", "adopt_input", "Settings", "settings_for"]
+           "chunk_bytes", "adopt_input", "Settings", "settings_for", "settings_key"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
 GATHER_MODES = ("compressed", "exact")
@@ -67,13 +67,13 @@ class Settings(NamedTuple):
     fp: int
 
 
-# validated settings and their fingerprint per call signature (see _settings_key)
+# validated settings and their fingerprint per call signature (see settings_key)
 _settings_cache = {}
 _SETTINGS_CACHE_MAX = 4096
 _SCALAR = (str, int, float, bool, type(None))
 
 
-def _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype, recvcounts,
+def settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype, recvcounts,
                   size, max_count):
     """What the validated settings of a call depend on, as a hashable key, or
     None where an argument is not a plain value (a dict op, a compressor
@@ -123,13 +123,13 @@ def adopt_input(kind, buf, cs):
 def settings_for(kind, dtype, size, op, params, key, average, gather, nonfinite, n,
                  recvcounts, limits=None):
     """A call's :class:`Settings`, validated (raises ConfigError or
-    InvalidBufferError); cached per :func:`_settings_key`. ``limits``: the
+    InvalidBufferError); cached per :func:`settings_key`. ``limits``: the
     call's :class:`mpigc._wire.Limits` (None: read now), whose ``max_count``
     decides in how many pieces MPI sums a plain call."""
     if limits is None:
         limits = _wire.read_limits()
     max_count = limits.max_count
-    ck = _settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype,
+    ck = settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype,
                        recvcounts, size, max_count)
     hit = None if ck is None else _settings_cache.get(ck)
     if hit is None:

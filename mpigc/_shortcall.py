@@ -12,8 +12,8 @@ without the general call's objects: the same agreement message
 (:class:`mpigc._agree.Rows`: the row, then the values) on the same tag, and
 the peer's received the same way, so that a peer on the engine's path
 matches it; each rank then adds its peer's values (a + b is b + a: the
-bits of ``MPI_Allreduce`` on 2 ranks). The settings are validated once per
-call signature (:func:`mpigc._settings.settings_for`'s cache). Anything but
+bits of ``MPI_Allreduce`` on 2 ranks). The call is prepared once per call
+signature, as the engine's (:func:`mpigc._prepared.prepare`). Anything but
 a "go" verdict (another size, dtype or settings on the peer, a peer that
 failed, non-finite values) is handed to the engine with the rows exchanged
 (:class:`Handover`), which raises or skips on every rank as it would have;
@@ -30,8 +30,8 @@ from . import _agree
 from . import _comm
 from . import _plainsum
 from . import _plan
+from . import _prepared
 from . import _sched
-from . import _settings
 from . import _timeline
 from . import _trace
 from . import _wire
@@ -91,19 +91,19 @@ def run(buf, op, params, cs, key, average, gather, nonfinite):
     flags = buf.flags
     if code is None or not (flags.c_contiguous and flags.writeable) or buf.size == 0:
         return None
-    n, nbytes = buf.size, buf.nbytes
+    n = buf.size
     try:
         limits = _wire.read_limits()
-        st = _settings.settings_for("allreduce", buf.dtype, 2, op, params, key, average,
-                                    gather, nonfinite, n, None, limits)
+        rec = _prepared.prepare("allreduce", False, None, buf.dtype, n, 2, cs.rank, op, params,
+                                key, average, gather, nonfinite, None, limits)
     except Exception:  # noqa: BLE001 - the engine reports it on every rank
         return None
-    # a plain sum; its values travel with the row only point to point
-    if (not st.plain or nbytes > limits.inline_plain or _agree.P2P_MAX_RANKS < 2
-            or not _sched.alone()):
+    # a plain sum whose values travel with the row (rec.inline); only point
+    # to point
+    if rec.inline != "values" or _agree.P2P_MAX_RANKS < 2 or not _sched.alone():
         return None
     try:
-        return _straight(buf, cs, st, code, limits)
+        return _straight(buf, cs, rec.settings, code, limits)
     except BaseException as exc:
         # this rank's alone (a defect, no memory, an interrupt): its peer may
         # wait for it forever, so the job is aborted, as for an engine call

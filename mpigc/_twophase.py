@@ -48,7 +48,7 @@ from . import _wire
 from ._backend import part
 from .kernels import cpu as _cpu
 
-__all__ = ["TwoPhase", "Gather", "layout", "pack_shards", "count_bad", "f64_bits"]
+__all__ = ["TwoPhase", "Gather", "pack_shards", "count_bad", "f64_bits"]
 
 
 # -- what a call compresses before the agreement, and what both phases share ----------
@@ -64,15 +64,6 @@ def _bits_f64(i):
     return struct.unpack("<d", struct.pack("<q", int(i)))[0]
 
 
-def layout(op):
-    """The layout of the call's two phases (:func:`mpigc._plan.phases`)."""
-    adt = np.float64 if op.dtype == np.float64 else np.float32  # the sums' dtype
-    comp, wdt = op.comp, op.wdtype
-    return _plan.phases(op.kind, op.gather, op.dtype.itemsize, op.bounds, op.chunks,
-                        lambda k: comp.payload_nbytes(k, wdt),
-                        lambda k: comp.payload_nbytes(k, adt))
-
-
 def _stream(op, rank, stage):
     """terngrad's random stream: seed and key, rank, the key's call count
     (the communicator's call count for calls without state), stage."""
@@ -85,10 +76,10 @@ def _stream(op, rank, stage):
 
 def pack_shards(op, row, scale=None):
     """Compress every shard into one send buffer (``op.sendbuf``), laid out
-    as the one chunk of :func:`layout` (``op.plan``, which the phases
-    reuse); the bad counts into ``row`` (when not None)."""
-    op.plan = plan = layout(op)
-    op.sendbuf = op.be.empty(plan.total, np.uint8)
+    as the one chunk of the call's phases (``op.prep.phases``); the bad
+    counts into ``row`` (when not None)."""
+    plan = op.prep.phases
+    op.sendbuf = op.bufs.get("send", op.be, plan.total, np.uint8)
     kw = {}
     if op.comp.needs_global_scale:
         kw = {"scale": scale, "clip_bound": op.clip_bound, "stream": _stream(op, op.rank, 0)}
@@ -137,13 +128,12 @@ class TwoPhase:
         and phase 2's receives once the verdict is in."""
         self.call = op
         comm, r, size, be = op.cs.comm, op.rank, op.size, op.be
-        if op.chunks is None and op.plan is None:
+        if op.chunks is None and op.sendbuf is None:
             _pack_scaled(op)  # terngrad: packed only now, with the agreed scale
-        # laid out when the call packed (one chunk), else now (pipelined)
-        self.plan = p = op.plan if op.chunks is None else layout(op)
+        self.plan = p = op.prep.phases  # prepared once per signature
         self.cuts, self.psz, self.poff = p.cuts, p.psz, p.poff
         if p.counts == "trailer":
-            self.sendbuf = be.empty(p.total, np.uint8)
+            self.sendbuf = op.bufs.get("send", be, p.total, np.uint8)
             self.cpack, self.verdict = 0, None  # trailers decide
         else:
             self.sendbuf = op.sendbuf  # laid out as p.poff[0]
@@ -155,7 +145,7 @@ class TwoPhase:
         tag = op.tags[0]
         self.recvbuf = self.wire1 = None  # inline: the payloads came with the rows
         if not inline:
-            self.recvbuf = op.be.empty(o, np.uint8)
+            self.recvbuf = op.bufs.get("recv1", be, o, np.uint8)
             self.wire1 = be.wire(self.recvbuf)
             for c in range(nc):
                 m = self.psz[c][r]
@@ -174,7 +164,7 @@ class TwoPhase:
             if not inline:
                 self._send_chunk(0)
         lo, hi = op.bounds[r]
-        self.acc = be.empty(hi - lo, np.float64 if op.dtype == np.float64 else np.float32)
+        self.acc = op.bufs.get("acc", be, hi - lo, op.prep.sum_dtype)
         self.c1 = self.src1 = self.nbad = 0
         self.gather = None  # phase 2 (allreduce), once the verdict is in
         if self.verdict == "go":
@@ -408,7 +398,7 @@ class Gather:
                         self.reqs.append(_wire.post(comm.Irecv, wire[a * isz:b * isz], j, tag,
                                                     op.limits.max_count))
         else:
-            self.recvbuf = op.be.empty(self.plan.total2, np.uint8)
+            self.recvbuf = op.bufs.get("recv2", op.be, self.plan.total2, np.uint8)
             self.wire = wire = op.be.wire(self.recvbuf)
             for c in range(len(cuts)):
                 for k in range(1, size):

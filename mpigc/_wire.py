@@ -13,7 +13,8 @@ from ._errors import ConfigError
 __all__ = ["traffic", "reset_traffic", "add_traffic", "counters", "count", "Limits",
            "read_limits", "getenv", "env_int", "bytes_msg", "post"]
 
-_counters = {"pipelined_calls": 0, "typed_messages": 0, "short_calls": 0}
+_counters = {"pipelined_calls": 0, "typed_messages": 0, "short_calls": 0,
+             "plans_prepared": 0}
 _traffic = {"calls": 0, "bytes_sent": 0, "logical_bytes": 0}
 
 
@@ -50,7 +51,8 @@ def counters():
     ``$MPIGC_MAX_COUNT`` bytes, each sent or received as one element of a
     derived datatype. Both count the inter-node calls of hierarchical calls.
     ``short_calls``: calls that ran on the short path of a small repeated
-    call (:mod:`mpigc._shortcall`)."""
+    call (:mod:`mpigc._shortcall`). ``plans_prepared``: calls prepared
+    anew, not found in the cache of prepared calls (:mod:`mpigc._prepared`)."""
     return dict(_counters)
 
 

@@ -1,0 +1,199 @@
+"""A call prepared once: what a flat or grouped call's signature fixes,
+derived on its first call into a frozen :class:`Prepared` record and cached
+per signature (:func:`prepare`), as libnbc caches a collective's schedule
+per argument set; the working buffers its calls re-bind (:class:`Buffers`).
+
+A signature is what the record depends on: the settings' cache key
+(:func:`mpigc._settings.settings_key`: kind, op and its parameters, key,
+average, gather, nonfinite, size, dtype, recvcounts, the communicator's
+size, the environment that settings read), this rank, the buffer's side and
+GPU, ``$MPIGC_CHUNK_BYTES`` and the call's :class:`mpigc._wire.Limits`. A
+grouped call's layout is in it through its key (the members' keys and
+sizes) and its recvcounts. A signature that is not hashable (a dict op, a
+compressor object) is prepared on every call, as its settings are
+validated on every call. ``$MPIGC_PLAN_CACHE=0`` prepares every call
+(``plans_prepared`` of :func:`mpigc.diagnostics.counters` counts the
+records made).
+
+The record holds no MPI and nothing of one call: no arrays of the caller,
+no transaction, no request. What it owns is a pool of working buffers
+(:class:`Buffers`): a call takes a set, the engine's steps take their
+arrays from it by name (allocated the first time), and the call gives the
+set back once it completed or was skipped on every rank, every transfer
+done and its kernels synchronised; several pending calls of one signature
+each hold a set of their own, and a failed call's set is dropped (an MPI
+operation may still write it). An array that becomes the call's result
+(a reduce-scatter's reduced shard) leaves the set.
+"""
+import numpy as np
+
+from . import _plan
+from . import _settings
+from . import _wire
+from .compressors import work_dtype
+
+__all__ = ["Prepared", "Buffers", "BufferSet", "prepare", "cache_enabled"]
+
+
+class BufferSet:
+    """One call's working buffers (:class:`Buffers`), by name: ``"send"``
+    (phase 1's payloads), ``"recv1"`` (phase 1's receives), ``"acc"`` (this
+    rank's reduced shard), ``"recv2"`` (the compressed gather's receives),
+    ``"x"`` (a compressed float16 call's float32 copy), ``"f32"`` (a plain
+    float16 call's float32 copy), ``"fused"`` (a grouped call's fused
+    buffer)."""
+
+    __slots__ = ("arrays",)
+
+    def __init__(self):
+        self.arrays = {}
+
+    def get(self, name, be, n, dtype):
+        """Array ``name``: this set's, or ``be.empty(n, dtype)`` the first
+        time (a signature fixes every size, dtype and side)."""
+        a = self.arrays.get(name)
+        if a is None:
+            a = self.arrays[name] = be.empty(n, dtype)
+        return a
+
+
+class Buffers:
+    """The pool of a record's buffer sets: :meth:`take` one per call,
+    :meth:`give` it back when the call completed (one set is kept: more
+    are only for calls of one signature pending together, which keys in use
+    forbid for calls with residuals)."""
+
+    _KEEP = 1
+
+    __slots__ = ("_free",)
+
+    def __init__(self):
+        self._free = []
+
+    def take(self):
+        try:
+            return self._free.pop()  # atomic: calls of several threads
+        except IndexError:
+            return BufferSet()
+
+    def give(self, bufs, result=None):
+        """The call of ``bufs`` completed: its set serves a later call, less
+        any array that is its ``result`` (the caller's from now on)."""
+        if result is not None:
+            for name, a in list(bufs.arrays.items()):
+                if a is result:
+                    del bufs.arrays[name]
+        if len(self._free) < self._KEEP:
+            self._free.append(bufs)
+
+
+class Prepared:
+    """What a call's signature fixes (see the module docstring), frozen:
+
+    ``kind``, ``n``, ``dtype`` (the buffer's), ``wdtype`` (the compressor's
+    working dtype), ``sum_dtype`` (the owners' sums: float64 for float64,
+    else float32); ``settings`` (:class:`mpigc._settings.Settings`) and its
+    fields used on every call (``comp``, ``bounds``, ``plain``);
+    ``chunks`` (a pipelined call's cuts, :func:`mpigc._plan.chunk_cuts`;
+    None: not pipelined); ``phases`` (the two phases' layout,
+    :func:`mpigc._plan.phases`; None for a plain sum); ``inline`` and
+    ``inline_bytes`` (what this rank's agreement messages carry after its
+    row, :func:`mpigc._plan.inline_data`, and the bytes a peer that agrees
+    sends after its own); ``f32_copy`` (a plain float16 call sums a
+    float32 copy: MPI has no float16 sum), ``plain_bytes`` (the bytes MPI
+    sums) and ``pieces`` (in how many MPI sums); ``device``, ``device_id``
+    (the buffer's side and GPU); ``limits``; ``buffers`` (:class:`Buffers`)."""
+
+    __slots__ = ("kind", "n", "dtype", "wdtype", "sum_dtype", "settings", "comp", "bounds",
+                 "plain", "chunks", "phases", "inline", "inline_bytes", "f32_copy",
+                 "plain_bytes", "pieces", "device", "device_id", "limits", "buffers")
+
+    def __init__(self, kind, n, dtype, size, rank, st, device, device_id, limits):
+        s = object.__setattr__
+        s(self, "kind", kind)
+        s(self, "n", n)
+        s(self, "dtype", dtype)
+        s(self, "wdtype", work_dtype(dtype))  # not buf.dtype: torch's is a torch dtype
+        s(self, "sum_dtype", np.dtype(np.float64 if dtype == np.float64 else np.float32))
+        s(self, "settings", st)
+        s(self, "comp", st.comp)
+        s(self, "bounds", st.bounds)
+        s(self, "plain", st.plain)
+        s(self, "device", device)
+        s(self, "device_id", device_id)
+        s(self, "limits", limits)
+        s(self, "buffers", Buffers())
+        comp = st.comp
+        chunks = phases = None
+        if not st.plain and not device and size >= 2:
+            # a pipelined call's cuts (see docs/engine.md): host buffers of a
+            # compressor that says where it may cut, on 2 ranks or more, at
+            # least two chunks of $MPIGC_CHUNK_BYTES; each piece encodes as
+            # its part of the whole shard would (the same bits)
+            chunks = _plan.chunk_cuts(st.bounds, n * dtype.itemsize, comp.chunk_align(),
+                                      _settings.chunk_bytes())
+        if not st.plain:
+            wdt, adt = self.wdtype, self.sum_dtype
+            phases = _plan.phases(kind, st.gather, dtype.itemsize, st.bounds, chunks,
+                                  lambda k: comp.payload_nbytes(k, wdt),
+                                  lambda k: comp.payload_nbytes(k, adt))
+        s(self, "chunks", chunks)
+        s(self, "phases", phases)
+        f32 = st.plain and dtype == np.float16
+        s(self, "f32_copy", f32)
+        s(self, "plain_bytes", n * 4 if f32 else n * dtype.itemsize)
+        s(self, "pieces", _plan.sum_pieces(n, limits.max_count))
+        # what travels with the rows: the payloads' sizes are known before
+        # the agreement unless the call is pipelined or waits for the
+        # global scale
+        scaled = not st.plain and comp.needs_global_scale
+        pipelined = chunks is not None
+        sizes = None if st.plain or scaled or pipelined else phases.sizes
+        inline = _plan.inline_data(
+            kind, size, st.plain, self.plain_bytes if st.plain else 0, sizes, scaled,
+            device=device, pipelined=pipelined, plain_max=limits.inline_plain,
+            payload_max=limits.inline_payload)
+        s(self, "inline", inline)
+        # bytes of data that a peer that agrees with this rank sends after its row
+        s(self, "inline_bytes", 0 if inline is None else
+          self.plain_bytes if inline == "values" else phases.sizes[rank])
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a prepared call is frozen: cannot set {name!r}")
+
+
+# the records per signature (see the module docstring)
+_cache = {}
+_CACHE_MAX = 4096
+
+
+def cache_enabled():
+    """``$MPIGC_PLAN_CACHE``: ``0`` prepares every call anew (a record and
+    buffers of its own); anything else, or unset, caches records per
+    signature."""
+    return _wire.getenv("MPIGC_PLAN_CACHE") != "0"
+
+
+def prepare(kind, device, device_id, dtype, n, size, rank, op, params, key, average, gather,
+            nonfinite, recvcounts, limits):
+    """The call's :class:`Prepared` record: the cached one of its signature,
+    or made now (its settings validated: raises ConfigError or
+    InvalidBufferError as :func:`mpigc._settings.settings_for` does).
+    ``device``, ``device_id``: the buffer's backend's (host: False, None)."""
+    sk = _settings.settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype,
+                                recvcounts, size, limits.max_count)
+    ck = None
+    if sk is not None and cache_enabled():
+        ck = (sk, rank, device, device_id, _wire.getenv("MPIGC_CHUNK_BYTES"), limits)
+        hit = _cache.get(ck)
+        if hit is not None:
+            return hit
+    st = _settings.settings_for(kind, dtype, size, op, params, key, average, gather,
+                                nonfinite, n, recvcounts, limits)
+    rec = Prepared(kind, n, dtype, size, rank, st, device, device_id, limits)
+    _wire.count("plans_prepared")
+    if ck is not None:
+        if len(_cache) >= _CACHE_MAX:
+            _cache.clear()
+        _cache[ck] = rec
+    return rec

@@ -47,6 +47,7 @@ import sys
 import pytest
 
 from support import background
+from support.simulator_fix import yield_while_polling  # noqa: F401 (test_relative_2bit uses it)
 
 HERE = os.path.abspath(__file__)
 
@@ -1635,80 +1636,10 @@ def check_cache(path):
 
 _NO_SIMULATOR = ("import", "ptx", "planted_ptx", "cache")
 
-#: sha256 (first 16 hex digits) of the source of numba-cuda 0.30.4's
-#: ``numba.cuda.simulator.kernel.BlockManager.run``, which
-#: :func:`yield_while_polling` copies
-_BLOCK_MANAGER_RUN = "54626c6819f55d51"
-
-
-def yield_while_polling():
-    """Numba's simulator runs a CUDA block as one Python thread per CUDA
-    thread, and the launching thread watches them (which are blocked in
-    ``syncthreads``, which raised, which ended) in a loop that never waits:
-    it holds the GIL for a whole switch interval at a time while the block's
-    threads, the ones with work to do, wait for it. This is numba-cuda
-    0.30.4's ``BlockManager.run`` with one change: the watching thread gives
-    up the GIL (``time.sleep(0)``) after each look at the threads. What a
-    block does is unchanged (the same threads, the same release of a
-    ``syncthreads`` when every live thread waits in it, the same abort on
-    an exception); the simulator groups took 30-60% less CPU time (a
-    ``stats`` launch 360 -> 110 ms, ``pack_1bit`` 510 -> 350 ms). Another
-    numba-cuda (another source of that function) is left as it is.
-    Returns whether the simulator was changed."""
-    import hashlib
-    import inspect
-    import time
-
-    import numpy as np
-    from numba.cuda.simulator import kernel
-    src = inspect.getsource(kernel.BlockManager.run)
-    if hashlib.sha256(src.encode()).hexdigest()[:16] != _BLOCK_MANAGER_RUN:
-        return False
-
-    def run(self, grid_point, *args):
-        threads = set()
-        livethreads = set()
-        blockedthreads = set()
-        for block_point in np.ndindex(*self._block_dim):
-
-            def target():
-                self._f(*args)
-
-            t = kernel.BlockThread(target, self, grid_point, block_point, self._debug)
-            t.start()
-            threads.add(t)
-            livethreads.add(t)
-        while livethreads:
-            for t in livethreads:
-                if t.syncthreads_blocked:
-                    blockedthreads.add(t)
-                elif t.exception:
-                    for t_other in threads:
-                        t_other.abort = True
-                        t_other.syncthreads_blocked = False
-                        t_other.syncthreads_event.set()
-                    raise t.exception[0].with_traceback(t.exception[1])
-            if livethreads == blockedthreads:
-                for t in blockedthreads:
-                    t.syncthreads_blocked = False
-                    t.syncthreads_event.set()
-                blockedthreads = set()
-            livethreads = set([t for t in livethreads if t.is_alive()])
-            if livethreads:
-                time.sleep(0)  # the one change: let the block's threads run
-        for t in threads:
-            if t.exception:
-                raise t.exception[0].with_traceback(t.exception[1])
-
-    kernel.BlockManager.run = run
-    return True
-
-
 def _main(group, *args):
     if group not in _NO_SIMULATOR:
         from support.simulator_fix import fix_simulator_shared_arrays, gpu_float_minmax
-        fix_simulator_shared_arrays()
-        if not yield_while_polling():
+        if not fix_simulator_shared_arrays():  # and the launching thread yields
             print("note: numba-cuda's simulator BlockManager.run is not the one "
                   "yield_while_polling copies: left as it is (slower, the same checks)")
         from support import launch_contract

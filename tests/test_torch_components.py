@@ -113,3 +113,89 @@ def test_layout_keys_and_offsets():
     assert (lay.offsets, lay.n, lay.dtype) == ([0, 2, 2], 7, np.dtype(np.float32))
     assert lay.key.startswith("torch/a..c/") and len(lay.key.split("/")[-1]) == 12
     assert lay.key != _buckets.Layout(3, ["a", "b", "c"], [2, 1, 4], np.float32).key
+
+
+# -- the residual state -------------------------------------------------------------
+def _store(entries):
+    """An ErrorFeedback holding ``{key: worker}`` (float32, one rank)."""
+    from mpigc import feedback
+    fb = feedback.ErrorFeedback()
+    fb.replace_entries({k: feedback.new_entry(w.size, np.float32, 1, 0, {"type": "2bit"}, 2,
+                                              np.array(w, np.float32), None)
+                        for k, w in entries.items()})
+    return fb
+
+
+def _residuals(fb, lay=None):
+    from mpi4py import MPI
+    from mpigc.torch._residuals import Residuals
+    return Residuals(fb, MPI.COMM_SELF, MPI.COMM_SELF, "compressed", lay, lay is not None,
+                     "flat" if lay is None else "node")
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_fold_back_gives_what_unused_elements_delivered_to_the_worker(average):
+    lay = _buckets.Layout(0, ["a", "b", "c"], [2, 3, 1], np.float32)
+    fb = _store({lay.key: np.arange(6)})
+    buf = torch.tensor([10., 20., 30., 40., 50., 60.])
+    _residuals(fb).fold_back(lay, buf, [(0, 2), (5, 1)], average, 4)
+    d = buf.numpy() if average else buf.numpy() / 4
+    want = np.arange(6, dtype=np.float32) + np.where([1, 1, 0, 0, 0, 1], d, 0)
+    assert fb.state_dict()[lay.key]["worker"].tolist() == want.tolist()
+
+
+def test_fold_back_of_hierarchical_slices_gives_each_handler_its_share():
+    """A slice's M handlers each take 1/M of what its elements delivered."""
+    from types import SimpleNamespace
+    from mpigc import _hierarchy
+    L, M = 2, 2
+    hl = SimpleNamespace(L=L, M=M, rank=0, slices_of=lambda r: [0, 1])
+    lay = _buckets.Layout(0, ["a", "b"], [3, 3], np.float32)  # slices [0, 3), [3, 6)
+    keys = [_hierarchy.slice_key(lay.key, s, L, lay.n) for s in range(L)]
+    fb = _store({keys[0]: np.zeros(3), keys[1]: np.zeros(3)})
+    buf = torch.arange(1., 7.)
+    _residuals(fb, hl).fold_back(lay, buf, [(2, 3)], True, 4)  # elements 2, 3, 4
+    s = fb.state_dict()
+    assert s[keys[0]]["worker"].tolist() == [0, 0, 3 * 4 / M]
+    assert s[keys[1]]["worker"].tolist() == [4 * 4 / M, 5 * 4 / M, 0]
+
+
+def test_a_step_snapshot_puts_back_and_reuses_its_arrays():
+    lay = _buckets.Layout(0, ["a"], [3], np.float32)
+    fb = _store({lay.key: np.arange(3)})
+    res = _residuals(fb)
+    snaps = res.snapshot(lay)
+    fb.add_to_worker(lay.key, 0, 3, lambda v: v.__iadd__(1))
+    res.restore(snaps)
+    assert fb.state_dict()[lay.key]["worker"].tolist() == [0, 1, 2]
+    res.recycle(lay.key, snaps)
+    again = res.snapshot(lay)
+    assert again[lay.key][0] is snaps[lay.key][0]  # the spare's arrays, written over
+    new = _buckets.Layout(1, ["z"], [2], np.float32)  # a key without residuals
+    gone = res.snapshot(new)
+    assert gone == {new.key: None}
+    fb.replace_entries({**fb.entries(), **_store({new.key: np.ones(2)}).entries()})
+    res.restore(gone)  # put back as it was: no entry
+    assert new.key not in fb and lay.key in fb
+
+
+def test_state_of_is_the_state_of_the_layouts():
+    """state_of (keys of other calls may be busy) reads what state does."""
+    import mpigc
+    lay = _buckets.Layout(0, ["a", "b"], [2, 3], np.float32)
+    fb = _store({lay.key: np.arange(5), "other": np.zeros(4)})
+    res = _residuals(fb)
+    got = res.state_of([lay])
+    want = res.state([lay], lambda: None, "test")
+    assert sorted(got) == sorted(want) == ["a", "b"]
+    for n in got:
+        assert got[n]["worker"].tolist() == want[n]["worker"].tolist()
+        assert {k: v for k, v in got[n].items() if k not in ("worker", "owner")} == \
+            {k: v for k, v in want[n].items() if k not in ("worker", "owner")}
+    txn = fb.begin("other", 4, np.float32, 1, 0)  # another key in use
+    try:
+        assert res.state_of([lay])["b"]["worker"].tolist() == [2, 3, 4]
+        with pytest.raises(mpigc.StateError):
+            fb.state_dict()
+    finally:
+        txn.end()

@@ -30,6 +30,7 @@ from ..allreduce import allreduce
 from .._errors import ConfigError, InvalidBufferError, MismatchError, MpigcError
 from ..feedback import ErrorFeedback
 from ._common import agree_construction, torch_compressor
+from ._residuals import Residuals
 
 __all__ = ["CompressedAdamW", "local_gradients_hook"]
 
@@ -196,6 +197,7 @@ class CompressedAdamW(torch.optim.Optimizer):
         self.gather = gather
         self.nonfinite = nonfinite
         self.feedback = ErrorFeedback()
+        self._residuals = Residuals(self.feedback, self.comm, self._comm, gather)
         #: steps skipped because exchanged values were not finite
         self.skipped_steps = 0
         self._steps = 0
@@ -505,12 +507,10 @@ class CompressedAdamW(torch.optim.Optimizer):
     def save_checkpoint(self, path, step=None):
         """The residuals of the compressed exchange, with
         :func:`mpigc.save_checkpoint` (collective; any world size on load)."""
-        import mpigc
-        return mpigc.save_checkpoint(path, self.feedback, comm=self.comm, step=step)
+        return self._residuals.save_checkpoint(path, step)
 
     def load_checkpoint(self, path):
-        import mpigc
-        return mpigc.load_checkpoint(path, self.feedback, comm=self.comm)
+        return self._residuals.load_checkpoint(path)
 
     def __repr__(self):
         return (f"CompressedAdamW(op={self.compressor!r}, freeze_steps={self.freeze_steps!r}, "

@@ -10,19 +10,16 @@ from mpi4py import MPI
 from .. import _comm as _engine_comm
 from .._errors import ConfigError, DTypeError, MpigcError, StateError
 from ..allreduce import iallreduce
-from ..feedback import ErrorFeedback, _entry_state, shard_bounds
 
 from ._common import (HOOK_STALE, HOOK_STEP, NP_OF_TORCH, Rendezvous, ThresholdWatch,
-                      agree_construction, as_tensor, check_feedback, check_gather, check_same,
+                      agree_construction, check_feedback, check_gather, check_same,
                       describe, engine_after_torch, engine_array, first_is_nan, positive,
                       profiled, resolve_comm, resolve_timeout, resolve_warn_s, simulating,
                       torch_after_engine, torch_compressor, torch_nonfinite, wait_request,
                       warn_if_uncompressed)
-from ._record import gather_record
 from ._buckets import Layout, own_dtype, plan_buckets
-from ._state import (agree_hierarchy, entries_for_layouts,
-                     flat_to_hier, hier_to_flat, incoming_state, residual_keys, restore_keys,
-                     snapshot_keys, state_from_layouts, store_state)
+from ._residuals import Residuals
+from ._state import agree_hierarchy
 
 
 def layout_independent(compressor):
@@ -231,8 +228,9 @@ class CommHookState:
         self._arrive = Rendezvous(self._comm, self._warn_s)
         check_same(self._comm, describe(named), "CommHookState")
         self.hierarchy = hierarchy
-        self._lay, self._hier = agree_hierarchy(self._comm, self.comm, hierarchy,
-                                                 "CommHookState")
+        lay, hier = agree_hierarchy(self._comm, self.comm, hierarchy, "CommHookState")
+        self._residuals = Residuals(self.feedback, self.comm, self._comm, gather, lay, hier,
+                                    hierarchy)
         self.names = [n for n, _ in named]
         self._numel = {n: p.numel() for n, p in named}
         self._name_of = {id(p): n for n, p in named}
@@ -250,7 +248,6 @@ class CommHookState:
         self._layouts = {}   # index -> Layout in use (DDP's buckets, or the groups)
         self._pending = {}   # per-parameter state waiting for its bucket
         self._reset_step()
-        self._spare_snapshots = {}  # key -> an old snapshot whose arrays are reused
         #: steps whose gradients were non-finite on some rank (``nonfinite="skip"``)
         self.nonfinite_steps = 0
         self.size, self.rank = self._comm.size, self._comm.rank
@@ -323,10 +320,6 @@ class CommHookState:
         return Layout(bucket.index(), names, [self._numel[n] for n in names],
                        NP_OF_TORCH[tensor.dtype])
 
-    def _keys(self, layout):
-        """The residual keys of ``layout``'s calls on this rank."""
-        return [k for _, k in residual_keys(self._lay, self._hier, layout.key, layout.n)]
-
     def _place(self, layout):
         """A bucket layout new at its index takes over the residuals of its
         parameters (collective; every rank has the same buckets). A layout
@@ -347,30 +340,12 @@ class CommHookState:
             # parameters are this bucket's, or, for the displaced one, of buckets
             # to come: a bucket of this step at another index that had its key
             # would have freed this index already)
-            fbs = {}
+            self._pending.update(self._residuals.state_of(stale))
+            self._residuals.drop(stale)
             for lay in stale:
-                for k in self._keys(lay):
-                    e = self.feedback.entry(k)
-                    if e is not None:
-                        fbs[k] = _entry_state(e)
-            if self._hier:  # the slices' residuals in the flat layout of each bucket
-                fbs = hier_to_flat(self._comm, self._lay, fbs, self.size, self.rank)
-            self._pending.update(state_from_layouts(stale, fbs, self._comm, self.gather))
-            for lay in stale:
-                for k in self._keys(lay):
-                    self.feedback.reset(k)
-                self._spare_snapshots.pop(lay.key, None)
                 del self._layouts[lay.index]
         if any(n in self._pending for n in layout.names):
-            new = entries_for_layouts([layout], self._pending, self._comm)
-            if self._hier:
-                entries = flat_to_hier(self._comm, self.comm, new, self.hierarchy,
-                                        "comm_hook")
-            else:
-                tmp = ErrorFeedback()
-                tmp.load_state_dict(new)
-                entries = tmp.entries()
-            self.feedback.update_entries(entries)
+            self._residuals.install([layout], self._pending, "comm_hook", replace=False)
             for n in layout.names:
                 self._pending.pop(n, None)
         self._layouts[layout.index] = layout
@@ -383,9 +358,7 @@ class CommHookState:
             self._place(layout)
         # several calls: a step changes the residuals of all or of none (see
         # _complete)
-        snap = (snapshot_keys(self.feedback, self._keys(layout),
-                               self._spare_snapshots.pop(layout.key, None))
-                if several else None)
+        snap = self._residuals.snapshot(layout) if several else None
         # reduced in place: a CUDA tensor as it is (the engine reduces device
         # arrays on the GPU, after what torch queued on its current stream), a
         # CPU one as numpy
@@ -561,7 +534,7 @@ class CommHookState:
             # other calls, so the failed step changes none
             for (_, _, _, snap), bad in zip(calls, failed):
                 if snap is not None and not bad:
-                    restore_keys(self.feedback, snap)
+                    self._residuals.restore(snap)
         elif self.nonfinite == "skip":
             bad = first_is_nan([b for _, _, b, _ in calls])
             if any(bad):  # a step GradScaler skips: put the other residuals back
@@ -569,10 +542,10 @@ class CommHookState:
                 self.nonfinite_steps += 1
                 for (_, _, _, snap), b in zip(calls, bad):
                     if not b and len(calls) > 1:
-                        restore_keys(self.feedback, snap)
+                        self._residuals.restore(snap)
         for layout, _, _, snap in calls:  # their arrays serve the next snapshots
             if snap is not None:
-                self._spare_snapshots[layout.key] = snap
+                self._residuals.recycle(layout.key, snap)
         if error is None:
             unused = (set() if used is None else
                       {n for n, u in zip(self.names, used) if u == 0})
@@ -609,32 +582,11 @@ class CommHookState:
     def _fold_back(self, layout, buf, unused):
         """What the elements of parameters that no rank used delivered goes
         back into the worker residuals of ``layout``'s call, as
-        :meth:`GradientSync._fold_back` does (hierarchical calls: each of a
-        slice's M handlers takes 1/M of it). Through a snapshot of the key's
-        residuals (mpigc.feedback has no in-place operation on a worker
-        residual yet)."""
+        :class:`GradientSync` does (:meth:`Residuals.fold_back`)."""
         spans = [(off, m) for n, off, m in zip(layout.names, layout.offsets, layout.numels)
                  if n in unused]
-        if not spans:
-            return
-        for sl, key in residual_keys(self._lay, self._hier, layout.key, layout.n):
-            snaps = snapshot_keys(self.feedback, [key], self._spare_snapshots.get(layout.key))
-            snap = snaps[key]
-            if snap is None or snap[0] is None:
-                continue
-            worker = as_tensor(snap[0], buf)
-            if sl is None:
-                for off, m in spans:
-                    delivered = buf[off:off + m]
-                    worker[off:off + m] += delivered if self.average else delivered / self.size
-            else:
-                total = self.size if self.average else 1  # delivered = total sum / this
-                slo, shi = shard_bounds(layout.n, self._lay.L)[sl]
-                for off, m in spans:
-                    lo, hi = max(off, slo), min(off + m, shi)
-                    if lo < hi:
-                        worker[lo - slo:hi - slo] += buf[lo:hi] * (total / self._lay.M)
-            restore_keys(self.feedback, snaps)
+        if spans:
+            self._residuals.fold_back(layout, buf, spans, self.average, self.size)
 
     # -- state -------------------------------------------------------------------
     def _idle(self, what):
@@ -648,12 +600,8 @@ class CommHookState:
         writes, which :meth:`load_state_dict` takes on every rank, on any
         world size."""
         self._arrive(self.timeout, "CommHookState.state_dict")
-        fbs = store_state(self._comm, self.feedback, lambda: self._idle("state_dict"),
-                          "CommHookState.state_dict", self._lay, self._hier)
-        out = {n: dict(s) for n, s in self._pending.items()}
-        out.update(state_from_layouts(list(self._layouts.values()), fbs, self._comm,
-                                       self.gather))
-        return gather_record(self._comm, out) if gather else out
+        return self._residuals.state(self._layouts.values(), lambda: self._idle("state_dict"),
+                                     "CommHookState.state_dict", self._pending, gather)
 
     def load_state_dict(self, state, strict=True):
         """Load :meth:`state_dict` (or :meth:`GradientSync.state_dict`) output
@@ -661,30 +609,24 @@ class CommHookState:
         any world size (collective); each bucket takes its parameters'
         residuals at its next step. ``strict`` as for GradientSync."""
         self._arrive(self.timeout, "CommHookState.load_state_dict")
-        state = incoming_state(self._comm, state, self._numel, strict,
-                               lambda: self._idle("load_state_dict"),
-                               "CommHookState.load_state_dict")
+        state = self._residuals.incoming(state, self._numel, strict,
+                                         lambda: self._idle("load_state_dict"),
+                                         "CommHookState.load_state_dict")
         self.feedback.reset()
         self._layouts = {}
         self._pending = {n: s for n, s in state.items() if n in self._numel}
 
     def save_checkpoint(self, path, step=None):
         """:func:`mpigc.save_checkpoint` of :meth:`state_dict` (collective)."""
-        import mpigc
         self._arrive(self.timeout, "CommHookState.save_checkpoint")
-        fb = ErrorFeedback()
-        fb.load_state_dict(self.state_dict())
-        return mpigc.save_checkpoint(path, fb, comm=self.comm, step=step)
+        return self._residuals.save_checkpoint(path, step, self.state_dict())
 
     def load_checkpoint(self, path, strict=True):
         """Load a checkpoint of :meth:`save_checkpoint` or
         :meth:`GradientSync.save_checkpoint`, of any world size (collective)."""
-        import mpigc
         self._arrive(self.timeout, "CommHookState.load_checkpoint")
-        fb = ErrorFeedback()
-        info = mpigc.load_checkpoint(path, fb, comm=self.comm)
-        self.load_state_dict(fb.state_dict(), strict=strict)
-        return info
+        return self._residuals.load_checkpoint(
+            path, lambda state: self.load_state_dict(state, strict=strict))
 
     def __repr__(self):
         return (f"CommHookState(op={self.compressor!r}, params={len(self.names)}, "

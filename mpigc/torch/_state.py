@@ -1,30 +1,15 @@
-"""Residual state of bucketed gradients, per parameter: snapshots of a
-bucket's residuals, the per-parameter state of a set of bucket layouts and its
-conversions (across bucketings, world sizes and hierarchical slices)."""
+"""Residual state of bucketed gradients, per parameter: the per-parameter
+state of a set of bucket layouts and its conversions (across bucketings, world
+sizes and hierarchical slices), for :class:`mpigc.torch._residuals.Residuals`."""
 import numpy as np
 
 from .. import _hierarchy
 from .._errors import ConfigError, MismatchError, MpigcError, StateError
 from ..compressors import get_compressor
-from ..feedback import ErrorFeedback, restore, shard_bounds, snapshot
+from ..feedback import ErrorFeedback, shard_bounds
 
 from ._common import raise_everywhere
 from ._record import is_record, state_for_rank
-
-
-def snapshot_keys(fb, keys, reuse=None):
-    """:func:`mpigc.feedback.snapshot` of each of ``keys`` (a bucket's
-    residual keys): ``{key: snapshot}``; ``reuse``: an older such dict whose
-    arrays are written over."""
-    reuse = reuse or {}
-    return {k: snapshot(fb, k, reuse.get(k)) for k in keys}
-
-
-def restore_keys(fb, snaps):
-    """Put back :func:`snapshot_keys`'s ``snaps`` (keys without residuals
-    then are forgotten)."""
-    for k, snap in snaps.items():
-        restore(fb, k, snap)
 
 
 def _uses_owner(gather, config):

@@ -10,20 +10,17 @@ from mpi4py import MPI
 from .. import _comm as _engine_comm
 from .._errors import ConfigError, DTypeError, MpigcError, StateError
 from ..allreduce import iallreduce
-from ..feedback import ErrorFeedback, shard_bounds
 
 from ._common import (BUCKET_DTYPES, JOIN, STEP, Rendezvous, ThresholdWatch, agree_construction,
-                      as_tensor, check_feedback, check_gather, check_same, describe,
+                      check_feedback, check_gather, check_same, describe,
                       engine_after_torch, engine_array, first_is_nan, positive, profiled,
                       raise_everywhere, resolve_comm, resolve_timeout, resolve_warn_s,
                       simulating, torch_after_engine, torch_compressor, torch_nonfinite,
                       wait_request, warn_if_uncompressed)
 from ._launch import broadcast_parameters
-from ._record import gather_record
 from ._buckets import Layout, accumulating_dtype, plan_buckets
-from ._state import (agree_hierarchy, entries_for_layouts, flat_to_hier,
-                     incoming_state, residual_keys, restore_keys, snapshot_keys,
-                     state_from_layouts, store_state)
+from ._residuals import Residuals
+from ._state import agree_hierarchy
 
 
 def _hooked_by(p):
@@ -246,8 +243,9 @@ class GradientSync:
         self._arrive = Rendezvous(self._comm, self._warn_s)
         self.hierarchy = hierarchy
         # the node layout (collective): whether the buckets' calls are hierarchical
-        self._lay, self._hier = agree_hierarchy(self._comm, self.comm, hierarchy,
-                                                 "GradientSync")
+        lay, hier = agree_hierarchy(self._comm, self.comm, hierarchy, "GradientSync")
+        self._residuals = Residuals(self.feedback, self.comm, self._comm, gather, lay, hier,
+                                    hierarchy)
         named = [(n, p) for n, p in named if p.requires_grad]
         check_same(self._comm, describe(named), "GradientSync")
         taken = [n for n, p in named if _hooked_by(p) is not None]
@@ -283,7 +281,6 @@ class GradientSync:
         # residuals of all its buckets or of none
         self._keep_snapshots = len(self.buckets) > 1
         self._snapshots = {}
-        self._spare_snapshots = {}  # key -> an old snapshot whose arrays are reused
         self._agree_req = None
         self._agree_buf = None
         self._changed = []
@@ -381,9 +378,7 @@ class GradientSync:
         if b.tensor.is_cuda:
             engine_after_torch(b.tensor.device)  # zeros and fold-backs of wait()
         if self._keep_snapshots:
-            self._snapshots[b.key] = snapshot_keys(
-                self.feedback, [k for _, k in self._residual_keys(b)],
-                self._spare_snapshots.pop(b.key, None))
+            self._snapshots[b.key] = self._residuals.snapshot(b)
         b.started_at = time.perf_counter()
         with profiled(f"mpigc: start bucket {b.key}"):
             b.request = iallreduce(b.flat, op=self.compressor, comm=self.comm, key=b.key,
@@ -501,8 +496,8 @@ class GradientSync:
             # buckets go back to what they were before it
             for key, snaps in snapshots.items():
                 if key not in failed:
-                    restore_keys(self.feedback, snaps)
-            self._spare_snapshots.update(snapshots)
+                    self._residuals.restore(snaps)
+            self._recycle(snapshots)
             raise errors[0]
         if buf[1]:
             raise StateError(
@@ -519,15 +514,14 @@ class GradientSync:
             self.nonfinite_steps += 1
             for b, bad in zip(self.buckets, nan):
                 if b.key in snapshots and not bad:
-                    restore_keys(self.feedback, snapshots[b.key])
-        # the snapshots' arrays serve the next step's snapshots
-        self._spare_snapshots.update(snapshots)
+                    self._residuals.restore(snapshots[b.key])
+        self._recycle(snapshots)
         with torch.no_grad():
+            if unused is not None and not skipped:
+                self._fold_back(unused)
             for i, p in enumerate(self._params):
                 b, off, m = self._where[i]
                 if unused is not None and unused[i]:
-                    if not skipped:
-                        self._fold_back(b, off, m)
                     if i in self._views:
                         b.tensor[off:off + m].zero_()  # a .grad that is the view reads 0
                     continue
@@ -594,36 +588,20 @@ class GradientSync:
             b.request = None
             b.error = None
 
-    def _fold_back(self, b, off, m):
-        """A parameter no rank used: give what its elements delivered back to
-        the worker residuals (so nothing is lost), leave its grad alone."""
-        if self._hier:
-            self._fold_back_hier(b, off, m)
-            return
-        delivered = b.tensor[off:off + m]
+    def _recycle(self, snapshots):
+        """The step's snapshots' arrays serve the next step's snapshots."""
+        for key, snaps in snapshots.items():
+            self._residuals.recycle(key, snaps)
 
-        def add(view):  # a view of the residual, either side
-            as_tensor(view, b.tensor).add_(delivered if self.average
-                                           else delivered / self.size)
-        self.feedback.add_to_worker(b.key, off, off + m, add)
-
-    def _residual_keys(self, b):
-        return residual_keys(self._lay, self._hier, b.key, b.n)
-
-    def _fold_back_hier(self, b, off, m):
-        """:meth:`_fold_back` for hierarchical buckets: a slice's worker
-        residuals are held by its M handlers (one per node), so each takes
-        1/M of the total that the parameter's elements delivered."""
-        lay = self._lay
-        total = self.size if self.average else 1  # delivered = total sum / this
-        sb = shard_bounds(b.n, lay.L)
-        for sl, key in self._residual_keys(b):
-            slo, shi = sb[sl]
-            lo, hi = max(off, slo), min(off + m, shi)
-
-            def add(view, lo=lo, hi=hi):  # a view of the residual, either side
-                as_tensor(view, b.tensor).add_(b.tensor[lo:hi] * (total / lay.M))
-            self.feedback.add_to_worker(key, lo - slo, hi - slo, add)
+    def _fold_back(self, unused):
+        """Parameters no rank used (``unused[i]``): what their elements
+        delivered goes back to the worker residuals (so nothing is lost);
+        their grads are left alone."""
+        for b in self.buckets:
+            spans = [(off, m) for i, off, m in zip(b.param_index, b.offsets, b.numels)
+                     if unused[i]]
+            if spans:
+                self._residuals.fold_back(b, b.tensor, spans, self.average, self.size)
 
     # -- state -------------------------------------------------------------------
     def _idle(self, what):
@@ -654,10 +632,8 @@ class GradientSync:
             :meth:`save_checkpoint`.
         """
         self._arrive(self.timeout, "GradientSync.state_dict")
-        fbs = store_state(self._comm, self.feedback, lambda: self._idle("state_dict"),
-                          "GradientSync.state_dict", self._lay, self._hier)
-        state = state_from_layouts(self.buckets, fbs, self._comm, self.gather)
-        return gather_record(self._comm, state) if gather else state
+        return self._residuals.state(self.buckets, lambda: self._idle("state_dict"),
+                                     "GradientSync.state_dict", gather=gather)
 
     def load_state_dict(self, state, strict=True):
         """Load residuals from :meth:`state_dict` (collective), whatever the
@@ -674,38 +650,23 @@ class GradientSync:
         and the missing residuals start at zero.
         """
         self._arrive(self.timeout, "GradientSync.load_state_dict")
-        state = incoming_state(self._comm, state,
-                               {n: p.numel() for n, p in zip(self.names, self._params)},
-                               strict, lambda: self._idle("load_state_dict"),
-                               "GradientSync.load_state_dict")
-        new = entries_for_layouts(self.buckets, state, self._comm)
-        if not self._hier:
-            self.feedback.load_state_dict(new)
-            return
-        # hierarchical buckets: each bucket's flat-layout residuals to its slice
-        # keys on this layout
-        entries = flat_to_hier(self._comm, self.comm, new, self.hierarchy,
-                                "GradientSync.load_state_dict")
-        self.feedback.replace_entries(entries)
+        state = self._residuals.incoming(
+            state, {n: p.numel() for n, p in zip(self.names, self._params)}, strict,
+            lambda: self._idle("load_state_dict"), "GradientSync.load_state_dict")
+        self._residuals.install(self.buckets, state, "GradientSync.load_state_dict")
 
     def save_checkpoint(self, path, step=None):
         """Save the residuals with :func:`mpigc.save_checkpoint` (collective),
         keyed by parameter name (see :meth:`state_dict`)."""
-        import mpigc
         self._arrive(self.timeout, "GradientSync.save_checkpoint")
-        fb = ErrorFeedback()
-        fb.load_state_dict(self.state_dict())
-        return mpigc.save_checkpoint(path, fb, comm=self.comm, step=step)
+        return self._residuals.save_checkpoint(path, step, self.state_dict())
 
     def load_checkpoint(self, path, strict=True):
         """Load residuals saved by :meth:`save_checkpoint` (collective), on any
         world size and bucketing; returns :func:`mpigc.load_checkpoint`'s info."""
-        import mpigc
         self._arrive(self.timeout, "GradientSync.load_checkpoint")
-        fb = ErrorFeedback()
-        info = mpigc.load_checkpoint(path, fb, comm=self.comm)
-        self.load_state_dict(fb.state_dict(), strict=strict)
-        return info
+        return self._residuals.load_checkpoint(
+            path, lambda state: self.load_state_dict(state, strict=strict))
 
     def __repr__(self):
         return (f"GradientSync(op={self.compressor!r}, params={len(self.names)}, "

@@ -31,3 +31,20 @@ def test_bad_op():
 def test_bad_feedback():
     with pytest.raises(mpigc.ConfigError, match="feedback"):
         mt.register_fsdp_hooks(torch.nn.Linear(3, 3), op="none", feedback=3)
+
+
+@pytest.mark.parametrize("n_ranks", [1, 2, 3, 4, 5])
+def test_checkpoint_rows_follow_fsdp_layout(n_ranks):
+    """The DCP record's layout conversion is FSDP's own (torch._chunk_cat on
+    dim 0, padded): parameter elements -> flat -> elements round trip, and
+    the flat layout equals _chunk_cat's."""
+    from mpigc.torch import _fsdp
+    shapes = [[7, 5], [7], [3, 7], [3], [1, 2, 2]]
+    params = [torch.arange(1.0, 1 + int(torch.tensor(s).prod())).reshape(s) * (i + 1)
+              for i, s in enumerate(shapes)]
+    want = torch._chunk_cat(params, dim=0, num_chunks=n_ranks).reshape(-1).numpy()
+    flat = _fsdp._from_params([p.reshape(-1).numpy() for p in params], shapes, n_ranks,
+                              want.dtype)
+    assert (flat == want).all()
+    back = _fsdp._to_params(flat, shapes, n_ranks)
+    assert all((b == p.reshape(-1).numpy()).all() for b, p in zip(back, params))

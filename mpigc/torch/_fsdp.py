@@ -1,12 +1,15 @@
 """mpigc's compressed reduce-scatter as FSDP2's gradient reduce-scatter."""
+import json
+
 import numpy as np
 import torch
 import torch.distributed as dist
+from mpi4py import MPI
 
 from .. import _comm as _engine_comm
 from .. import _wire
-from .._errors import ConfigError, DTypeError, MpigcError, StateError
-from ..feedback import ErrorFeedback
+from .._errors import ConfigError, DTypeError, MismatchError, MpigcError, StateError
+from ..feedback import new_entry, shard_bounds
 from ..allreduce import iallreduce
 from ..reduce_scatter import ireduce_scatter
 
@@ -61,6 +64,16 @@ def _shard_ranks(group):
                           "dimension alone (mesh['shard']) and register_fsdp_hooks runs the "
                           "replica all-reduce, compressed")
     return dist.get_process_group_ranks(group._reduce_scatter_process_group)
+
+
+def _comm_ranks(comm, ranks):
+    """FSDP's global ranks ``ranks`` as ranks of ``comm``, or raise."""
+    of = comm.Get_group().Translate_ranks(list(range(comm.size)), MPI.COMM_WORLD.Get_group())
+    where = {w: i for i, w in enumerate(of)}
+    if any(r not in where for r in ranks):
+        raise ConfigError(f"register_fsdp_hooks: the FSDP group's ranks {list(ranks)[:8]} are "
+                          "not all ranks of comm: pass the communicator of the FSDP mesh's ranks")
+    return [where[r] for r in ranks]
 
 
 def _replica_split(comm, ranks):
@@ -148,17 +161,18 @@ class FsdpHookState:
             if not dist.is_initialized():
                 raise ConfigError("register_fsdp_hooks: torch.distributed is not "
                                   "initialised (FSDP2 needs its process group)")
-            if (dist.get_rank(), dist.get_world_size()) != (self.comm.rank, self.comm.size):
+            world = MPI.COMM_WORLD
+            if (dist.get_rank(), dist.get_world_size()) != (world.rank, world.size):
                 raise ConfigError(
                     f"register_fsdp_hooks: torch.distributed rank {dist.get_rank()} of "
-                    f"{dist.get_world_size()} is not MPI rank {self.comm.rank} of "
-                    f"{self.comm.size}: start the process group with the MPI rank and size "
+                    f"{dist.get_world_size()} is not MPI rank {world.rank} of "
+                    f"{world.size}: start the process group with the MPI rank and size "
                     "(mpigc.torch.init_process_group)")
             shard = sorted({tuple(_shard_ranks(g)) for _, _, g in groups})
             if len(shard) > 1:
                 raise ConfigError("register_fsdp_hooks: the FSDP modules shard over "
                                   f"different groups {shard[:3]}; one mesh for all")
-            shard = list(shard[0]) if shard else list(range(self.comm.size))
+            shard = _comm_ranks(self.comm, shard[0]) if shard else list(range(self.comm.size))
             if len(shard) == self.comm.size and shard != sorted(shard):
                 raise ConfigError("register_fsdp_hooks: the FSDP group's ranks must be in "
                                   "the communicator's order")
@@ -182,6 +196,18 @@ class FsdpHookState:
         self._first = {}  # key -> its first call's buffer, until every key has had one
         self.calls = self.bytes_sent = self.logical_bytes = 0
         self._groups = groups
+        names = {id(p): n for n, p in model.named_parameters()}
+        #: key -> [(parameter name, full shape)] of its FSDP group, in its order
+        self._params = {key: [(names.get(id(fp.sharded_param), "?"), list(fp._orig_size))
+                              for fp in g.fsdp_params] for key, (_, _, g) in zip(self.keys, groups)}
+        self._row_dtype = {key: _row_dtype(g) for key, (_, _, g) in zip(self.keys, groups)}
+        fmesh = groups[0][2].mesh_info.mesh if groups else None
+        # the mesh of the checkpoint rows: FSDP's (HSDP: the 2-D mesh above it)
+        self._mesh = fmesh if fmesh is None or fmesh.size() == self.size else \
+            fmesh._get_root_mesh()
+        if any(fp.fsdp_placement.dim != 0 for _, _, g in groups for fp in g.fsdp_params):
+            self._mesh = None  # FSDP's layout is another (no DCP record)
+        self._saved = None  # prepare_load: the checkpoint's meta
         #: the number of replicas (HSDP: FSDP shards over groups of
         #: ``size / replicas`` ranks), 1 for FSDP over every rank
         self.replicas = self.size // len(shard)
@@ -291,45 +317,254 @@ class FsdpHookState:
                 output.copy_(torch.from_numpy(out))
         return None
 
-    # -- state ---------------------------------------------------------------------
+    # -- state (torch.distributed.checkpoint's Stateful) ---------------------------
     def state_dict(self):
-        """This rank's residuals (a copy), per key, with the layouts they
-        belong to; :meth:`load_state_dict` takes it at the same world size on
-        the same rank."""
-        return {"world_size": self.size, "rank": self.rank,
-                "layouts": {k: list(v) for k, v in self._layouts.items()},
-                "residuals": self.feedback.state_dict()}
+        """The residuals as ``torch.distributed.checkpoint`` saves them
+        (collective only through DCP): ``{"meta": <JSON str>, "rows": {key:
+        DTensor}}``, each rank's residuals a row of a DTensor over the FSDP
+        mesh (each rank writes its own). Put the state itself into the app
+        state: ``dcp.save({"model": ..., "optim": ..., "mpigc": state})``;
+        :meth:`load_state_dict` takes it back, at any world size (FSDP; HSDP:
+        on the same mesh)."""
+        return _dcp_state(self)
 
     def load_state_dict(self, state):
-        """Load :meth:`state_dict` output (collective): on an error on any
-        rank, the same error on every rank and nothing changed."""
-        exc = None
-        try:
-            if not isinstance(state, dict) or not {"world_size", "rank", "layouts",
-                                                   "residuals"} <= set(state):
-                raise StateError("FsdpHookState.load_state_dict: expected the output of "
-                                 "FsdpHookState.state_dict()")
-            if (state["world_size"], state["rank"]) != (self.size, self.rank):
-                raise StateError(
-                    f"FsdpHookState.load_state_dict: the state is rank {state['rank']} of "
-                    f"{state['world_size']}, this is rank {self.rank} of {self.size} (only "
-                    "the same world size, each rank its own state)")
-            unknown = sorted(set(state["residuals"]) - set(self.keys))
-            if unknown:
-                raise StateError(f"FsdpHookState.load_state_dict: unknown keys {unknown[:5]} "
-                                 f"(this model's: {self.keys[:5]})")
-            trial = ErrorFeedback()
-            trial.load_state_dict(state["residuals"])
-        except (MpigcError, TypeError, ValueError, KeyError) as e:
-            exc = e
-        raise_everywhere(self._comm, exc, "FsdpHookState.load_state_dict")
-        self.feedback.reset()
-        self.feedback.load_state_dict(state["residuals"])
-        self._layouts = {k: tuple(v) for k, v in state["layouts"].items()}
+        """Install :meth:`state_dict` output (collective): on this world size,
+        each rank its own residuals (bit-exact continuation); on another, the
+        saved residuals resharded (docs/torch.md, "Checkpoints with
+        torch.distributed.checkpoint"). On an error on any rank (another op,
+        another model), the same :class:`MpigcError` on every rank and
+        nothing changed."""
+        _dcp_load(self, state)
+
+    def prepare_load(self, checkpoint_id=None, *, name="mpigc", storage_reader=None,
+                     process_group=None):
+        """Read the hooks' record ``name`` of a DCP checkpoint (collective) and
+        check it against these hooks (:class:`MismatchError` on every rank,
+        nothing loaded), so that the next ``dcp.load`` of it takes residuals
+        saved at another world size. Not needed at the same world size."""
+        _dcp_prepare(self, checkpoint_id, name, storage_reader, process_group)
 
     def __repr__(self):
         return (f"FsdpHookState(op={self.compressor!r}, groups={len(self.keys)}, "
                 f"ranks={self.size})")
+
+
+# -- torch.distributed.checkpoint ----------------------------------------------------
+# Each rank's residuals of a key are one row of a DTensor over the FSDP mesh
+# (global shape mesh.shape + (row length,)): each rank writes its own row. At
+# the same mesh each rank reads its row back. FSDP's flat layout depends on
+# the world size, so at another one (1-D mesh) a rank reads the rows that
+# DTensor's Shard(0) gives it (contiguous, ceil(N/M) each), takes them from
+# the old layout to the parameters' elements, sums them (float64, rounded
+# once) and lays the sum out at the new world size: the sum over ranks, the
+# error not yet delivered, is kept per parameter element (the padding's
+# residuals, which FSDP never delivers, are dropped).
+_FORMAT = "mpigc.torch.fsdp"
+
+
+def _row_dtype(group):
+    """float64 rows for a float64 reduction, else float32 (which holds the
+    float16 and float32 residuals exactly; bf16 is reduced in float32)."""
+    mp, fp = group.mp_policy, group.fsdp_params[0] if group.fsdp_params else None
+    dt = mp.reduce_dtype or mp.param_dtype or (fp and fp.sharded_param.dtype)
+    return torch.float64 if dt == torch.float64 else torch.float32
+
+
+def _chunks(shapes, n_ranks):
+    """FSDP's flat reduce-scatter layout over ``n_ranks`` of parameters of
+    full ``shapes`` (torch._chunk_cat on dim 0): ``[(rows, rows per chunk,
+    elements per row)]`` and the length of one rank's chunk."""
+    out, size = [], 0
+    for shape in shapes:
+        rows = shape[0] if shape else 1
+        per_row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+        c = -(-rows // n_ranks)
+        out.append((rows, c, per_row))
+        size += c * per_row
+    return out, size
+
+
+def _to_params(flat, shapes, n_ranks):
+    """A flat input of FSDP's layout at ``n_ranks`` -> each parameter's
+    elements (padding dropped)."""
+    lay, size = _chunks(shapes, n_ranks)
+    v, out, off = flat.reshape(n_ranks, size), [], 0
+    for rows, c, per_row in lay:
+        out.append(v[:, off:off + c * per_row].reshape(n_ranks * c, per_row)[:rows].ravel())
+        off += c * per_row
+    return out
+
+
+def _from_params(arrays, shapes, n_ranks, dtype):
+    """The inverse of :func:`_to_params` (zeros in the padding)."""
+    lay, size = _chunks(shapes, n_ranks)
+    v, off = np.zeros((n_ranks, size), dtype), 0
+    for a, (rows, c, per_row) in zip(arrays, lay):
+        blk = np.zeros((n_ranks * c, per_row), dtype)
+        blk[:rows] = a.reshape(rows, per_row)
+        v[:, off:off + c * per_row] = blk.reshape(n_ranks, c * per_row)
+        off += c * per_row
+    return v.ravel()
+
+
+def _row_len(st, key):
+    """A key's row length on this mesh: the flat input (FSDP), or the shard
+    and the largest owner shard of the replica allreduce (HSDP)."""
+    shards = st.size // st.replicas
+    _, size = _chunks([sh for _, sh in st._params[key]], shards)
+    return shards * size if st.replicas == 1 else size - (-size // st.replicas)
+
+
+def _rows(st, global_rows, local):
+    """The DTensor of rows ``local`` (this rank's) of global shape
+    ``global_rows + (row length,)`` over the FSDP mesh, sharded row-wise."""
+    from torch.distributed.tensor import DTensor, Shard
+    shape = tuple(global_rows) + (local.shape[-1],)
+    stride = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return DTensor.from_local(local, st._mesh, [Shard(i) for i in range(st._mesh.ndim)],
+                              run_check=False, shape=shape, stride=stride)
+
+
+def _meta(st, states):
+    entries = {}
+    for key in st.keys:
+        e = states.get(key)
+        if e is not None:
+            entries[key] = {"n": e["n"], "dtype": e["dtype"], "calls": e["calls"],
+                            "owner": e["owner"] is not None,
+                            "input": list(st._layouts.get(key, (e["n"], e["dtype"])))}
+    return {"format": _FORMAT, "version": 1, "mesh": list(st._mesh.shape),
+            "replicas": st.replicas, "op": st.compressor.get_config(), "keys": list(st.keys),
+            "params": {k: [[n, list(sh)] for n, sh in v] for k, v in st._params.items()},
+            "entries": entries}
+
+
+def _dcp_state(st):
+    if st._mesh is None or st._mesh.size() != st.size:
+        raise StateError("FsdpHookState.state_dict: the FSDP mesh does not span the "
+                         f"{st.size} ranks of the hooks' communicator, or a parameter is "
+                         "sharded on another dim than 0 (shard_placement_fn)")
+    saved, ndim = st._saved, st._mesh.ndim
+    states = st.feedback.state_dict() if saved is None else {}
+    meta, rows = _meta(st, states), {}
+    for key in st.keys:
+        dt = st._row_dtype[key]
+        if saved is not None and saved["mesh"] != list(st._mesh.shape):
+            n_old, me = saved["mesh"][0], st._mesh.get_coordinate()[0]
+            c = -(-n_old // st.size)
+            lo = min(me * c, n_old)
+            _, size = _chunks([sh for _, sh in st._params[key]], n_old)
+            local = torch.zeros(min(lo + c, n_old) - lo, n_old * size, dtype=dt)
+            rows[key] = _rows(st, saved["mesh"], local)
+            continue
+        row = np.zeros(_row_len(st, key), torch.empty(0, dtype=dt).numpy().dtype)
+        e = states.get(key)
+        if e is not None:
+            w = e["worker"] if e["worker"] is not None else np.zeros(e["n"])
+            o = e["owner"] if e["owner"] is not None else np.zeros(0)
+            if (w.size + o.size > row.size if st.replicas > 1
+                    else w.size != row.size or o.size):
+                raise StateError(f"FsdpHookState.state_dict: {key}'s residuals ({w.size}, "
+                                 f"{o.size}) do not fit FSDP's layout ({row.size}): "
+                                 "parameters sharded on another dim than 0?")
+            row[:w.size] = w
+            row[w.size:w.size + o.size] = o
+        rows[key] = _rows(st, st._mesh.shape, torch.from_numpy(row).reshape(
+            (1,) * ndim + (row.size,)))
+    return {"meta": json.dumps(meta, sort_keys=True), "rows": rows}
+
+
+def _check_meta(st, meta, what):
+    """``meta`` (a saved record) fits these hooks, else raise."""
+    if not isinstance(meta, dict) or meta.get("format") != _FORMAT:
+        raise StateError(f"{what}: not the record of FsdpHookState.state_dict()")
+    if meta["op"] != st.compressor.get_config():
+        raise MismatchError(f"{what}: the residuals were saved with op {meta['op']}, these "
+                            f"hooks use {st.compressor.get_config()}: register the hooks "
+                            "with the saved op")
+    ours = json.loads(json.dumps({k: [[n, list(sh)] for n, sh in v]
+                                  for k, v in st._params.items()}))
+    if meta["keys"] != list(st.keys) or meta["params"] != ours:
+        diff = sorted(set(meta["keys"]) ^ set(st.keys)) or [
+            k for k in st.keys if meta["params"].get(k) != ours[k]]
+        raise MismatchError(f"{what}: the residuals belong to another model (FSDP groups or "
+                            f"parameters differ: {diff[:3]})")
+    here = list(st._mesh.shape)
+    if meta["mesh"] != here and (len(meta["mesh"]) != 1 or len(here) != 1):
+        raise ConfigError(f"{what}: HSDP residuals reload on the same mesh only (saved on "
+                          f"{meta['mesh']}, this mesh {here})")
+
+
+def _parse(text, what):
+    try:
+        return json.loads(text)
+    except (TypeError, ValueError):
+        raise StateError(f"{what}: not the record of FsdpHookState.state_dict()") from None
+
+
+def _dcp_prepare(st, checkpoint_id, name, reader, group):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException
+    what, exc, sd, meta = "FsdpHookState.prepare_load", None, {name: {"meta": ""}}, None
+    if group is None and st._mesh is not None and st._mesh.ndim == 1:
+        group = st._mesh.get_group()
+    try:
+        dcp.load(sd, checkpoint_id=checkpoint_id, storage_reader=reader,
+                 process_group=group)
+        meta = _parse(sd[name]["meta"], what)
+        _check_meta(st, meta, what)
+    except MpigcError as e:
+        exc = e
+    except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP's, on every rank
+        exc = StateError(f"{what}: no record {name!r} read ({type(e).__name__}: {e})")
+    raise_everywhere(st._comm, exc, what)
+    st._saved = meta
+
+
+def _dcp_load(st, state):
+    what, exc, entries, layouts = "FsdpHookState.load_state_dict", None, {}, {}
+    try:
+        if not isinstance(state, dict) or set(state) != {"meta", "rows"}:
+            raise StateError(f"{what}: expected the output of FsdpHookState.state_dict() "
+                             "(as dcp.load fills it)")
+        meta = _parse(state["meta"], what)
+        _check_meta(st, meta, what)
+        same = meta["mesh"] == list(st._mesh.shape)
+        sub = st._replica_comm if st.replicas > 1 else st._comm
+        for key, info in meta["entries"].items():
+            rows = state["rows"][key]
+            rows = (rows.to_local() if hasattr(rows, "to_local") else rows).detach()
+            rows = rows.reshape(-1, rows.shape[-1]).double().numpy()
+            dtype, n, owner = np.dtype(info["dtype"]), info["n"], None
+            if same:
+                if rows.shape[0] != 1:
+                    raise StateError(f"{what}: {key}: expected one row, got {rows.shape[0]}")
+                worker = rows[0, :n].astype(dtype)
+                if info["owner"]:
+                    lo, hi = shard_bounds(n, sub.size)[sub.rank]
+                    owner = rows[0, n:n + hi - lo].astype(dtype)
+                layouts[key] = tuple(info["input"])
+            else:
+                shapes, old = [sh for _, sh in st._params[key]], meta["mesh"][0]
+                total = [np.zeros(int(np.prod(sh))) for sh in shapes]
+                for row in rows:
+                    total = [t + a for t, a in zip(total, _to_params(row, shapes, old))]
+                worker = _from_params(total, shapes, st.size, dtype)
+                n = worker.size
+                layouts[key] = (n, info["input"][1])
+            entries[key] = new_entry(n, dtype, sub.size, sub.rank, st.compressor.get_config(),
+                                     info["calls"], worker, owner)
+    except (MpigcError, TypeError, ValueError, KeyError, AttributeError) as e:
+        exc = e
+    raise_everywhere(st._comm, exc, what)
+    for key in st.keys:
+        if key not in entries:
+            st.feedback.reset(key)
+            st._layouts.pop(key, None)
+    st.feedback.update_entries(entries)
+    st._layouts.update(layouts)
+    st._saved = None
 
 
 def _settled(req):

@@ -261,7 +261,7 @@ def test_layout_change_raises_everywhere(comm, gloo):
     m = _model()
     state = mt.register_fsdp_hooks(m, op="2bit", threshold=0.5)
     _train(m, 2, comm.rank)
-    before = state.state_dict()["residuals"]
+    before = state.feedback.state_dict()
     m[2].bias.requires_grad_(False)
     raises_everywhere(mpigc.StateError, lambda: _train(m, 1, comm.rank),
                       match="changed from")
@@ -275,13 +275,13 @@ def test_load_bad_state_everywhere(comm, gloo):
     m = _model()
     state = mt.register_fsdp_hooks(m, op="2bit", threshold=0.5)
     _train(m, 1, comm.rank)
-    good = state.state_dict()
-    bad = dict(good, rank=(comm.rank + 1) % comm.size) if comm.rank == 0 else good
+    good, was = state.state_dict(), state.feedback.state_dict()
+    bad = dict(good, meta="{}") if comm.rank == 0 else good
     raises_everywhere(mpigc.StateError, lambda: state.load_state_dict(bad),
                       match="load_state_dict")
     now = state.feedback.state_dict()
-    assert_all(all(np.array_equal(good["residuals"][k]["worker"], now[k]["worker"])
-                   for k in now), "residuals changed")
+    assert_all(all(np.array_equal(was[k]["worker"], now[k]["worker"]) for k in now),
+               "residuals changed")
 
 
 # -- HSDP (item 2) --------------------------------------------------------------------
@@ -324,7 +324,7 @@ def test_hsdp_compressed_replicas_agree(comm, gloo, name):
     flat = np.concatenate([t.numpy().ravel() for t in got.values()])
     others = comm.allgather(flat)
     twin = others[comm.rank ^ 2]  # the same shard position in the other replica
-    kept = max(float(np.abs(e["worker"]).max()) for e in saved["residuals"].values())
+    kept = max(float(np.abs(e["worker"]).max()) for e in state.feedback.state_dict().values())
     exact = _train(_model(mesh=mesh), 5, comm.rank)
     differs = comm.allreduce(int(not _compare(exact, got, True, 0)))
     assert_all(np.array_equal(flat, twin) and kept > 0 and differs > 0,

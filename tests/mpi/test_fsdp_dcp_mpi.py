@@ -1,0 +1,275 @@
+"""The FSDP hooks' residuals in torch.distributed.checkpoint (issue 46, item
+3): ``dcp.save({"model": ..., "optim": ..., "mpigc": hooks})`` and
+``dcp.load`` of the same resume bit for bit at the same world size; at
+another world size (``hooks.prepare_load``) the residuals are resharded and
+their sum over ranks, per parameter element, is kept; a record of another
+op or model raises the same error on every rank and changes nothing.
+
+Other world sizes run on sub-worlds of the job: FSDP over the first N ranks
+(a DeviceMesh of them, their MPI sub-communicator), then the first M."""
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpigc
+
+from conftest import assert_all, raises_everywhere
+
+torch = pytest.importorskip("torch")
+import mpigc.torch as mt  # noqa: E402
+import torch.distributed.checkpoint as dcp  # noqa: E402
+from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+
+import test_fsdp_mpi  # noqa: E402
+import test_torch_mpi  # noqa: E402
+
+# 2: 2 -> 1 and 1 -> 2; 3: uneven shards, 3 -> 2 (two rows merge on one
+# rank) and 2 -> 3; 4: 4 -> 3 and 3 -> 4, HSDP 2 x 2
+pytestmark = pytest.mark.ranks(2, 3, 4)
+
+gloo = test_torch_mpi.gloo
+_OPS = test_fsdp_mpi._OPS
+
+
+@pytest.fixture
+def ckpt(comm):
+    path = comm.bcast(tempfile.mkdtemp(prefix="mpigc-dcp-") if comm.rank == 0 else None)
+    yield path
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _world(comm, n):
+    """``(mesh, sub-communicator)`` of the first ``n`` ranks (collective over
+    every rank: DeviceMesh makes its group on all); None on the others."""
+    mesh = DeviceMesh("cpu", list(range(n)))
+    sub = comm.Split(0 if comm.rank < n else MPI.UNDEFINED, comm.rank)
+    return (mesh, sub) if comm.rank < n else (None, None)
+
+
+def _setup(mesh, sub, name, extra=0):
+    m = test_fsdp_mpi._model(extra=extra, mesh=mesh)
+    hooks = mt.register_fsdp_hooks(m, comm=sub, **_OPS[name])
+    return m, hooks, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+
+def _steps(m, opt, rank, first, k):
+    for step in range(first, first + k):
+        opt.zero_grad()
+        test_fsdp_mpi._backward(m, rank, step)
+        opt.step()
+    return {n: p.to_local().detach().clone() for n, p in m.named_parameters()}
+
+
+def _save(m, opt, hooks, path, mesh):
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd, "mpigc": hooks}, checkpoint_id=path,
+             process_group=mesh.get_group())
+
+
+def _load(m, opt, hooks, path, mesh, with_hooks=True):
+    msd, osd = get_state_dict(m, opt)
+    sd = {"model": msd, "optim": osd}
+    if with_hooks:
+        sd["mpigc"] = hooks
+    dcp.load(sd, checkpoint_id=path, process_group=mesh.get_group())
+    set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd)
+
+
+def _param_totals(m, hooks, comm):
+    """Per FSDP group key: the sum over the ranks of ``comm`` of their worker
+    residuals, per parameter element (float64), found through FSDP's own
+    layout (torch._chunk_cat of the parameters' element numbers)."""
+    out = {}
+    states = hooks.feedback.state_dict()
+    for fqn, mod in m.named_modules():
+        key = f"fsdp:{fqn}"
+        if not isinstance(mod, FSDPModule) or key not in hooks.keys:
+            continue
+        shapes = [p.shape for p in mod.parameters(recurse=False)]
+        numbers, off = [], 1
+        for sh in shapes:
+            k = int(np.prod(sh))
+            numbers.append(torch.arange(off, off + k, dtype=torch.float64).reshape(sh))
+            off += k
+        where = torch._chunk_cat(numbers, dim=0, num_chunks=comm.size).reshape(-1).numpy()
+        e = states.get(key)
+        w = (np.zeros(where.size) if e is None or e["worker"] is None
+             else e["worker"].astype(np.float64))
+        assert w.size == where.size
+        mine = np.zeros(off - 1)
+        real = where > 0
+        mine[where[real].astype(np.int64) - 1] = w[real]
+        out[key] = comm.allreduce(mine)
+    return out
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["2bit-abs", "1bit"])
+def test_same_world_size_resumes_bit_exact(comm, gloo, ckpt, name):
+    """10 steps in one go = 5 steps, dcp.save of model, optimizer (momentum)
+    and hooks, a new model loaded with dcp.load, 5 steps; without the hooks'
+    record in the load the run differs."""
+    mesh, sub = _world(comm, comm.size)
+    m, hooks, opt = _setup(mesh, sub, name)
+    want = _steps(m, opt, comm.rank, 0, 10)
+    m, hooks, opt = _setup(mesh, sub, name)
+    _steps(m, opt, comm.rank, 0, 5)
+    _save(m, opt, hooks, ckpt, mesh)
+    runs = []
+    for with_hooks in (True, False):
+        m2, hooks2, opt2 = _setup(mesh, sub, name)
+        _load(m2, opt2, hooks2, ckpt, mesh, with_hooks)
+        runs.append(_steps(m2, opt2, comm.rank, 5, 5))
+    same = test_fsdp_mpi._compare(want, runs[0], True, 0)
+    differs = comm.allreduce(int(not test_fsdp_mpi._compare(want, runs[1], True, 0)))
+    assert_all(same and differs > 0, f"{name}: resumed run differs ({not same}) or a run "
+                                     f"without the residuals is the same ({differs == 0})")
+
+
+def _pairs(k):
+    """(saved on, loaded on) at ``k`` ranks: one rank saves no residuals
+    (FSDP2 reduces nothing there), so 2 ranks only go down."""
+    return {2: [(2, 1)], 3: [(3, 2), (2, 3)]}.get(k, [(k, k - 1), (k - 1, k), (k, k // 2)])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", ["2bit-abs", "2bit-rel", "1bit"])
+@pytest.mark.parametrize("pair", [0, 1, 2])
+def test_other_world_size_keeps_the_residual_sum(comm, gloo, ckpt, name, pair):
+    """Saved on N ranks, loaded on M (prepare_load, then dcp.load): the sum
+    over ranks of the worker residuals, per parameter element, is the saved
+    one (bit for bit when M >= N: each rank takes at most one row; within
+    rounding when rows merge); training goes on (3 steps, the hooks' calls)."""
+    if pair >= len(_pairs(comm.size)):
+        pytest.skip(f"{comm.size} ranks: {len(_pairs(comm.size))} pairs of world sizes")
+    n_old, n_new = _pairs(comm.size)[pair]
+    mesh, sub = _world(comm, n_old)
+    saved = None
+    if mesh is not None:
+        m, hooks, opt = _setup(mesh, sub, name)
+        _steps(m, opt, comm.rank, 0, 4)
+        saved = _param_totals(m, hooks, sub)
+        _save(m, opt, hooks, ckpt, mesh)
+    saved = comm.bcast(saved)
+    mesh, sub = _world(comm, n_new)
+    ok, msg = True, ""
+    if mesh is not None:
+        m, hooks, opt = _setup(mesh, sub, name)
+        hooks.prepare_load(ckpt)
+        _load(m, opt, hooks, ckpt, mesh)
+        got = _param_totals(m, hooks, sub)
+        for key, want in saved.items():
+            exact = n_new >= n_old
+            good = (np.array_equal(got[key], want) if exact
+                    else np.allclose(got[key], want, rtol=1e-6, atol=1e-7))
+            if not good:
+                ok, msg = False, f"{key}: residual sum differs ({n_old} -> {n_new})"
+        kept = max(float(np.abs(v).max()) for v in saved.values())
+        calls = hooks.calls
+        after = _steps(m, opt, comm.rank, 4, 3)
+        # on one rank FSDP2 reduces nothing (no reduce-scatter to hook)
+        ok &= kept > 0 and hooks.calls == calls + (3 * len(hooks.keys) if n_new > 1 else 0)
+        ok &= all(bool(torch.isfinite(t).all()) for t in after.values())
+        msg = msg or f"no residuals ({kept}) or training did not go on ({hooks.calls})"
+    assert_all(ok, msg)
+
+
+class _Caught(Exception):
+    pass
+
+
+def _caught(fn):
+    """DCP's CheckpointException is a BaseException: returned for
+    raises_everywhere, which catches Exception."""
+    try:
+        fn()
+    except CheckpointException as e:
+        raise _Caught() from e
+
+
+@pytest.mark.mpi
+def test_other_world_size_needs_prepare_load(comm, gloo, ckpt):
+    """Without prepare_load, DCP finds rows of another size: its error on
+    every rank, before anything is read."""
+    mesh, sub = _world(comm, comm.size - 1)
+    if mesh is not None:
+        m, hooks, opt = _setup(mesh, sub, "1bit")
+        _steps(m, opt, comm.rank, 0, 2)
+        _save(m, opt, hooks, ckpt, mesh)
+    comm.Barrier()
+    mesh, sub = _world(comm, comm.size)
+    m, hooks, opt = _setup(mesh, sub, "1bit")
+    before = {n: p.to_local().detach().clone() for n, p in m.named_parameters()}
+    got = raises_everywhere(_Caught, lambda: _caught(lambda: _load(m, opt, hooks, ckpt, mesh)))
+    assert_all("Size mismatch" in str(got.__cause__), str(got.__cause__)[:300])
+    now = {n: p.to_local().detach().clone() for n, p in m.named_parameters()}
+    assert_all(test_fsdp_mpi._compare(before, now, True, 0) and len(hooks.feedback) == 0,
+               "the model or the residuals changed")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("other", ["op", "model"])
+def test_mismatched_record_raises_everywhere(comm, gloo, ckpt, other):
+    """A record of another op or another model: MismatchError on every rank
+    from prepare_load and from load_state_dict, the residuals unchanged."""
+    mesh, sub = _world(comm, comm.size)
+    m, hooks, opt = _setup(mesh, sub, "2bit-abs")
+    _steps(m, opt, comm.rank, 0, 2)
+    _save(m, opt, hooks, ckpt, mesh)
+    m2, hooks2, opt2 = _setup(mesh, sub, "1bit" if other == "op" else "2bit-abs",
+                              extra=1 if other == "model" else 0)
+    _steps(m2, opt2, comm.rank, 0, 1)
+    before = hooks2.feedback.state_dict()
+    match = "saved with op" if other == "op" else "another model"
+    raises_everywhere(mpigc.MismatchError, lambda: hooks2.prepare_load(ckpt), match=match)
+    raises_everywhere(mpigc.MismatchError,
+                      lambda: hooks2.load_state_dict(hooks.state_dict()), match=match)
+    now = hooks2.feedback.state_dict()
+    assert_all(all(np.array_equal(before[k]["worker"], now[k]["worker"]) for k in before)
+               and set(before) == set(now), "residuals changed")
+
+
+@pytest.mark.mpi
+def test_prepare_load_without_record(comm, gloo, ckpt):
+    mesh, sub = _world(comm, comm.size)
+    m, hooks, opt = _setup(mesh, sub, "1bit")
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd}, checkpoint_id=ckpt, process_group=mesh.get_group())
+    raises_everywhere(mpigc.StateError, lambda: hooks.prepare_load(ckpt),
+                      match="no record 'mpigc'")
+
+
+@pytest.mark.mpi
+def test_hsdp_same_mesh_resumes_bit_exact(comm, gloo, ckpt):
+    """HSDP 2 x 2 (worker and owner residuals of the replica allreduce):
+    dcp.save and dcp.load on the same mesh continue bit for bit."""
+    full = test_fsdp_mpi._mesh_2x2(comm)
+    mesh = full["shard"]
+
+    def setup():
+        m = test_fsdp_mpi._model(mesh=mesh)
+        hooks = mt.register_fsdp_hooks(m, **_OPS["1bit"])
+        return m, hooks, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
+
+    m, hooks, opt = setup()
+    want = _steps(m, opt, comm.rank, 0, 8)
+    m, hooks, opt = setup()
+    _steps(m, opt, comm.rank, 0, 4)
+    owners = [e["owner"] is not None for e in hooks.feedback.state_dict().values()]
+    msd, osd = get_state_dict(m, opt)
+    dcp.save({"model": msd, "optim": osd, "mpigc": hooks}, checkpoint_id=ckpt)
+    m2, hooks2, opt2 = setup()
+    msd, osd = get_state_dict(m2, opt2)
+    dcp.load({"model": msd, "optim": osd, "mpigc": hooks2}, checkpoint_id=ckpt)
+    set_state_dict(m2, opt2, model_state_dict=msd, optim_state_dict=osd)
+    got = _steps(m2, opt2, comm.rank, 4, 4)
+    assert_all(all(owners) and test_fsdp_mpi._compare(want, got, True, 0),
+               f"HSDP resume differs (owner residuals {owners})")

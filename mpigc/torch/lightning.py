@@ -37,10 +37,11 @@ from .._errors import ConfigError, DTypeError, MismatchError, MpigcError, StateE
 from ..checkpoint import CheckpointError
 from ..compressors import get_compressor
 from ._common import resolve_comm
+from ._fsdp import register_fsdp_hooks
 from ._hook import CommHookState, comm_hook
 from ._record import gather_record, state_for_rank
 
-__all__ = ["MpigcCommHook", "CHECKPOINT_KEY"]
+__all__ = ["MpigcCommHook", "MpigcFsdpHooks", "CHECKPOINT_KEY"]
 
 #: The key of Lightning's checkpoint dict that holds the residuals.
 CHECKPOINT_KEY = "mpigc"
@@ -251,3 +252,119 @@ class MpigcCommHook(Callback):
 #: :func:`mpigc.torch._record.state_for_rank`, under the name the tests and
 #: earlier docs use
 residuals_for_rank = state_for_rank
+
+
+def _model_parallel_types():
+    """Lightning's ModelParallelStrategy (FSDP2), from each loaded package."""
+    out = []
+    for pkg in ("lightning.pytorch", "pytorch_lightning"):
+        mod = sys.modules.get(pkg)
+        if mod is not None and hasattr(mod.strategies, "ModelParallelStrategy"):
+            out.append(mod.strategies.ModelParallelStrategy)
+    return tuple(out)
+
+
+class MpigcFsdpHooks(Callback):
+    """A Lightning callback for ``ModelParallelStrategy`` (FSDP2): at
+    ``on_fit_start`` (after ``configure_model`` has called ``fully_shard``)
+    it runs :func:`mpigc.torch.register_fsdp_hooks` on the LightningModule,
+    so every FSDP module's gradient reduce-scatter is mpigc's compressed one
+    over MPI; the residuals travel in Lightning's checkpoints.
+
+    Lightning's FSDP2 strategy saves the model and optimizer with
+    ``torch.distributed.checkpoint`` but the rest of the checkpoint dict (the
+    callbacks' part) as one file written by global rank 0: so each rank's
+    residual rows are gathered there, ``checkpoint["mpigc"]`` (the
+    :meth:`FsdpHookState.state_dict` record and the rows, ``world_size x
+    row`` CPU tensors), and on ``fit(ckpt_path=...)`` each rank takes back its
+    own (the same world size: bit for bit) or, on another, the rows
+    ``torch.distributed.checkpoint`` would give it (resharded as
+    :meth:`FsdpHookState.load_state_dict` does).
+
+    Parameters
+    ----------
+    op, **kwargs
+        As for :func:`mpigc.torch.register_fsdp_hooks` (``threshold=``,
+        ``rel_threshold=``, ``nonfinite=``, ``timeout=``, ...).
+    comm : mpi4py.MPI.Intracomm, optional
+        The trainer's ranks in Lightning's order (default ``MPI.COMM_WORLD``).
+
+    Attributes
+    ----------
+    state : FsdpHookState or None
+        The hooks of the current (or last) ``fit``.
+    """
+
+    def __init__(self, op="2bit", *, comm=None, **kwargs):
+        self.op, self.comm, self.kwargs = op, resolve_comm(comm), dict(kwargs)
+        self.state = None
+        self._comm = self._root = self._loaded = None
+        self._fitting = False
+
+    def __repr__(self):
+        params = "".join(f", {k}={v!r}" for k, v in sorted(self.kwargs.items()))
+        return f"MpigcFsdpHooks(op={self.op!r}{params})"
+
+    def setup(self, trainer, pl_module, stage):
+        self._loaded = None
+        if stage == "fit" and not isinstance(trainer.strategy, _model_parallel_types()):
+            raise ConfigError(
+                f"MpigcFsdpHooks: expected Lightning's FSDP2 strategy "
+                f"(ModelParallelStrategy(data_parallel_size=..., tensor_parallel_size=1)), "
+                f"got {type(trainer.strategy).__name__}; for DDP use MpigcCommHook")
+
+    def on_load_checkpoint(self, trainer, pl_module, checkpoint):
+        # ModelParallelStrategy restores after on_fit_start (its
+        # restore_checkpoint_after_setup): the hooks exist already
+        record = checkpoint.get(CHECKPOINT_KEY)
+        if self.state is not None and self._fitting:
+            if record is not None:
+                self._load(record)
+        else:
+            self._loaded = record
+
+    def on_fit_end(self, trainer, pl_module):
+        self._fitting = False
+
+    def on_fit_start(self, trainer, pl_module):
+        self._fitting = True
+        if self.comm.size != trainer.world_size:
+            raise ConfigError(f"MpigcFsdpHooks: comm has {self.comm.size} rank(s), the "
+                              f"trainer {trainer.world_size}: one process per MPI rank")
+        if self._comm is None:
+            self._comm = self.comm.Dup()
+        self._root = self._comm.allgather(bool(trainer.is_global_zero)).index(True)
+        self.state = register_fsdp_hooks(pl_module, self.op, comm=self.comm, **self.kwargs)
+        record, self._loaded = self._loaded, None
+        if record is not None:
+            self._load(record)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint):
+        import torch
+        if self.state is None:
+            return
+        sd = self.state.state_dict()
+        rows = {k: v.to_local().detach().reshape(-1).clone() for k, v in sd["rows"].items()}
+        every = self._comm.gather(rows, root=self._root)
+        if every is not None:
+            checkpoint[CHECKPOINT_KEY] = {
+                "format": "mpigc.torch.lightning.fsdp", "version": 1, "record": sd["meta"],
+                "rows": {k: torch.stack([r[k] for r in every]) for k in rows}}
+
+    def _load(self, record):
+        """This rank's rows of ``record`` into :attr:`state` (collective)."""
+        exc, mine = None, {}
+        try:
+            for key, rows in record["rows"].items():
+                n_old, j, m = rows.shape[0], self._comm.rank, self._comm.size
+                c = -(-n_old // m)  # as DCP's Shard(0) of n_old rows over m ranks
+                lo = min(j * c, n_old)
+                mine[key] = rows[lo:min(lo + c, n_old)]
+            state = {"meta": record["record"], "rows": mine}
+        except (KeyError, TypeError, AttributeError, IndexError) as e:
+            exc = CheckpointError(f"checkpoint[{CHECKPOINT_KEY!r}] is not readable: "
+                                  f"{type(e).__name__}: {e}")
+            state = None
+        _engine_comm.agree(self._comm, exc, "MpigcFsdpHooks (loading the residuals)",
+                           classes=_CLASSES, default=StateError)
+        self.state.load_state_dict(state)

@@ -29,8 +29,9 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 import test_fsdp_mpi  # noqa: E402
 import test_torch_mpi  # noqa: E402
 
-# 2: 2 -> 1 and 1 -> 2; 3: uneven shards, 3 -> 2 (two rows merge on one
-# rank) and 2 -> 3; 4: 4 -> 3 and 3 -> 4, HSDP 2 x 2
+# 2: 2 -> 1 (one rank saves no residuals: FSDP2 reduces nothing there); 3:
+# uneven shards, 3 -> 2 (two rows merge on one rank) and 2 -> 3; 4: 4 -> 3,
+# 3 -> 4, 4 -> 2 and HSDP 2 x 2
 pytestmark = pytest.mark.ranks(2, 3, 4)
 
 gloo = test_torch_mpi.gloo

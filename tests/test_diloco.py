@@ -31,6 +31,7 @@ def inner_step(model, d, seed):
 
 def test_exported():
     assert "DiLoCo" in mt.__all__ and mt.DiLoCo.__module__ == "mpigc.torch._diloco"
+    assert issubclass(mt.StreamingDiLoCo, mt.DiLoCo) and "StreamingDiLoCo" in mt.__all__
 
 
 @pytest.mark.parametrize("nesterov", [True, False])

@@ -40,7 +40,7 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
 # (CompressedAdamW), _diloco (DiLoCo: local steps, outer Nesterov step), _fsdp
 # (FSDP2 and HSDP hooks), _launch (process group and broadcasts).
 from ._adam import CompressedAdamW, local_gradients_hook
-from ._diloco import DiLoCo
+from ._diloco import DiLoCo, StreamingDiLoCo
 from ._hook import CommHookState, comm_hook
 from ._fsdp import FsdpHookState, register_fsdp_hooks
 from ._launch import broadcast_optimizer_state, broadcast_parameters, init_process_group
@@ -50,7 +50,8 @@ from ._sync import Bucket, GradientSync
 __all__ = ["GradientSync", "DistributedOptimizer", "CommHookState", "comm_hook",
            "register_fsdp_hooks", "FsdpHookState",
            "broadcast_parameters", "broadcast_optimizer_state", "Bucket", "CompressedAdamW",
-           "init_process_group", "local_gradients_hook", "DiLoCo"]
+           "init_process_group", "local_gradients_hook", "DiLoCo",
+           "StreamingDiLoCo"]
 
 #: Test seam (private). Under Numba's CUDA simulator (``NUMBA_ENABLE_CUDASIM=1``)
 #: only: buckets of CPU parameters become device buckets whose engine array is a

@@ -17,13 +17,14 @@ import zlib
 import numpy as np
 import torch
 
-from ..allreduce import allreduce
-from .._errors import ConfigError, InvalidBufferError, MismatchError, MpigcError, NonFiniteError
+from ..allreduce import allreduce, iallreduce
+from .._errors import (ConfigError, InvalidBufferError, MismatchError, MpigcError,
+                       NonFiniteError, StateError)
 from ..feedback import ErrorFeedback
 from ._common import (Rendezvous, agree_construction, resolve_timeout, resolve_warn_s,
                       torch_compressor, warn_if_uncompressed)
 
-__all__ = ["DiLoCo"]
+__all__ = ["DiLoCo", "StreamingDiLoCo"]
 
 
 def _inner_settings(opt):
@@ -129,6 +130,7 @@ class DiLoCo:
                         "gather": gather, "nonfinite": nonfinite,
                         "inner": _inner_settings(inner_optimizer),
                         "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in named]}
+            settings.update(self._more_settings(named))
         except (MpigcError, TypeError, ValueError) as e:
             exc = e
         if not isinstance(self.comm, MPI.Intracomm):
@@ -164,6 +166,11 @@ class DiLoCo:
         #: outer synchronisations done, and those dropped (non-finite, mismatch)
         self.syncs = 0
         self.skipped_syncs = 0
+
+    def _more_settings(self, named):
+        """A subclass's own settings, checked inside the constructor's
+        agreement (raise :class:`ConfigError` to refuse them)."""
+        return {}
 
     # -- helpers ----------------------------------------------------------------
     @staticmethod
@@ -340,3 +347,181 @@ class DiLoCo:
         return (f"DiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, "
                 f"outer_momentum={self.outer_momentum}, op={self.compressor!r}, "
                 f"values={self._anchor.numel()}, ranks={self.comm.size})")
+
+
+class StreamingDiLoCo(DiLoCo):
+    """Streaming DiLoCo (Douillard et al. 2025): the parameters in
+    ``fragments`` parts, each synchronised once every ``sync_every`` inner
+    steps on a staggered schedule, its exchange nonblocking
+    (:func:`mpigc.iallreduce`) and overlapped with the next ``overlap``
+    inner steps (collective).
+
+    Fragment ``p`` (contiguous whole parameters, about ``1/fragments`` of
+    the values each, in the model's order) starts its exchange after inner
+    step ``t`` when ``t % sync_every == ((p + 1) * sync_every // fragments)
+    % sync_every``: its pseudo-gradient ``anchor_p - params_p`` is averaged
+    while the ranks take ``overlap`` more inner steps; then the outer step
+    (as :class:`DiLoCo`'s, on that fragment) is applied to ``anchor_p``, late
+    by ``overlap`` steps, and the fragment's parameters become
+    ``mix * params_p + (1 - mix) * anchor_p`` (``mix=0``: the anchor, the
+    same bits on every rank; the paper's merge keeps part of the local steps
+    taken meanwhile). ``fragments=1, overlap=0, mix=0`` is :class:`DiLoCo`
+    bit for bit. Other parameters as :class:`DiLoCo`.
+
+    :attr:`fragment_syncs` counts each fragment's completed exchanges.
+    :meth:`synchronize` completes the exchanges in flight and then
+    synchronises every fragment at once (blocking): every rank holds the
+    anchor. :meth:`state_dict` needs no exchange in flight (after
+    :meth:`synchronize`, or at a step where none is).
+    """
+
+    def __init__(self, model, inner_optimizer, *, fragments=2, overlap=0, mix=0.0, **kw):
+        self.fragments, self.overlap, self.mix = fragments, overlap, mix
+        self._h = kw.get("sync_every", 100)
+        super().__init__(model, inner_optimizer, **kw)
+        sizes = [p.numel() for p in self._params]
+        total, bounds, off, k = sum(sizes), [0], 0, 1
+        for i, s in enumerate(sizes):  # cut at whole parameters, near k * total / P
+            off += s
+            if k < fragments and off * fragments >= k * total and off < total:
+                bounds.append(off)
+                k += 1
+        bounds.append(total)
+        self._bounds = list(zip(bounds[:-1], bounds[1:]))
+        self._pending = {}     # fragment -> (request, inner step at which it applies)
+        self._t = 0            # inner steps taken
+        self.fragment_syncs = [0] * len(self._bounds)
+
+    def _more_settings(self, named):
+        n_params = len(named)
+        if not (isinstance(self.fragments, int) and 1 <= self.fragments <= n_params):
+            raise ConfigError(f"fragments must be an integer from 1 to the number of "
+                              f"parameters ({n_params}), got {self.fragments!r}")
+        if not (isinstance(self.overlap, int) and 0 <= self.overlap < self._h):
+            raise ConfigError(f"overlap must be an integer from 0 to sync_every - 1 (an "
+                              f"exchange ends before its fragment's next turn), got "
+                              f"{self.overlap!r}")
+        if not 0 <= float(self.mix) < 1:
+            raise ConfigError(f"mix must be in [0, 1), got {self.mix!r}")
+        return {"fragments": self.fragments, "overlap": self.overlap, "mix": float(self.mix)}
+
+    def _settings_crc(self):
+        return zlib.crc32(repr((super()._settings_crc(), self.fragments, self.overlap,
+                                float(self.mix))).encode())
+
+    def _start_of(self, p):
+        return ((p + 1) * self.sync_every // len(self._bounds)) % self.sync_every
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One inner step; then the fragments whose exchange ends here are
+        applied and those whose turn it is start theirs (collective then)."""
+        loss = self.inner.step() if closure is None else self.inner.step(closure)
+        self._t += 1
+        self.window += 1     # inner steps since the last synchronize() of every fragment
+        for p in sorted(p for p, (_, at) in self._pending.items() if at <= self._t):
+            self._finish(p)
+        for p in range(len(self._bounds)):
+            if self._t % self.sync_every == self._start_of(p):
+                self._begin(p)
+                if self.overlap == 0 and p in self._pending:
+                    self._finish(p)
+        return loss
+
+    def _begin(self, p):
+        lo, hi = self._bounds[p]
+        self._rendezvous(self.timeout, f"StreamingDiLoCo fragment {p} at inner step {self._t}")
+        d, a = self._delta[lo:hi], self._anchor[lo:hi]
+        self._flatten_range(d, lo, hi)   # other fragments' slices may be in flight
+        torch.sub(a, d, out=d)
+        row = (self._t, p, self.fragment_syncs[p], self._settings_crc(),
+               zlib.crc32(self._wire(a).tobytes()) if a.device.type == "cpu" else 0)
+        rows = self._comm.allgather((row, bool(torch.isfinite(d).all())))
+        exc = None
+        if any(r != rows[0][0] for r, _ in rows):
+            exc = MismatchError(f"StreamingDiLoCo fragment {p}: the ranks differ in (inner "
+                                "step, fragment, its syncs, settings, anchor): "
+                                + ", ".join(str(r) for r, _ in rows))
+        elif not all(f for _, f in rows):
+            exc = NonFiniteError(f"StreamingDiLoCo fragment {p}: the pseudo-gradient is not "
+                                 f"finite on rank(s) {[i for i, (_, f) in enumerate(rows) if not f]}"
+                                 "; the fragment's window is dropped on every rank")
+        if exc is None:
+            try:
+                req = iallreduce(self._wire(d), self.compressor, comm=self.comm,
+                                 key=f"{self.key}/{p}", average=True, gather=self.gather,
+                                 feedback=self.feedback, nonfinite="raise")
+            except MpigcError as e:
+                exc = e
+        if exc is not None:
+            self._drop_fragment(p)
+            if isinstance(exc, NonFiniteError) and self.nonfinite == "skip":
+                return
+            raise exc
+        self._pending[p] = (req, self._t + self.overlap)
+
+    def _finish(self, p):
+        req, _ = self._pending.pop(p)
+        lo, hi = self._bounds[p]
+        try:
+            req.wait()
+        except MpigcError:
+            self._drop_fragment(p)
+            raise
+        g, mu, lr = self._delta[lo:hi], self.outer_momentum, self.outer_lr
+        m, a = self._m[lo:hi], self._anchor[lo:hi]
+        m.mul_(mu).add_(g)
+        a.sub_((g + m * mu if self.nesterov else m) * lr)
+        if self.mix:
+            local = torch.zeros_like(a)
+            self._flatten_range(local, lo, hi)
+            a_new = local * float(self.mix) + a * (1 - float(self.mix))
+            self._unflatten_range(a_new, lo, hi)
+        else:
+            self._unflatten_range(a, lo, hi)
+        self.fragment_syncs[p] += 1
+        self.syncs += 1
+
+    def _drop_fragment(self, p):
+        lo, hi = self._bounds[p]
+        self._unflatten_range(self._anchor[lo:hi], lo, hi)
+        self.skipped_syncs += 1
+
+    def _ranged(self, lo, hi):
+        off = 0
+        for q in self._params:
+            k = q.numel()
+            if lo <= off and off + k <= hi:
+                yield q, off - lo, k
+            off += k
+
+    def _flatten_range(self, out, lo, hi):
+        for q, o, k in self._ranged(lo, hi):
+            out[o:o + k].copy_(q.detach().reshape(-1))
+
+    def _unflatten_range(self, src, lo, hi):
+        for q, o, k in self._ranged(lo, hi):
+            q.detach().copy_(src[o:o + k].view_as(q))
+
+    @torch.no_grad()
+    def synchronize(self):
+        """Complete the exchanges in flight, then synchronise every fragment
+        at once (the :class:`DiLoCo` step, blocking; collective)."""
+        for p in sorted(self._pending):
+            self._finish(p)
+        super().synchronize()
+
+    def state_dict(self):
+        if self._pending:
+            raise StateError(f"StreamingDiLoCo.state_dict: fragment(s) {sorted(self._pending)} "
+                             "are being exchanged; call synchronize() first")
+        # each fragment has its own window: the steps since the last synchronize()
+        # go under their own name, and no single window is open
+        return dict(super().state_dict(), window=0, since_sync=self.window,
+                    inner_steps=self._t, fragment_syncs=list(self.fragment_syncs))
+
+    def load_state_dict(self, state):
+        super().load_state_dict(state)
+        self.window = int(state["since_sync"])
+        self._t = int(state["inner_steps"])
+        self.fragment_syncs = [int(x) for x in state["fragment_syncs"]]

@@ -374,3 +374,104 @@ def test_bad_arguments_raise_everywhere(comm):
                {"nonfinite": "ignore"}, {"op": "nope"}):
         raises_everywhere(mpigc.MpigcError, lambda: mt.DiLoCo(
             model, inner, **(kw if bad else {})), comm)
+
+
+# -- streaming -------------------------------------------------------------------
+def test_streaming_one_fragment_without_overlap_is_diloco(comm):
+    a, b = make_model(), make_model()
+    da = mt.DiLoCo(a, torch.optim.AdamW(a.parameters(), lr=1e-2), sync_every=3, op="2bit")
+    db = mt.StreamingDiLoCo(b, torch.optim.AdamW(b.parameters(), lr=1e-2), sync_every=3,
+                            op="2bit", fragments=1, overlap=0, mix=0.0)
+    for s in range(9):
+        for model, d in ((a, da), (b, db)):
+            d.zero_grad()
+            set_grads(model, comm.rank, s)
+            d.step()
+        assert_all(torch.equal(flat(a), flat(b)), f"step {s}: streaming != DiLoCo")
+    assert db.fragment_syncs == [3] and da.syncs == db.syncs == 3
+
+
+@pytest.mark.parametrize("fragments,H,overlap", [(3, 6, 1), (3, 6, 0), (2, 4, 3)])
+def test_streaming_syncs_each_fragment_once_per_round(comm, fragments, H, overlap):
+    """Each fragment's exchange starts on its own step of every round of H
+    inner steps (staggered), completes ``overlap`` steps later with the outer
+    step in numpy's rounding, and sets that fragment to its new anchor (the
+    same bits on every rank)."""
+    model = make_model()
+    d = mt.StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                           sync_every=H, op="2bit", fragments=fragments, overlap=overlap)
+    bounds = d._bounds
+    assert len(bounds) == fragments and bounds[0][0] == 0 and bounds[-1][1] == N_VALUES
+    ref = OuterReference(flat(model), 0.7, 0.9, True)
+    done = {p: [] for p in range(fragments)}
+    rounds = 4
+    for s in range(rounds * H):
+        before = list(d.fragment_syncs)
+        d.zero_grad()
+        set_grads(model, comm.rank, s)
+        d.step()
+        for p, (lo, hi) in enumerate(bounds):
+            if d.fragment_syncs[p] == before[p]:
+                continue
+            assert d.fragment_syncs[p] == before[p] + 1
+            done[p].append(s + 1)
+            g = d.outer_gradient.numpy()[lo:hi]
+            ref.m[lo:hi] = ref.m[lo:hi] * np.float32(0.9) + g
+            ref.anchor[lo:hi] = ref.anchor[lo:hi] - (g + ref.m[lo:hi] * np.float32(0.9)) \
+                * np.float32(0.7)
+            assert_all(np.array_equal(d.anchor.numpy()[lo:hi], ref.anchor[lo:hi]),
+                       f"fragment {p} at step {s + 1}: outer step")
+            assert_all(np.array_equal(flat(model).numpy()[lo:hi], ref.anchor[lo:hi]),
+                       f"fragment {p}: not at its anchor")
+            assert_all(same_everywhere(flat(model)[lo:hi], comm), "ranks differ")
+    starts = [((p + 1) * H // fragments) % H for p in range(fragments)]
+    assert len(set(starts)) == fragments   # staggered
+    for p in range(fragments):
+        # once per round, `overlap` steps after its start (the last may still be in flight)
+        expect = [t + overlap for t in range(1, rounds * H + 1) if t % H == starts[p]
+                  and t + overlap <= rounds * H]
+        assert done[p] == expect, (p, done[p], expect)
+        assert rounds - 1 <= len(done[p]) <= rounds
+    with pytest.raises(mpigc.StateError, match="synchronize") if d._pending else \
+            _no_error():
+        d.state_dict()
+    d.synchronize()
+    assert_all(not d._pending and same_everywhere(flat(model), comm), "not in sync")
+    st = d.state_dict()
+    assert st["fragment_syncs"] == d.fragment_syncs
+
+
+class _no_error:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def test_streaming_nonfinite_fragment_raises_everywhere(comm):
+    model = make_model()
+    d = mt.StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.05),
+                           sync_every=4, op="2bit", fragments=2, overlap=1)
+    lo, hi = d._bounds[0]     # fragment 0 starts after step 2 of every round
+
+    def steps():
+        for s in range(2):
+            d.zero_grad()
+            set_grads(model, comm.rank, s, nan=(comm.rank == comm.size - 1 and s == 1))
+            d.step()
+
+    anchor = d.anchor
+    raises_everywhere(mpigc.NonFiniteError, steps, comm, match="fragment 0")
+    assert_all(torch.equal(flat(model)[lo:hi], anchor[lo:hi]) and not d._pending
+               and d.skipped_syncs == 1, "fragment 0 not back at its anchor")
+
+
+@pytest.mark.parametrize("kw", [{"fragments": 0}, {"overlap": 4}, {"mix": 1.0},
+                                {"fragments": 4}])
+def test_streaming_bad_arguments_raise_everywhere(comm, kw):
+    model = make_model()
+    bad = comm.rank == comm.size - 1
+    raises_everywhere(mpigc.ConfigError, lambda: mt.StreamingDiLoCo(
+        model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4,
+        **(kw if bad else {})), comm)

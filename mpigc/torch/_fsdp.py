@@ -342,7 +342,9 @@ class FsdpHookState:
         """Read the hooks' record ``name`` of a DCP checkpoint (collective) and
         check it against these hooks (:class:`MismatchError` on every rank,
         nothing loaded), so that the next ``dcp.load`` of it takes residuals
-        saved at another world size. Not needed at the same world size."""
+        saved at another world size (it sizes the next :meth:`state_dict`
+        only, the template ``dcp.load`` fills). Not needed at the same world
+        size."""
         _dcp_prepare(self, checkpoint_id, name, storage_reader, process_group)
 
     def __repr__(self):
@@ -445,7 +447,9 @@ def _dcp_state(st):
         raise StateError("FsdpHookState.state_dict: the FSDP mesh does not span the "
                          f"{st.size} ranks of the hooks' communicator, or a parameter is "
                          "sharded on another dim than 0 (shard_placement_fn)")
-    saved, ndim = st._saved, st._mesh.ndim
+    # prepare_load's record sizes the next state_dict() only (dcp.load's
+    # template): a load that fails before load_state_dict leaves nothing set
+    saved, ndim, st._saved = st._saved, st._mesh.ndim, None
     states = st.feedback.state_dict() if saved is None else {}
     meta, rows = _meta(st, states), {}
     for key in st.keys:

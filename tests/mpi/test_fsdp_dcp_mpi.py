@@ -274,3 +274,22 @@ def test_hsdp_same_mesh_resumes_bit_exact(comm, gloo, ckpt):
     got = _steps(m2, opt2, comm.rank, 4, 4)
     assert_all(all(owners) and test_fsdp_mpi._compare(want, got, True, 0),
                f"HSDP resume differs (owner residuals {owners})")
+
+
+@pytest.mark.mpi
+def test_prepare_load_sizes_one_state_dict_only(comm, gloo, ckpt):
+    """prepare_load, then a dcp.load that fails before load_state_dict (a
+    key the checkpoint lacks): the next state_dict() holds the residuals
+    again, not an empty template a later save would write."""
+    mesh, sub = _world(comm, comm.size)
+    m, hooks, opt = _setup(mesh, sub, "1bit")
+    _steps(m, opt, comm.rank, 0, 2)
+    _save(m, opt, hooks, ckpt, mesh)
+    hooks.prepare_load(ckpt)
+    raises_everywhere(_Caught, lambda: _caught(lambda: dcp.load(
+        {"mpigc": hooks, "absent": torch.zeros(1)}, checkpoint_id=ckpt)))
+    rows = hooks.state_dict()["rows"]
+    now = hooks.feedback.state_dict()
+    ok = all(np.array_equal(rows[k].to_local().reshape(-1).numpy(), now[k]["worker"])
+             for k in now) and any(np.abs(e["worker"]).max() > 0 for e in now.values())
+    assert_all(ok, "state_dict() after a failed load is not the residuals")

@@ -25,6 +25,8 @@ import json
 import numpy as np
 import torch
 
+from ._common import engine_array, simulating
+
 
 class Layout:
     """Where parameters sit in one flat buffer (a bucket of GradientSync or
@@ -84,3 +86,74 @@ def plan_buckets(named, bucket_mb, bucket_dtype):
     sizes = [(p.numel() * dt.itemsize, dt) for (_, p), dt in zip(named, dtypes)]
     return [(members, dtypes[members[0]])
             for members in bucket_assignment(sizes, bucket_mb * (1 << 20))]
+
+
+class Bucket(Layout):
+    """One fused gradient buffer (read-only view for users and tests).
+
+    Attributes
+    ----------
+    index : int
+        Position in the launch order (the same on every rank).
+    key : str
+        The residual key in :attr:`GradientSync.feedback`, derived from the
+        ordered parameter names and sizes (``"torch/<first>..<last>/<hash>"``).
+    names : list of str
+        The parameters, in bucket order.
+    offsets, numels : list of int
+        Where each parameter's gradient sits in the flat buffer.
+    tensor : torch.Tensor
+        The buffer: float32 (float64 for float64 parameters), 1-D; a CUDA
+        tensor on the parameters' GPU for a device bucket, else in host
+        memory (pinned when its parameters are on a GPU).
+    on_device : bool
+        A device bucket: every parameter of the bucket is on one GPU (and
+        ``device_buckets`` was not turned off); the engine compresses and
+        decodes it on that GPU.
+    flat : numpy.ndarray or torch.Tensor
+        What the engine reduces: the numpy view of :attr:`tensor` (host
+        bucket), or :attr:`tensor` itself (device bucket).
+    started_at : float or None
+        ``time.perf_counter()`` when this step's allreduce started, or None.
+    """
+
+    def __init__(self, index, entries, np_dtype, device, pin):
+        super().__init__(index, [n for n, _, _ in entries],
+                         [p.numel() for _, _, p in entries], np_dtype)
+        self.param_index = [i for _, i, _ in entries]
+        tdtype = torch.float64 if self.dtype == np.float64 else torch.float32
+        sim = device is None and simulating()
+        self.on_device = device is not None or sim
+        if device is not None:  # a device bucket in GPU memory
+            self.tensor = torch.zeros(self.n, dtype=tdtype, device=device)
+        else:
+            self.tensor = torch.zeros(self.n, dtype=tdtype, pin_memory=pin)
+        self.flat = engine_array(self.tensor, self.on_device)
+        self.pending = len(self.names)
+        self.request = None
+        self.error = None
+        self.started_at = None
+
+    def __repr__(self):
+        return (f"Bucket(index={self.index}, key={self.key!r}, params={len(self.names)}, "
+                f"n={self.n}, on_device={self.on_device})")
+
+
+def make_buckets(named, bucket_mb, device_buckets):
+    """GradientSync's :class:`Bucket` of ``named`` (``(name, parameter)``
+    pairs): :func:`plan_buckets` with :func:`accumulating_dtype`. Where each
+    bucket lives is this rank's choice (the layout is the same on every rank
+    whatever the devices): on the GPU that holds all its parameters (unless
+    not ``device_buckets``), else in host memory (pinned when its
+    parameters are on a GPU)."""
+    buckets = []
+    for k, (members, dt) in enumerate(plan_buckets(named, bucket_mb, accumulating_dtype)):
+        entries = [(named[i][0], i, named[i][1]) for i in members]
+        devices = {p.device for _, _, p in entries}
+        dev = next(iter(devices)) if len(devices) == 1 else None
+        on_gpu = dev is not None and dev.type == "cuda" and device_buckets
+        pin = (not on_gpu and torch.cuda.is_available()
+               and any(p.is_cuda for _, _, p in entries))
+        buckets.append(Bucket(k, entries, np.float64 if dt == torch.float64 else np.float32,
+                              dev if on_gpu else None, pin))
+    return buckets

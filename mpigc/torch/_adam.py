@@ -26,10 +26,10 @@ import zlib
 
 import torch
 
-from ..allreduce import allreduce
 from .._errors import ConfigError, InvalidBufferError, MismatchError, MpigcError
 from ..feedback import ErrorFeedback
 from ._common import agree_construction, torch_compressor
+from ._adam_steps import AdamSteps
 from ._residuals import Residuals
 
 __all__ = ["CompressedAdamW", "local_gradients_hook"]
@@ -37,7 +37,43 @@ __all__ = ["CompressedAdamW", "local_gradients_hook"]
 _WARMUP_OPS = ("none", "bf16", "fp16")
 
 
-class CompressedAdamW(torch.optim.Optimizer):
+def _check_arguments(comm, lr, betas, eps, weight_decay, freeze_steps, warmup_op,
+                     freeze_threshold, freeze_window, sync_every, var_refresh, nonfinite):
+    """CompressedAdamW's checks of its arguments, before its first collective
+    (which agrees on them)."""
+    from mpi4py import MPI
+
+    if not isinstance(comm, MPI.Intracomm):
+        raise ConfigError(f"comm: expected an mpi4py Intracomm, got "
+                          f"{type(comm).__name__}")
+    if (lr < 0 or eps < 0 or weight_decay < 0
+            or not all(0 <= b < 1 for b in betas)):
+        raise ConfigError(f"CompressedAdamW: invalid lr={lr}, betas={betas}, "
+                          f"eps={eps} or weight_decay={weight_decay}")
+    if freeze_steps != "auto" and (
+            isinstance(freeze_steps, str) or int(freeze_steps) != freeze_steps
+            or freeze_steps < 1):
+        raise ConfigError("freeze_steps must be 'auto' or an integer >= 1 (the "
+                          "variance to freeze comes from the exact warm-up), got "
+                          f"{freeze_steps!r}")
+    if warmup_op not in _WARMUP_OPS:
+        raise ConfigError(f"warmup_op must be one of {', '.join(_WARMUP_OPS)} (an "
+                          f"exchange without error feedback), got {warmup_op!r}")
+    if not (isinstance(freeze_window, int) and freeze_window >= 1
+            and 0 < freeze_threshold < 1):
+        raise ConfigError("freeze_window must be an integer >= 1 and "
+                          "freeze_threshold in (0, 1), got "
+                          f"{freeze_window!r}, {freeze_threshold!r}")
+    if not (isinstance(sync_every, int) and sync_every >= 1):
+        raise ConfigError(f"sync_every must be an integer >= 1, got {sync_every!r}")
+    if not (isinstance(var_refresh, int) and var_refresh >= 0):
+        raise ConfigError("var_refresh must be an integer >= 0 (0: never), got "
+                          f"{var_refresh!r}")
+    if nonfinite not in ("skip", "raise"):
+        raise ConfigError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+
+
+class CompressedAdamW(AdamSteps, torch.optim.Optimizer):
     """AdamW for data-parallel training that synchronises itself: do not wrap
     the model in ``GradientSync``/``DistributedOptimizer`` or DDP as well.
 
@@ -121,34 +157,9 @@ class CompressedAdamW(torch.optim.Optimizer):
         # others waiting in it)
         exc, settings, ps = None, None, []
         try:
-            if not isinstance(self.comm, MPI.Intracomm):
-                raise ConfigError(f"comm: expected an mpi4py Intracomm, got "
-                                  f"{type(self.comm).__name__}")
-            if (lr < 0 or eps < 0 or weight_decay < 0
-                    or not all(0 <= b < 1 for b in betas)):
-                raise ConfigError(f"CompressedAdamW: invalid lr={lr}, betas={betas}, "
-                                  f"eps={eps} or weight_decay={weight_decay}")
-            if freeze_steps != "auto" and (
-                    isinstance(freeze_steps, str) or int(freeze_steps) != freeze_steps
-                    or freeze_steps < 1):
-                raise ConfigError("freeze_steps must be 'auto' or an integer >= 1 (the "
-                                  "variance to freeze comes from the exact warm-up), got "
-                                  f"{freeze_steps!r}")
-            if warmup_op not in _WARMUP_OPS:
-                raise ConfigError(f"warmup_op must be one of {', '.join(_WARMUP_OPS)} (an "
-                                  f"exchange without error feedback), got {warmup_op!r}")
-            if not (isinstance(freeze_window, int) and freeze_window >= 1
-                    and 0 < freeze_threshold < 1):
-                raise ConfigError("freeze_window must be an integer >= 1 and "
-                                  "freeze_threshold in (0, 1), got "
-                                  f"{freeze_window!r}, {freeze_threshold!r}")
-            if not (isinstance(sync_every, int) and sync_every >= 1):
-                raise ConfigError(f"sync_every must be an integer >= 1, got {sync_every!r}")
-            if not (isinstance(var_refresh, int) and var_refresh >= 0):
-                raise ConfigError("var_refresh must be an integer >= 0 (0: never), got "
-                                  f"{var_refresh!r}")
-            if nonfinite not in ("skip", "raise"):
-                raise ConfigError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+            _check_arguments(self.comm, lr, betas, eps, weight_decay, freeze_steps,
+                             warmup_op, freeze_threshold, freeze_window, sync_every,
+                             var_refresh, nonfinite)
             super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps,
                                           weight_decay=weight_decay))
             self.compressor = torch_compressor(op, op_params)
@@ -232,21 +243,6 @@ class CompressedAdamW(torch.optim.Optimizer):
         if len(set(self._comm.allgather(mine))) > 1:
             raise MismatchError(f"CompressedAdamW: the ranks disagree on {what}")
 
-    def _wire(self, t):
-        return t.numpy() if t.device.type == "cpu" else t
-
-    def _exchange(self, buf, op, **kw):
-        """Average ``buf`` over the ranks; True if the result is finite (the
-        same answer on every rank: the result is the same)."""
-        allreduce(self._wire(buf), op, comm=self.comm, average=True,
-                  gather=self.gather, nonfinite=self.nonfinite, **kw)
-        return bool(torch.isfinite(buf).all())
-
-    @property
-    def frozen(self):
-        """True once the variance is frozen and the momentum is compressed."""
-        return self.frozen_at is not None
-
     # -- the step -------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure=None, grad_scaler=None):
@@ -297,138 +293,6 @@ class CompressedAdamW(torch.optim.Optimizer):
         if refresh:
             self._refresh(t)
         return loss
-
-    def _local_step(self, t, g, refresh, loss):
-        """0/1 Adam's local steps: each rank updates its own parameters with
-        its own momentum; every ``sync_every`` steps the ranks exchange the
-        sum of their ``(lr / c1) * momentum`` (compressed, error feedback) and
-        all restart from the same parameters."""
-        if self._window == 0:
-            self._flatten_params(self._x0)
-            self._m_local.copy_(self._m)
-        for i, (group, (lo, hi)) in enumerate(zip(self.param_groups, self._slices)):
-            b1 = group["betas"][0]
-            g[lo:hi].mul_(1 - b1).add_(self._m_local[lo:hi] * b1)
-            scale = group["lr"] / (1 - b1 ** t)
-            self._acc[lo:hi].add_(g[lo:hi] * scale)
-            self._lr_sum[i] += scale
-            self._decay[i] *= 1 - group["lr"] * group["weight_decay"]
-        self._m_local.copy_(g)
-        self._apply(t, self._m_local)
-        self._steps = t
-        self._window += 1
-        if self._window == self.sync_every:
-            self._end_window(loss)
-            if refresh and self._window == 0 and self._steps == t:
-                self._refresh(t)
-        return loss
-
-    @torch.no_grad()
-    def synchronize(self):
-        """End the current window of local steps now (collective: call it
-        on every rank, e.g. before an evaluation or a checkpoint). Nothing
-        to do without ``sync_every`` or between windows."""
-        if self._window:
-            self._end_window(None)
-
-    @property
-    def in_sync(self):
-        """True when every rank holds the same parameters (no local steps
-        pending)."""
-        return self._window == 0
-
-    def _end_window(self, loss):
-        acc = self._acc
-        ok = self._exchange(acc, self.compressor, key=self.key, feedback=self.feedback)
-        if ok:
-            for i, (group, (lo, hi)) in enumerate(zip(self.param_groups, self._slices)):
-                c2 = 1 - group["betas"][1] ** self.variance_updates
-                denom = self._v[lo:hi].div(c2).sqrt_().add_(group["eps"])
-                if group["weight_decay"]:
-                    self._x0[lo:hi].mul_(self._decay[i])
-                self._x0[lo:hi].sub_(acc[lo:hi].div(denom))
-                self._m[lo:hi].copy_(acc[lo:hi].div(self._lr_sum[i]))
-        else:  # the window is dropped on every rank
-            self._steps -= self._window
-            self._skip(loss)
-        self._m_local.copy_(self._m)
-        self._unflatten_params(self._x0)
-        acc.zero_()
-        self._lr_sum = [0.0] * len(self.param_groups)
-        self._decay = [1.0] * len(self.param_groups)
-        self._window = 0
-
-    def _flatten_params(self, out):
-        off = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                out[off:off + p.numel()].copy_(p.reshape(-1))
-                off += p.numel()
-
-    def _unflatten_params(self, src):
-        off = 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                p.copy_(src[off:off + p.numel()].view_as(p))
-                off += p.numel()
-
-    def _update_moments(self, g, m=True):
-        for group, (lo, hi) in zip(self.param_groups, self._slices):
-            b1, b2 = group["betas"]
-            # no fused multiply-adds (alpha=, addcmul): every element is rounded
-            # as the documented formula says, on every device and in numpy
-            if m:
-                self._m[lo:hi].mul_(b1).add_(g[lo:hi] * (1 - b1))
-            self._v[lo:hi].mul_(b2).add_(g[lo:hi] * g[lo:hi] * (1 - b2))
-        self.variance_updates += 1
-
-    def _refresh(self, t):
-        """0/1 Adam's variance refresh: the local gradients of this step
-        averaged with ``warmup_op`` update the frozen variance (after this
-        step's update); the next refresh comes twice as many steps later."""
-        if not self._exchange(self._flat_r, self.warmup_op):
-            return  # tried again at the next step
-        self._update_moments(self._flat_r, m=False)
-        self.refreshes += 1
-        self._next_refresh = t + self.var_refresh * 2 ** self.refreshes
-
-    def _freeze_now(self):
-        """Freeze after this warm-up step? A step count, or 'auto': the sum of
-        the bias-corrected sqrt(v) moved by at most ``freeze_threshold``
-        (relative) over the last ``freeze_window`` steps. Rank 0 decides and
-        the others follow (their variances are equal; their float sums might
-        not be)."""
-        if self.freeze_steps != "auto":
-            return self._steps >= self.freeze_steps
-        total = 0.0
-        for group, (lo, hi) in zip(self.param_groups, self._slices):
-            c2 = 1 - group["betas"][1] ** self.variance_updates
-            total += float(self._v[lo:hi].double().div(c2).sqrt().sum())
-        self._spread.append(total)
-        self._spread = self._spread[-(self.freeze_window + 1):]
-        ok = (len(self._spread) > self.freeze_window
-              and abs(total / self._spread[0] - 1) <= self.freeze_threshold)
-        return bool(self._comm.bcast(ok, root=0))
-
-    def _skip(self, loss):
-        self.skipped_steps += 1
-        return loss
-
-    def _apply(self, t, m=None):
-        m = self._m if m is None else m
-        off = 0
-        for group, (lo, hi) in zip(self.param_groups, self._slices):
-            b1, b2 = group["betas"]
-            c1, c2 = 1 - b1 ** t, 1 - b2 ** self.variance_updates
-            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-            denom = self._v[lo:hi].div(c2).sqrt_().add_(eps)
-            upd = m[lo:hi].div(denom).mul_(lr / c1)
-            for p in group["params"]:
-                k = p.numel()
-                if wd:
-                    p.mul_(1 - lr * wd)
-                p.sub_(upd[off - lo:off - lo + k].view_as(p))
-                off += k
 
     # -- state ----------------------------------------------------------------
     def state_dict(self):

@@ -9,10 +9,16 @@ faults (a rank whose buffer has another size, or a dtype it rejects before it
 reads the size; a NaN under "raise" or "skip"), on four communicators
 (``COMM_WORLD``, two duplicates, and halves by rank parity), from one user
 thread or two (each thread on communicators of its own, as MPI requires).
-The calls run twice:
+terngrad runs with error feedback, so that it has residuals to keep. The
+calls run twice, each time for two steps (the second starts from the
+residuals the first left; on odd seeds the faults come on the second step
+only, where the faulty calls' keys hold residuals):
 
-- the reference: every call blocking, in order, on a fresh store;
-- the schedule: as drawn, on another fresh store, each rank with its own
+- the reference: every call blocking, in order, on a store of its own; a
+  call that fails or is skipped must leave that store as it was (a failed
+  hierarchical terngrad call once changed the residuals of the slice groups
+  that succeeded, and both runs agreed on the wrong residuals);
+- the schedule: as drawn, on another store of its own, each rank with its own
   random delays, ``test()`` polls of random pending requests, and its own
   order of ``wait()``s, in each of its threads. Every tenth seed, the
   schedule's communicators are new ones; mpigc makes its state of them (its
@@ -98,25 +104,43 @@ def _comms(world, hier_ok):
     return comms
 
 
+# terngrad with error feedback (the default has none: no residual to get wrong)
+TERNGRAD_EF = {"type": "terngrad", "error_feedback": True}
+
+
 def _start(c, x, fb, blocking, comms):
     kw = {"key": f"c{c['i']}", "feedback": fb, "hierarchy": "node" if c["hier"] else "flat",
           "comm": comms[c["comm"]],
           "nonfinite": "skip" if c["fault"] == "nan-skip" else "raise"}
     f = getattr(mpigc, ("" if blocking else "i") + c["kind"])
-    return f(x, c["op"], **kw)
+    return f(x, TERNGRAD_EF if c["op"] == "terngrad" else c["op"], **kw)
 
 
-def _reference(calls, rank, step, comms):
-    fb = mpigc.ErrorFeedback()
-    outs = [outcome(lambda c=c: _start(c, call_input(c, rank, step), fb, True, comms))
-            for c in calls]
+def _reference(calls, rank, step, comms, fb, changed):
+    """The calls blocking and in order on store ``fb``; a call that fails or
+    is skipped and changes the store is named in list ``changed``."""
+    outs = []
+    for c in calls:
+        before = state_bytes(fb)
+        out = outcome(lambda c=c: _start(c, call_input(c, rank, step), fb, True, comms))
+        skipped = c["fault"] == "nan-skip" and _shares_comm(c, rank)
+        if (out[0] == "error" or skipped) and state_bytes(fb) != before:
+            changed.append(f"call {c['i']} ({out[0]}, {c}) changed the residuals")
+        outs.append(out)
     return outs, state_bytes(fb)
 
 
-def _scheduled(calls, rank, step, seed, comms):
-    """The calls as drawn: each stream in a thread of its own (one stream: in
-    this thread), each with its own random delays and order of waits."""
-    fb = mpigc.ErrorFeedback()
+def _shares_comm(c, rank):
+    """Whether call ``c``'s culprit is in this rank's communicator of the
+    call (``half`` splits the world by rank parity; the others are the
+    world): only then does its NaN skip the call here."""
+    return c["comm"] != "half" or c["culprit"] % 2 == rank % 2
+
+
+def _scheduled(calls, rank, step, seed, comms, fb):
+    """The calls as drawn on store ``fb``: each stream in a thread of its own
+    (one stream: in this thread), each with its own random delays and order
+    of waits."""
     outs = [None] * len(calls)
     streams = sorted({c["stream"] for c in calls})
     if len(streams) == 1:
@@ -189,12 +213,21 @@ def test_random_schedules_end_as_blocking_calls_in_order(comm, monkeypatch, pyte
         if sched_comms is None or seed % 10 == 0:
             sched_comms = _comms(comm, hier_ok)
         dog = _watchdog(seed, calls, comm.rank, pytestconfig)
+        ref_fb, sched_fb = mpigc.ErrorFeedback(), mpigc.ErrorFeedback()
         try:
             for step in range(2):
-                ref = _reference(calls, comm.rank, step, ref_comms)
-                got = _scheduled(calls, comm.rank, step, seed, sched_comms)
+                changed = []
+                run = calls
+                if step == 0 and seed % 2:
+                    # odd seeds: the faults on the second step only, where the
+                    # faulty calls' keys hold residuals to keep
+                    run = [dict(c, fault="none") for c in calls]
+                ref = _reference(run, comm.rank, step, ref_comms, ref_fb, changed)
+                if changed:
+                    failures.append(f"seed {seed} step {step}: {changed}")
+                got = _scheduled(run, comm.rank, step, seed, sched_comms, sched_fb)
                 if got != ref:
-                    bad = [c for c, a, b in zip(calls, got[0], ref[0]) if a != b]
+                    bad = [c for c, a, b in zip(run, got[0], ref[0]) if a != b]
                     failures.append(f"seed {seed} step {step}: "
                                     f"{bad or 'residuals differ'}")
         except Exception as e:  # noqa: BLE001 - not an MpigcError: the seed with it

@@ -293,3 +293,45 @@ def test_prepare_load_sizes_one_state_dict_only(comm, gloo, ckpt):
     ok = all(np.array_equal(rows[k].to_local().reshape(-1).numpy(), now[k]["worker"])
              for k in now) and any(np.abs(e["worker"]).max() > 0 for e in now.values())
     assert_all(ok, "state_dict() after a failed load is not the residuals")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pair", [0, 1])
+def test_lightning_record_reshards(comm, gloo, pair):
+    """MpigcFsdpHooks' record in Lightning's checkpoint (every rank's rows
+    gathered on one rank) taken back on another world size: the residual
+    sum per parameter element is kept as through DCP. The callback is driven
+    without a Trainer (its communicator and writing rank set as on_fit_start
+    sets them)."""
+    pytest.importorskip("lightning")
+    from mpigc.torch.lightning import CHECKPOINT_KEY, MpigcFsdpHooks
+    if pair >= len(_pairs(comm.size)):
+        pytest.skip(f"{comm.size} ranks: {len(_pairs(comm.size))} pairs of world sizes")
+    n_old, n_new = _pairs(comm.size)[pair]
+
+    def callback(hooks, sub):
+        cb = MpigcFsdpHooks(**_OPS["2bit-abs"], comm=sub)
+        cb.state, cb._comm, cb._root = hooks, sub, 0
+        return cb
+
+    mesh, sub = _world(comm, n_old)
+    record = saved = None
+    if mesh is not None:
+        m, hooks, opt = _setup(mesh, sub, "2bit-abs")
+        _steps(m, opt, comm.rank, 0, 4)
+        saved = _param_totals(m, hooks, sub)
+        checkpoint = {}
+        callback(hooks, sub).on_save_checkpoint(None, None, checkpoint)
+        record = checkpoint.get(CHECKPOINT_KEY)
+    record, saved = comm.bcast(record), comm.bcast(saved)
+    mesh, sub = _world(comm, n_new)
+    ok = True
+    if mesh is not None:
+        m, hooks, opt = _setup(mesh, sub, "2bit-abs")
+        callback(hooks, sub)._load(record)
+        got = _param_totals(m, hooks, sub)
+        ok = all(np.array_equal(got[k], v) if n_new >= n_old
+                 else np.allclose(got[k], v, rtol=1e-6, atol=1e-7) for k, v in saved.items())
+        ok &= max(float(np.abs(v).max()) for v in saved.values()) > 0
+        _steps(m, opt, comm.rank, 4, 2)
+    assert_all(ok, f"{n_old} -> {n_new}: the residual sum differs (or none kept)")

@@ -16,6 +16,10 @@ Lightning writes (``ModelCheckpoint``, ``trainer.save_checkpoint``) and reads
                         callbacks=[MpigcCommHook(op="2bit", rel_threshold=1.5)])
     trainer.fit(model, loader)             # mpirun -n 8 python train.py
 
+For Lightning's FSDP2 strategy (``ModelParallelStrategy``),
+:class:`MpigcFsdpHooks` registers :func:`mpigc.torch.register_fsdp_hooks`
+after ``configure_model`` and keeps their residuals in its checkpoints.
+
 Importing this module imports Lightning (``pip install 'mpigc[lightning]'``);
 ``import mpigc.torch`` does not. See ``docs/torch.md``, "PyTorch Lightning".
 """

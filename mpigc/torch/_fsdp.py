@@ -68,7 +68,12 @@ def _shard_ranks(group):
 
 def _comm_ranks(comm, ranks):
     """FSDP's global ranks ``ranks`` as ranks of ``comm``, or raise."""
-    of = comm.Get_group().Translate_ranks(list(range(comm.size)), MPI.COMM_WORLD.Get_group())
+    mine, world = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        of = mine.Translate_ranks(list(range(comm.size)), world)
+    finally:
+        mine.Free()
+        world.Free()
     where = {w: i for i, w in enumerate(of)}
     if any(r not in where for r in ranks):
         raise ConfigError(f"register_fsdp_hooks: the FSDP group's ranks {list(ranks)[:8]} are "

@@ -34,10 +34,11 @@ except ImportError as _exc:  # pragma: no cover - depends on the environment
                       f"({_exc})") from _exc
 
 # The package's modules, one concern each: _common (agreement of arguments,
-# timed waits, tensors <-> engine arrays), _state (residual snapshots and the
-# per-parameter state of bucket layouts), _sync (GradientSync), _optimizer
-# (DistributedOptimizer), _hook (the DDP communication hook), _adam
-# (CompressedAdamW), _diloco (DiLoCo: local steps, outer Nesterov step), _fsdp
+# timed waits, tensors <-> engine arrays), _buckets (the one bucketing),
+# _residuals (an object's residuals: rollback, fold-back, state, checkpoints),
+# _state (per-parameter conversions of bucket layouts), _sync and _sync_steps
+# (GradientSync), _optimizer (DistributedOptimizer), _hook and _hook_steps (the
+# DDP communication hook), _adam and _adam_steps (CompressedAdamW), _diloco (DiLoCo: local steps, outer Nesterov step), _fsdp
 # (FSDP2 and HSDP hooks), _launch (process group and broadcasts).
 from ._adam import CompressedAdamW, local_gradients_hook
 from ._diloco import DiLoCo, StreamingDiLoCo

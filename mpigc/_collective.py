@@ -53,6 +53,7 @@ import numpy as np
 from mpi4py import MPI
 
 from . import _comm
+from . import _early
 from . import _flatagree
 from . import _plan
 from . import _plainsum
@@ -115,15 +116,15 @@ class _Op(PendingCall):
         self.rows = self.report = None
         self.local_error = None
         self.error = None
-        self.plain = False
-        self.chunks = None  # a pipelined call's cuts (see _chunk_plan)
         self.sendbuf = None  # phase 1's payloads, once packed (mpigc._twophase)
+        self.x = self.e_in = self.e_out = self.clip_bound = None  # (compressed calls)
+        self.none_buf = None  # the values a plain sum sums (plain calls)
         self.be = None  # the backend of the buffer's side (mpigc._backend)
         self.prep = None  # the call prepared (mpigc._prepared.Prepared)
         self.bufs = None  # its working buffers (a mpigc._prepared.BufferSet)
         # what the agreement step reads of a rank that failed early: defined
         # before anything can raise, so every rank evaluates it the same way
-        self.n = self.dtype = self.settings = self.nonfinite = None
+        self.n = self.dtype = self.nonfinite = None
         row = _plan.new_row()
         try:
             self._prepare(buf, op, params, key, average, gather, feedback, nonfinite,
@@ -134,9 +135,12 @@ class _Op(PendingCall):
             self.abandon()
         self.row = row
         if pre is None:
-            _flatagree.start_rows(self)
+            self.rows = _flatagree.start_rows(self.cs, self.tags, row, self.prep,
+                                              self.local_error is not None, self.none_buf,
+                                              self.sendbuf, self.sendreqs)
         else:
-            self.rows, self.table, self.sendreqs = pre.rows, pre.rows.table, pre.sendreqs
+            self.rows, self.sendreqs = pre.rows, pre.sendreqs
+        self.table = self.rows.table
         self.steps = self._steps()
         _sched.enqueue(self)
 
@@ -165,12 +169,9 @@ class _Op(PendingCall):
                                             self.size, self.rank, op, params, key, average,
                                             gather, nonfinite, recvcounts, self.limits)
         st = rec.settings
-        self.wdtype = rec.wdtype
-        self.comp = comp = st.comp
-        self.average, self.gather, self.bounds, self.key = (st.average, st.gather,
-                                                            st.bounds, st.key)
+        comp, plain, wdtype = rec.comp, rec.plain, rec.wdtype
+        self.key = st.key
         self.nonfinite = nonfinite = st.nonfinite
-        self.plain, self.settings = st.plain, st.config
         row[_FP] = st.fp
         # the call's working buffers, re-bound from the record's pool
         self.bufs = bufs = rec.buffers.take()
@@ -178,34 +179,32 @@ class _Op(PendingCall):
             # a plain allreduce uses no residual: its members simply follow
             # one another
             dbuf = group.fuse(be, bufs.get("fused", be, n, dtype), self.size,
-                              self.plain and self.kind == "allreduce")
+                              plain and self.kind == "allreduce")
         self.flat = dbuf.reshape(dbuf.size)
         # before anything that can fail with a full row (a key in use):
         # every complete row says how the call is cut
-        self.chunks = rec.chunks
-        if self.chunks is not None:
-            row[_CHUNK] = len(self.chunks)
-        if self.fill is not None and self.chunks is None:
+        if rec.chunks is not None:
+            row[_CHUNK] = len(rec.chunks)
+        if self.fill is not None and rec.chunks is None:
             self.fill(0, n)  # read whole below (or by the inline path)
-        lo, hi = self.bounds[self.rank]
+        lo, hi = rec.bounds[self.rank]
         self.out_given = out  # what reduce_scatter returns (the caller's object)
         if out is not None:
             out = self.be.adopt_out(out, hi - lo, dtype)  # on the side of buf
         self.out = out
 
-        self.uses_state = not self.plain and feedback is not False
-        self.use_ef = self.uses_state and comp.uses_feedback
-        if self.uses_state:
+        uses_state = not plain and feedback is not False
+        self.use_ef = uses_state and comp.uses_feedback
+        if uses_state:
             fb = get_default_feedback() if feedback is None else feedback
             if group is None:
-                self.txn = fb.begin(self.key, n, self.wdtype, self.size, self.rank, dev)
+                self.txn = fb.begin(self.key, n, wdtype, self.size, self.rank, dev)
             else:
-                lo, hi = self.bounds[self.rank]
                 self.txn = fb.begin_group(group.keys, group.sizes, group.layout.place,
                                           group.owner_place(self.rank), hi - lo,
-                                          self.wdtype, self.size, self.rank, dev)
+                                          wdtype, self.size, self.rank, dev)
 
-        if self.plain:
+        if plain:
             # MPI has no float16 sum: reduce a float32 copy
             if rec.f32_copy:
                 self.none_buf = bufs.get("f32", be, n, np.float32)
@@ -215,22 +214,14 @@ class _Op(PendingCall):
             if nonfinite != "ignore":
                 row[_NBAD] = be.count_nonfinite(self.none_buf)
             return
-        if self.dtype == self.wdtype:
-            self.x = self.flat
-        else:
-            self.x = bufs.get("x", be, n, self.wdtype)
-            be.assign(self.x, self.flat)
-        self.e_in = self.txn.worker() if self.use_ef else None
-        if comp.needs_global_scale:
-            amax, self.clip_bound, nbad = comp.local_scale(self.x, self.e_in)
-            _twophase.count_bad(self, row, nbad)
-            row[_SCALE] = _twophase.f64_bits(amax)
-            return
-        # compress every shard now; the new residual goes to a scratch buffer
-        self.e_out = self.txn.take_scratch() if self.use_ef else None
-        if self.chunks is not None:
-            return  # pipelined: chunk by chunk once the rows agree (mpigc._twophase)
-        _twophase.pack_shards(self, row)
+        e = _early.compress_early(rec, be, bufs, self.flat, self.txn, self.use_ef,
+                                     self.rank, self.size)
+        self.x, self.e_in, self.e_out = e.x, e.e_in, e.e_out
+        self.clip_bound, self.sendbuf = e.clip_bound, e.sendbuf
+        if e.scale is not None:
+            row[_SCALE] = e.scale
+        if e.bad is not None:
+            _early.put_bad(row, e.bad)
 
     # -- 2. agree ------------------------------------------------------------
     def abandon(self):
@@ -247,10 +238,10 @@ class _Op(PendingCall):
         if self.txn is not None:
             self.txn.settle()
 
-    def commit(self):
+    def _commit(self):
         """The call goes ahead: install the new worker residual."""
         if self.txn is not None:
-            self.txn.commit(self.comp.get_config(), self.keep_replaced)
+            self.txn.commit(self.prep.comp.get_config(), self.keep_replaced)
 
     def release_agree(self):
         """The call is over: its agreement buffers go back to the pool, the
@@ -276,42 +267,46 @@ class _Op(PendingCall):
             self.prep.buffers.give(bufs, self.result)
 
     def set_result(self, v):
-        """The call's result. allreduce: the buffer (``v``, when not None,
-        copied into it first); reduce_scatter: ``v``, this rank's shard (or
-        the caller's ``out``, ``v`` copied in). A grouped call's go to its
-        members."""
-        group, be = self.group, self.be
-        if self.kind == "allreduce":
-            if v is not None and v is not self.flat:
-                be.assign(self.flat, v)
-            if group is not None:
-                group.scatter(be, self.flat)
-            self.result = self.buf
-        elif group is not None:
-            self.result = group.shards(be, v, self.rank,
-                                       lambda a: be.converted(a, self.dtype))
-        elif self.out is not None:
-            be.assign(self.out, v)
-            self.result = self.out_given
-        else:
-            self.result = v if v.dtype == self.dtype else be.converted(v, self.dtype)
+        """The call's result (:func:`_result_of`)."""
+        self.result = _result_of(self, v)
 
-    def finish_plain(self, v, sent, pieces):
-        """The plain sum is over (:mod:`mpigc._plainsum`): ``v`` holds it
-        (allreduce: the buffer's values or a float32 copy; reduce_scatter:
-        this rank's shard), ``sent`` bytes went out, in ``pieces`` MPI sums."""
+    def _finish_plain(self, v, sent, pieces):
+        """The plain sum is over (:meth:`mpigc._plainsum.PlainSum.finish`):
+        ``v`` holds it (allreduce: the buffer's values or a float32 copy;
+        reduce_scatter: this rank's shard), ``sent`` bytes went out, in
+        ``pieces`` MPI sums."""
         self.trace.summed(pieces)
-        if self.average:
+        if self.prep.settings.average:
             self.be.divide(v, self.size)
         self._done(v, sent)
 
-    def finish(self, sent, acc):
-        """The two phases are over (:mod:`mpigc._twophase`): ``sent`` bytes
-        of data went out; ``acc``: this rank's reduced shard."""
+    def _finish(self, sent, acc, owner):
+        """The two phases are over (:meth:`mpigc._twophase.TwoPhase.products`):
+        ``sent`` bytes of data went out; ``acc``: this rank's reduced shard;
+        ``owner``: the new owner residual (None: the old one stays)."""
+        if owner is not None:
+            self.txn.set_owner(owner)
         self.sendreqs = []  # complete: the steps waited for them
         if self.txn is not None:
             self.txn.count_call()
         self._done(None if self.kind == "allreduce" else acc, sent)
+
+    def _stop(self):
+        """The table's non-finite and out-of-range counts stop the call:
+        raise NonFiniteError on every rank, or skip it on every rank (NaN
+        results); nothing else has changed."""
+        t = self.table
+        v = _plan.nonfinite_verdict(t, self.nonfinite)
+        self.abandon()
+        if v.kind == "nonfinite":
+            raise _flatagree.nonfinite_error(self.kind, t, self.prep.comp)
+        if self.txn is not None:
+            self.txn.skipped()
+        self.set_result(_flatagree.nan_result(self.prep, self.be, self.flat, self.rank))
+        self.be.sync()
+        self.release_buffers()
+        self.state = "done"
+        self.release_agree()
 
     def _done(self, v, sent):
         """The call's result: the buffer (allreduce; ``v``, when not None,
@@ -344,7 +339,7 @@ class _Op(PendingCall):
         return None if self.be is None else self.be.device_id
 
     def trace_args(self):
-        comp = getattr(self, "comp", None)
+        comp = None if self.prep is None else self.prep.comp
         name = f"{self.kind} {comp.codec_id if comp is not None else '?'}"
         return name, {"bytes": 0 if self.n is None else self.n * self.dtype.itemsize,
                       "dtype": str(self.dtype), "key": self.key, "ranks": self.size,
@@ -379,37 +374,84 @@ class _Op(PendingCall):
             yield _sched.Turn(self._my_turn)
         self.state = "agreed"
         self.trace.agreed()
-        agreed = _flatagree.act(self)
-        if agreed is None:  # failed: the error report is under way
+        v = _flatagree.verdict(self.table, self.rank, self.nonfinite)
+        if v.kind in ("mismatch", "failed"):
+            if v.kind == "mismatch":
+                self.abandon()
+            # the report is a collective started after the agreement
+            # (cs.post), reached by every rank whatever this one holds
+            self.report = _flatagree.report(self.cs, self.kind, v, self.table,
+                                            self.local_error, self.prep, self.n, self.dtype)
+            self.state = "report"
             yield self.report.req
             raise self.report.error()
-        if not agreed:
+        if v.kind != "go":
+            self._stop()  # raises, or skips
             return
-        if self.chunks is None:
+        rec = self.prep
+        if rec.chunks is None:
             # a pipelined call's residual is committed once the counts of
             # non-finite values, known after its last chunk, agree too
-            self.commit()
+            self._commit()
         # the data travelled with the rows when every row says so
         inline = rows.sources is not None and bool(self.table[:, _INLINE].all())
-        self.trace.went("plain" if self.plain else "two-phase", inline)
-        if self.plain:
+        self.trace.went("plain" if rec.plain else "two-phase", inline)
+        if rec.plain:
             # the steps of the plain sum (here, not as a sub-generator:
             # small calls are made of such steps)
-            plain = _plainsum.PlainSum(self)
-            if inline and plain.add_inline():
+            plain = _plainsum.PlainSum(self, rec, self.cs, self.be, self.none_buf,
+                                       self.blocking)
+            if inline and plain.add_inline(rows.payload(1 - self.rank)):
+                self._finish_plain(*plain.finish())
                 return
             here = (yield _sched.Alone(plain.may_hand_over)) if self.blocking else True
             self.state = "none"
             left = plain.start(here)
             if left is not None:
                 yield left
-            plain.finish()
+            self._finish_plain(*plain.finish())
             return
         self.state = "phases"
-        if self.chunks is not None:
-            self.trace.pipelined(len(self.chunks))
+        if rec.chunks is not None:
+            self.trace.pipelined(len(rec.chunks))
             _wire.count("pipelined_calls")
-        yield from _twophase.TwoPhase(self, inline).steps()
+        tp = _twophase.TwoPhase(_prepared.Bound(
+            rec, self.cs, self.tags, self.be, self.bufs, self.txn, self.use_ef, self.flat,
+            self.x, self.e_in, self.e_out, self.sendbuf, self.clip_bound, self.fill,
+            self.table, rows, self.sendreqs, self.seq, self.key), inline)
+        end = yield from tp.steps()
+        if end == "trailers":  # a pipelined call: the trailers' counts decide
+            self.table[:] = tp.trail
+            if _plan.nonfinite_verdict(self.table, self.nonfinite).kind == "go":
+                self._commit()
+                tp.go()
+            else:
+                tp.stop()
+            end = yield from tp.steps()
+        if end == "stopped":  # phase 1 is complete
+            self._stop()
+            return
+        self._finish(*tp.products())
+
+
+def _result_of(op, v):
+    """The result of call ``op``: allreduce, the buffer (``v``, when not
+    None, copied into it first); reduce_scatter, ``v``, this rank's shard
+    (or the caller's ``out``, ``v`` copied in). A grouped call's go to its
+    members."""
+    group, be = op.group, op.be
+    if op.kind == "allreduce":
+        if v is not None and v is not op.flat:
+            be.assign(op.flat, v)
+        if group is not None:
+            group.scatter(be, op.flat)
+        return op.buf
+    if group is not None:
+        return group.shards(be, v, op.rank, lambda a: be.converted(a, op.dtype))
+    if op.out is not None:
+        be.assign(op.out, v)
+        return op.out_given
+    return v if v.dtype == op.dtype else be.converted(v, op.dtype)
 
 
 def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,

@@ -1,13 +1,13 @@
 """A flat call's agreement (:class:`mpigc._collective._Op`): what its rows
 carry besides the row (the data that travels with them, so that the
-agreement costs no round of its own), and what the call does with the
-table's verdict: go ahead, skip (NaN results on every rank), raise
-``NonFiniteError`` on every rank, or report an error or mismatch to every
-rank (:func:`mpigc._agree.failure_report`, the one report of flat, grouped,
-short and hierarchical agreements). The messages are :mod:`mpigc._agree`'s,
-the verdict :mod:`mpigc._plan`'s; these functions read the call's public
-attributes and set its ``rows``, ``table``, ``report``, ``state`` and
-``result``."""
+agreement costs no round of its own), the verdict of the rows, and what a
+verdict other than "go" produces: the error report or mismatch report to
+every rank (:func:`mpigc._agree.failure_report`, the one report of flat,
+grouped, short and hierarchical agreements), ``NonFiniteError``, or a
+skipped call's NaN result. The messages are :mod:`mpigc._agree`'s, the
+verdict :mod:`mpigc._plan`'s. These functions read the call's prepared
+record (:class:`mpigc._prepared.Prepared`) and what they are given, and
+return what they produced; the call acts on it (raise, skip, report, go)."""
 import json
 
 import numpy as np
@@ -15,110 +15,79 @@ import numpy as np
 from . import _agree
 from . import _plan
 
-__all__ = ["start_rows", "act", "nonfinite_verdict"]
+__all__ = ["start_rows", "verdict", "report", "nonfinite_error", "nan_result"]
 
 _NBAD, _RANGE = _plan.NBAD, _plan.RANGE
 
 
-def _inline_kind(op):
-    """``"values"``, ``"payloads"`` or None: what this rank's agreement
-    messages carry after its row (the call's prepared ``inline``,
-    :func:`mpigc._plan.inline_data`). A rank that failed early sends its
-    row alone. The row says (``_INLINE``) whether data follows, so the
-    decision need not be the same on every rank: the data path is taken
-    only when every row says so."""
-    if op.local_error is not None or op.prep is None:
-        return None
-    return op.prep.inline
-
-
-def _inline_payloads(op, kind):
+def _inline_payloads(rec, kind, rank, size, values, sendbuf):
     """What this rank's agreement message to each peer carries after its
-    row (``{peer: uint8 array}``), or None (rows only), for ``kind``
-    (:func:`_inline_kind`): the values of ``op="none"`` on 2 ranks, or
-    the payload of the peer's shard (phase 1 itself)."""
+    row (``{peer: uint8 array}``), or None (rows only), for ``kind``: the
+    values of ``op="none"`` on 2 ranks, or the payload of the peer's shard
+    (phase 1 itself)."""
     if kind is None:
         return None
     if kind == "values":
-        return {1 - op.rank: op.none_buf.view(np.uint8)}
-    off, psz = op.prep.phases.poff[0], op.prep.phases.psz[0]
-    return {j: op.sendbuf[off[j]:off[j] + psz[j]]
-            for j in range(op.size) if j != op.rank}
+        return {1 - rank: values.view(np.uint8)}
+    off, psz = rec.phases.poff[0], rec.phases.psz[0]
+    return {j: sendbuf[off[j]:off[j] + psz[j]] for j in range(size) if j != rank}
 
 
-def _expected_inline(op, kind):
-    """Bytes of data that a peer that agrees with this rank sends after
-    its row (0: rows only), for this rank's ``kind``."""
-    return 0 if kind is None else op.prep.inline_bytes
+def start_rows(cs, tags, row, rec, failed, values, sendbuf, sendreqs):
+    """Send this rank's ``row``, with its data where it can travel with it,
+    to every peer; returns the exchange (:class:`mpigc._agree.Rows`). What
+    travels is the record's ``inline`` (:func:`mpigc._plan.inline_data`):
+    ``values`` (a plain sum's) or phase 1's payloads (in ``sendbuf``). A
+    rank that ``failed`` early (or has no record) sends its row alone. The
+    row says (``_INLINE``) whether data follows, so the decision need not
+    be the same on every rank: the data path is taken only when every row
+    says so. The sends join ``sendreqs``."""
+    kind = None if failed or rec is None else rec.inline
+    return _agree.Rows(cs.comm, cs.rank, cs.size, tags[2], row,
+                       _inline_payloads(rec, kind, cs.rank, cs.size, values, sendbuf),
+                       0 if kind is None else rec.inline_bytes, sendreqs)
 
 
-def start_rows(op):
-    """Send this rank's row, with its data where it can travel with it,
-    to every peer (:class:`mpigc._agree.Rows`)."""
-    kind = _inline_kind(op)  # once: it decides what is sent and expected
-    op.rows = _agree.Rows(op.cs.comm, op.rank, op.size, op.tags[2], op.row,
-                          _inline_payloads(op, kind), _expected_inline(op, kind),
-                          op.sendreqs)
-    op.table = op.rows.table
+def verdict(table, rank, nonfinite):
+    """The verdict of the agreement's rows (:func:`mpigc._plan.verdict`):
+    ``go``, ``skip``, ``nonfinite``, ``mismatch`` or ``failed``."""
+    return _plan.verdict(table, rank, nonfinite)
 
 
-def act(op):
-    """Act on the table's verdict (:func:`mpigc._plan.verdict`): True (go
-    ahead), False (skipped: NaN results), None (failed: the error report
-    is under way), or raise NonFiniteError on every rank."""
-    v = _plan.verdict(op.table, op.rank, op.nonfinite)
-    if v.kind == "go":
-        return True
-    if v.kind in ("mismatch", "failed"):
-        if v.kind == "mismatch":
-            op.abandon()
-        # the report is a collective started after the agreement (cs.post),
-        # reached by every rank whatever this one holds
-        op.report = _agree.failure_report(op.cs.post, op.kind, v, op.table, op.rank,
-                                          op.local_error, lambda: _describe(op))
-        op.state = "report"
-        return None
-    return nonfinite_verdict(op)
+def report(cs, kind, v, table, local_error, rec, n, dtype):
+    """The error report of verdict ``v`` (``mismatch`` or ``failed``), a
+    collective started after the agreement (``cs.post``), reached by every
+    rank whatever this one holds; ``rec``, ``n``, ``dtype``: what this
+    rank's texts say (where its row is complete)."""
+    return _agree.failure_report(cs.post, kind, v, table, cs.rank, local_error,
+                                 lambda: _describe(rec, n, dtype))
 
 
-def nonfinite_verdict(op):
-    """The table's non-finite and out-of-range counts decide: True (go
-    ahead), False (skipped on every rank: NaN results) or raise
-    NonFiniteError on every rank; nothing has changed in the last two
-    cases."""
-    t = op.table
-    v = _plan.nonfinite_verdict(t, op.nonfinite)
-    if v.kind != "go":
-        op.abandon()
-        if v.kind == "nonfinite":
-            raise _plan.nonfinite_error(op.kind, _plan.nonfinite_causes(
-                t[:, _NBAD], t[:, _RANGE], op.comp.codec_id, op.comp.wire_range))
-        if op.txn is not None:
-            op.txn.skipped()
-        _finish_skipped(op)
-        op.release_agree()
-        return False
-    return True
+def nonfinite_error(kind, table, comp):
+    """The ``NonFiniteError`` of a table whose verdict is ``nonfinite``,
+    the same on every rank."""
+    return _plan.nonfinite_error(kind, _plan.nonfinite_causes(
+        table[:, _NBAD], table[:, _RANGE], comp.codec_id, comp.wire_range))
 
 
-def _describe(op):
+def _describe(rec, n, dtype):
     """This rank's size, dtype, settings and chunking, as texts (a mismatch's;
     asked only where its row is complete)."""
-    chunking = f"{len(op.chunks)} chunks" if op.chunks is not None else "not pipelined"
-    return {"size": str(op.n), "dtype": str(op.dtype),
-            "settings": json.dumps(op.settings, sort_keys=True), "chunking": chunking}
+    chunks = rec.chunks
+    chunking = f"{len(chunks)} chunks" if chunks is not None else "not pipelined"
+    return {"size": str(n), "dtype": str(dtype),
+            "settings": json.dumps(rec.settings.config, sort_keys=True),
+            "chunking": chunking}
 
 
-def _finish_skipped(op):
-    """Every rank skips the call: NaN results, nothing else changed."""
-    if op.kind == "allreduce":
-        op.be.fill_nan(op.flat)
-        op.set_result(None)
-    else:
-        lo, hi = op.bounds[op.rank]
-        res = op.be.empty(hi - lo, op.dtype)
-        op.be.fill_nan(res)
-        op.set_result(res)
-    op.be.sync()
-    op.release_buffers()
-    op.state = "done"
+def nan_result(rec, be, flat, rank):
+    """A skipped call's values (every rank skips it: NaN results, nothing
+    else changed): allreduce, ``flat`` filled with NaN (returns None);
+    reduce_scatter, a new array of this rank's shard, NaN."""
+    if rec.kind == "allreduce":
+        be.fill_nan(flat)
+        return None
+    lo, hi = rec.bounds[rank]
+    res = be.empty(hi - lo, rec.dtype)
+    be.fill_nan(res)
+    return res

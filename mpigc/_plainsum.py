@@ -29,7 +29,10 @@ calls and the ranks from waiting on each other:
 
 The steps that wait stay in the call's own generator
 (:meth:`mpigc._collective._Op._steps`): small calls are made of them, and a
-generator of its own would cost each call its creation.
+generator of its own would cost each call its creation. The sum is a
+function of the call's prepared record (:class:`mpigc._prepared.Prepared`),
+its communicator state and backend and the values it sums; it returns what
+it produced (:meth:`PlainSum.finish`) to the call, which sets its result.
 """
 from mpi4py import MPI
 
@@ -66,65 +69,68 @@ def inline_commutes(mine, peer):
 
 
 class PlainSum:
-    """The plain sum of call ``op`` (its values in ``op.none_buf``)."""
+    """The plain sum of ``values`` (the buffer, or its float32 copy) of a
+    call prepared as ``rec`` on communicator state ``cs`` with backend
+    ``be``; ``call`` is the call only as an entry of the queue (whether an
+    earlier call of its communicator is pending), ``blocking`` whether it
+    is a blocking call."""
 
-    __slots__ = ("call", "wire", "rwire", "out", "pieces", "job", "inline_sent")
+    __slots__ = ("call", "rec", "cs", "be", "values", "blocking", "wire", "rwire", "out",
+                 "pieces", "job", "inline_sent")
 
-    def __init__(self, op):
-        self.call = op
+    def __init__(self, call, rec, cs, be, values, blocking):
+        self.call, self.rec, self.cs, self.be = call, rec, cs, be
+        self.values, self.blocking = values, blocking
         self.wire = self.rwire = self.out = self.job = None
         self.pieces = 0  # MPI sums made (0: the values came with the rows)
         self.inline_sent = 0  # bytes sent with the rows, then summed by MPI
 
-    def add_inline(self):
-        """On 2 ranks, the peer's values came with its row: add them to this
-        rank's, in place, finish, and return True; or, where the bits of
-        the sum would depend on the order of its operands
-        (:func:`inline_commutes`, ``nonfinite="ignore"`` only), add nothing
-        and return False: MPI sums the values (:meth:`start`), as a larger
-        call's, on both ranks."""
-        op = self.call
-        peer = op.rows.payload(1 - op.rank)
-        if op.nonfinite == "ignore" and not inline_commutes(
-                op.none_buf, peer.view(op.none_buf.dtype)):
-            self.inline_sent = op.none_buf.nbytes
+    def add_inline(self, peer):
+        """On 2 ranks, the peer's values (``peer``, the bytes that came with
+        its row) are here: add them to this rank's, in place, and return
+        True (:meth:`finish` gives the sum); or, where the bits of the sum
+        would depend on the order of its operands (:func:`inline_commutes`,
+        ``nonfinite="ignore"`` only), add nothing and return False: MPI sums
+        the values (:meth:`start`), as a larger call's, on both ranks."""
+        values = self.values
+        if self.rec.settings.nonfinite == "ignore" and not inline_commutes(
+                values, peer.view(values.dtype)):
+            self.inline_sent = values.nbytes
             return False
-        _NONE.decode_into(peer, op.none_buf, True)
-        self.out = self.wire = op.none_buf
-        self.finish()
+        _NONE.decode_into(peer, values, True)
+        self.out = self.wire = values
         return True
 
     def may_hand_over(self):
         """A blocking call's sum may run in the reduction thread: several user
         threads call mpigc, and no earlier call of this communicator is
         pending."""
-        op = self.call
+        cs = self.cs
         return (not _sched.may_block() and _reducer.Reducer.available()
-                and not any(o.cs is op.cs for o in _sched.earlier(op)))
+                and not any(o.cs is cs for o in _sched.earlier(self.call)))
 
     def start(self, here):
         """Start the sum (see the module's docstring). ``here``: a blocking
         call may sum in this thread (the ``Alone`` effect said so). Returns
         the effect left to wait for (the reduction thread's job, the
         nonblocking sum's requests) or None (done)."""
-        op = self.call
-        be, cs = op.be, op.cs
-        sendbuf = op.none_buf
+        be, cs, rec = self.be, self.cs, self.rec
+        sendbuf = self.values
         be.sync()
         # staged: the full-precision values cross to the host
         self.wire = be.wire(sendbuf, send=True)
-        if op.kind == "allreduce":
+        if rec.kind == "allreduce":
             self.out = sendbuf
         else:
-            lo, hi = op.bounds[op.rank]
-            recv = be.empty(hi - lo, sendbuf.dtype)
+            lo, hi = rec.bounds[cs.rank]
+            recv = be.empty(hi - lo, sendbuf.dtype)  # the result: not the record's
             self.rwire = be.wire(recv)
             self.out = recv
         reqs = []
-        dev = op.device_id()  # made current in the reduction thread
-        if op.blocking and here:
+        dev = be.device_id  # made current in the reduction thread
+        if self.blocking and here:
             self._reduce(cs.post, blocking=True)
-        elif op.blocking:
+        elif self.blocking:
             self.job = _reducer.Reducer.of(cs).submit(
                 lambda: self._reduce(cs.post, blocking=True), dev)
         elif _reducer.Reducer.available():
@@ -143,7 +149,7 @@ class PlainSum:
         (:class:`mpigc._wire.Limits`) elements is
         summed in pieces of at most that many: an allreduce slice by slice, a
         reduce_scatter by one reduction to its owner per piece of each shard
-        (MPI's counts are C ints)."""
+        (MPI's counts are C ints); the record's ``pieces``."""
         t0 = blocking and _timeline.ON and _timeline.now()
         reqs = self._sum(comm, blocking)
         if t0:
@@ -151,11 +157,11 @@ class PlainSum:
         return reqs
 
     def _sum(self, comm, blocking):
-        op = self.call
+        rec, rank = self.rec, self.cs.rank
         wire, reqs = self.wire, []
+        self.pieces = npieces = rec.pieces
         n = len(wire)
-        self.pieces = npieces = _plan.sum_pieces(n, op.limits.max_count)
-        if op.kind == "allreduce":
+        if rec.kind == "allreduce":
             for a, b in shard_bounds(n, npieces):
                 if blocking:
                     comm.Allreduce(MPI.IN_PLACE, wire[a:b], op=MPI.SUM)
@@ -164,17 +170,17 @@ class PlainSum:
             return reqs
         rwire = self.rwire
         if npieces == 1:
-            counts = [h - l for l, h in op.bounds]
+            counts = [h - l for l, h in rec.bounds]
             if blocking:
                 comm.Reduce_scatter(wire, rwire, counts, op=MPI.SUM)
             else:
                 reqs.append(comm.Ireduce_scatter(wire, rwire, counts, op=MPI.SUM))
             return reqs
-        for j, (lo, hi) in enumerate(op.bounds):
+        for j, (lo, hi) in enumerate(rec.bounds):
             for a, b in shard_bounds(hi - lo, npieces):
                 if b == a:
                     continue
-                recv = rwire[a:b] if j == op.rank else None
+                recv = rwire[a:b] if j == rank else None
                 if blocking:
                     comm.Reduce(wire[lo + a:lo + b], recv, op=MPI.SUM, root=j)
                 else:
@@ -183,14 +189,16 @@ class PlainSum:
         return reqs
 
     def finish(self):
-        """The sum is in (or failed in the reduction thread: raise that)."""
+        """The sum is in (or failed in the reduction thread: raise that):
+        returns ``(v, sent, pieces)``, the sum (allreduce: the values
+        summed in place; reduce_scatter: this rank's shard), the bytes sent
+        and in how many MPI sums (0: the values came with the rows)."""
         if self.job is not None and self.job.error is not None:
             raise self.job.error
-        op = self.call
+        kind = self.rec.kind
         v = self.out
         # staged: back to the device
-        op.be.unstage(v, self.wire if op.kind == "allreduce" else self.rwire)
-        size = op.size
-        factor = 2 * (size - 1) / size if op.kind == "allreduce" else (size - 1) / size
-        op.finish_plain(v, int(round(factor * op.none_buf.nbytes)) + self.inline_sent,
-                        self.pieces)
+        self.be.unstage(v, self.wire if kind == "allreduce" else self.rwire)
+        size = self.cs.size
+        factor = 2 * (size - 1) / size if kind == "allreduce" else (size - 1) / size
+        return v, int(round(factor * self.values.nbytes)) + self.inline_sent, self.pieces

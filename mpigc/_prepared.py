@@ -25,6 +25,8 @@ each hold a set of their own, and a failed call's set is dropped (an MPI
 operation may still write it). An array that becomes the call's result
 (a reduce-scatter's reduced shard) leaves the set.
 """
+from typing import NamedTuple
+
 import numpy as np
 
 from . import _plan
@@ -32,7 +34,7 @@ from . import _settings
 from . import _wire
 from .compressors import work_dtype
 
-__all__ = ["Prepared", "Buffers", "BufferSet", "prepare", "cache_enabled"]
+__all__ = ["Prepared", "Buffers", "BufferSet", "Bound", "prepare", "cache_enabled"]
 
 
 class BufferSet:
@@ -160,6 +162,39 @@ class Prepared:
 
     def __setattr__(self, name, value):
         raise AttributeError(f"a prepared call is frozen: cannot set {name!r}")
+
+
+class Bound(NamedTuple):
+    """What one call binds to its prepared record ``rec`` for its two phases
+    (:class:`mpigc._twophase.TwoPhase`):
+    its communicator state ``cs``, ``tags``, backend ``be``, working
+    buffers ``bufs`` (:class:`mpigc._prepared.BufferSet`), residual
+    transaction ``txn`` (None: no residuals), ``use_ef``; the buffer
+    ``flat``, the values compressed ``x``, the residuals ``e_in`` and
+    ``e_out`` (terngrad's: once its scale is agreed), phase 1's packed
+    payloads ``sendbuf`` (None where the phases pack them), ``clip_bound``
+    (terngrad); ``fill`` (see ``_Op``); the agreement ``table`` and
+    ``rows``; ``sendreqs``, the call's list of sends, which the phases
+    extend; ``seq`` (the communicator's call count) and the key."""
+    rec: object
+    cs: object
+    tags: tuple
+    be: object
+    bufs: object
+    txn: object
+    use_ef: bool
+    flat: object
+    x: object
+    e_in: object
+    e_out: object
+    sendbuf: object
+    clip_bound: object
+    fill: object
+    table: object
+    rows: object
+    sendreqs: list
+    seq: int
+    key: str
 
 
 # the records per signature (see the module docstring)

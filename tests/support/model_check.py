@@ -475,8 +475,8 @@ def _plant_sends_waited_in_a_step(mods):
 
     def decode_phase1(self):
         moved = orig(self)
-        if self.call.kind == "reduce_scatter" and self.c1 == len(self.cuts):
-            for q in self.call.sendreqs:
+        if self.kind == "reduce_scatter" and self.c1 == len(self.cuts):
+            for q in self.sendreqs:
                 q.Wait()
         return moved
     t._decode_phase1 = decode_phase1

@@ -1,7 +1,8 @@
 # usage: mpirun -n 2 python benchmarks/grouped.py [ITERS] [--device]
 # Grouped calls (issue 31): medians over the slowest rank of interleaved calls,
 #  - 64 arrays of 4 KiB, op="none": one grouped call, 64 single calls, one
-#    single call on a 256 KiB buffer, and one comm.Allreduce of 256 KiB;
+#    single call on a 256 KiB buffer, one comm.Allreduce of 256 KiB and, on 2
+#    ranks, the Python floor of 256 KiB (one Sendrecv with the peer, np.add);
 #  - 64 arrays of 64 KiB, op="2bit": one grouped call, 64 single calls, and one
 #    single call on a 4 MiB buffer.
 # Prints each time and the ratios the issue names. With --device the mpigc
@@ -49,7 +50,15 @@ def timed(fns, n, warmup=5):
 small = [place(np.zeros(1024, np.float32)) for _ in range(64)]
 fused = np.zeros(64 * 1024, np.float32)
 fused_in = place(fused.copy())
-t = timed([("mpi 256K", lambda: comm.Allreduce(MPI.IN_PLACE, fused, op=MPI.SUM)),
+floor = []
+if comm.size == 2:  # the Python floor of a 2-rank allreduce: Sendrecv, then np.add
+    tmp = np.empty_like(fused)
+
+    def floor_256k():
+        comm.Sendrecv(fused, 1 - comm.rank, recvbuf=tmp, source=1 - comm.rank)
+        np.add(fused, tmp, out=fused)
+    floor = [("floor 256K", floor_256k)]
+t = timed(floor + [("mpi 256K", lambda: comm.Allreduce(MPI.IN_PLACE, fused, op=MPI.SUM)),
            ("group none 64x4K", lambda: mpigc.allreduce(small, op="none")),
            ("one none 256K", lambda: mpigc.allreduce(fused_in, op="none")),
            ("64 none 4K", lambda: [mpigc.allreduce(a, op="none", key=f"s{i}")
@@ -70,6 +79,9 @@ if comm.rank == 0:
         print(f"  {k:20s} {v:10.1f}")
     print(f"group none 64x4K / comm.Allreduce 256K: {t['group none 64x4K'] / t['mpi 256K']:.2f}x"
           " (target <= 1.5)")
+    if "floor 256K" in t:
+        print(f"group none 64x4K / floor 256K: {t['group none 64x4K'] / t['floor 256K']:.2f}x"
+              " (target <= 1.5)")
     print(f"one none 256K / comm.Allreduce 256K: {t['one none 256K'] / t['mpi 256K']:.2f}x")
     print(f"64 single none 4K / group: {t['64 none 4K'] / t['group none 64x4K']:.1f}x")
     print(f"64 single 2bit 64K / group 2bit 64x64K: "

@@ -1,9 +1,13 @@
 # usage: percall.py {new|old} ITERS [compressed]  -- per-call time of mpigc.allreduce, interleaved
 # per iteration. Default: op="none" (and the 2bit plain fallback at 4 KiB) against comm.Allreduce
-# at 4 KiB, 64 KiB and 1 MiB, medians and minima over the slowest rank. "compressed": the medians
-# on rank 0 of 2bit, 1bit, terngrad and nonblocking 2bit at 16 KiB, 256 KiB and 4 MiB (ITERS
-# calls each, ITERS / 20 at 4 MiB). "new" also times op="none" with the short path of small
-# calls off (none-engine: $MPIGC_SHORT_PATH=0). "old" imports the mpigc package found in
+# and, on 2 ranks, the Python floor of a 2-rank allreduce (one Sendrecv of the buffer with the
+# peer, then np.add: what any Python layer over mpi4py must at least do) at 4 KiB, 64 KiB and
+# 1 MiB, medians and minima over the slowest rank, each as a ratio to comm.Allreduce and to the
+# floor. "compressed": the medians on rank 0 of 2bit, 1bit, terngrad and nonblocking 2bit at
+# 16 KiB, 256 KiB and 4 MiB (ITERS calls each, ITERS / 20 at 4 MiB). "new" also times op="none"
+# with the short path of small calls off (none-engine: $MPIGC_SHORT_PATH=0) and with the cache
+# of prepared calls off (none-nocache and engine-nocache: $MPIGC_PLAN_CACHE=0, each call
+# prepared anew: what the cache buys). "old" imports the mpigc package found in
 # $MPIGC_OLD_TREE (a directory holding an mpigc/ package, its kernels/ copied in) instead of
 # the installed one.
 import os
@@ -51,26 +55,51 @@ if compressed:
     sys.exit(0)
 
 
-def engine_path(fn):
-    """``fn`` with the short path of small calls off ($MPIGC_SHORT_PATH=0,
-    read at each call; setting and removing the variable is part of the
-    time, a microsecond or two)."""
+def with_env(fn, **env):
+    """``fn`` with environment variables set (read at each call; setting and
+    restoring them is part of the time, a microsecond or two: compare with
+    the "old" mode run twice, MPIGC_OLD_TREE the old tree, then the new)."""
+    keep = {k: os.environ.get(k) for k in env}
+
     def g():
-        os.environ["MPIGC_SHORT_PATH"] = "0"
+        os.environ.update(env)
         try:
             fn()
         finally:
-            del os.environ["MPIGC_SHORT_PATH"]
+            for k, v in keep.items():
+                if v is None:
+                    del os.environ[k]
+                else:
+                    os.environ[k] = v
     return g
+
+
+def floor_of(buf):
+    """The Python floor of a 2-rank allreduce of ``buf``: one Sendrecv of
+    the buffer with the peer, then np.add."""
+    peer, tmp = 1 - comm.rank, np.empty_like(buf)
+
+    def floor():
+        comm.Sendrecv(buf, peer, recvbuf=tmp, source=peer)
+        np.add(buf, tmp, out=buf)
+    return floor
 
 
 for size in (4096, 65536, 1 << 20):
     buf = np.zeros(size // 4, np.float32)
-    fns = [("mpi", lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM)),
-           ("none", lambda: mpigc.allreduce(buf, op="none", key="k"))]
-    if sys.argv[1] == "new":  # the same calls on the engine's path (no short path)
-        fns.append(("none-engine", engine_path(lambda: mpigc.allreduce(buf, op="none",
-                                                                       key="k"))))
+    fns = [("mpi", lambda: comm.Allreduce(MPI.IN_PLACE, buf, op=MPI.SUM))]
+    if comm.size == 2:
+        fns.append(("floor", floor_of(buf)))
+    fns.append(("none", lambda: mpigc.allreduce(buf, op="none", key="k")))
+    if sys.argv[1] == "new":
+        def none():
+            mpigc.allreduce(buf, op="none", key="k")
+        # the same calls on the engine's path (no short path), and each call
+        # prepared anew (no cache of prepared calls)
+        fns += [("none-engine", with_env(none, MPIGC_SHORT_PATH="0")),
+                ("none-nocache", with_env(none, MPIGC_PLAN_CACHE="0")),
+                ("engine-nocache", with_env(none, MPIGC_SHORT_PATH="0",
+                                            MPIGC_PLAN_CACHE="0"))]
     if size == 4096:  # below the default cutoff (8192 bytes): the plain fallback
         fns.append(("2bit", lambda: mpigc.allreduce(buf, op="2bit", key="k2")))
     ts = timed(fns, N, 20)
@@ -80,3 +109,6 @@ for size in (4096, 65536, 1 << 20):
         print(f"{size:>8} B median: " + "  ".join(
             f"{k} {v:8.1f} us ({v / med['mpi']:.2f}x)" for k, v in med.items())
             + "   min: " + "  ".join(f"{k} {v:.1f}" for k, v in mn.items()))
+        if "floor" in med:
+            print(f"{size:>8} B / floor: " + "  ".join(
+                f"{k} {v / med['floor']:.2f}x" for k, v in med.items() if k != "floor"))

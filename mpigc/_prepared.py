@@ -60,10 +60,11 @@ class BufferSet:
 
 
 class Buffers:
-    """The pool of a record's buffer sets: :meth:`take` one per call,
-    :meth:`give` it back when the call completed (one set is kept: more
-    are only for calls of one signature pending together, which keys in use
-    forbid for calls with residuals)."""
+    """The pool of buffer sets of the records of one geometry (a signature
+    but for its residuals' key: calls on many keys of one size share it, as
+    the store's spares are shared): :meth:`take` one per call, :meth:`give`
+    it back when the call completed (one set is kept: more are only for
+    calls of one geometry pending together)."""
 
     _KEEP = 1
 
@@ -110,7 +111,8 @@ class Prepared:
                  "plain", "chunks", "phases", "inline", "inline_bytes", "f32_copy",
                  "plain_bytes", "pieces", "device", "device_id", "limits", "buffers")
 
-    def __init__(self, kind, n, dtype, size, rank, st, device, device_id, limits):
+    def __init__(self, kind, n, dtype, size, rank, st, device, device_id, limits,
+                 buffers=None):
         s = object.__setattr__
         s(self, "kind", kind)
         s(self, "n", n)
@@ -124,7 +126,7 @@ class Prepared:
         s(self, "device", device)
         s(self, "device_id", device_id)
         s(self, "limits", limits)
-        s(self, "buffers", Buffers())
+        s(self, "buffers", Buffers() if buffers is None else buffers)
         comp = st.comp
         chunks = phases = None
         if not st.plain and not device and size >= 2:
@@ -197,8 +199,10 @@ class Bound(NamedTuple):
     key: str
 
 
-# the records per signature (see the module docstring)
+# the records per signature (see the module docstring), and their buffer pools
+# per geometry (the signature without the residuals' key)
 _cache = {}
+_pools = {}
 _CACHE_MAX = 4096
 
 
@@ -225,7 +229,17 @@ def prepare(kind, device, device_id, dtype, n, size, rank, op, params, key, aver
             return hit
     st = _settings.settings_for(kind, dtype, size, op, params, key, average, gather,
                                 nonfinite, n, recvcounts, limits)
-    rec = Prepared(kind, n, dtype, size, rank, st, device, device_id, limits)
+    pool = None
+    if ck is not None:
+        # the working buffers depend on everything but the key: one pool for
+        # every key of this geometry (a model's many layers of one size hold
+        # one set, not one per layer)
+        gk = (_settings.settings_key(kind, op, params, None, average, gather, nonfinite, n,
+                                     dtype, recvcounts, size, limits.max_count),) + ck[1:]
+        if len(_pools) >= _CACHE_MAX:
+            _pools.clear()
+        pool = _pools.setdefault(gk, Buffers())
+    rec = Prepared(kind, n, dtype, size, rank, st, device, device_id, limits, pool)
     _wire.count("plans_prepared")
     if ck is not None:
         if len(_cache) >= _CACHE_MAX:

@@ -6,6 +6,8 @@
   MPI, and the calls it shares with the random schedules on real MPI
 - ``launch_contract``, ``simulator_fix``, ``device_order``: the CUDA simulator's launch
   contract, a fix of the simulator, a numpy model of the device's summation order
+- ``device_ops``: every driver-level operation of a device call (allocations, copies,
+  launches, waits, Python calls), counted in the simulator
 - ``foreign_arrays``: arrays that are not numpy arrays (CUDA-like and CPU kinds)
 - ``background``: a test module's slow subprocess runs, side by side
 - ``docs_harness``: the runner of the documentation's code blocks (a script)

@@ -123,6 +123,7 @@ import numpy as np
 from numba import cuda
 
 from .. import _jitcache
+from . import _driver
 from .cpu import check_block_size  # the same preconditions as the CPU kernels
 from .cpu import ternary_stream  # the host-side stream hash (pure Python), shared
 
@@ -280,8 +281,12 @@ def _launch(kernel, blocks, stream, *args):
     numeric scalars only (no ``None``, no host arrays): what a real launch
     accepts. The simulator tests wrap this function to check that contract,
     count the launches and record the argument types that
-    ``tests/test_cuda_sim.py`` compiles to PTX."""
-    kernel[blocks, THREADS, _stream(stream)](*args)
+    ``tests/test_cuda_sim.py`` compiles to PTX. On a GPU the launch goes
+    straight to the driver from a kernel's second launch with a set of
+    argument types on (:mod:`mpigc.kernels._driver`)."""
+    s = _stream(stream)
+    if _driver.ON is False or not _driver.launch(kernel, blocks, THREADS, s, args):
+        kernel[blocks, THREADS, s](*args)
 
 
 # -- small device buffers: layouts (cached) and counters (pooled) -------------
@@ -334,17 +339,34 @@ def _counter(stream):
         c = free.pop() if free else None
     if c is None:
         c = cuda.device_array(1, np.int64)
-    c.copy_to_device(_host_zero(), stream=_stream(stream))
+    s = _stream(stream)
+    if _driver.ON is False or not _driver.memset0(c, s):
+        c.copy_to_device(_host_zero(), stream=s)
     return c
+
+
+_twins = {}  # id(counter) -> (counter, pinned int64[1]): counters live in the pool for good
+
+
+def _pinned_twin(counter):
+    t = _twins.get(id(counter))
+    if t is None or t[0] is not counter:
+        t = _twins[id(counter)] = (counter, cuda.pinned_array(1, np.int64))
+    return t[1]
 
 
 def _read_count(counter, stream):
     """The counter's value: the one device-to-host read (and wait) of a pack.
     (A copy to pageable host memory returns when it is done; the caller's
-    own stream is synchronised as well.)"""
-    host = counter.copy_to_host(stream=_stream(stream))
-    if stream:
-        stream.synchronize()
+    own stream is synchronised as well. On the driver's route: an
+    asynchronous copy into the counter's pinned twin, then a wait for the
+    stream.)"""
+    s = _stream(stream)
+    host = _pinned_twin(counter) if _driver.ON is not False and _driver.enabled() else None
+    if host is None or not _driver.to_host(host, counter, s):
+        host = counter.copy_to_host(stream=s)
+        if stream:
+            stream.synchronize()
     with _lock:
         _counters.setdefault(_device_id(), []).append(counter)
     return int(host[0])

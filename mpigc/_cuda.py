@@ -29,7 +29,9 @@ Streams
     foreign array is used, the engine's stream waits for the stream that
     produced it (:func:`wait_for_producer`: the interface's ``stream``, or
     torch's current stream for a torch tensor); :func:`sync` waits for the
-    engine's stream before MPI or the caller reads.
+    engine's stream before MPI or the caller reads. On a GPU, copies, waits
+    and the producer's event go straight to the CUDA driver
+    (``mpigc.kernels._driver``; ``MPIGC_DRIVER_LAUNCH=0``: through Numba).
 
 Simulator test seam
     Under ``NUMBA_ENABLE_CUDASIM=1`` a "device array" is a numpy array in a
@@ -47,6 +49,7 @@ import threading
 import numpy as np
 
 from ._errors import ConfigError, DTypeError, warn_caller
+from .kernels import _driver  # numpy only at import: no CUDA
 
 __all__ = ["CudaAwareness", "cuda_aware_mpi", "select_device"]
 
@@ -125,6 +128,8 @@ def wait_for_producer(a):
     ptr = producer_stream(a)
     if ptr is None or ptr in (1, 2) or simulator():
         return  # (the simulator runs every launch and copy to its end at once)
+    if _driver.ON is not False and _driver.order_after(ptr, engine_stream()):
+        return
     cuda = _numba_cuda()
     ev = cuda.event(timing=False)
     ev.record(cuda.external_stream(ptr))
@@ -176,7 +181,12 @@ def to_device(h):
 
 
 def to_host(d, out=None):
-    """Copy device array ``d`` to host (into ``out`` if given)."""
+    """Copy device array ``d`` to host (into ``out`` if given): synchronous,
+    in order on the engine's stream."""
+    if _driver.ON is not False and _driver.enabled():
+        h = np.empty(d.shape, d.dtype) if out is None else out
+        if _driver.copy(h, d, engine_stream(), True):
+            return h
     if out is None:
         return d.copy_to_host()
     d.copy_to_host(out)
@@ -202,7 +212,12 @@ def copy(dst, src):
     device: in order on the engine's stream, without blocking the host (the
     kernels that read ``dst`` follow on that stream; a pinned source buffer
     stays the call's until its final synchronisation, a pageable one is
-    taken by the driver before this returns)."""
+    taken by the driver before this returns). On a GPU the copies go to the
+    driver (``mpigc.kernels._driver``: asynchronous on the engine's stream,
+    then a wait for it where the host reads ``dst``)."""
+    if _driver.ON is not False and _driver.copy(dst, src, engine_stream(),
+                                                isinstance(dst, np.ndarray)):
+        return
     if isinstance(dst, np.ndarray):
         src.copy_to_host(dst)
     else:
@@ -215,7 +230,8 @@ def sync():
     not the whole device (work of other non-blocking streams, e.g. torch's
     side streams or the rest of a backward pass queued there, goes on); MPI
     and the caller may read the results afterwards."""
-    engine_stream().synchronize()
+    if _driver.ON is False or not _driver.sync(engine_stream()):
+        engine_stream().synchronize()
 
 
 def mpi_buffer(d):

@@ -41,6 +41,7 @@ test runs, two at a time, the longest first (tests/support/background.py).
 """
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 
@@ -312,7 +313,9 @@ def test_kernels_compile_to_ptx(runs):
     numba-cuda builds on an H100): the cubin must equal the one of ``ptxas
     --fmad=false`` (ptxas fuses a plain product and sum into an FFMA by
     itself), and ``ptxas -v`` must report no stack frame, no spills and at
-    most 64 registers."""
+    most 64 registers. The parameter block the driver's route packs for each
+    signature (``mpigc.kernels._driver.param_codes``) must have the PTX's
+    ``.param`` count and widths: no launch is left on Numba's route."""
     if not _have_numba_cuda_ptx():
         pytest.skip("numba-cuda is not installed (only Numba's built-in CUDA target): "
                     "pip install 'numba-cuda[cu12]' (the test extra does) to compile to PTX")
@@ -1472,6 +1475,8 @@ def check_ptx(path):
               "the ptxas checks do not run")
     t0 = time.perf_counter()
     nvvm = 0.0
+    from mpigc.kernels import _driver
+    problems_early = []
     with tempfile.TemporaryDirectory() as work, \
             concurrent.futures.ThreadPoolExecutor(2) as pool:
         jobs = []
@@ -1486,10 +1491,18 @@ def check_ptx(path):
                     raise AssertionError(f"{what} does not compile for sm_90 with numba-cuda "
                                          f"{version}: {type(exc).__name__}: {exc}") from exc
                 nvvm += time.perf_counter() - t
+                # the driver's route (mpigc.kernels._driver) packs this
+                # signature's parameters: the block must be the PTX's
+                entry = re.search(r"\.entry\s+(\S+)\s*\(", ptx).group(1)
+                codes = _driver.param_codes(sig)
+                if not _driver.layout_matches(codes, _driver.ptx_params(ptx, entry)):
+                    problems_early.append(
+                        f"{what}: the driver's parameter block {codes} does not match the "
+                        f"PTX's .param list {_driver.ptx_params(ptx, entry)}")
                 # ptxas runs beside the next NVVM compile
                 jobs.append(pool.submit(kernel_code_problems, what, ptx, ptxas, work,
                                         name in EXACT_KERNELS, ("sm_90", "sm_90a")))
-        problems = [p for j in jobs for p in j.result()]
+        problems = problems_early + [p for j in jobs for p in j.result()]
     assert not problems, "\n".join(problems)
     print(f"compiled {len(jobs)} signatures of {len(sigs)} kernels to PTX for sm_90 "
           f"(numba-cuda {version}; NVVM {nvvm:.1f} s, all {time.perf_counter() - t0:.1f} s)"

@@ -252,20 +252,21 @@ CEILINGS = {
     # measured 2026-11-28 on the committed tree (5128bd9; the device path of
     # a49a37a): 2bit is the relative mode, 2 pack + 2 decode launches; waits:
     # 3 syncs of the legacy stream, 2 reads of a count into pageable memory,
-    # 2 synchronous staging copies (staged); the Python counts measured 549,
-    # 254, 428 (staged) and 495, 225, 402 (aware), 10% added
+    # 2 synchronous staging copies (staged); Python calls measured 549 (staged)
+    # and 495 (aware), 10% added
     "staged": {"alloc": 1, "free": 1, "launch": 4, "H2D": 4, "D2H": 4, "D2D": 1,
                "setitem": 0, "H2D pageable": 4, "sync device": 0, "sync stream": 3,
                "sync event": 0, "host wait": 7, "array objects": 5,
-               "py calls": 604, "c calls": 279, "mpigc frames": 471},
+               "py calls": 604},
     "aware": {"alloc": 1, "free": 1, "launch": 4, "H2D": 2, "D2H": 2, "D2D": 1,
               "setitem": 0, "H2D pageable": 2, "sync device": 0, "sync stream": 3,
               "sync event": 0, "host wait": 5, "array objects": 4,
-              "py calls": 545, "c calls": 248, "mpigc frames": 442},
+              "py calls": 545},
 }
-# not ceilinged: "all py calls" (numpy's and the simulator's Python count
-# too), the stream and event operations (issue 49's own stream adds event
-# records and waits, and they make the host wait for nothing)
+# printed, not ceilinged: "c calls", "mpigc frames" and "all py calls" (one
+# Python count is ratchet enough; the last counts numpy's and the simulator's
+# Python too), and the stream and event operations (issue 49's stream of its
+# own adds event records and waits, which keep the host from waiting)
 #: (case, op) of the ops mode: 2bit is checked, the others printed
 OPS_CASES = [("2bit", "2bit"), ("1bit", "1bit"), ("none", "none"),
              ("terngrad+EF", {"type": "terngrad", "error_feedback": True})]
@@ -328,7 +329,7 @@ def test_device_op_ceilings_catch_planted_costs():
     bad = over_ceiling({"staged": measured["2bit staged"]},
                        {"staged": CEILINGS["staged"]})
     kinds = {b.split(":")[1].split()[0] for b in bad}
-    assert {"alloc", "free", "sync", "host", "py", "mpigc"} <= kinds, \
+    assert {"alloc", "free", "sync", "host", "py"} <= kinds, \
         "\n".join(bad) + "\n" + out
 
 

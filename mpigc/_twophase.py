@@ -386,7 +386,9 @@ class Gather:
             if cb.use_ef:
                 lo, hi = cb.rec.bounds[r]
                 cb.txn.ensure_owner(lambda: cb.be.zeros(hi - lo, cb.rec.wdtype))
-                self.owner_out = cb.be.empty(hi - lo, cb.rec.wdtype)
+                # double-buffered: the old owner residual is the next call's
+                self.owner_out = (cb.txn.take_owner_scratch(hi - lo, cb.rec.wdtype) if hi > lo
+                                  else cb.be.empty(0, cb.rec.wdtype))
         self.left = len(self.reqs)
 
     def send_chunk(self):

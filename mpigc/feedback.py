@@ -719,10 +719,20 @@ class Transaction:
             e.owner = make()
         return e.owner
 
+    def take_owner_scratch(self, n, dtype):
+        """The array the committed call writes its new owner residual to
+        (``n`` values of this rank's shard, contents undefined): a spare, so
+        that the owner residual is double-buffered like the worker's (the old
+        one becomes the spare at :meth:`set_owner`), or a new one."""
+        return self.fb.take_spare(n, dtype, self._shape[4])
+
     def set_owner(self, arr):
         """The committed call's new owner residual ``arr`` replaces the old
-        (which the call no longer reads)."""
-        self.entry.owner = arr
+        (which the call no longer reads): the old becomes a spare, unless
+        the call keeps the arrays it replaces (``keep_replaced``)."""
+        old, self.entry.owner = self.entry.owner, arr
+        if old is not None and old is not arr and not self.keep:
+            self.fb.give_spare(old)
 
     def end(self, defer=False):
         """The call is over, or will not go ahead: an unused scratch array

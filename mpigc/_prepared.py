@@ -9,9 +9,10 @@ average, gather, nonfinite, size, dtype, recvcounts, the communicator's
 size, the environment that settings read), this rank, the buffer's side and
 GPU, ``$MPIGC_CHUNK_BYTES`` and the call's :class:`mpigc._wire.Limits`. A
 grouped call's layout is in it through its key (the members' keys and
-sizes) and its recvcounts. A signature that is not hashable (a dict op, a
-compressor object) is prepared on every call, as its settings are
-validated on every call. ``$MPIGC_PLAN_CACHE=0`` prepares every call
+sizes) and its recvcounts; a dict op by its items at the call. A
+signature that is not hashable (a compressor object, a dict op holding
+something other than plain scalars) is prepared on every call, as its
+settings are validated on every call. ``$MPIGC_PLAN_CACHE=0`` prepares every call
 (``plans_prepared`` of :func:`mpigc.diagnostics.counters` counts the
 records made).
 

@@ -76,10 +76,19 @@ _SCALAR = (str, int, float, bool, type(None))
 def settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype, recvcounts,
                   size, max_count):
     """What the validated settings of a call depend on, as a hashable key, or
-    None where an argument is not a plain value (a dict op, a compressor
-    object: validated on every call). The environment variables that
-    settings read are part of the key, so changing them takes effect."""
-    if not (isinstance(op, str) and isinstance(average, bool)
+    None where an argument is not a plain value (a compressor object, a dict
+    op with a value that is not a plain scalar: validated on every call). A
+    dict op of plain values is keyed by its items as they are at this call
+    (a dict changed between calls is another key). The environment
+    variables that settings read are part of the key, so changing them
+    takes effect."""
+    if type(op) is dict:
+        if not all(type(k) is str and isinstance(v, _SCALAR) for k, v in op.items()):
+            return None
+        op = ("dict", repr(sorted(op.items())))
+    elif not isinstance(op, str):
+        return None
+    if not (isinstance(average, bool)
             and isinstance(gather, (str, type(None)))
             and isinstance(nonfinite, (str, type(None)))
             and isinstance(key, (str, int, type(None)))):

@@ -19,7 +19,9 @@ pytestmark = pytest.mark.ranks(2, 3)
 # reduce-scatter, float16
 CASES = [("none", 1000, {}), ("2bit", 3000, {}), ("1bit", 300_000, {}),
          ("2bit", 600_000, {}), ("terngrad", 5000, {}), ("fp16", 5000, {"rs": True}),
-         ("2bit", 5000, {"dtype": np.float16}), ("none", 5000, {"dtype": np.float16})]
+         ("2bit", 5000, {"dtype": np.float16}), ("none", 5000, {"dtype": np.float16}),
+         ({"type": "terngrad", "error_feedback": True}, 5000, {}),
+         ({"type": "2bit", "threshold": 0.5}, 3000, {})]
 
 
 def _call(comm, op, n, kw, key, x=None, blocking=True, feedback=None):
@@ -160,3 +162,30 @@ def test_keys_of_one_geometry_share_one_buffer_set(comm, op, n, kw, monkeypatch)
         for k in states)
     assert_all(shared, "calls on keys of one size did not re-bind one buffer set", comm=comm)
     assert_all(same, "results or residuals differ from a store of one key each", comm=comm)
+
+
+@pytest.mark.mpi
+def test_a_dict_op_is_keyed_by_its_items(comm):
+    """A dict op of plain values is prepared once (its items are the key); a
+    dict changed between calls is another signature, with the settings of
+    its new items; a dict holding something other than a plain scalar is
+    prepared on every call."""
+    op = {"type": "2bit", "threshold": 0.5}
+    x = grads(comm.rank, 3000)
+    first = _prepared(lambda: mpigc.allreduce(x, op=op, key="dict-op", comm=comm))
+    again = _prepared(lambda: mpigc.allreduce(x, op=dict(op), key="dict-op", comm=comm))
+    op["threshold"] = 2.0  # changed in place: a new signature, and its values count
+    fb = mpigc.ErrorFeedback()  # (the key's residuals there are of threshold 0.5)
+    res = []
+    changed = _prepared(lambda: res.append(mpigc.allreduce(x, op=op, key="dict-op",
+                                                           comm=comm, feedback=fb)))
+    levels = np.unique(np.abs(res[0]))
+    odd = {"type": "2bit", "threshold": np.float32(0.5)}  # a numpy scalar: not plain
+    each = _prepared(lambda: [mpigc.allreduce(x, op=odd, key="dict-op4", comm=comm)
+                              for _ in range(2)])
+    # (each >= 2: the short path, declining a call, prepares it too)
+    assert_all(first == 1 and again == 0 and changed == 1 and each >= 2,
+               f"prepared {first}, {again}, {changed}, {each}", comm=comm)
+    # threshold 2.0: every decoded value is a sum of 0 or +-2.0 per rank
+    assert_all(np.all(np.isin(levels, 2.0 * np.arange(comm.size + 1))),
+               f"threshold 2.0 gave levels {levels}", comm=comm)

@@ -374,3 +374,16 @@ def order_after(producer, stream):
     err, = drv.cuStreamWaitEvent(_handle(stream), ev, 0)
     _check(err, "cuStreamWaitEvent")
     return True
+
+
+def device_id():
+    """The ordinal of the GPU whose context is current in the calling
+    thread (``cuCtxGetDevice``: well under a microsecond, where Numba's
+    ``get_current_device`` takes tens), or None: no context current, or not
+    this route (the caller asks Numba, which makes one current)."""
+    if not enabled():
+        return None
+    err, dev = _state["drv"].cuCtxGetDevice()
+    if err != _state["drv"].CUresult.CUDA_SUCCESS:
+        return None
+    return int(dev)

@@ -173,9 +173,9 @@ def _max_blocks():
     """Grid cap: a multiple of the current device's SM count."""
     if SIMULATOR:
         return _SIM_MAX_BLOCKS
-    dev = cuda.get_current_device()
-    cap = _max_blocks_cache.get(dev.id)
+    cap = _max_blocks_cache.get(_device_id())
     if cap is None:
+        dev = cuda.get_current_device()
         cap = _max_blocks_cache[dev.id] = dev.MULTIPROCESSOR_COUNT * _BLOCKS_PER_SM
     return cap
 
@@ -296,7 +296,10 @@ _index_cache = collections.OrderedDict()
 
 
 def _device_id():
-    return 0 if SIMULATOR else cuda.get_current_device().id
+    if SIMULATOR:
+        return 0
+    d = _driver.device_id() if _driver.ON is not False else None
+    return cuda.get_current_device().id if d is None else d
 
 
 def _index(values):
@@ -345,14 +348,38 @@ def _counter(stream):
     return c
 
 
-_twins = {}  # id(counter) -> (counter, pinned int64[1]): counters live in the pool for good
+# id(array) -> (array, its pinned host twin): for the pooled counters and
+# scratch arrays, which live in their pools for good
+_twins = {}
 
 
-def _pinned_twin(counter):
-    t = _twins.get(id(counter))
-    if t is None or t[0] is not counter:
-        t = _twins[id(counter)] = (counter, cuda.pinned_array(1, np.int64))
+def _pinned_twin(d):
+    t = _twins.get(id(d))
+    if t is None or t[0] is not d:
+        t = _twins[id(d)] = (d, cuda.pinned_array(d.shape, d.dtype))
     return t[1]
+
+
+_scratch = {}  # (device id, shape, dtype) -> free device scratch arrays
+
+
+def _take_scratch(shape, dtype):
+    """A device array of ``shape`` from a pool (contents undefined): no
+    allocation once a call of that shape ran (terngrad's statistics)."""
+    key = (_device_id(), shape, np.dtype(dtype))
+    with _lock:
+        free = _scratch.get(key)
+        a = free.pop() if free else None
+    return cuda.device_array(shape, dtype) if a is None else a
+
+
+def _give_scratch(a):
+    """``a`` (from :func:`_take_scratch`) is free again: its results were
+    read (a wait for its stream), so a later call may write it."""
+    with _lock:
+        free = _scratch.setdefault((_device_id(), a.shape, np.dtype(a.dtype)), [])
+        if len(free) < 4:
+            free.append(a)
 
 
 def _read_count(counter, stream):
@@ -1217,14 +1244,20 @@ def stats(x, e_in, *, cuda_stream=0):
     if x.size == 0:
         return 0.0, 0.0, 0.0, 0
     nb = _grid(x.size)
-    partial = cuda.device_array((nb, 4), np.float64, stream=cuda_stream)
-    result = cuda.device_array(4, np.float64, stream=cuda_stream)
+    partial = _take_scratch((nb, 4), np.float64)
+    result = _take_scratch((4,), np.float64)
     _launch(_stats_kernel, nb, cuda_stream, x, *_opt(e_in, x), partial)
     _launch(_stats_combine_kernel, 1, cuda_stream, partial, result)
-    p = result.copy_to_host(stream=_stream(cuda_stream))
-    if cuda_stream:
-        cuda_stream.synchronize()
-    return float(p[0]), float(p[1]), float(p[2]), int(p[3])
+    s = _stream(cuda_stream)
+    p = _pinned_twin(result) if _driver.ON is not False and _driver.enabled() else None
+    if p is None or not _driver.to_host(p, result, s):
+        p = result.copy_to_host(stream=s)
+        if cuda_stream:
+            cuda_stream.synchronize()
+    out = float(p[0]), float(p[1]), float(p[2]), int(p[3])
+    _give_scratch(partial)
+    _give_scratch(result)
+    return out
 
 
 @cuda.jit(device=True)

@@ -496,6 +496,10 @@ def current_device_id():
     """The GPU current in the calling thread (in the simulator, whose
     devices carry no id, that of its current context: 0, unless a test gives
     it more devices)."""
+    if _driver.ON is not False:
+        d = _driver.device_id()
+        if d is not None:
+            return d
     cuda = _numba_cuda()
     if simulator():
         return cuda.current_context().id

@@ -254,11 +254,13 @@ CEILINGS = {
     # 3 syncs of the legacy stream, 2 reads of a count into pageable memory,
     # 2 synchronous staging copies (staged); Python calls measured 549 (staged)
     # and 495 (aware), 10% added
-    "staged": {"alloc": 1, "free": 1, "launch": 4, "H2D": 4, "D2H": 4, "D2D": 1,
+    # (allocations and frees: 0 since the owner residual is double-buffered
+    # through the store's spares and dict ops are prepared once, f37d89e+)
+    "staged": {"alloc": 0, "free": 0, "launch": 4, "H2D": 4, "D2H": 4, "D2D": 1,
                "setitem": 0, "H2D pageable": 4, "sync device": 0, "sync stream": 3,
                "sync event": 0, "host wait": 7, "array objects": 5,
                "py calls": 604},
-    "aware": {"alloc": 1, "free": 1, "launch": 4, "H2D": 2, "D2H": 2, "D2D": 1,
+    "aware": {"alloc": 0, "free": 0, "launch": 4, "H2D": 2, "D2H": 2, "D2D": 1,
               "setitem": 0, "H2D pageable": 2, "sync device": 0, "sync stream": 3,
               "sync event": 0, "host wait": 5, "array objects": 4,
               "py calls": 545},
@@ -316,6 +318,11 @@ def test_device_call_operations_within_ceilings():
     measured, out = _run_ops()
     print(out)
     bad = over_ceiling({mode: measured[f"2bit {mode}"] for mode in CEILINGS})
+    # no op allocates on a warm call (terngrad's statistics take pooled
+    # scratch; a dict op is prepared once, its buffer set kept)
+    bad += [f"{case} {mode}: {measured[f'{case} {mode}'][kind]} {kind}"
+             for case, _ in OPS_CASES for mode in CEILINGS for kind in ("alloc", "free")
+             if measured[f"{case} {mode}"][kind]]
     assert not bad, "\n".join(bad) + "\n" + out
 
 

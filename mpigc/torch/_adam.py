@@ -22,13 +22,12 @@ between exchanges (``sync_every``). The warm-up's exchange may be ``bf16``
 (``freeze_steps="auto"``).
 """
 import warnings
-import zlib
 
 import torch
 
-from .._errors import ConfigError, InvalidBufferError, MismatchError, MpigcError
+from .._errors import ConfigError, InvalidBufferError, MpigcError
 from ..feedback import ErrorFeedback
-from ._common import agree_construction, torch_compressor
+from ._common import agreed_comm, check_same, torch_compressor
 from ._adam_steps import AdamSteps
 from ._residuals import Residuals
 
@@ -186,10 +185,8 @@ class CompressedAdamW(AdamSteps, torch.optim.Optimizer):
                                    for g in self.param_groups]}
         except (MpigcError, TypeError, ValueError) as e:
             exc = e
-        if not isinstance(self.comm, MPI.Intracomm):
-            raise exc  # no communicator to tell the others on
-        self._comm = self.comm.Dup()  # this optimizer's own small collectives
-        agree_construction(self._comm, exc, settings, "CompressedAdamW")
+        # this optimizer's own small collectives, once the ranks agreed
+        self._comm = agreed_comm(self.comm, exc, settings, "CompressedAdamW")
         self.freeze_steps = freeze_steps if freeze_steps == "auto" else int(freeze_steps)
         self.warmup_op = warmup_op
         self.freeze_threshold = float(freeze_threshold)
@@ -212,7 +209,10 @@ class CompressedAdamW(AdamSteps, torch.optim.Optimizer):
         #: steps skipped because exchanged values were not finite
         self.skipped_steps = 0
         self._steps = 0
-        self._check_same([(tuple(p.shape), str(p.dtype)) for p in ps], "the parameters")
+        check_same(self._comm, [(f"param_groups[{g}][{i}]", list(p.shape),
+                                 str(p.dtype).replace("torch.", ""))
+                                for g, group in enumerate(self.param_groups)
+                                for i, p in enumerate(group["params"])], "CompressedAdamW")
         n = sum(p.numel() for p in ps)
         dev, dt = ps[0].device, ps[0].dtype
         self._flat_g = torch.zeros(n, dtype=dt, device=dev)   # exchanged buffer
@@ -236,12 +236,6 @@ class CompressedAdamW(AdamSteps, torch.optim.Optimizer):
             for p in g["params"]:
                 off += p.numel()
             self._slices.append((lo, off))
-
-    # -- helpers -----------------------------------------------------------------
-    def _check_same(self, items, what):
-        mine = zlib.crc32(repr(items).encode())
-        if len(set(self._comm.allgather(mine))) > 1:
-            raise MismatchError(f"CompressedAdamW: the ranks disagree on {what}")
 
     # -- the step -------------------------------------------------------------
     @torch.no_grad()

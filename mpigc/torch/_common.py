@@ -71,6 +71,41 @@ def agree_construction(comm, exc, settings, what):
                         + " (every rank must pass the same arguments)")
 
 
+def agreed_comm(comm, exc, settings, what, *, within=None):
+    """A constructor's own duplicate of ``comm``, made once its checks ran
+    (its first collective, over ``comm``), on which every rank agrees that
+    the checks passed everywhere and gave the same ``settings``.
+
+    ``exc`` is what the checks raised on this rank (None: nothing) and
+    ``settings`` what they gave (a dict of JSON values). After the duplicate
+    is made, :func:`agree_construction` raises on every rank when some rank
+    refused its arguments or the settings differ between ranks. A ``comm``
+    that is not an ``MPI.Intracomm`` leaves no communicator to tell the
+    others on: ``exc`` (the checks' error about it) is raised on this rank.
+
+    ``within``: ``(wait, timeout, warn_s)`` to wait for the duplicate as
+    :func:`wait_request` does, so that a constructor called on some ranks
+    only ends there with an error instead of waiting forever; by default a
+    plain ``Dup``.
+    """
+    if not isinstance(comm, MPI.Intracomm):
+        raise exc if exc is not None else ConfigError(
+            f"{what}: comm: expected an mpi4py Intracomm, got {type(comm).__name__}")
+    if within is None:
+        own = comm.Dup()
+    else:
+        wait, timeout, warn_s = within
+        own, req = comm.Idup()
+        wait_request(req.Test, f"{what} (rank {comm.rank} of {comm.size})", wait,
+                     timeout=timeout, warn_s=warn_s)
+    try:
+        agree_construction(own, exc, settings, what)
+    except BaseException:
+        own.Free()  # raised on every rank: freed on every rank
+        raise
+    return own
+
+
 def check_same(comm, items, what):
     """Raise :class:`MismatchError` on every rank unless ``items`` (a list of
     ``(name, shape, dtype)``) is the same on every rank."""

@@ -21,7 +21,7 @@ from ..allreduce import allreduce, iallreduce
 from .._errors import (ConfigError, InvalidBufferError, MismatchError, MpigcError,
                        NonFiniteError, StateError)
 from ..feedback import ErrorFeedback
-from ._common import (Rendezvous, agree_construction, resolve_timeout, resolve_warn_s,
+from ._common import (Rendezvous, agreed_comm, resolve_timeout, resolve_warn_s,
                       torch_compressor, warn_if_uncompressed)
 
 __all__ = ["DiLoCo", "StreamingDiLoCo"]
@@ -133,10 +133,8 @@ class DiLoCo:
             settings.update(self._more_settings(named))
         except (MpigcError, TypeError, ValueError) as e:
             exc = e
-        if not isinstance(self.comm, MPI.Intracomm):
-            raise exc  # no communicator to tell the others on
-        self._comm = self.comm.Dup()  # this object's own small collectives
-        agree_construction(self._comm, exc, settings, "DiLoCo")
+        # this object's own small collectives, once the ranks agreed
+        self._comm = agreed_comm(self.comm, exc, settings, "DiLoCo")
         self.inner = inner_optimizer
         self.sync_every = sync_every
         self.outer_lr = float(outer_lr)

@@ -13,7 +13,7 @@ from ..feedback import new_entry, shard_bounds
 from ..allreduce import iallreduce
 from ..reduce_scatter import ireduce_scatter
 
-from ._common import (NP_OF_TORCH, Wait, agree_construction, check_feedback, check_same,
+from ._common import (NP_OF_TORCH, Wait, agreed_comm, check_feedback, check_same,
                       describe, raise_everywhere, resolve_comm, resolve_timeout,
                       resolve_warn_s, torch_compressor, torch_nonfinite, wait_request,
                       warn_if_uncompressed)
@@ -188,12 +188,9 @@ class FsdpHookState:
             exc = e
         # the first collective, within the timeout: registered on some ranks
         # only raises there instead of waiting for ever
-        self._comm, req = self.comm.Idup()
-        wait_request(req.Test, f"register_fsdp_hooks (rank {self.comm.rank} of "
-                     f"{self.comm.size})", _REGISTER, timeout=self.timeout,
-                     warn_s=self._warn_s)
+        self._comm = agreed_comm(self.comm, exc, settings, "register_fsdp_hooks",
+                                 within=(_REGISTER, self.timeout, self._warn_s))
         _engine_comm.resolve(self._comm)
-        agree_construction(self._comm, exc, settings, "register_fsdp_hooks")
         check_same(self._comm, describe(named), "register_fsdp_hooks")
         self.size, self.rank = self._comm.size, self._comm.rank
         self.keys = [f"fsdp:{fqn}" for fqn, _, _ in groups]

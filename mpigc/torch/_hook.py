@@ -11,7 +11,7 @@ from .. import _comm as _engine_comm
 from .._errors import ConfigError, DTypeError, MpigcError, StateError
 
 from ._buckets import Layout, own_dtype, plan_buckets
-from ._common import (NP_OF_TORCH, Rendezvous, ThresholdWatch, agree_construction,
+from ._common import (NP_OF_TORCH, Rendezvous, ThresholdWatch, agreed_comm,
                       check_feedback, check_gather, check_same, describe, positive,
                       resolve_comm, resolve_timeout, resolve_warn_s, torch_compressor,
                       torch_nonfinite)
@@ -182,9 +182,8 @@ class CommHookState(HookSteps):
                         "find_unused_parameters": self.find_unused_parameters}
         except (MpigcError, TypeError, ValueError) as e:
             exc = e
-        self._comm = self.comm.Dup()
+        self._comm = agreed_comm(self.comm, exc, settings, "CommHookState")
         _engine_comm.resolve(self.comm)
-        agree_construction(self._comm, exc, settings, "CommHookState")
         self._arrive = Rendezvous(self._comm, self._warn_s)
         check_same(self._comm, describe(named), "CommHookState")
         self.hierarchy = hierarchy

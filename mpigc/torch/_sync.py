@@ -10,7 +10,7 @@ from .. import _comm as _engine_comm
 from .._errors import ConfigError, DTypeError, MpigcError, StateError
 
 from ._buckets import Bucket, make_buckets  # noqa: F401 (Bucket: mpigc.torch.Bucket)
-from ._common import (BUCKET_DTYPES, Rendezvous, ThresholdWatch, agree_construction,
+from ._common import (BUCKET_DTYPES, Rendezvous, ThresholdWatch, agreed_comm,
                       check_feedback, check_gather, check_same, describe, positive,
                       raise_everywhere, resolve_comm, resolve_timeout, resolve_warn_s,
                       torch_compressor, torch_nonfinite, warn_if_uncompressed)
@@ -152,9 +152,9 @@ class GradientSync(SyncSteps):
                                                     timeout, feedback, hierarchy, params)
         except (MpigcError, TypeError, ValueError) as e:
             exc = e
-        self._comm = self.comm.Dup()  # this object's own small collectives
+        # this object's own small collectives, once the ranks agreed
+        self._comm = agreed_comm(self.comm, exc, settings, "GradientSync")
         _engine_comm.resolve(self.comm)  # the engine's duplicate, now rather than in a hook
-        agree_construction(self._comm, exc, settings, "GradientSync")
         self._watch = ThresholdWatch(self.compressor, "GradientSync")
         self._arrive = Rendezvous(self._comm, self._warn_s)
         self.hierarchy = hierarchy

@@ -420,7 +420,21 @@ def test_different_parameters_refused_everywhere(comm):
     shape = (3, 4) if comm.rank == comm.size - 1 else (4, 3)
     p = torch.nn.Parameter(torch.zeros(shape))
     raises_everywhere(mpigc.MismatchError, lambda: mt.CompressedAdamW([p]),
-                      match="disagree")
+                      match=r"different parameters .*param_groups\[0\]\[0\] \[4, 3\] "
+                            r"float32 vs \[3, 4\] float32")
+
+
+@pytest.mark.mpi
+def test_different_settings_refused_everywhere(comm):
+    """The constructor's agreement (mpigc.torch._common.agreed_comm, as
+    DiLoCo's, GradientSync's and the hooks'): another lr on one rank is a
+    MismatchError on every rank that names it and the ranks."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    p = torch.nn.Parameter(torch.zeros(4))
+    lr = 0.5 if comm.rank == comm.size - 1 else 0.25
+    raises_everywhere(mpigc.MismatchError, lambda: mt.CompressedAdamW([p], lr=lr),
+                      match=f"different settings: groups=.* on rank {comm.size - 1} but")
 
 
 @pytest.mark.mpi

@@ -3,8 +3,6 @@ item 5): the one bucketing (mpigc/torch/_buckets.py) and the residual state
 (mpigc/torch/_residuals.py). Single process; the collective parts of the
 residual state are covered by tests/mpi/test_torch_mpi.py and
 test_torch_hook_mpi.py."""
-import random
-
 import numpy as np
 import pytest
 
@@ -14,79 +12,128 @@ from mpigc.torch import _buckets  # noqa: E402
 
 
 # -- the one bucketing ---------------------------------------------------------------
-# The two bucketings the layer had before it had one, as they were written:
-# GradientSync._make_buckets (float16/bfloat16 in float32 buckets, bytes of the
-# bucket dtype) and CommHookState._make_groups over _state.bucket_assignment
-# (groups in the parameters' dtype, bytes of that dtype).
-_BUCKET_DTYPES = {torch.float16: np.float32, torch.bfloat16: np.float32,
-                  torch.float32: np.float32, torch.float64: np.float64}
-
-
-def _sync_buckets_before(named, bucket_mb):
-    cap = bucket_mb * (1 << 20)
-    open_, nbytes, done = {}, {}, []
-    for i in reversed(range(len(named))):
-        name, p = named[i]
-        dt = _BUCKET_DTYPES[p.dtype]
-        cur = open_.setdefault(dt, [])
-        cur.append((name, i, p))
-        nbytes[dt] = nbytes.get(dt, 0) + p.numel() * np.dtype(dt).itemsize
-        if nbytes[dt] >= cap:
-            done.append((cur[0][1], dt, cur))
-            open_[dt], nbytes[dt] = [], 0
-    done += [(cur[0][1], dt, cur) for dt, cur in open_.items() if cur]
-    done.sort(key=lambda t: -t[0])
-    return [([i for _, i, _ in cur], np.dtype(dt)) for _, dt, cur in done]
-
-
-def _hook_groups_before(named, bucket_mb):
-    sizes = [(p.numel() * p.element_size(), p.dtype) for _, p in named]
-    cap = bucket_mb * (1 << 20)
-    groups, filling, held = [], {}, {}
-    for i in range(len(sizes) - 1, -1, -1):
-        nbytes, dt = sizes[i]
-        filling.setdefault(dt, []).append(i)
-        held[dt] = held.get(dt, 0) + nbytes
-        if held[dt] >= cap:
-            groups.append(filling.pop(dt))
-            held[dt] = 0
-    groups.extend(g for g in filling.values() if g)
-    return [(g, named[g[0]][1].dtype) for g in sorted(groups, key=lambda g: -g[0])]
-
-
+# Golden bucketings, written out by hand from the rule (mpigc/torch/_buckets.py's
+# docstring, docs/torch.md "Buckets"): filled in the reverse of registration order,
+# one buffer dtype per bucket, a bucket closed once it holds the cap's bytes or more
+# (so its last parameter may take it over the cap), the open buckets closed at the
+# end, the buckets ordered by their first member's index, descending. A change of
+# the bucketing changes which residual keys a checkpoint holds: it must show here.
 def _named(dtypes_numels):
     return [(f"p{i}", torch.nn.Parameter(torch.zeros(m, dtype=dt)))
             for i, (dt, m) in enumerate(dtypes_numels)]
 
 
-MIXES = {
-    "fp32": [torch.float32] * 6,
-    "fp16+fp32": [torch.float16, torch.float32, torch.float16, torch.float32, torch.float32,
-                  torch.float16],
-    "bf16+fp32": [torch.bfloat16, torch.float32, torch.bfloat16, torch.bfloat16,
-                  torch.float32],
-    "fp16+bf16+fp32+fp64": [torch.float16, torch.bfloat16, torch.float32, torch.float64,
-                            torch.float16, torch.float64, torch.bfloat16, torch.float32],
+def _spec(spec):
+    return [(n, torch.nn.Parameter(torch.zeros(m, dtype=dt))) for n, dt, m in spec]
+
+
+def _mlp():
+    """A 16-32-32-10 MLP: float32 parameters of 2048, 128, 4096, 128, 1280 and
+    40 bytes."""
+    return list(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 32), torch.nn.ReLU(),
+                                    torch.nn.Linear(32, 10)).named_parameters())
+
+
+F16, BF16, F32, F64 = torch.float16, torch.bfloat16, torch.float32, torch.float64
+MODELS = {
+    "mlp": _mlp,
+    # every dtype, interleaved (bytes in their own dtype / in the float32 buckets):
+    # emb 200/400, ln 16/32, proj 800, head 400, norm 60/120, out 240, scale 8,
+    # gate 80/160
+    "mixed": lambda: _spec([("emb", F16, 100), ("ln", BF16, 8), ("proj", F32, 200),
+                            ("head", F64, 50), ("norm", F16, 30), ("out", F32, 60),
+                            ("scale", F64, 1), ("gate", BF16, 40)]),
+    # an empty parameter, one over the cap, one of exactly the cap (1000 bytes)
+    "edges": lambda: _spec([("a", F32, 10), ("empty", F32, 0), ("big", F32, 1000),
+                            ("b", F32, 5), ("c", F32, 250)]),
 }
 
+# (model, cap in bytes) -> {dtype rule: [(members, bucket dtype, bucket bytes)]};
+# "same": the hook's rule (own_dtype) gives GradientSync's (accumulating_dtype)
+GOLDEN = {
+    # each parameter alone
+    ("mlp", 1): {"same": [(["4.bias"], "float32", 40), (["4.weight"], "float32", 1280),
+                          (["2.bias"], "float32", 128), (["2.weight"], "float32", 4096),
+                          (["0.bias"], "float32", 128), (["0.weight"], "float32", 2048)]},
+    # 40 + 1280 = 1320 closes at the cap itself
+    ("mlp", 1320): {"same": [(["4.bias", "4.weight"], "float32", 1320),
+                             (["2.bias", "2.weight"], "float32", 4224),
+                             (["0.bias", "0.weight"], "float32", 2176)]},
+    # 1448 < 2048, then 2.weight takes it to 5544; 0.bias and 0.weight close at 2176
+    ("mlp", 2048): {"same": [(["4.bias", "4.weight", "2.bias", "2.weight"], "float32", 5544),
+                             (["0.bias", "0.weight"], "float32", 2176)]},
+    ("mlp", 25 << 20): {"same": [(["4.bias", "4.weight", "2.bias", "2.weight", "0.bias",
+                                   "0.weight"], "float32", 7720)]},
+    ("mixed", 1): {
+        "accumulating": [(["gate"], "float32", 160), (["scale"], "float64", 8),
+                         (["out"], "float32", 240), (["norm"], "float32", 120),
+                         (["head"], "float64", 400), (["proj"], "float32", 800),
+                         (["ln"], "float32", 32), (["emb"], "float32", 400)],
+        "own": [(["gate"], "bfloat16", 80), (["scale"], "float64", 8),
+                (["out"], "float32", 240), (["norm"], "float16", 60),
+                (["head"], "float64", 400), (["proj"], "float32", 800),
+                (["ln"], "bfloat16", 16), (["emb"], "float16", 200)]},
+    # float32 buckets: gate + out = 400 closes at the cap; float64: scale + head
+    ("mixed", 400): {
+        "accumulating": [(["gate", "out"], "float32", 400), (["scale", "head"], "float64", 408),
+                         (["norm", "proj"], "float32", 920), (["ln", "emb"], "float32", 432)],
+        "own": [(["gate", "ln"], "bfloat16", 96), (["scale", "head"], "float64", 408),
+                (["out", "proj"], "float32", 1040), (["norm", "emb"], "float16", 260)]},
+    ("mixed", 1000): {
+        "accumulating": [(["gate", "out", "norm", "proj"], "float32", 1320),
+                         (["scale", "head"], "float64", 408), (["ln", "emb"], "float32", 432)],
+        "own": [(["gate", "ln"], "bfloat16", 96), (["scale", "head"], "float64", 408),
+                (["out", "proj"], "float32", 1040), (["norm", "emb"], "float16", 260)]},
+    ("mixed", 25 << 20): {
+        "accumulating": [(["gate", "out", "norm", "proj", "ln", "emb"], "float32", 1752),
+                         (["scale", "head"], "float64", 408)],
+        "own": [(["gate", "ln"], "bfloat16", 96), (["scale", "head"], "float64", 408),
+                (["out", "proj"], "float32", 1040), (["norm", "emb"], "float16", 260)]},
+    # an empty parameter closes nothing (0 bytes < 1): it goes with the next one
+    ("edges", 1): {"same": [(["c"], "float32", 1000), (["b"], "float32", 20),
+                            (["big"], "float32", 4000), (["empty", "a"], "float32", 40)]},
+    # c alone is the cap; the parameter over the cap closes b's bucket
+    ("edges", 1000): {"same": [(["c"], "float32", 1000), (["b", "big"], "float32", 4020),
+                               (["empty", "a"], "float32", 40)]},
+    ("edges", 1020): {"same": [(["c", "b"], "float32", 1020), (["big"], "float32", 4000),
+                               (["empty", "a"], "float32", 40)]},
+    ("edges", 25 << 20): {"same": [(["c", "b", "big", "empty", "a"], "float32", 5060)]},
+}
 
-@pytest.mark.parametrize("mix", sorted(MIXES))
-@pytest.mark.parametrize("seed", range(5))
-def test_one_bucketing_gives_each_caller_its_buckets_of_before(mix, seed):
-    """plan_buckets with GradientSync's dtype rule gives GradientSync's
-    buckets of before, with the hook's rule the hook's groups of before, for
-    fp32/fp16/bf16/fp64 mixes of random sizes and caps."""
-    rng = random.Random(seed)
-    dts = list(MIXES[mix])
-    rng.shuffle(dts)
-    named = _named([(dt, rng.randint(0, 300)) for dt in dts])
-    for bucket_mb in (1e-9, 200 / 2**20, 700 / 2**20, 2000 / 2**20, 25.0):
-        sync = [(m, np.dtype(np.float64 if dt == torch.float64 else np.float32))
-                for m, dt in _buckets.plan_buckets(named, bucket_mb,
-                                                   _buckets.accumulating_dtype)]
-        assert sync == _sync_buckets_before(named, bucket_mb), (mix, bucket_mb)
-        assert (_buckets.plan_buckets(named, bucket_mb, _buckets.own_dtype)
-                == _hook_groups_before(named, bucket_mb)), (mix, bucket_mb)
+RULES = {"accumulating": _buckets.accumulating_dtype, "own": _buckets.own_dtype}
+
+
+def _bucketing(named, cap, rule):
+    """plan_buckets of ``named`` with a cap of ``cap`` bytes, by name."""
+    return [([named[i][0] for i in members], str(dt).replace("torch.", ""),
+             sum(named[i][1].numel() for i in members) * dt.itemsize)
+            for members, dt in _buckets.plan_buckets(named, cap / 2**20, RULES[rule])]
+
+
+@pytest.mark.parametrize("model, cap", sorted(GOLDEN))
+@pytest.mark.parametrize("rule", sorted(RULES))
+def test_bucketing_is_the_golden_one(model, cap, rule):
+    """plan_buckets with GradientSync's dtype rule (accumulating) and the DDP
+    hook's (own): the members of each bucket in bucket order, its dtype and
+    its bytes, for an MLP, an interleaving of every dtype and the edge cases
+    (an empty parameter, one larger than the cap, buckets of exactly the cap),
+    from one bucket per parameter to one for all."""
+    want = GOLDEN[model, cap]
+    assert _bucketing(MODELS[model](), cap, rule) == want.get(rule, want.get("same"))
+
+
+def test_gradient_sync_buckets_are_the_golden_ones():
+    """make_buckets (GradientSync's buckets) of the MLP at 2048 bytes: the
+    plan's members, each parameter's place in the flat buffer, and the
+    residual keys (sha1 of the names and sizes) that checkpoints hold."""
+    got = [(b.index, b.names, b.numels, b.offsets, b.n, str(b.dtype), b.key)
+           for b in _buckets.make_buckets(_mlp(), 2048 / 2**20, True)]
+    assert got == [
+        (0, ["4.bias", "4.weight", "2.bias", "2.weight"], [10, 320, 32, 1024],
+         [0, 10, 330, 362], 1386, "float32", "torch/4.bias..2.weight/8fa136f686d5"),
+        (1, ["0.bias", "0.weight"], [32, 512], [0, 32], 544, "float32",
+         "torch/0.bias..0.weight/b32f05fd9cd3")]
 
 
 def test_the_two_dtype_rules_differ_for_half_parameters_only():

@@ -116,7 +116,7 @@ class PlainSum:
         nonblocking sum's requests) or None (done)."""
         be, cs, rec = self.be, self.cs, self.rec
         sendbuf = self.values
-        be.sync()
+        be.ready_for_mpi()
         # staged: the full-precision values cross to the host
         self.wire = be.wire(sendbuf, send=True)
         if rec.kind == "allreduce":

@@ -165,7 +165,7 @@ class TwoPhase:
         """Each of chunk ``c``'s packed pieces to its owner."""
         b = self.b
         comm, r, size = b.cs.comm, self.rank, self.size
-        b.be.sync()  # the payloads are packed before MPI reads them
+        b.be.ready_for_mpi()  # the payloads are packed before MPI reads them
         send = b.be.wire(self.sendbuf, send=True)
         for k in range(1, size):
             j = (r + k) % size
@@ -428,7 +428,7 @@ class Gather:
                 # everywhere, and the owner residual is kept whole
                 cb.rec.comp.mark_out_of_range(src[p:q], b - a)
                 self.obad = True
-        cb.be.sync()
+        cb.be.ready_for_mpi()
         cb.be.stage(self.wire, src, p, q)
         if t0:
             _timeline.span("compress (gather)", t0, args={"chunk": c})

@@ -306,7 +306,8 @@ def _index(values):
     """The int64 device array of ``values`` (shard bounds, payload offsets),
     uploaded once per layout and device: a call with the layout of an earlier
     one transfers nothing."""
-    key = (_device_id(), tuple(int(v) for v in values))
+    # (numpy and Python integers of one value hash and compare equal)
+    key = (_device_id(), tuple(values))
     with _lock:
         a = _index_cache.get(key)
         if a is not None:

@@ -283,7 +283,7 @@ def _ptr(d):
 
 def memset0(d, stream):
     """Zero device array ``d`` in stream order; False: not this route."""
-    if not enabled() or not hasattr(d, "gpu_data"):
+    if not enabled() or not _contiguous(d):
         return False
     drv = _state["drv"]
     err, = drv.cuMemsetD8Async(_ptr(d), 0, d.nbytes, _handle(stream))
@@ -295,7 +295,7 @@ def memset0(d, stream):
 def to_host(h, d, stream):
     """``h[:] = d`` (pinned or pageable host ``h``), in order on ``stream``,
     then wait for ``stream``; False: not this route."""
-    if not enabled() or not hasattr(d, "gpu_data"):
+    if not enabled() or not _contiguous(d) or h.nbytes != d.nbytes:
         return False
     drv = _state["drv"]
     hs = _handle(stream)
@@ -305,6 +305,15 @@ def to_host(h, d, stream):
     _check(err, "cuStreamSynchronize")
     _counts["copies"] += 1
     return True
+
+
+def _contiguous(d):
+    """Whether ``d`` is a Numba device array whose bytes are one run."""
+    if not hasattr(d, "gpu_data"):
+        return False
+    if d.ndim == 1:
+        return d.size <= 1 or d.strides[0] == d.dtype.itemsize
+    return bool(d.flags["C_CONTIGUOUS"])
 
 
 def copy(dst, src, stream, wait):
@@ -319,7 +328,7 @@ def copy(dst, src, stream, wait):
         return False
     if (dh and not dst.flags.c_contiguous) or (sh and not src.flags.c_contiguous):
         return False
-    if (not dh and not hasattr(dst, "gpu_data")) or (not sh and not hasattr(src, "gpu_data")):
+    if (not dh and not _contiguous(dst)) or (not sh and not _contiguous(src)):
         return False
     drv = _state["drv"]
     hs = _handle(stream)

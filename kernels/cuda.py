@@ -1578,7 +1578,7 @@ def convert(src, dst, *, cuda_stream=0):
         return
     f16 = np.dtype(np.float16)
     if src.dtype == f16 and dst.dtype == f16:
-        dst.copy_to_device(src, stream=_stream(cuda_stream))
+        _copy_d2d(dst, src, cuda_stream)
         return
     if src.dtype == f16:
         if dst.dtype != np.float32:
@@ -1589,9 +1589,17 @@ def convert(src, dst, *, cuda_stream=0):
             raise TypeError(f"convert: float16 is made from float32, not {src.dtype}")
         _launch(_f32_to_f16_kernel, _grid(dst.size), cuda_stream, src, dst.view(np.uint16))
     elif src.dtype == dst.dtype:
-        dst.copy_to_device(src, stream=_stream(cuda_stream))
+        _copy_d2d(dst, src, cuda_stream)
     else:
         _launch(_convert_kernel, _grid(dst.size), cuda_stream, src, dst)
+
+
+def _copy_d2d(dst, src, cuda_stream):
+    """``dst[:] = src`` on the device, in stream order (the driver's
+    ``cuMemcpyDtoDAsync`` on its route, else Numba's copy)."""
+    s = _stream(cuda_stream)
+    if _driver.ON is False or not _driver.copy(dst, src, s, False):
+        dst.copy_to_device(src, stream=s)
 
 
 @cuda.jit(cache=_CACHE)

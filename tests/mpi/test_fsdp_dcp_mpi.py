@@ -7,8 +7,8 @@ op or model raises the same error on every rank and changes nothing.
 
 Other world sizes run on sub-worlds of the job: FSDP over the first N ranks
 (a DeviceMesh of them, their MPI sub-communicator), then the first M."""
-import shutil
-import tempfile
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -24,27 +24,22 @@ import torch.distributed.checkpoint as dcp  # noqa: E402
 from torch.distributed.checkpoint.api import CheckpointException  # noqa: E402
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
-from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
-import test_fsdp_mpi  # noqa: E402
-import test_torch_mpi  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/
+from support import torch_dist as td  # noqa: E402
 
 # 2: 2 -> 1 (one rank saves no residuals: FSDP2 reduces nothing there); 3:
 # uneven shards, 3 -> 2 (two rows merge on one rank) and 2 -> 3; 4: 4 -> 3,
 # 3 -> 4, 4 -> 2 and HSDP 2 x 2
 pytestmark = pytest.mark.ranks(2, 3, 4)
 
-gloo = test_torch_mpi.gloo
-_OPS = test_fsdp_mpi._OPS
+gloo = td.gloo  # its module-scoped fixture: torch.distributed over gloo
 
 
 @pytest.fixture
 def ckpt(comm):
-    path = comm.bcast(tempfile.mkdtemp(prefix="mpigc-dcp-") if comm.rank == 0 else None)
-    yield path
-    comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
+    with td.shared_dir(comm, "mpigc-dcp-") as path:
+        yield path
 
 
 def _world(comm, n):
@@ -56,17 +51,11 @@ def _world(comm, n):
 
 
 def _setup(mesh, sub, name, extra=0):
-    m = test_fsdp_mpi._model(extra=extra, mesh=mesh)
-    hooks = mt.register_fsdp_hooks(m, comm=sub, **_OPS[name])
+    """The model on ``mesh``, its hooks over ``sub`` (None: the world), SGD
+    with momentum (state that a checkpoint holds)."""
+    m = td.model(extra=extra, mesh=mesh)
+    hooks = mt.register_fsdp_hooks(m, comm=sub, **td.OPS[name])
     return m, hooks, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-
-
-def _steps(m, opt, rank, first, k):
-    for step in range(first, first + k):
-        opt.zero_grad()
-        test_fsdp_mpi._backward(m, rank, step)
-        opt.step()
-    return {n: p.to_local().detach().clone() for n, p in m.named_parameters()}
 
 
 def _save(m, opt, hooks, path, mesh):
@@ -90,10 +79,7 @@ def _param_totals(m, hooks, comm):
     layout (torch._chunk_cat of the parameters' element numbers)."""
     out = {}
     states = hooks.feedback.state_dict()
-    for fqn, mod in m.named_modules():
-        key = f"fsdp:{fqn}"
-        if not isinstance(mod, FSDPModule) or key not in hooks.keys:
-            continue
+    for key, mod in td.hooked_modules(m, hooks.keys):
         shapes = [p.shape for p in mod.parameters(recurse=False)]
         numbers, off = [], 1
         for sh in shapes:
@@ -120,17 +106,17 @@ def test_same_world_size_resumes_bit_exact(comm, gloo, ckpt, name):
     record in the load the run differs."""
     mesh, sub = _world(comm, comm.size)
     m, hooks, opt = _setup(mesh, sub, name)
-    want = _steps(m, opt, comm.rank, 0, 10)
+    want = td.train(m, 10, comm.rank, 0, opt=opt)
     m, hooks, opt = _setup(mesh, sub, name)
-    _steps(m, opt, comm.rank, 0, 5)
+    td.train(m, 5, comm.rank, 0, opt=opt)
     _save(m, opt, hooks, ckpt, mesh)
     runs = []
     for with_hooks in (True, False):
         m2, hooks2, opt2 = _setup(mesh, sub, name)
         _load(m2, opt2, hooks2, ckpt, mesh, with_hooks)
-        runs.append(_steps(m2, opt2, comm.rank, 5, 5))
-    same = test_fsdp_mpi._compare(want, runs[0], True, 0)
-    differs = comm.allreduce(int(not test_fsdp_mpi._compare(want, runs[1], True, 0)))
+        runs.append(td.train(m2, 5, comm.rank, 5, opt=opt2))
+    same = td.compare(want, runs[0], True, 0)
+    differs = comm.allreduce(int(not td.compare(want, runs[1], True, 0)))
     assert_all(same and differs > 0, f"{name}: resumed run differs ({not same}) or a run "
                                      f"without the residuals is the same ({differs == 0})")
 
@@ -156,7 +142,7 @@ def test_other_world_size_keeps_the_residual_sum(comm, gloo, ckpt, name, pair):
     saved = None
     if mesh is not None:
         m, hooks, opt = _setup(mesh, sub, name)
-        _steps(m, opt, comm.rank, 0, 4)
+        td.train(m, 4, comm.rank, 0, opt=opt)
         saved = _param_totals(m, hooks, sub)
         _save(m, opt, hooks, ckpt, mesh)
     saved = comm.bcast(saved)
@@ -175,7 +161,7 @@ def test_other_world_size_keeps_the_residual_sum(comm, gloo, ckpt, name, pair):
                 ok, msg = False, f"{key}: residual sum differs ({n_old} -> {n_new})"
         kept = max(float(np.abs(v).max()) for v in saved.values())
         calls = hooks.calls
-        after = _steps(m, opt, comm.rank, 4, 3)
+        after = td.train(m, 3, comm.rank, 4, opt=opt)
         # on one rank FSDP2 reduces nothing (no reduce-scatter to hook)
         ok &= kept > 0 and hooks.calls == calls + (3 * len(hooks.keys) if n_new > 1 else 0)
         ok &= all(bool(torch.isfinite(t).all()) for t in after.values())
@@ -203,16 +189,16 @@ def test_other_world_size_needs_prepare_load(comm, gloo, ckpt):
     mesh, sub = _world(comm, comm.size - 1)
     if mesh is not None:
         m, hooks, opt = _setup(mesh, sub, "1bit")
-        _steps(m, opt, comm.rank, 0, 2)
+        td.train(m, 2, comm.rank, 0, opt=opt)
         _save(m, opt, hooks, ckpt, mesh)
     comm.Barrier()
     mesh, sub = _world(comm, comm.size)
     m, hooks, opt = _setup(mesh, sub, "1bit")
-    before = {n: p.to_local().detach().clone() for n, p in m.named_parameters()}
+    before = td.local_params(m)
     got = raises_everywhere(_Caught, lambda: _caught(lambda: _load(m, opt, hooks, ckpt, mesh)))
     assert_all("Size mismatch" in str(got.__cause__), str(got.__cause__)[:300])
-    now = {n: p.to_local().detach().clone() for n, p in m.named_parameters()}
-    assert_all(test_fsdp_mpi._compare(before, now, True, 0) and len(hooks.feedback) == 0,
+    now = td.local_params(m)
+    assert_all(td.compare(before, now, True, 0) and len(hooks.feedback) == 0,
                "the model or the residuals changed")
 
 
@@ -223,11 +209,11 @@ def test_mismatched_record_raises_everywhere(comm, gloo, ckpt, other):
     from prepare_load and from load_state_dict, the residuals unchanged."""
     mesh, sub = _world(comm, comm.size)
     m, hooks, opt = _setup(mesh, sub, "2bit-abs")
-    _steps(m, opt, comm.rank, 0, 2)
+    td.train(m, 2, comm.rank, 0, opt=opt)
     _save(m, opt, hooks, ckpt, mesh)
     m2, hooks2, opt2 = _setup(mesh, sub, "1bit" if other == "op" else "2bit-abs",
                               extra=1 if other == "model" else 0)
-    _steps(m2, opt2, comm.rank, 0, 1)
+    td.train(m2, 1, comm.rank, 0, opt=opt2)
     before = hooks2.feedback.state_dict()
     match = "saved with op" if other == "op" else "another model"
     raises_everywhere(mpigc.MismatchError, lambda: hooks2.prepare_load(ckpt), match=match)
@@ -252,27 +238,20 @@ def test_prepare_load_without_record(comm, gloo, ckpt):
 def test_hsdp_same_mesh_resumes_bit_exact(comm, gloo, ckpt):
     """HSDP 2 x 2 (worker and owner residuals of the replica allreduce):
     dcp.save and dcp.load on the same mesh continue bit for bit."""
-    full = test_fsdp_mpi._mesh_2x2(comm)
-    mesh = full["shard"]
-
-    def setup():
-        m = test_fsdp_mpi._model(mesh=mesh)
-        hooks = mt.register_fsdp_hooks(m, **_OPS["1bit"])
-        return m, hooks, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
-
-    m, hooks, opt = setup()
-    want = _steps(m, opt, comm.rank, 0, 8)
-    m, hooks, opt = setup()
-    _steps(m, opt, comm.rank, 0, 4)
+    mesh = td.mesh_2x2(comm)["shard"]
+    m, hooks, opt = _setup(mesh, None, "1bit")
+    want = td.train(m, 8, comm.rank, 0, opt=opt)
+    m, hooks, opt = _setup(mesh, None, "1bit")
+    td.train(m, 4, comm.rank, 0, opt=opt)
     owners = [e["owner"] is not None for e in hooks.feedback.state_dict().values()]
     msd, osd = get_state_dict(m, opt)
     dcp.save({"model": msd, "optim": osd, "mpigc": hooks}, checkpoint_id=ckpt)
-    m2, hooks2, opt2 = setup()
+    m2, hooks2, opt2 = _setup(mesh, None, "1bit")
     msd, osd = get_state_dict(m2, opt2)
     dcp.load({"model": msd, "optim": osd, "mpigc": hooks2}, checkpoint_id=ckpt)
     set_state_dict(m2, opt2, model_state_dict=msd, optim_state_dict=osd)
-    got = _steps(m2, opt2, comm.rank, 4, 4)
-    assert_all(all(owners) and test_fsdp_mpi._compare(want, got, True, 0),
+    got = td.train(m2, 4, comm.rank, 4, opt=opt2)
+    assert_all(all(owners) and td.compare(want, got, True, 0),
                f"HSDP resume differs (owner residuals {owners})")
 
 
@@ -283,7 +262,7 @@ def test_prepare_load_sizes_one_state_dict_only(comm, gloo, ckpt):
     again, not an empty template a later save would write."""
     mesh, sub = _world(comm, comm.size)
     m, hooks, opt = _setup(mesh, sub, "1bit")
-    _steps(m, opt, comm.rank, 0, 2)
+    td.train(m, 2, comm.rank, 0, opt=opt)
     _save(m, opt, hooks, ckpt, mesh)
     hooks.prepare_load(ckpt)
     raises_everywhere(_Caught, lambda: _caught(lambda: dcp.load(
@@ -310,7 +289,7 @@ def test_lightning_record_reshards(comm, gloo, pair):
     n_old, n_new = _pairs(comm.size)[pair]
 
     def callback(hooks, sub):
-        cb = MpigcFsdpHooks(**_OPS["2bit-abs"], comm=sub)
+        cb = MpigcFsdpHooks(**td.OPS["2bit-abs"], comm=sub)
         cb.state, cb._comm, cb._root = hooks, sub, 0
         return cb
 
@@ -318,7 +297,7 @@ def test_lightning_record_reshards(comm, gloo, pair):
     record = saved = None
     if mesh is not None:
         m, hooks, opt = _setup(mesh, sub, "2bit-abs")
-        _steps(m, opt, comm.rank, 0, 4)
+        td.train(m, 4, comm.rank, 0, opt=opt)
         saved = _param_totals(m, hooks, sub)
         checkpoint = {}
         callback(hooks, sub).on_save_checkpoint(None, None, checkpoint)
@@ -333,5 +312,5 @@ def test_lightning_record_reshards(comm, gloo, pair):
         ok = all(np.array_equal(got[k], v) if n_new >= n_old
                  else np.allclose(got[k], v, rtol=1e-6, atol=1e-7) for k, v in saved.items())
         ok &= max(float(np.abs(v).max()) for v in saved.values()) > 0
-        _steps(m, opt, comm.rank, 4, 2)
+        td.train(m, 2, comm.rank, 4, opt=opt)
     assert_all(ok, f"{n_old} -> {n_new}: the residual sum differs (or none kept)")

@@ -2,6 +2,9 @@
 (issue 46, item 1): ``op="none"`` matches plain FSDP2 over gloo, the
 compressors conserve per shard, accumulation, uneven shards, resume, and
 errors on every rank."""
+import os
+import sys
+
 import numpy as np
 import pytest
 from mpi4py import MPI
@@ -12,61 +15,15 @@ from conftest import assert_all, raises_everywhere
 
 torch = pytest.importorskip("torch")
 import mpigc.torch as mt  # noqa: E402
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 
-import test_torch_mpi  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/
+from support import torch_dist as td  # noqa: E402
 
 # 2: the sums of two are order-free (bit-identical to gloo); 3: uneven
 # shards and padding of the 7-row layer; 4: gloo's order of sums differs
 pytestmark = pytest.mark.ranks(2, 3, 4)
 
-gloo = test_torch_mpi.gloo  # its module-scoped fixture: torch.distributed over gloo
-
-_OPS = {"2bit-abs": {"op": "2bit", "threshold": 0.5},
-        "2bit-rel": {"op": "2bit", "rel_threshold": 1.5},
-        "1bit": {"op": "1bit"},
-        "terngrad": {"op": "terngrad", "error_feedback": True}}
-
-
-def _model(reduce_dtype=torch.float32, reshard=True, extra=0, mesh=None):
-    """Two linear blocks and the root, each fully_shard'ed: the 7-row layer
-    is padded and sharded unevenly at 2, 3 and 4 ranks."""
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3 + extra)]
-    m = torch.nn.Sequential(*layers)
-    mp = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
-    for layer in layers[::2]:
-        fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard, mesh=mesh)
-    fully_shard(m, mp_policy=mp, reshard_after_forward=reshard, mesh=mesh)
-    return m
-
-
-def _backward(m, rank, step):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(4, 5, generator=g)
-    m(x).pow(2).sum().backward()
-
-
-def _train(m, steps, rank, first=0, accumulate=False):
-    opt = torch.optim.SGD(m.parameters(), lr=0.05)
-    for step in range(first, first + steps):
-        opt.zero_grad()
-        if accumulate:
-            m.set_requires_gradient_sync(False)
-            _backward(m, rank, 500 + step)
-            m.set_requires_gradient_sync(True)
-        _backward(m, rank, step)
-        opt.step()
-    return {n: p.to_local().detach().clone() for n, p in m.named_parameters()}
-
-
-def _compare(a, b, exact, rtol):
-    """Bit for bit when ``exact``, else within ``rtol`` of the model's
-    largest parameter value."""
-    if exact:
-        return all(torch.equal(a[n], b[n]) for n in a)
-    atol = rtol * max(float(t.float().abs().max()) for t in a.values() if t.numel())
-    return all(torch.allclose(a[n].float(), b[n].float(), rtol=0, atol=atol) for n in a)
+gloo = td.gloo  # its module-scoped fixture: torch.distributed over gloo
 
 
 @pytest.mark.mpi
@@ -80,12 +37,12 @@ def test_none_matches_plain_fsdp(comm, gloo, reduce_dtype, reshard, accumulate):
     once, as ours); else within rounding (gloo adds pairwise at 4 ranks and
     rounds each bf16 partial sum, mpigc adds in float32 and rounds once)."""
     dt = torch.float32 if reduce_dtype == "fp32" else torch.bfloat16
-    plain = _train(_model(dt, reshard), 20, comm.rank, accumulate=accumulate)
-    m = _model(dt, reshard)
+    plain = td.train(td.model(dt, reshard), 20, comm.rank, accumulate=accumulate)
+    m = td.model(dt, reshard)
     state = mt.register_fsdp_hooks(m, op="none")
-    hooked = _train(m, 20, comm.rank, accumulate=accumulate)
+    hooked = td.train(m, 20, comm.rank, accumulate=accumulate)
     exact = comm.size <= 3 if dt == torch.float32 else comm.size == 2
-    ok = _compare(plain, hooked, exact, 1e-5 if dt == torch.float32 else 1e-2)
+    ok = td.compare(plain, hooked, exact, 1e-5 if dt == torch.float32 else 1e-2)
     assert_all(ok, f"op='none' differs from plain FSDP2 (exact={exact})")
     # the hook ran: one call per FSDP parameter group and synchronising step
     assert_all(state.calls == 20 * len(state.keys) and state.bytes_sent > 0,
@@ -113,16 +70,16 @@ def test_none_keeps_fsdp_division(comm, gloo, setting):
     factor = {"factor": 2.5 * comm.size, "factor=N": comm.size}.get(setting)
 
     def build(force_sum):
-        m = _model(dt)
+        m = td.model(dt)
         return _divide_by(m, factor, force_sum) if factor is not None else m
 
-    plain = _train(build(setting == "factor"), 10, comm.rank)
+    plain = td.train(build(setting == "factor"), 10, comm.rank)
     m = build(False)
     state = mt.register_fsdp_hooks(m, op="none")
-    hooked = _train(m, 10, comm.rank)
+    hooked = td.train(m, 10, comm.rank)
     exact = (comm.size <= 3 and setting == "factor=N") or (setting == "fp16"
                                                             and comm.size == 2)
-    ok = _compare(plain, hooked, exact, 1e-5 if dt == torch.float32 else 1e-2)
+    ok = td.compare(plain, hooked, exact, 1e-5 if dt == torch.float32 else 1e-2)
     assert_all(ok and state.calls == 10 * len(state.keys),
                f"{setting}: differs from plain FSDP2 (exact={exact}) or no calls")
 
@@ -147,28 +104,25 @@ class _Recorder:
 
 
 def _record(m, state):
-    from torch.distributed.fsdp import FSDPModule
     recs = {}
-    for fqn, mod in m.named_modules():
-        key = f"fsdp:{fqn}"
-        if isinstance(mod, FSDPModule) and key in state.reduce_scatters:
-            recs[key] = _Recorder(state, key)
-            mod.set_custom_reduce_scatter(recs[key])
+    for key, mod in td.hooked_modules(m, state.reduce_scatters):
+        recs[key] = _Recorder(state, key)
+        mod.set_custom_reduce_scatter(recs[key])
     return recs
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("name", list(_OPS))
+@pytest.mark.parametrize("name", list(td.OPS))
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_conservation_per_shard(comm, gloo, name, accumulate):
     """Per group and shard, over the steps: what the ranks put in (their
     inputs) = N x what the owner delivered (the average) + the change of
     the ranks' residuals; the residuals are not all zero (the compressor
     kept something back)."""
-    m = _model()
-    state = mt.register_fsdp_hooks(m, **_OPS[name])
+    m = td.model()
+    state = mt.register_fsdp_hooks(m, **td.OPS[name])
     recs = _record(m, state)
-    _train(m, 6, comm.rank, accumulate=accumulate)
+    td.train(m, 6, comm.rank, accumulate=accumulate)
     ok, worst, kept = True, 0.0, 0.0
     for key, rec in recs.items():
         rows = comm.allgather(rec.rows)
@@ -195,42 +149,42 @@ def test_conservation_per_shard(comm, gloo, name, accumulate):
 def test_resume_bit_exact(comm, gloo, name):
     """10 steps in one go = 5 steps, the model, optimizer and hook state
     into a new model, 5 steps; without the residuals it differs."""
-    m = _model()
-    mt.register_fsdp_hooks(m, **_OPS[name])
-    want = _train(m, 10, comm.rank)
-    m = _model()
-    state = mt.register_fsdp_hooks(m, **_OPS[name])
-    _train(m, 5, comm.rank)
+    m = td.model()
+    mt.register_fsdp_hooks(m, **td.OPS[name])
+    want = td.train(m, 10, comm.rank)
+    m = td.model()
+    state = mt.register_fsdp_hooks(m, **td.OPS[name])
+    td.train(m, 5, comm.rank)
     saved = state.state_dict()
-    params = {n: p.to_local().detach().clone() for n, p in m.named_parameters()}
+    params = td.local_params(m)
     runs = []
     for load in (True, False):
-        m2 = _model()
-        state2 = mt.register_fsdp_hooks(m2, **_OPS[name])
+        m2 = td.model()
+        state2 = mt.register_fsdp_hooks(m2, **td.OPS[name])
         with torch.no_grad():
             for n, p in m2.named_parameters():
                 p.to_local().copy_(params[n])
         if load:
             state2.load_state_dict(saved)
-        runs.append(_train(m2, 5, comm.rank, first=5))
-    assert_all(_compare(want, runs[0], True, 0), f"{name}: resumed run differs")
-    assert_all(comm.allreduce(int(not _compare(want, runs[1], True, 0))) > 0,
+        runs.append(td.train(m2, 5, comm.rank, first=5))
+    assert_all(td.compare(want, runs[0], True, 0), f"{name}: resumed run differs")
+    assert_all(comm.allreduce(int(not td.compare(want, runs[1], True, 0))) > 0,
                f"{name}: a run without the residuals is the same (test too weak)")
 
 
 # -- errors ---------------------------------------------------------------------------
 @pytest.mark.mpi
 def test_settings_differ(comm, gloo):
-    m = _model()
+    m = td.model()
     op = {"op": "2bit", "threshold": 0.5 if comm.rank == 0 else 0.25}
     raises_everywhere(mpigc.MismatchError, lambda: mt.register_fsdp_hooks(m, **op),
                       match="different settings")
-    _train(m, 1, comm.rank)  # nothing installed: FSDP's own reduce-scatter
+    td.train(m, 1, comm.rank)  # nothing installed: FSDP's own reduce-scatter
 
 
 @pytest.mark.mpi
 def test_parameters_differ(comm, gloo):
-    m = _model(extra=1 if comm.rank == 1 else 0)
+    m = td.model(extra=1 if comm.rank == 1 else 0)
     raises_everywhere(mpigc.MismatchError,
                       lambda: mt.register_fsdp_hooks(m, op="2bit", threshold=0.5),
                       match="different parameters")
@@ -238,7 +192,7 @@ def test_parameters_differ(comm, gloo):
 
 @pytest.mark.mpi
 def test_not_fsdp_on_one_rank(comm, gloo):
-    m = _model() if comm.rank else torch.nn.Linear(3, 3)
+    m = td.model() if comm.rank else torch.nn.Linear(3, 3)
     raises_everywhere(mpigc.ConfigError,
                       lambda: mt.register_fsdp_hooks(m, op="2bit", threshold=0.5),
                       match="no FSDP2 module")
@@ -247,7 +201,7 @@ def test_not_fsdp_on_one_rank(comm, gloo):
 @pytest.mark.mpi
 def test_registered_on_one_rank_only(comm, gloo):
     sub = comm.Dup()  # rank 0's registration stays posted on it; no one uses it again
-    m = _model()
+    m = td.model()
     if comm.rank == 0:
         raises_everywhere(mpigc.StateError, lambda: mt.register_fsdp_hooks(
             m, op="none", comm=sub, timeout=1.0), comm=MPI.COMM_SELF,
@@ -258,12 +212,12 @@ def test_registered_on_one_rank_only(comm, gloo):
 def test_layout_change_raises_everywhere(comm, gloo):
     """A parameter without a gradient in one step (FSDP leaves it out of the
     flat input): StateError on every rank, the residuals unchanged."""
-    m = _model()
+    m = td.model()
     state = mt.register_fsdp_hooks(m, op="2bit", threshold=0.5)
-    _train(m, 2, comm.rank)
+    td.train(m, 2, comm.rank)
     before = state.feedback.state_dict()
     m[2].bias.requires_grad_(False)
-    raises_everywhere(mpigc.StateError, lambda: _train(m, 1, comm.rank),
+    raises_everywhere(mpigc.StateError, lambda: td.train(m, 1, comm.rank),
                       match="changed from")
     after = state.feedback.state_dict()
     assert_all(all(np.array_equal(before[k]["worker"], after[k]["worker"]) for k in before),
@@ -272,9 +226,9 @@ def test_layout_change_raises_everywhere(comm, gloo):
 
 @pytest.mark.mpi
 def test_load_bad_state_everywhere(comm, gloo):
-    m = _model()
+    m = td.model()
     state = mt.register_fsdp_hooks(m, op="2bit", threshold=0.5)
-    _train(m, 1, comm.rank)
+    td.train(m, 1, comm.rank)
     good, was = state.state_dict(), state.feedback.state_dict()
     bad = dict(good, meta="{}") if comm.rank == 0 else good
     raises_everywhere(mpigc.StateError, lambda: state.load_state_dict(bad),
@@ -285,11 +239,6 @@ def test_load_bad_state_everywhere(comm, gloo):
 
 
 # -- HSDP (item 2) --------------------------------------------------------------------
-def _mesh_2x2(comm):
-    if comm.size != 4:
-        pytest.skip("HSDP 2 x 2 runs at 4 ranks")
-    from torch.distributed.device_mesh import init_device_mesh
-    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 
 
 @pytest.mark.mpi
@@ -299,14 +248,14 @@ def test_hsdp_none_matches_native_hsdp(comm, gloo, reduce_dtype):
     reduce-scatter in the replica, mpigc's allreduce across the replicas)
     = native HSDP (fully_shard on the 2-D mesh) bit for bit with op='none'
     (sums of two)."""
-    mesh = _mesh_2x2(comm)
+    mesh = td.mesh_2x2(comm)
     dt = torch.float32 if reduce_dtype == "fp32" else torch.bfloat16
-    native = _train(_model(dt, mesh=mesh), 20, comm.rank)
-    m = _model(dt, mesh=mesh["shard"])
+    native = td.train(td.model(dt, mesh=mesh), 20, comm.rank)
+    m = td.model(dt, mesh=mesh["shard"])
     state = mt.register_fsdp_hooks(m, op="none")
-    hooked = _train(m, 20, comm.rank)
+    hooked = td.train(m, 20, comm.rank)
     assert_all(state.replicas == 2 and state.calls == 20 * len(state.keys)
-               and _compare(native, hooked, True, 0),
+               and td.compare(native, hooked, True, 0),
                f"differs from native HSDP (replicas {state.replicas}, calls {state.calls})")
 
 
@@ -316,36 +265,36 @@ def test_hsdp_compressed_replicas_agree(comm, gloo, name):
     """HSDP 2 x 2 compressed: the replicas' parameters stay identical (each
     rank of a shard position gets the same allreduce result), residuals
     are kept, and it is not the exact result; resume is bit-exact."""
-    mesh = _mesh_2x2(comm)
-    m = _model(mesh=mesh["shard"])
-    state = mt.register_fsdp_hooks(m, **_OPS[name])
-    got = _train(m, 5, comm.rank)
+    mesh = td.mesh_2x2(comm)
+    m = td.model(mesh=mesh["shard"])
+    state = mt.register_fsdp_hooks(m, **td.OPS[name])
+    got = td.train(m, 5, comm.rank)
     saved = state.state_dict()
     flat = np.concatenate([t.numpy().ravel() for t in got.values()])
     others = comm.allgather(flat)
     twin = others[comm.rank ^ 2]  # the same shard position in the other replica
     kept = max(float(np.abs(e["worker"]).max()) for e in state.feedback.state_dict().values())
-    exact = _train(_model(mesh=mesh), 5, comm.rank)
-    differs = comm.allreduce(int(not _compare(exact, got, True, 0)))
+    exact = td.train(td.model(mesh=mesh), 5, comm.rank)
+    differs = comm.allreduce(int(not td.compare(exact, got, True, 0)))
     assert_all(np.array_equal(flat, twin) and kept > 0 and differs > 0,
                f"{name}: replicas differ, no residuals ({kept}) or exact")
     # resume: 5 more steps from the saved state = 5 more steps on
-    more = _train(m, 5, comm.rank, first=5)
-    m2 = _model(mesh=mesh["shard"])
-    state2 = mt.register_fsdp_hooks(m2, **_OPS[name])
+    more = td.train(m, 5, comm.rank, first=5)
+    m2 = td.model(mesh=mesh["shard"])
+    state2 = mt.register_fsdp_hooks(m2, **td.OPS[name])
     with torch.no_grad():
         for n, p in m2.named_parameters():
             p.to_local().copy_(got[n])
     state2.load_state_dict(saved)
-    assert_all(_compare(more, _train(m2, 5, comm.rank, first=5), True, 0),
+    assert_all(td.compare(more, td.train(m2, 5, comm.rank, first=5), True, 0),
                f"{name}: HSDP resume differs")
 
 
 @pytest.mark.mpi
 def test_native_hsdp_refused(comm, gloo):
-    mesh = _mesh_2x2(comm)
+    mesh = td.mesh_2x2(comm)
     raises_everywhere(mpigc.ConfigError, lambda: mt.register_fsdp_hooks(
-        _model(mesh=mesh), op="2bit", threshold=0.5), match="mesh\\['shard'\\]")
+        td.model(mesh=mesh), op="2bit", threshold=0.5), match="mesh\\['shard'\\]")
 
 
 @pytest.mark.mpi
@@ -353,9 +302,9 @@ def test_warns_when_nothing_is_compressed(comm, gloo, monkeypatch):
     """Every group's call under $MPIGC_MIN_COMPRESS_BYTES (the engine sends
     it exactly): one warning at the first step, as the DDP hook's."""
     monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "8192")  # the default, every rank
-    m = _model()
+    m = td.model()
     mt.register_fsdp_hooks(m, op="2bit", threshold=0.5)
     with pytest.warns(UserWarning, match="none of its 2 bucket") as got:
-        _train(m, 2, comm.rank)
+        td.train(m, 2, comm.rank)
     assert_all(len([w for w in got if "none of its" in str(w.message)]) == 1,
                "warned more than once")

@@ -3,8 +3,8 @@
 CPU and gloo under mpirun; op="none" trains as plain Lightning FSDP2 bit for
 bit; a resume from Lightning's (distributed) checkpoint continues bit for
 bit, residuals included; other strategies are refused."""
-import shutil
-import tempfile
+import os
+import sys
 import warnings
 
 import pytest
@@ -19,11 +19,12 @@ L = pytest.importorskip("lightning")
 from lightning.fabric.plugins.environments import MPIEnvironment  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
 
 from mpigc.torch.lightning import MpigcFsdpHooks  # noqa: E402
 
 from lightning_toy import Net, loader as toy_loader  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/
+from support import torch_dist as td  # noqa: E402
 from test_lightning_mpi import isolated  # noqa: E402,F401 - autouse: Lightning's leftovers
 
 # 2: sums of two, bit for bit; 3: uneven shards (16 and 3 rows over 3 ranks)
@@ -37,19 +38,14 @@ class ShardedNet(Net):
     over Lightning's data-parallel mesh in configure_model."""
 
     def configure_model(self):
-        mesh = self.device_mesh["data_parallel"]
-        for layer in (self.net[0], self.net[2]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(self.net, mesh=mesh)
+        td.fully_shard_layers(self.net, (self.net[0], self.net[2]),
+                              mesh=self.device_mesh["data_parallel"])
 
 
 @pytest.fixture
 def root(comm):
-    path = comm.bcast(tempfile.mkdtemp(prefix="mpigc-lfsdp-") if comm.rank == 0 else None)
-    yield path
-    comm.Barrier()
-    if comm.rank == 0:
-        shutil.rmtree(path, ignore_errors=True)
+    with td.shared_dir(comm, "mpigc-lfsdp-") as path:
+        yield path
 
 
 def _trainer(root, callbacks=(), epochs=1, strategy=None, **kw):
@@ -69,11 +65,7 @@ def _fit(root, callbacks=(), epochs=1, ckpt_path=None, **kw):
         warnings.simplefilter("ignore")
         _trainer(root, callbacks, epochs, **kw).fit(
             net, toy_loader(MPI.COMM_WORLD.rank, 16, 8), ckpt_path=ckpt_path)
-    return {n: p.to_local().detach().clone() for n, p in net.named_parameters()}
-
-
-def _same(a, b):
-    return set(a) == set(b) and all(torch.equal(a[n], b[n]) for n in a)
+    return td.local_params(net)
 
 
 @pytest.mark.mpi
@@ -83,7 +75,7 @@ def test_none_trains_as_lightning_fsdp2(comm, root):
     plain = _fit(root, epochs=3)
     hooks = MpigcFsdpHooks(op="none")
     got = _fit(root, [hooks], epochs=3)
-    assert_all(_same(plain, got) and hooks.state.calls == 6 * len(hooks.state.keys),
+    assert_all(td.same(plain, got) and hooks.state.calls == 6 * len(hooks.state.keys),
                f"differs from Lightning FSDP2 or calls {hooks.state.calls}")
 
 
@@ -102,9 +94,9 @@ def test_resume_from_lightning_checkpoint_bit_exact(comm, root):
     got = _fit(root, [second], epochs=3, ckpt_path=f"{root}/ckpt/epoch=0.ckpt")
     rows = {k: v.to_local() for k, v in second.state.state_dict()["rows"].items()}
     kept = max(float(v.abs().max()) for v in want_rows.values())
-    assert_all(_same(want, got) and _same(want_rows, rows) and kept > 0,
-               f"resumed run differs (params {_same(want, got)}, residuals "
-               f"{_same(want_rows, rows)}, largest {kept})")
+    assert_all(td.same(want, got) and td.same(want_rows, rows) and kept > 0,
+               f"resumed run differs (params {td.same(want, got)}, residuals "
+               f"{td.same(want_rows, rows)}, largest {kept})")
 
 
 @pytest.mark.mpi

@@ -3,6 +3,8 @@ block-based compressors (1bit, relative 2bit) resume bit for bit whatever
 DDP's bucketing, and parameters that no rank used (``find_unused_parameters``)
 keep what their residuals delivered, as GradientSync does."""
 import copy
+import os
+import sys
 
 import numpy as np
 import pytest
@@ -14,14 +16,15 @@ from conftest import assert_all, raises_everywhere
 torch = pytest.importorskip("torch")
 import mpigc.torch as mt  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/
+from support import torch_dist  # noqa: E402
 # the DDP helpers of the GradientSync tests
-import test_torch_mpi  # noqa: E402
 from test_torch_mpi import _ddp, _hier_keys, backward, batch, grads_of, make_model  # noqa: E402
 
 # ranks: MPIGC_NODE_SPLIT=2 (hierarchy='node'): 4 is 2 nodes of 2
 pytestmark = pytest.mark.ranks(1, 2, 3, 4)
 
-gloo = test_torch_mpi.gloo  # its module-scoped fixture: torch.distributed over gloo
+gloo = torch_dist.gloo  # its module-scoped fixture: torch.distributed over gloo
 
 _BLOCK_OPS = {"1bit": {"op": "1bit"},
               "2bit-rel": {"op": "2bit", "rel_threshold": 1.5}}

@@ -3,13 +3,12 @@ reference and against DDP (gloo), overlap, unused/frozen parameters, errors on
 every rank, residual state across bucketings, broadcast."""
 import copy
 import os
-import socket
+import sys
 import time
 import warnings
 
 import numpy as np
 import pytest
-from mpi4py import MPI
 
 import mpigc
 
@@ -18,10 +17,15 @@ from conftest import assert_all, raises_everywhere
 torch = pytest.importorskip("torch")
 import mpigc.torch as mt  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/
+from support import torch_dist  # noqa: E402
+
 # ranks: MPIGC_NODE_SPLIT=2 (hierarchy='node'): 4 is 2 nodes of 2
 pytestmark = pytest.mark.ranks(1, 2, 3, 4)
 
 torch.set_num_threads(1)
+
+gloo = torch_dist.gloo  # its module-scoped fixture: torch.distributed over gloo
 
 
 def make_model(seed=0, hidden=24):
@@ -89,26 +93,6 @@ def test_gradients_equal_compressed_allreduce_reference(comm, monkeypatch, op, h
     ok &= sorted(sync.feedback.keys()) == sorted(fb.keys())
     ok &= hierarchy == "flat" or len(_hier_keys(sync)) == len(fb.keys()) > 0
     assert_all(ok, f"{op} {hierarchy}: synced gradients differ from the reference")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    comm = MPI.COMM_WORLD
-    port = comm.bcast(_free_port() if comm.rank == 0 else None)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=comm.rank, world_size=comm.size)
-    yield dist
-    dist.destroy_process_group()
 
 
 @pytest.mark.mpi

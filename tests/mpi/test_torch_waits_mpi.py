@@ -12,6 +12,9 @@ own stderr (pytest's ``capfd``, a file of its own process): nothing depends
 on another rank's output surviving. Afterwards the test completes what it
 left posted, so that the next tests find the communicators clean.
 """
+import os
+import sys
+
 import pytest
 
 import mpigc
@@ -21,13 +24,14 @@ from conftest import assert_all
 torch = pytest.importorskip("torch")
 import mpigc.torch as mt  # noqa: E402
 
-import test_torch_mpi  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/
+from support import torch_dist  # noqa: E402
 from test_torch_mpi import _ddp, backward, make_model  # noqa: E402
 
 # ranks: skipped at 1; flat waits: 2 pairs, 3 a rank neither first nor last; 4 adds nothing
 pytestmark = pytest.mark.ranks(2, 3)
 
-gloo = test_torch_mpi.gloo  # its module-scoped fixture: torch.distributed over gloo
+gloo = torch_dist.gloo  # its module-scoped fixture: torch.distributed over gloo
 
 _TIMEOUT = 3  # s; the lines come after 1 s ($MPIGC_TORCH_WARN_S) and then every 5 s
 

@@ -11,4 +11,6 @@
 - ``foreign_arrays``: arrays that are not numpy arrays (CUDA-like and CPU kinds)
 - ``background``: a test module's slow subprocess runs, side by side
 - ``docs_harness``: the runner of the documentation's code blocks (a script)
+- ``torch_dist``: torch.distributed under mpirun: the gloo process group on the MPI
+  ranks (a fixture), and the FSDP2 tests' small sharded model, training and comparisons
 """

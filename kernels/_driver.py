@@ -23,9 +23,13 @@ launch through ``cuLaunchKernel`` with a parameter block built once about 6 us
   does everything in the simulator);
 - per launch only the values are packed (``struct.pack_into`` into the
   kernel's buffer, under its lock) and the driver called once;
-- :func:`memset0`, :func:`to_host` and :func:`sync` are the small copies and
-  waits of a call (a counter zeroed, an 8-byte count read into pinned
-  memory) on the driver's asynchronous calls, in stream order.
+- :func:`memset0`, :func:`to_host`, :func:`copy` and :func:`sync` are the
+  small copies and waits of a call (a counter zeroed, an 8-byte count read
+  into pinned memory) on the driver's asynchronous calls, in stream order;
+  a host wait is an event recorded on the stream and synchronised, so it
+  waits for what was queued before it only, not for what other threads
+  queue on the stream meanwhile (on the legacy stream: torch's backward
+  kernels while a DDP hook's call runs).
 
 ``MPIGC_DRIVER_LAUNCH=0`` turns the route off (every launch and copy through
 Numba, as before issue 49). :func:`stats` counts the launches of each route.
@@ -203,9 +207,12 @@ def _load(dispatcher, args):
     m = re.search(r"\.entry\s+(\S+)\s*\(", ptx)
     if m is None or not layout_matches(codes, ptx_params(ptx, m.group(1))):
         return None
-    from numba import cuda
     cc = _state["cc"]
-    cc.Device(cuda.get_current_device().id).set_current()
+    dev = device_id()
+    if dev is None:  # no context current in this thread: Numba makes one
+        from numba import cuda
+        dev = cuda.get_current_device().id
+    cc.Device(dev).set_current()
     code = cc.ObjectCode.from_ptx(ptx.encode())
     return _Fn(code, code.get_kernel(m.group(1)), codes)
 
@@ -301,8 +308,7 @@ def to_host(h, d, stream):
     hs = _handle(stream)
     err, = drv.cuMemcpyDtoHAsync(h.ctypes.data, _ptr(d), d.nbytes, hs)
     _check(err, "cuMemcpyDtoHAsync")
-    err, = drv.cuStreamSynchronize(hs)
-    _check(err, "cuStreamSynchronize")
+    _wait(hs)
     _counts["copies"] += 1
     return True
 
@@ -342,22 +348,51 @@ def copy(dst, src, stream, wait):
             err, = drv.cuMemcpyDtoDAsync(_ptr(dst), _ptr(src), n, hs)
         _check(err, "cuMemcpyAsync")
     if wait:
-        err, = drv.cuStreamSynchronize(hs)
-        _check(err, "cuStreamSynchronize")
+        _wait(hs)
     _counts["copies"] += 1
     return True
 
 
 def sync(stream):
-    """Wait for ``stream``'s work; False: not this route."""
+    """Wait for the work queued on ``stream`` so far; False: not this
+    route."""
     if not enabled():
         return False
-    err, = _state["drv"].cuStreamSynchronize(_handle(stream))
-    _check(err, "cuStreamSynchronize")
+    _wait(_handle(stream))
     return True
 
 
-_events = {}  # (thread id, context) -> an event of that thread (re-recorded per call)
+def _event(kind):
+    """The calling thread's event ``kind`` in its current context, made
+    once (an event may be recorded again once what waited on it took its
+    state: a stream wait at its queueing, a host wait at its return)."""
+    drv = _state["drv"]
+    err, ctx = drv.cuCtxGetCurrent()
+    _check(err, "cuCtxGetCurrent")
+    key = (kind, threading.get_ident(), int(ctx))
+    ev = _events.get(key)
+    if ev is None:
+        err, ev = drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+        _check(err, "cuEventCreate")
+        _events[key] = ev
+    return ev
+
+
+def _wait(hs):
+    """Wait on the host for the work queued on stream ``hs`` so far: an
+    event recorded there and waited for (``cuEventSynchronize``), not the
+    whole stream (``cuStreamSynchronize`` would also wait for what other
+    threads queue on it meanwhile: on the legacy stream, torch's backward
+    kernels queued while a DDP hook's call runs)."""
+    drv = _state["drv"]
+    ev = _event("wait")
+    err, = drv.cuEventRecord(ev, hs)
+    _check(err, "cuEventRecord")
+    err, = drv.cuEventSynchronize(ev)
+    _check(err, "cuEventSynchronize")
+
+
+_events = {}  # (kind, thread id, context) -> an event of that thread (re-recorded)
 
 
 def order_after(producer, stream):
@@ -370,14 +405,7 @@ def order_after(producer, stream):
     if not enabled():
         return False
     drv = _state["drv"]
-    err, ctx = drv.cuCtxGetCurrent()
-    _check(err, "cuCtxGetCurrent")
-    key = (threading.get_ident(), int(ctx))
-    ev = _events.get(key)
-    if ev is None:
-        err, ev = drv.cuEventCreate(drv.CUevent_flags.CU_EVENT_DISABLE_TIMING)
-        _check(err, "cuEventCreate")
-        _events[key] = ev
+    ev = _event("order")
     err, = drv.cuEventRecord(ev, drv.CUstream(producer))
     _check(err, "cuEventRecord")
     err, = drv.cuStreamWaitEvent(_handle(stream), ev, 0)

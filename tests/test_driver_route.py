@@ -69,3 +69,165 @@ def test_no_route_without_a_gpu():
     assert not _driver.enabled() and _driver.ON is False  # callers skip the route
     assert _driver.launch(None, 1, 32, None, ()) is False
     assert _driver.memset0(np.zeros(1), None) is False
+
+
+# -- the route's logic against a recording stand-in for the CUDA driver ---------
+# (the driver itself runs only on a GPU: tests/gpu, benchmarks/gpu_launch.py)
+
+class _Result:
+    CUDA_SUCCESS = 0
+    CUDA_ERROR_INVALID_CONTEXT = 201
+
+
+class _Driver:
+    """Records each driver call; what a launch's parameter block holds is
+    read back from the pointers it is given."""
+    CUresult = _Result
+
+    class CUstream(int):
+        pass
+
+    class CUevent_flags:
+        CU_EVENT_DISABLE_TIMING = 2
+
+    def __init__(self):
+        self.calls = []
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append((name,) + args)
+            if name == "cuLaunchKernel":
+                self.params = self._read(args[9])
+            if name in ("cuCtxGetCurrent", "cuEventCreate"):
+                return 0, 7
+            if name == "cuCtxGetDevice":
+                return 0, 3
+            return (0,)
+        return call
+
+    def _read(self, addr):
+        import ctypes
+        ptrs = (ctypes.c_void_p * len(self.codes)).from_address(addr)
+        return [struct.unpack(c, ctypes.string_at(p, struct.calcsize(c)))[0]
+                for c, p in zip(self.codes, ptrs)]
+
+
+class _Array:
+    """What the route reads of a Numba device array."""
+
+    class _Mem:
+        def __init__(self, ptr):
+            import ctypes
+            self.device_ctypes_pointer = ctypes.c_void_p(ptr)
+
+    def __init__(self, n, dtype, ptr):
+        self.shape, self.dtype = (n,), np.dtype(dtype)
+        self.size, self.ndim = n, 1
+        self.strides = (self.dtype.itemsize,)
+        self.nbytes = n * self.dtype.itemsize
+        self.gpu_data = self._Mem(ptr)
+
+
+class _Dispatcher:
+    def __init__(self, ptx):
+        self.ptx = ptx
+
+    def typeof_pyval(self, a):
+        return {bool: types.boolean, np.float32: types.float32}.get(type(a), F32)
+
+    def inspect_asm(self, sig):
+        return self.ptx
+
+
+class _Core:
+    class Device:
+        def __init__(self, dev):
+            self.dev = dev
+
+        def set_current(self):
+            pass
+
+    class ObjectCode:
+        @staticmethod
+        def from_ptx(ptx):
+            code = _Core.ObjectCode()
+            code.ptx = ptx
+            return code
+
+        def get_kernel(self, name):
+            k = _Core.ObjectCode()
+            k.handle = ("kernel", name)
+            return k
+
+
+class _Stream:
+    handle = None
+
+
+@pytest.fixture
+def driver(monkeypatch):
+    drv = _Driver()
+    drv.codes = _driver.param_codes((F32, types.boolean, types.float32))
+    monkeypatch.setattr(_driver, "_state", {"on": True, "drv": drv, "cc": _Core})
+    monkeypatch.setattr(_driver, "ON", True)
+    for name in ("_fns", "_numba_launches", "_streams", "_events"):
+        monkeypatch.setattr(_driver, name, {})
+    s = _Stream()
+    s.handle = _Driver.CUstream(5)
+    return drv, s
+
+
+def test_a_kernel_goes_to_the_driver_from_its_second_launch(driver):
+    drv, stream = driver
+    k = _Dispatcher(PTX)
+    x = _Array(1000, np.float32, 0x7000)
+    args = (x, True, np.float32(0.25))
+    assert _driver.launch(k, 4, 256, stream, args) is False  # Numba compiles it
+    assert _driver.launch(k, (4, 2), 256, stream, args) is True
+    name, *a = drv.calls[-1]
+    assert name == "cuLaunchKernel"
+    assert a[0] == ("kernel", "_Z1kPf") and a[1:7] == [4, 2, 1, 256, 1, 1]
+    assert a[8] == 5  # the stream's handle
+    # Numba's kernel ABI: meminfo, parent, nitems, itemsize, data, shape, strides
+    assert drv.params == [0, 0, 1000, 4, 0x7000, 1000, 4, 1, 0.25]
+    # a view elsewhere, same types: the same kernel, the new values
+    assert _driver.launch(k, 1, 256, stream, (_Array(3, np.float32, 0x9000), False,
+                                              np.float32(2))) is True
+    assert drv.params == [0, 0, 3, 4, 0x9000, 3, 4, 0, 2.0]
+    # another dtype is another signature: Numba first
+    assert _driver.launch(k, 1, 256, stream, (_Array(3, np.float64, 0x9000), False,
+                                              np.float32(2))) is False
+
+
+def test_a_signature_whose_block_differs_from_the_ptx_stays_with_numba(driver):
+    drv, stream = driver
+    k = _Dispatcher(PTX.replace("\t.param .f32 _Z1kPf_param_8\n", ""))
+    args = (_Array(8, np.float32, 0x7000), True, np.float32(1))
+    assert not _driver.launch(k, 1, 256, stream, args)
+    assert not _driver.launch(k, 1, 256, stream, args)  # refused for good
+    assert _driver.stats()["refused"] >= 1
+    assert not any(c[0] == "cuLaunchKernel" for c in drv.calls)
+
+
+def test_waits_are_events_of_the_stream_not_the_whole_stream(driver):
+    """A host wait records an event on the stream and waits for it: it waits
+    for what was queued before, not for what other threads queue later."""
+    drv, stream = driver
+    h = np.zeros(2, np.int64)
+    d = _Array(2, np.int64, 0x5000)
+    assert _driver.to_host(h, d, stream)
+    assert _driver.sync(stream)
+    assert _driver.copy(_Array(2, np.int64, 0x6000), d, stream, False)
+    assert _driver.memset0(d, stream)
+    names = [c[0] for c in drv.calls]
+    assert "cuStreamSynchronize" not in names
+    assert names.count("cuEventSynchronize") == 2
+    assert ("cuMemcpyDtoHAsync", h.ctypes.data, 0x5000, 16, 5) in drv.calls
+    assert ("cuMemcpyDtoDAsync", 0x6000, 0x5000, 16, 5) in drv.calls
+    assert ("cuMemsetD8Async", 0x5000, 0, 16, 5) in drv.calls
+    # what the route does not take: bytes that differ, a strided view
+    assert not _driver.copy(_Array(3, np.int64, 0x6000), d, stream, False)
+    v = _Array(2, np.int64, 0x5000)
+    v.strides = (16,)
+    assert not _driver.copy(_Array(2, np.int64, 0x6000), v, stream, False)
+    assert _driver.device_id() == 3

@@ -21,12 +21,26 @@ launch: the shard is the grid's ``y`` index. The single-buffer functions
 travel as small device arrays, cached per layout (uploaded once). Every pack
 returns its non-finite count: the one device-to-host read of the stage.
 
-Kernels (one thread per value, coalesced)
------------------------------------------
-- ``2bit`` and ``terngrad``: one thread per value; the four codes of a byte
-  are combined by two warp shuffles (``shfl_xor``) and one lane of four
-  writes the byte. Decoding: one thread per value, all senders summed in
-  registers in rank order, ``out`` read and written once.
+Kernels
+-------
+- ``2bit``: one thread per payload byte (its 4 values), two bytes per round
+  of the grid-stride loop, ``k`` and ``k`` + the grid's thread count, so
+  that each byte store is a warp's 32 consecutive bytes and no lane idles.
+  A thread issues all its loads (8 values of ``x``, 8 of ``e_in``) before
+  the first compare or store (a store to ``e_out`` may alias them, so the
+  compiler would not move a load past it); a whole byte's loads are one
+  unsigned index plus constant offsets (no negative-index wrap-around per
+  load), and in a byte not whole (the shard's last one, or past it) an
+  index past the shard is clamped to its last value, loaded and dropped.
+  No shuffles. Decoding: the same bytes per thread, ``out`` read (when
+  accumulating) and written once, the senders summed in registers in rank
+  order, two senders' bytes loaded before their sums. The launch puts
+  ``LANES * _VALUES_2BIT`` values on a warp; ``launch_bounds`` gives ptxas
+  the block size.
+- ``terngrad``: one thread per value; the four codes of a byte are combined
+  by two warp shuffles (``shfl_xor``) and one lane of four writes the byte.
+  Decoding: one thread per value, all senders summed in registers in rank
+  order, ``out`` read and written once.
 - ``1bit`` and relative ``2bit``: one warp per quantization block. Lane l
   reads elements l, l + 32, ... (coalesced rows of 32) and sums them in
   float64, in this order: the canonical order of ``kernels/cpu.py``; the
@@ -164,6 +178,9 @@ FULL_MASK = 0xFFFFFFFF
 # rounds in the tests.
 THREADS = 64 if SIMULATOR else 256          # threads per CUDA block (a multiple of 32)
 WARPS = THREADS // LANES                    # 1bit / relative 2bit: one warp per block
+#: ``launch_bounds`` of the kernels launched on THREADS threads (the
+#: simulator's ``cuda.jit`` takes no such option)
+_BOUNDS = {} if SIMULATOR else {"launch_bounds": (THREADS,)}
 _BLOCKS_PER_SM = 32
 _SIM_MAX_BLOCKS = 3
 _max_blocks_cache = {}
@@ -635,8 +652,17 @@ def _warp_sum_i(c):
 
 
 # ----------------------------------------------------------------------------
-# 2bit (MXNet layout): one thread per value, bytes assembled by shuffles
+# 2bit (MXNet layout): one thread per payload byte (4 values), two bytes a round
 # ----------------------------------------------------------------------------
+#: Payload bytes of 2bit codes a thread handles in one round of its
+#: grid-stride loop (bytes k and k + the grid's thread count: each a
+#: coalesced byte store of its warp), 4 values each: the launch puts
+#: ``LANES * _VALUES_2BIT`` values on a warp.
+_BYTES_2BIT = 2
+_U1, _U2, _U3 = np.uint64(1), np.uint64(2), np.uint64(3)
+_VALUES_2BIT = 4 * _BYTES_2BIT
+
+
 @cuda.jit(device=True)
 def _code_2bit(x, e_in, has_e_in, e_out, has_e_out, i, t_pos, t_neg, d_pos, d_neg, zero):
     """The 2bit code of ``x[i] (+ e_in[i])`` against the thresholds ``t_pos`` /
@@ -646,12 +672,76 @@ def _code_2bit(x, e_in, has_e_in, e_out, has_e_out, i, t_pos, t_neg, d_pos, d_ne
     val = x[i]
     if has_e_in:
         val = val + e_in[i]
+    return _code_of(val, True, e_out, has_e_out, i, t_pos, t_neg, d_pos, d_neg, zero)
+
+
+@cuda.jit(device=True)
+def _code_of(val, inside, e_out, has_e_out, i, t_pos, t_neg, d_pos, d_neg, zero):
+    """The code of the value ``val`` (``x[i] + e_in[i]``), as
+    :func:`_code_2bit`; ``inside`` false (a pad past the shard): code ``00``,
+    no residual, not counted."""
+    if not inside:
+        return 0, 0
     pos = val >= t_pos
     neg = val <= t_neg
     d = d_pos if pos else (d_neg if neg else zero)
     if has_e_out:
         e_out[i] = val - d
     return (3 if pos else (2 if neg else 0)), (1 if (val - val) != zero else 0)
+
+
+@cuda.jit(device=True)
+def _load8(x, e_in, has_e_in, lo, n, v, v2):
+    """``x + e_in`` at the values ``v`` .. ``v + 3`` and ``v2`` .. ``v2 + 3``
+    (``v < v2``) of the shard ``lo``, ``n`` (> 0): loads only, no store
+    between them, all 8 (16 with ``e_in``) issued at once. Where ``v2``'s
+    byte is not whole (the shard's last byte, or past the shard), an index
+    past the shard is clamped to its last value (a load in bounds, its value
+    dropped by :func:`_codes4`). Indices are unsigned (no negative-index
+    wrap-around per load): a whole byte's 4 loads are one address plus
+    constant offsets."""
+    i = np.uint64(lo + v)
+    i2 = np.uint64(lo + v2)
+    if v2 + 3 < n:
+        a0, a1, a2, a3 = _load4_at(x, e_in, has_e_in, i, i + _U1, i + _U2, i + _U3)
+        b0, b1, b2, b3 = _load4_at(x, e_in, has_e_in, i2, i2 + _U1, i2 + _U2, i2 + _U3)
+    else:
+        last = np.uint64(lo + n - 1)
+        a0, a1, a2, a3 = _load4_at(x, e_in, has_e_in, min(i, last), min(i + _U1, last),
+                                   min(i + _U2, last), min(i + _U3, last))
+        b0, b1, b2, b3 = _load4_at(x, e_in, has_e_in, min(i2, last), min(i2 + _U1, last),
+                                   min(i2 + _U2, last), min(i2 + _U3, last))
+    return a0, a1, a2, a3, b0, b1, b2, b3
+
+
+@cuda.jit(device=True)
+def _load4_at(x, e_in, has_e_in, i0, i1, i2, i3):
+    a0 = x[i0]
+    a1 = x[i1]
+    a2 = x[i2]
+    a3 = x[i3]
+    if has_e_in:
+        a0 = a0 + e_in[i0]
+        a1 = a1 + e_in[i1]
+        a2 = a2 + e_in[i2]
+        a3 = a3 + e_in[i3]
+    return a0, a1, a2, a3
+
+
+@cuda.jit(device=True)
+def _codes4(a0, a1, a2, a3, e_out, has_e_out, lo, n, v, t_pos, t_neg, d_pos, d_neg, zero):
+    """(payload byte, non-finite count) of the values ``v`` .. ``v + 3``
+    (``a0`` .. ``a3``, from :func:`_load4`): codes MSB first, residuals to
+    ``e_out``; values at or past ``n`` pad with ``00``."""
+    i = np.uint64(lo + v)
+    c0, b0 = _code_of(a0, v < n, e_out, has_e_out, i, t_pos, t_neg, d_pos, d_neg, zero)
+    c1, b1 = _code_of(a1, v + 1 < n, e_out, has_e_out, i + _U1, t_pos, t_neg, d_pos, d_neg,
+                      zero)
+    c2, b2 = _code_of(a2, v + 2 < n, e_out, has_e_out, i + _U2, t_pos, t_neg, d_pos, d_neg,
+                      zero)
+    c3, b3 = _code_of(a3, v + 3 < n, e_out, has_e_out, i + _U3, t_pos, t_neg, d_pos, d_neg,
+                      zero)
+    return (c0 << 6) | (c1 << 4) | (c2 << 2) | c3, b0 + b1 + b2 + b3
 
 
 @cuda.jit(device=True)
@@ -664,51 +754,109 @@ def _byte_of_codes(code, sh):
     return c
 
 
-@cuda.jit(cache=_CACHE)
+@cuda.jit(cache=_CACHE, **_BOUNDS)
 def _pack_2bit_kernel(x, e_in, has_e_in, e_out, has_e_out, out, starts, offs, t, nbad_out):
     j = cuda.blockIdx.y
     lo = starts[j]
     n = starts[j + 1] - lo
     ob = offs[j]
-    nv = (n + 3) // 4 * 4
+    nb = (n + 3) // 4
     neg_t = -t
     zero = t - t
-    lane = cuda.threadIdx.x % LANES
-    sh = 6 - 2 * (lane & 3)
+    step = cuda.gridDim.x * cuda.blockDim.x
     nbad = 0
-    # warp-uniform trip count: every lane reaches every shuffle
-    for v0 in range(_warp_start(), nv, cuda.gridDim.x * cuda.blockDim.x):
-        v = v0 + lane
-        code = 0
-        if v < n:
-            code, bad = _code_2bit(x, e_in, has_e_in, e_out, has_e_out, lo + v, t, neg_t,
-                                   t, neg_t, zero)
-            nbad += bad
-        c = _byte_of_codes(code, sh)
-        if sh == 6 and v < nv:
-            out[ob + (v >> 2)] = c
+    # bytes k and k2 = k + step: all their loads first, then codes and stores
+    for k in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, nb, 2 * step):
+        k2 = k + step
+        a0, a1, a2, a3, b0, b1, b2, b3 = _load8(x, e_in, has_e_in, lo, n, 4 * k, 4 * k2)
+        c, bad = _codes4(a0, a1, a2, a3, e_out, has_e_out, lo, n, 4 * k, t, neg_t, t, neg_t,
+                         zero)
+        out[ob + k] = c
+        c2, bad2 = _codes4(b0, b1, b2, b3, e_out, has_e_out, lo, n, 4 * k2, t, neg_t, t,
+                           neg_t, zero)
+        if k2 < nb:
+            out[ob + k2] = c2
+        nbad += bad + bad2
     if nbad:
         cuda.atomic.add(nbad_out, 0, nbad)
 
 
-@cuda.jit(cache=_CACHE)
+@cuda.jit(device=True)
+def _decode4(p, t, neg_t, zero):
+    """The 4 values of the 2bit payload byte ``p`` (MSB first)."""
+    c0 = (p >> 6) & 3
+    c1 = (p >> 4) & 3
+    c2 = (p >> 2) & 3
+    c3 = p & 3
+    return (t if c0 == 3 else (neg_t if c0 == 2 else zero),
+            t if c1 == 3 else (neg_t if c1 == 2 else zero),
+            t if c2 == 3 else (neg_t if c2 == 2 else zero),
+            t if c3 == 3 else (neg_t if c3 == 2 else zero))
+
+
+@cuda.jit(device=True)
+def _add4(a0, a1, a2, a3, p, t, neg_t, zero):
+    """``a0`` .. ``a3`` plus the 4 values of the payload byte ``p``."""
+    d0, d1, d2, d3 = _decode4(p, t, neg_t, zero)
+    return a0 + d0, a1 + d1, a2 + d2, a3 + d3
+
+
+@cuda.jit(device=True)
+def _store4(out, lo, n, v, a0, a1, a2, a3):
+    """``out`` at the values ``v`` .. ``v + 3`` of the shard, those before ``n``."""
+    i = np.uint64(lo + v)
+    out[i] = a0  # v < n: v is a payload byte's first value
+    if v + 1 < n:
+        out[i + _U1] = a1
+    if v + 2 < n:
+        out[i + _U2] = a2
+    if v + 3 < n:
+        out[i + _U3] = a3
+
+
+@cuda.jit(cache=_CACHE, **_BOUNDS)
 def _unpack_2bit_kernel(payload, stride, nsrc, starts, offs, out, t, accumulate):
     j = cuda.blockIdx.y
     lo = starts[j]
     n = starts[j + 1] - lo
     ob = offs[j]
+    nb = (n + 3) // 4
     neg_t = -t
     zero = t - t
-    for v in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, n,
-                   cuda.gridDim.x * cuda.blockDim.x):
-        i = lo + v
-        a = out[i] if accumulate else zero
-        sh = 6 - 2 * (v & 3)
-        for s in range(nsrc):
-            c = (payload[s * stride + ob + (v >> 2)] >> sh) & 3
-            d = t if c == 3 else (neg_t if c == 2 else zero)
-            a = d if (s == 0 and not accumulate) else a + d
-        out[i] = a
+    step = cuda.gridDim.x * cuda.blockDim.x
+    # bytes k and k2 = k + step (a k2 past the shard reads its last byte and
+    # stores nothing); every sender's values summed in rank order, two
+    # senders' bytes loaded before their sums
+    for k in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, nb, 2 * step):
+        k2 = k + step
+        q = min(k2, nb - 1)
+        s = 0
+        if accumulate:
+            a0, a1, a2, a3, b0, b1, b2, b3 = _load8(out, out, False, lo, n, 4 * k, 4 * k2)
+        else:  # sender 0 written, not added to 0 (a -0.0 stays -0.0)
+            a0, a1, a2, a3 = _decode4(payload[ob + k], t, neg_t, zero)
+            b0, b1, b2, b3 = _decode4(payload[ob + q], t, neg_t, zero)
+            s = 1
+        while s + 1 < nsrc:
+            p = ob + s * stride
+            pa = payload[p + k]
+            pb = payload[p + q]
+            pa2 = payload[p + stride + k]
+            pb2 = payload[p + stride + q]
+            a0, a1, a2, a3 = _add4(a0, a1, a2, a3, pa, t, neg_t, zero)
+            b0, b1, b2, b3 = _add4(b0, b1, b2, b3, pb, t, neg_t, zero)
+            a0, a1, a2, a3 = _add4(a0, a1, a2, a3, pa2, t, neg_t, zero)
+            b0, b1, b2, b3 = _add4(b0, b1, b2, b3, pb2, t, neg_t, zero)
+            s += 2
+        if s < nsrc:
+            p = ob + s * stride
+            pa = payload[p + k]
+            pb = payload[p + q]
+            a0, a1, a2, a3 = _add4(a0, a1, a2, a3, pa, t, neg_t, zero)
+            b0, b1, b2, b3 = _add4(b0, b1, b2, b3, pb, t, neg_t, zero)
+        _store4(out, lo, n, 4 * k, a0, a1, a2, a3)
+        if k2 < nb:
+            _store4(out, lo, n, 4 * k2, b0, b1, b2, b3)
 
 
 def _layout(starts, offs):
@@ -735,7 +883,8 @@ def pack_2bit_shards(x, e_in, e_out, payload, starts, offs, threshold, *, cuda_s
         return 0
     cnt = _counter(cuda_stream)
     _launch_shards(_pack_2bit_kernel, starts, offs, cuda_stream,
-                   x, *_opt(e_in, x), *_opt(e_out, x), payload, _STARTS, _OFFS, t, cnt)
+                   x, *_opt(e_in, x), *_opt(e_out, x), payload, _STARTS, _OFFS, t, cnt,
+                   block=LANES * _VALUES_2BIT)
     return _read_count(cnt, cuda_stream)
 
 
@@ -751,7 +900,7 @@ def unpack_2bit_shards(payload, stride, nsrc, starts, offs, out, threshold, accu
     if nsrc:
         _launch_shards(_unpack_2bit_kernel, starts, offs, cuda_stream,
                        payload, int(stride), int(nsrc), _STARTS, _OFFS, out, t,
-                       bool(accumulate))
+                       bool(accumulate), block=LANES * _VALUES_2BIT)
 
 
 def pack_2bit(x, e_in, e_out, out, threshold, *, cuda_stream=0):

@@ -168,17 +168,17 @@ def test_no_early_return_in_warp_kernels():
     """No kernel of ``kernels/cuda.py`` that calls a warp intrinsic or a
     barrier (directly or through its device functions) returns early (an
     AST check, ``launch_contract.early_returns``); the check finds one
-    planted into the 2bit pack kernel and into the 1bit kernel's device
+    planted into the 1bit pack kernel and into the 1bit kernel's device
     function chain (``_warp_sum_i``)."""
     from support import launch_contract
     src = _warp_source()
     assert launch_contract.early_returns(src) == []
-    planted = src.replace("    nv = (n + 3) // 4 * 4\n    neg_t = -t\n",
-                          "    nv = (n + 3) // 4 * 4\n    if n == 0:\n        return\n"
-                          "    neg_t = -t\n", 1)
+    head = "    ob = offs[j]\n    to = ob + (n + 7) // 8 if inline else ob"
+    planted = src.replace(head, "    ob = offs[j]\n    if n == 0:\n        return\n"
+                          + head[len("    ob = offs[j]\n"):], 1)
     assert planted != src
     found = launch_contract.early_returns(planted)
-    assert len(found) == 1 and "kernel _pack_2bit_kernel returns early" in found[0], found
+    assert len(found) == 1 and "kernel _pack_1bit_kernel returns early" in found[0], found
     tree = "    s = LANES // 2\n    while s > 0:\n        c += _shfl_down(c, s)"
     planted = src.replace(tree, "    s = LANES // 2\n    if c == 0:\n        return c\n"
                           + tree[len("    s = LANES // 2\n"):], 1)
@@ -187,7 +187,7 @@ def test_no_early_return_in_warp_kernels():
     assert len(found) == 1 and "device _warp_sum_i returns early" in found[0], found
 
 
-_CACHE_SIGS = {  # kernels of three kinds: warp shuffles, a closure with libdevice, plain
+_CACHE_SIGS = {  # kernels of three kinds: launch_bounds (2bit), a libdevice closure, plain
     "_pack_2bit_kernel": [[["array", "float32", 1, "C"], ["array", "float32", 1, "C"],
                            ["scalar", "boolean"], ["array", "float32", 1, "C"],
                            ["scalar", "boolean"], ["array", "uint8", 1, "C"],
@@ -549,6 +549,61 @@ def check_2bit():
     d = cuda.to_device(np.zeros(2, np.uint8))
     kc.pack_2bit(cuda.to_device(x), None, None, d, 2.0)
     assert d.copy_to_host().tolist() == [0x32, 0xC2], d.copy_to_host()
+    _check_byte_layouts(np, cuda, cpu, kc, "2bit", "pack_2bit_shards", (0.5,),
+                        "unpack_2bit_shards", (0.5,))
+
+
+# shards for the kernels where a thread handles whole payload bytes, two a
+# round, bytes k and k + the grid's threads (2bit, terngrad): shard starts that
+# are not multiples of 4, shards that end inside a byte (3 and 1 values in
+# it), an empty shard, tails of 1 and 2 values, and shards longer than one
+# round of a CUDA block (the 5 shards get one block each: 64 threads, 128
+# bytes a round): 701 values take 2 rounds, the second partial; 258 puts a
+# half byte (2 values) at thread 0's second byte
+LAYOUT_SHARDS = [3, 701, 0, 1, 2, 258]
+# a whole grid (3 blocks, 384 bytes a round) in 3 rounds, 1 value in its last byte
+LAYOUT_N = 3333
+
+
+def _check_byte_layouts(np, cuda, cpu, kc, tag, pack, pargs, unpack, uargs):
+    """``pack`` / ``unpack`` (``*_shards`` functions of 2bit codes) against
+    the CPU on :data:`LAYOUT_SHARDS`, with payload offsets that leave gaps
+    (odd offsets; the gaps keep their bytes), residuals absent, another buffer
+    and in place, and decoding of 1, 2 and 3 senders written and accumulated;
+    then one shard of :data:`LAYOUT_N` values (several grid-stride rounds)."""
+    nb = [(m + 3) // 4 for m in LAYOUT_SHARDS]
+    starts = tuple(np.concatenate([[0], np.cumsum(LAYOUT_SHARDS)]).astype(int).tolist())
+    offs = tuple(int(sum(nb[:j])) + 2 * j + 1 for j in range(len(nb)))
+    nbytes = offs[-1] + nb[-1] + 3
+    cases = [(starts, offs, nbytes, MODES_1BIT, (1, 2, 3)),
+             ((0, LAYOUT_N), (0,), (LAYOUT_N + 3) // 4, [(True, "inplace")], (2,))]
+    cpu_fn, kc_fn = getattr(cpu, pack), getattr(kc, pack)
+    for starts, offs, nbytes, modes, senders in cases:
+        n = starts[-1]
+        what = f"{tag} layout {len(starts) - 1} shards of {n}"
+        x, e = _data(np, n, "float32", 31)
+        x[:: 5] = 0.5
+        x[[4, 705, 709]] = [np.nan, np.inf, -np.inf]  # shards 1 and 5 (of 6)
+        gap = np.arange(nbytes, dtype=np.uint8) | np.uint8(1)  # never a pack's zero
+
+        def cpu_pack(x, e_in, e_out, payload, *a):
+            return cpu_fn(x, e_in, e_out, payload, starts, offs, *a)
+
+        def kc_pack(x, e_in, e_out, payload, *a):
+            return kc_fn(x, e_in, e_out, payload, starts, offs, *a)
+
+        _check_pack(np, cuda, what, cpu_pack, kc_pack, x, e, [gap], pargs, modes)
+        stride = nbytes + 5
+        payloads = np.random.default_rng(n).integers(0, 256, 3 * stride, dtype=np.uint8)
+        for nsrc in senders:
+            def cpu_dec(p, out, *a):
+                getattr(cpu, unpack)(p, stride, nsrc, starts, offs, out, *a)
+
+            def kc_dec(p, out, *a):
+                getattr(kc, unpack)(p, stride, nsrc, starts, offs, out, *a)
+
+            _check_decode(np, cuda, f"{what} nsrc={nsrc}", cpu_dec, kc_dec, [payloads], n,
+                          "float32", uargs)
 
 
 def check_2bit_rel():
@@ -1356,6 +1411,7 @@ BANNED_PTX = [
      "a float min/max (fmin/fmax return the non-NaN operand; the CPU keeps NaN)"),
 ]
 MAX_REGISTERS = 64
+REGISTERS = {}  # kernel signature (arch) -> registers, as ptxas -v reported them
 #: kernels whose products must all be explicit mul.rn (no plain mul.f32/f64)
 EXACT_KERNELS = {"_pack_fp16_kernel_f32", "_pack_fp16_kernel_f64", "_pack_bf16_kernel_f32",
                  "_pack_bf16_kernel_f64", "_stats_kernel", "_stats_combine_kernel",
@@ -1428,6 +1484,8 @@ def kernel_code_problems(what, ptx, ptxas=None, workdir=None, exact=False,
             if int(stack) or int(stores) or int(loads):
                 problems.append(f"{at}: {stack} bytes stack frame, {stores} bytes spill "
                                 f"stores, {loads} bytes spill loads (expected none)")
+        if regs:
+            REGISTERS[at] = max(regs)
         if regs and max(regs) > MAX_REGISTERS:
             problems.append(f"{at}: {max(regs)} registers (at most {MAX_REGISTERS})")
     return problems
@@ -1457,6 +1515,7 @@ def _device_cc_90():
 def check_ptx(path):
     import concurrent.futures
     import tempfile
+    import re
     import time
     version = _numba_cuda_version()
     _device_cc_90()
@@ -1486,7 +1545,10 @@ def check_ptx(path):
                 what = f"{name}{sig}"
                 t = time.perf_counter()
                 try:
-                    ptx, _ = cuda.compile_ptx(fn.py_func, sig, cc=(9, 0))
+                    # with the kernel's launch_bounds (.maxntid), as it is launched
+                    ptx, _ = cuda.compile_ptx(
+                        fn.py_func, sig, cc=(9, 0),
+                        launch_bounds=fn.targetoptions.get("launch_bounds"))
                 except Exception as exc:
                     raise AssertionError(f"{what} does not compile for sm_90 with numba-cuda "
                                          f"{version}: {type(exc).__name__}: {exc}") from exc
@@ -1503,6 +1565,9 @@ def check_ptx(path):
                 jobs.append(pool.submit(kernel_code_problems, what, ptx, ptxas, work,
                                         name in EXACT_KERNELS, ("sm_90", "sm_90a")))
         problems = problems_early + [p for j in jobs for p in j.result()]
+    for at in sorted(REGISTERS):  # Array(float32, 1, 'C', False, aligned=True) as f32[:]
+        short = re.sub(r"Array\((\w)\w*?(\d+), 1, 'C', False, aligned=True\)", r"\1\2[:]", at)
+        print(f"{REGISTERS[at]:3d} registers  {short}")
     assert not problems, "\n".join(problems)
     print(f"compiled {len(jobs)} signatures of {len(sigs)} kernels to PTX for sm_90 "
           f"(numba-cuda {version}; NVVM {nvvm:.1f} s, all {time.perf_counter() - t0:.1f} s)"

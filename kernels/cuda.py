@@ -37,10 +37,8 @@ Kernels
   order, two senders' bytes loaded before their sums. The launch puts
   ``LANES * _VALUES_2BIT`` values on a warp; ``launch_bounds`` gives ptxas
   the block size.
-- ``terngrad``: one thread per value; the four codes of a byte are combined
-  by two warp shuffles (``shfl_xor``) and one lane of four writes the byte.
-  Decoding: one thread per value, all senders summed in registers in rank
-  order, ``out`` read and written once.
+- ``terngrad``: the bytes, loads and stores of ``2bit``; a sender's scale
+  (the float32 after its codes) is loaded with its two code bytes.
 - ``1bit`` and relative ``2bit``: one warp per quantization block. Lane l
   reads elements l, l + 32, ... (coalesced rows of 32) and sums them in
   float64, in this order: the canonical order of ``kernels/cpu.py``; the
@@ -1418,74 +1416,128 @@ def _splitmix64(z):
     return np.uint64(z ^ (z >> np.uint64(31)))
 
 
-@cuda.jit(cache=_CACHE)
+@cuda.jit(device=True)
+def _ternary_code(val, inside, e_out, has_e_out, i, s, neg_s, zero, scale, clip, neg_clip,
+                  stream_id, offset):
+    """The terngrad code of the value ``val`` (``x[i] + e_in[i]``), as
+    :func:`_code_of`: (code, 1 if not finite), the residual to ``e_out[i]``;
+    ``inside`` false: code ``00``, nothing written or counted."""
+    if not inside:
+        return 0, 0
+    # clip as the CPU's min(max(v, -clip), clip): explicit compares, so a
+    # NaN stays NaN (a float min/max on the GPU is fmin/fmax, which returns
+    # the other operand: NaN would become -clip)
+    f = np.float64(val)
+    f = neg_clip if neg_clip > f else f
+    f = clip if clip < f else f
+    ctr = np.uint64(offset + i)
+    h = _splitmix64(stream_id ^ np.uint64(ctr * np.uint64(0x9E3779B97F4A7C15)))
+    u = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+    keep = scale > 0.0 and u < abs(f) / scale
+    pos = keep and f > 0.0
+    neg = keep and f < 0.0
+    d = s if pos else (neg_s if neg else zero)
+    if has_e_out:
+        e_out[i] = val - d
+    return (3 if pos else (2 if neg else 0)), (1 if (val - val) != zero else 0)
+
+
+@cuda.jit(device=True)
+def _ternary_codes4(a0, a1, a2, a3, e_out, has_e_out, lo, n, v, s, neg_s, zero, scale, clip,
+                    neg_clip, stream_id, offset):
+    """(payload byte, non-finite count) of the values ``v`` .. ``v + 3``, as
+    :func:`_codes4`."""
+    i = np.uint64(lo + v)
+    c0, b0 = _ternary_code(a0, v < n, e_out, has_e_out, i, s, neg_s, zero, scale, clip,
+                           neg_clip, stream_id, offset)
+    c1, b1 = _ternary_code(a1, v + 1 < n, e_out, has_e_out, i + _U1, s, neg_s, zero, scale,
+                           clip, neg_clip, stream_id, offset)
+    c2, b2 = _ternary_code(a2, v + 2 < n, e_out, has_e_out, i + _U2, s, neg_s, zero, scale,
+                           clip, neg_clip, stream_id, offset)
+    c3, b3 = _ternary_code(a3, v + 3 < n, e_out, has_e_out, i + _U3, s, neg_s, zero, scale,
+                           clip, neg_clip, stream_id, offset)
+    return (c0 << 6) | (c1 << 4) | (c2 << 2) | c3, b0 + b1 + b2 + b3
+
+
+@cuda.jit(cache=_CACHE, **_BOUNDS)
 def _pack_ternary_kernel(x, e_in, has_e_in, e_out, has_e_out, out, inline, starts, offs, s,
                          scale, clip, stream_id, offset, nbad_out):
     j = cuda.blockIdx.y
     lo = starts[j]
     n = starts[j + 1] - lo
     ob = offs[j]
-    nv = (n + 3) // 4 * 4
+    nb = (n + 3) // 4
     neg_s = -s
     neg_clip = -clip
     zero = s - s
-    lane = cuda.threadIdx.x % LANES
-    sh = 6 - 2 * (lane & 3)
     if inline and n > 0 and cuda.blockIdx.x == 0 and cuda.threadIdx.x == 0:
-        _put_f32(out, ob + nv // 4, scale)  # the scale after the codes
+        _put_f32(out, ob + nb, scale)  # the scale after the codes
+    step = cuda.gridDim.x * cuda.blockDim.x
     nbad = 0
-    for v0 in range(_warp_start(), nv, cuda.gridDim.x * cuda.blockDim.x):
-        v = v0 + lane
-        code = 0
-        if v < n:
-            i = lo + v
-            val = x[i]
-            if has_e_in:
-                val = val + e_in[i]
-            # clip as the CPU's min(max(v, -clip), clip): explicit compares,
-            # so a NaN stays NaN (a float min/max on the GPU is fmin/fmax,
-            # which returns the other operand: NaN would become -clip)
-            f = np.float64(val)
-            f = neg_clip if neg_clip > f else f
-            f = clip if clip < f else f
-            ctr = np.uint64(offset + np.uint64(i))
-            h = _splitmix64(stream_id ^ np.uint64(ctr * np.uint64(0x9E3779B97F4A7C15)))
-            u = np.float64(h >> np.uint64(11)) * (1.0 / 9007199254740992.0)
-            keep = scale > 0.0 and u < abs(f) / scale
-            pos = keep and f > 0.0
-            neg = keep and f < 0.0
-            d = s if pos else (neg_s if neg else zero)
-            if has_e_out:
-                e_out[i] = val - d
-            nbad += (val - val) != zero
-            code = 3 if pos else (2 if neg else 0)
-        c = _byte_of_codes(code, sh)
-        if sh == 6 and v < nv:
-            out[ob + (v >> 2)] = c
+    # as _pack_2bit_kernel: bytes k and k + step, their loads first
+    for k in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, nb, 2 * step):
+        k2 = k + step
+        a0, a1, a2, a3, b0, b1, b2, b3 = _load8(x, e_in, has_e_in, lo, n, 4 * k, 4 * k2)
+        c, bad = _ternary_codes4(a0, a1, a2, a3, e_out, has_e_out, lo, n, 4 * k, s, neg_s,
+                                 zero, scale, clip, neg_clip, stream_id, offset)
+        out[ob + k] = c
+        c2, bad2 = _ternary_codes4(b0, b1, b2, b3, e_out, has_e_out, lo, n, 4 * k2, s, neg_s,
+                                   zero, scale, clip, neg_clip, stream_id, offset)
+        if k2 < nb:
+            out[ob + k2] = c2
+        nbad += bad + bad2
     if nbad:
         cuda.atomic.add(nbad_out, 0, nbad)
 
 
-@cuda.jit(cache=_CACHE)
+@cuda.jit(cache=_CACHE, **_BOUNDS)
 def _unpack_ternary_kernel(payload, stride, nsrc, starts, offs, out, accumulate):
     j = cuda.blockIdx.y
     lo = starts[j]
     n = starts[j + 1] - lo
     ob = offs[j]
     nb = (n + 3) // 4
-    for v in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, n,
-                   cuda.gridDim.x * cuda.blockDim.x):
-        i = lo + v
-        sh = 6 - 2 * (v & 3)
-        a = out[i] if accumulate else out.dtype.type(0)
-        for s in range(nsrc):
-            base = s * stride + ob
-            t = out.dtype.type(_get_f32(payload, base + nb))
-            zero = t - t  # as unpack_2bit: a NaN scale decodes to NaN everywhere
-            c = (payload[base + (v >> 2)] >> sh) & 3
-            d = t if c == 3 else (-t if c == 2 else zero)
-            a = d if (s == 0 and not accumulate) else a + d
-        out[i] = a
+    step = cuda.gridDim.x * cuda.blockDim.x
+    # as _unpack_2bit_kernel; each sender's scale (after its codes) decodes
+    # its codes (a NaN scale decodes to NaN everywhere: zero = t - t)
+    for k in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, nb, 2 * step):
+        k2 = k + step
+        q = min(k2, nb - 1)
+        s = 0
+        if accumulate:
+            a0, a1, a2, a3, b0, b1, b2, b3 = _load8(out, out, False, lo, n, 4 * k, 4 * k2)
+        else:  # sender 0 written, not added to 0
+            t = out.dtype.type(_get_f32(payload, ob + nb))
+            zero = t - t
+            a0, a1, a2, a3 = _decode4(payload[ob + k], t, -t, zero)
+            b0, b1, b2, b3 = _decode4(payload[ob + q], t, -t, zero)
+            s = 1
+        while s + 1 < nsrc:
+            p = ob + s * stride
+            t32 = _get_f32(payload, p + nb)
+            pa = payload[p + k]
+            pb = payload[p + q]
+            t32b = _get_f32(payload, p + stride + nb)
+            pa2 = payload[p + stride + k]
+            pb2 = payload[p + stride + q]
+            t = out.dtype.type(t32)
+            zero = t - t
+            a0, a1, a2, a3 = _add4(a0, a1, a2, a3, pa, t, -t, zero)
+            b0, b1, b2, b3 = _add4(b0, b1, b2, b3, pb, t, -t, zero)
+            t = out.dtype.type(t32b)
+            zero = t - t
+            a0, a1, a2, a3 = _add4(a0, a1, a2, a3, pa2, t, -t, zero)
+            b0, b1, b2, b3 = _add4(b0, b1, b2, b3, pb2, t, -t, zero)
+            s += 2
+        if s < nsrc:
+            p = ob + s * stride
+            t = out.dtype.type(_get_f32(payload, p + nb))
+            zero = t - t
+            a0, a1, a2, a3 = _add4(a0, a1, a2, a3, payload[p + k], t, -t, zero)
+            b0, b1, b2, b3 = _add4(b0, b1, b2, b3, payload[p + q], t, -t, zero)
+        _store4(out, lo, n, 4 * k, a0, a1, a2, a3)
+        if k2 < nb:
+            _store4(out, lo, n, 4 * k2, b0, b1, b2, b3)
 
 
 def _pack_ternary(x, e_in, e_out, out, inline, starts, offs, scale, clip, stream, offset,
@@ -1497,7 +1549,8 @@ def _pack_ternary(x, e_in, e_out, out, inline, starts, offs, scale, clip, stream
     cnt = _counter(cuda_stream)
     _launch_shards(_pack_ternary_kernel, starts, offs, cuda_stream,
                    x, *_opt(e_in, x), *_opt(e_out, x), out, bool(inline), _STARTS, _OFFS,
-                   s, scale, float(clip), np.uint64(stream), np.uint64(offset), cnt)
+                   s, scale, float(clip), np.uint64(stream), np.uint64(offset), cnt,
+                   block=LANES * _VALUES_2BIT)
     return _read_count(cnt, cuda_stream)
 
 
@@ -1522,7 +1575,7 @@ def unpack_ternary_shards(payload, stride, nsrc, starts, offs, out, accumulate, 
     if nsrc:
         _launch_shards(_unpack_ternary_kernel, starts, offs, cuda_stream,
                        payload, int(stride), int(nsrc), _STARTS, _OFFS, out,
-                       bool(accumulate))
+                       bool(accumulate), block=LANES * _VALUES_2BIT)
 
 
 def pack_ternary(x, e_in, e_out, out, scale, clip, stream, offset, *, cuda_stream=0):

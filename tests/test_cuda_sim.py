@@ -565,18 +565,20 @@ LAYOUT_SHARDS = [3, 701, 0, 1, 2, 258]
 LAYOUT_N = 3333
 
 
-def _check_byte_layouts(np, cuda, cpu, kc, tag, pack, pargs, unpack, uargs):
-    """``pack`` / ``unpack`` (``*_shards`` functions of 2bit codes) against
+def _check_byte_layouts(np, cuda, cpu, kc, tag, pack, pargs, unpack, uargs, scale=False):
+    """``pack`` / ``unpack`` (``*_shards`` functions of 2bit codes; with
+    ``scale``, a float32 after each shard's codes, as terngrad's) against
     the CPU on :data:`LAYOUT_SHARDS`, with payload offsets that leave gaps
     (odd offsets; the gaps keep their bytes), residuals absent, another buffer
     and in place, and decoding of 1, 2 and 3 senders written and accumulated;
     then one shard of :data:`LAYOUT_N` values (several grid-stride rounds)."""
-    nb = [(m + 3) // 4 for m in LAYOUT_SHARDS]
+    extra = 4 if scale else 0
+    nb = [(m + 3) // 4 + extra for m in LAYOUT_SHARDS]
     starts = tuple(np.concatenate([[0], np.cumsum(LAYOUT_SHARDS)]).astype(int).tolist())
     offs = tuple(int(sum(nb[:j])) + 2 * j + 1 for j in range(len(nb)))
     nbytes = offs[-1] + nb[-1] + 3
     cases = [(starts, offs, nbytes, MODES_1BIT, (1, 2, 3)),
-             ((0, LAYOUT_N), (0,), (LAYOUT_N + 3) // 4, [(True, "inplace")], (2,))]
+             ((0, LAYOUT_N), (0,), (LAYOUT_N + 3) // 4 + extra, [(True, "inplace")], (2,))]
     cpu_fn, kc_fn = getattr(cpu, pack), getattr(kc, pack)
     for starts, offs, nbytes, modes, senders in cases:
         n = starts[-1]
@@ -594,7 +596,12 @@ def _check_byte_layouts(np, cuda, cpu, kc, tag, pack, pargs, unpack, uargs):
 
         _check_pack(np, cuda, what, cpu_pack, kc_pack, x, e, [gap], pargs, modes)
         stride = nbytes + 5
-        payloads = np.random.default_rng(n).integers(0, 256, 3 * stride, dtype=np.uint8)
+        rng = np.random.default_rng(n)
+        payloads = rng.integers(0, 256, 3 * stride, dtype=np.uint8)
+        for s_ in range(3 if scale else 0):  # finite scales
+            for j, m in enumerate(np.diff(starts)):
+                at = s_ * stride + offs[j] + (m + 3) // 4
+                payloads[at:at + 4] = rng.uniform(-2, 2, 1).astype("<f4").view(np.uint8)
         for nsrc in senders:
             def cpu_dec(p, out, *a):
                 getattr(cpu, unpack)(p, stride, nsrc, starts, offs, out, *a)
@@ -708,6 +715,9 @@ def check_terngrad():
                 out = np.zeros((n + 3) // 4, np.uint8)
                 _check_pack(np, cuda, tag, cpu.pack_ternary, kc.pack_ternary, x, e, [out],
                             (np.float32(scale), clip, stream, offset))
+    _check_byte_layouts(np, cuda, cpu, kc, "terngrad", "pack_ternary_shards",
+                        (np.float32(2.0), 1.5, cpu.ternary_stream(3, 1, 2, 0), 11),
+                        "unpack_ternary_shards", (), scale=True)
 
 
 def check_fp16():

@@ -54,7 +54,10 @@ Kernels
   reconstruction pairs and magnitudes are written as little-endian float32
   bytes straight into the payload after the codes.
 - ``fp16`` / ``bf16``: one generic element-wise body, the conversion being
-  the parameter (:func:`_make_half_kernels`).
+  the parameter (:func:`_make_half_kernels`). A thread handles 4 values a
+  round, ``i + m * T`` (``T`` the grid's threads: each load and store a
+  warp's coalesced row), all 4 (8 with ``e_in``; per sender when decoding)
+  loaded before the first store.
 - ``stats`` (terngrad's scale): a two-level reduction on the device (per
   CUDA block partials, then one block folds them); the host reads 4 numbers.
 
@@ -1594,39 +1597,91 @@ def pack_ternary(x, e_in, e_out, out, scale, clip, stream, offset, *, cuda_strea
 # ----------------------------------------------------------------------------
 # fp16 and bf16: one element-wise body, the conversion as the parameter
 # ----------------------------------------------------------------------------
+#: Values of a 16-bit format a thread handles in one round of its grid-stride
+#: loop: ``i``, ``i + T``, ``i + 2T``, ``i + 3T`` (``T``: the grid's threads),
+#: each a coalesced row of its warp; all loaded before the first store.
+_VALUES_HALF = 4
+
+
 def _make_half_kernels(to_bits, from_bits, inf_mask):
     """The pack kernels (float32 and float64 work dtypes: ``mul_rn`` of each)
     and the decode kernel of a 16-bit wire format: ``to_bits`` (float32 ->
     uint16 bits), ``from_bits`` (bits -> float32, exact), ``inf_mask`` (the
-    exponent bits: all set means inf or NaN on the wire)."""
+    exponent bits: all set means inf or NaN on the wire). A thread handles
+    :data:`_VALUES_HALF` values a round (indices past the array clamped to
+    its last one for the loads, then dropped)."""
     def make_pack(mul_rn):
-        @cuda.jit(cache=_CACHE)
+        @cuda.jit(device=True)
+        def put(x, v, i, inside, e_out, has_e_out, out, dv, zero):
+            """``v`` (``x[i] + e_in[i]``) to the wire and its residual;
+            returns 1 if it is bad (none where not ``inside``)."""
+            if not inside:
+                return 0
+            h = to_bits(np.float32(v / dv))
+            out[i] = h
+            if has_e_out:
+                e_out[i] = v - mul_rn(x.dtype.type(from_bits(h)), dv)
+            # a value beyond the wire's range is as bad as a non-finite one
+            return 1 if ((v - v) != zero) or ((h & inf_mask) == inf_mask) else 0
+
+        @cuda.jit(cache=_CACHE, **_BOUNDS)
         def pack(x, e_in, has_e_in, e_out, has_e_out, out, dv, nbad_out):
             zero = dv - dv
             nbad = 0
-            for i in range(cuda.grid(1), x.size, cuda.gridsize(1)):
-                v = x[i]
-                if has_e_in:
-                    v = v + e_in[i]
-                h = to_bits(np.float32(v / dv))
-                out[i] = h
-                if has_e_out:
-                    e_out[i] = v - mul_rn(x.dtype.type(from_bits(h)), dv)
-                # a value beyond the wire's range is as bad as a non-finite one
-                nbad += ((v - v) != zero) or ((h & inf_mask) == inf_mask)
+            n = x.size
+            step = cuda.gridsize(1)
+            last = n - 1
+            for i in range(cuda.grid(1), n, _VALUES_HALF * step):
+                i1 = i + step
+                i2 = i1 + step
+                i3 = i2 + step
+                u0, u1, u2, u3 = (np.uint64(i), np.uint64(min(i1, last)),
+                                  np.uint64(min(i2, last)), np.uint64(min(i3, last)))
+                v0, v1, v2, v3 = _load4_at(x, e_in, has_e_in, u0, u1, u2, u3)
+                nbad += put(x, v0, u0, True, e_out, has_e_out, out, dv, zero)
+                nbad += put(x, v1, u1, i1 < n, e_out, has_e_out, out, dv, zero)
+                nbad += put(x, v2, u2, i2 < n, e_out, has_e_out, out, dv, zero)
+                nbad += put(x, v3, u3, i3 < n, e_out, has_e_out, out, dv, zero)
             if nbad:
                 cuda.atomic.add(nbad_out, 0, nbad)
         return pack
 
-    @cuda.jit(cache=_CACHE)
+    @cuda.jit(device=True)
+    def wire(out, p):
+        return out.dtype.type(from_bits(p))  # exact
+
+    @cuda.jit(cache=_CACHE, **_BOUNDS)
     def unpack(payload, stride, nsrc, out, accumulate):
-        zero = out.dtype.type(0)
-        for i in range(cuda.grid(1), out.size, cuda.gridsize(1)):
-            a = out[i] if accumulate else zero
-            for s in range(nsrc):
-                d = out.dtype.type(from_bits(payload[s * stride + i]))  # exact
-                a = d if (s == 0 and not accumulate) else a + d
-            out[i] = a
+        n = out.size
+        step = cuda.gridsize(1)
+        last = n - 1
+        for i in range(cuda.grid(1), n, _VALUES_HALF * step):
+            i1 = i + step
+            i2 = i1 + step
+            i3 = i2 + step
+            u0, u1, u2, u3 = (np.uint64(i), np.uint64(min(i1, last)),
+                              np.uint64(min(i2, last)), np.uint64(min(i3, last)))
+            s = 0
+            if accumulate:
+                a0, a1, a2, a3 = _load4_at(out, out, False, u0, u1, u2, u3)
+            else:  # sender 0 written, not added to 0
+                a0, a1, a2, a3 = (wire(out, payload[u0]), wire(out, payload[u1]),
+                                  wire(out, payload[u2]), wire(out, payload[u3]))
+                s = 1
+            while s < nsrc:  # senders in rank order
+                b = np.uint64(s * stride)
+                p0, p1, p2, p3 = (payload[b + u0], payload[b + u1], payload[b + u2],
+                                  payload[b + u3])
+                a0, a1, a2, a3 = (a0 + wire(out, p0), a1 + wire(out, p1),
+                                  a2 + wire(out, p2), a3 + wire(out, p3))
+                s += 1
+            out[u0] = a0
+            if i1 < n:
+                out[u1] = a1
+            if i2 < n:
+                out[u2] = a2
+            if i3 < n:
+                out[u3] = a3
 
     return make_pack(_fmul_rn), make_pack(_dmul_rn), unpack
 
@@ -1648,7 +1703,8 @@ def _pack_half(fmt, x, e_in, e_out, out, divisor, cuda_stream):
     cnt = _counter(cuda_stream)
     if x.size:
         k32, k64, _ = _HALF[fmt]
-        _launch(k64 if x.dtype == np.float64 else k32, _grid(x.size), cuda_stream,
+        _launch(k64 if x.dtype == np.float64 else k32,
+                _grid(x.size, THREADS * _VALUES_HALF), cuda_stream,
                 x, *_opt(e_in, x), *_opt(e_out, x), out, dv, cnt)
     return _read_count(cnt, cuda_stream)
 
@@ -1658,7 +1714,7 @@ def _unpack_half(fmt, payload, stride, nsrc, out, accumulate, cuda_stream):
     if out.size and nsrc:
         if np.dtype(payload.dtype) != np.uint16:
             payload = payload.view(np.uint16)
-        _launch(_HALF[fmt][2], _grid(out.size), cuda_stream,
+        _launch(_HALF[fmt][2], _grid(out.size, THREADS * _VALUES_HALF), cuda_stream,
                 payload, int(stride), int(nsrc), out, bool(accumulate))
 
 

@@ -44,7 +44,10 @@ Kernels
   float64, in this order: the canonical order of ``kernels/cpu.py``; the
   pairwise tree ``sum[l] += sum[l + s]``, s = 16, 8, 4, 2, 1, is done by warp
   shuffles (``shfl_down``), bit for bit the CPU's tree. The second pass reads
-  the block again row by row: 1bit signs by one ``ballot`` per row of 32
+  the block again row by row (1bit: a lane loads its values of 4 rows at
+  once, in both passes, before it sums them or stores anything; an index
+  past the block is clamped to its last value and dropped): 1bit signs by one
+  ``ballot`` per row of 32
   (four bytes, MSB first after a bit reversal), 2bit codes by shuffles. A
   relative 2bit block where no value reaches ``c * rms`` reads the block once
   more for its ``max |v|`` (an integer max of the bits of ``float64(|v|)``
@@ -928,7 +931,60 @@ def unpack_2bit(payload, out, threshold, accumulate, *, cuda_stream=0):
 # ----------------------------------------------------------------------------
 # 1bit (Seide et al.): one warp per quantization block
 # ----------------------------------------------------------------------------
-@cuda.jit(cache=_CACHE)
+#: Rows of 32 values a 1bit warp loads before it sums them (pass 1) or
+#: ballots their signs (pass 2): one value per row and lane.
+_ROWS_1BIT = 4
+_U32, _U64, _U96 = np.uint64(32), np.uint64(64), np.uint64(96)
+
+
+@cuda.jit(device=True)
+def _rows4(x, e_in, has_e_in, lo, b1, v):
+    """``x + e_in`` at the block values ``v``, ``v + 32``, ``v + 64``,
+    ``v + 96`` (a lane's values of 4 rows): loads only, all issued at once;
+    an index at or past the block's end ``b1`` is clamped to its last value
+    (loaded, then dropped by the caller)."""
+    last = np.uint64(lo + b1 - 1)
+    i = np.uint64(lo + v)
+    return _load4_at(x, e_in, has_e_in, min(i, last), min(i + _U32, last),
+                     min(i + _U64, last), min(i + _U96, last))
+
+
+@cuda.jit(device=True)
+def _sum_signs(a, b, c, val, inside, zero):
+    """One value into a lane's float64 sums of the values ``>= 0`` (``a``)
+    and ``< 0`` (``b``) and its count of the first (``c``), as
+    ``kernels/cpu.py`` adds them (a 0.0 for the other class)."""
+    if inside:
+        p = val >= zero
+        f = np.float64(val)
+        a += f if p else 0.0
+        b += 0.0 if p else f
+        c += 1 if p else 0
+    return a, b, c
+
+
+@cuda.jit(device=True)
+def _sign_row(val, v, r0, b1, lane, lo, e_out, has_e_out, d1, d0, zero, bits, ob):
+    """Row ``r0`` of a 1bit block (this lane's value ``val`` at ``v``, when
+    ``v < b1``): the residual, the row's 4 bytes of signs by one ballot.
+    Every lane of the warp calls it. Returns 1 if the value is not finite."""
+    p = False
+    bad = 0
+    if v < b1:
+        p = val >= zero
+        if has_e_out:
+            e_out[lo + v] = val - (d1 if p else d0)
+        bad = 1 if (val - val) != zero else 0
+    # element r0 + q is ballot bit q; reversed, element r0 + 8 m + q sits in
+    # bit 31 - 8 m - q: byte m, MSB first
+    m = np.uint32(_brev(_ballot(p)))
+    if lane < 4 and r0 + 8 * lane < b1:
+        bits[ob + (r0 >> 3) + lane] = np.uint8(
+            (m >> np.uint32(24 - 8 * lane)) & np.uint32(0xFF))
+    return bad
+
+
+@cuda.jit(cache=_CACHE, **_BOUNDS)
 def _pack_1bit_kernel(x, e_in, has_e_in, e_out, has_e_out, bits, tail, inline, starts, offs,
                       block, nbad_out):
     j = cuda.blockIdx.y
@@ -943,20 +999,17 @@ def _pack_1bit_kernel(x, e_in, has_e_in, e_out, has_e_out, bits, tail, inline, s
     for k in range(_warp_start() // LANES, nblk, cuda.gridDim.x * cuda.blockDim.x // LANES):
         b0 = k * block
         b1 = min(n, b0 + block)
-        # pass 1: lane l sums elements b0+l, b0+l+32, ... sequentially
+        # pass 1: lane l sums elements b0+l, b0+l+32, ... sequentially, the
+        # values of 4 rows loaded before their sums
         a = 0.0
         b = 0.0
         c = 0
-        for v in range(b0 + lane, b1, LANES):
-            i = lo + v
-            val = x[i]
-            if has_e_in:
-                val = val + e_in[i]
-            p = val >= zero
-            f = np.float64(val)
-            a += f if p else 0.0
-            b += 0.0 if p else f
-            c += 1 if p else 0
+        for v in range(b0 + lane, b1, _ROWS_1BIT * LANES):
+            f0, f1, f2, f3 = _rows4(x, e_in, has_e_in, lo, b1, v)
+            a, b, c = _sum_signs(a, b, c, f0, True, zero)
+            a, b, c = _sum_signs(a, b, c, f1, v + LANES < b1, zero)
+            a, b, c = _sum_signs(a, b, c, f2, v + 2 * LANES < b1, zero)
+            a, b, c = _sum_signs(a, b, c, f3, v + 3 * LANES < b1, zero)
         s = LANES // 2
         while s > 0:  # the canonical pairwise tree: sum[l] += sum[l + s]
             a += _shfl_down(a, s)
@@ -975,26 +1028,20 @@ def _pack_1bit_kernel(x, e_in, has_e_in, e_out, has_e_out, bits, tail, inline, s
             _put_f32(tail, to + 8 * k + 4, m1)
         d1 = x.dtype.type(m1)
         d0 = x.dtype.type(m0)
-        # pass 2, row by row (the block was just read: in cache): signs by ballot
+        # pass 2 (the block was just read: in cache), 4 rows loaded at once,
+        # then row by row: residuals, signs by ballot (warp-uniform loop)
         kbad = 0
-        for r0 in range(b0, b1, LANES):
+        for r0 in range(b0, b1, _ROWS_1BIT * LANES):
             v = r0 + lane
-            p = False
-            if v < b1:
-                i = lo + v
-                val = x[i]
-                if has_e_in:
-                    val = val + e_in[i]
-                p = val >= zero
-                if has_e_out:
-                    e_out[i] = val - (d1 if p else d0)
-                kbad += (val - val) != zero
-            # element r0 + q is ballot bit q; reversed, element r0 + 8 m + q
-            # sits in bit 31 - 8 m - q: byte m, MSB first
-            m = np.uint32(_brev(_ballot(p)))
-            if lane < 4 and r0 + 8 * lane < b1:
-                bits[ob + (r0 >> 3) + lane] = np.uint8(
-                    (m >> np.uint32(24 - 8 * lane)) & np.uint32(0xFF))
+            f0, f1, f2, f3 = _rows4(x, e_in, has_e_in, lo, b1, v)
+            kbad += _sign_row(f0, v, r0, b1, lane, lo, e_out, has_e_out, d1, d0, zero, bits,
+                              ob)
+            kbad += _sign_row(f1, v + LANES, r0 + LANES, b1, lane, lo, e_out, has_e_out, d1,
+                              d0, zero, bits, ob)
+            kbad += _sign_row(f2, v + 2 * LANES, r0 + 2 * LANES, b1, lane, lo, e_out,
+                              has_e_out, d1, d0, zero, bits, ob)
+            kbad += _sign_row(f3, v + 3 * LANES, r0 + 3 * LANES, b1, lane, lo, e_out,
+                              has_e_out, d1, d0, zero, bits, ob)
         kbad = _warp_sum_i(kbad)
         if lane == 0:
             # finite values whose mean is beyond float32: each such mean is

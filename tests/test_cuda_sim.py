@@ -660,7 +660,10 @@ def check_1bit():
     # (blocks of 8 and 16 at n = 1027, 129 and 65 warps, are left out: the group
     # ran past 15 minutes in the simulator with them; n = 100 spans 13 and 7 warps)
     cases = [(n, b) for b in (8, 16) for n in SIZES if n < 1000]
-    cases += [(n, 1024) for n in (1, 13, 2051)]
+    # (1224: a last block of 200 values, which a lane's second round of 4 rows
+    # (values v, v + 32, v + 64, v + 96) ends inside: lane 8's third row is
+    # value 200, the first past the block)
+    cases += [(n, 1024) for n in (1, 13, 2051, 1224)]
     for dtype in DTYPES:
         for n, block in cases:
             x, e = _data(np, n, dtype, n + block)

@@ -56,6 +56,9 @@ Kernels
   threshold (``docs/wire-format.md``). The
   reconstruction pairs and magnitudes are written as little-endian float32
   bytes straight into the payload after the codes.
+  1bit decoding: one thread per byte of bits (8 values of one block),
+  ``out`` loaded once and stored once, and per sender, in rank order, the
+  byte and both means of its block loaded before the sums.
 - ``fp16`` / ``bf16``: one generic element-wise body, the conversion being
   the parameter (:func:`_make_half_kernels`). A thread handles 4 values a
   round, ``i + m * T`` (``T`` the grid's threads: each load and store a
@@ -105,8 +108,10 @@ A 1bit ``block_size`` must be a positive multiple of 8 and a relative 2bit
 one a multiple of 4 (one warp per block writes whole bytes; else two warps
 would write one byte, and its bits would depend on timing): the pack
 functions raise ``mpigc.ConfigError`` before any launch (the CPU kernels
-too). A call's shards are ``gridDim.y``, at most :data:`MAX_GRID_Y` (65535)
-per launch: more shards take one launch per 65535.
+too). The 1bit decode functions too (a thread decodes a byte of bits with
+one block's pair; the CPU's decode assumes it without checking). A call's
+shards are ``gridDim.y``, at most :data:`MAX_GRID_Y` (65535) per launch:
+more shards take one launch per 65535.
 
 Execution
 ---------
@@ -664,6 +669,7 @@ def _warp_sum_i(c):
 #: ``LANES * _VALUES_2BIT`` values on a warp.
 _BYTES_2BIT = 2
 _U1, _U2, _U3 = np.uint64(1), np.uint64(2), np.uint64(3)
+_U4, _U5, _U6, _U7 = np.uint64(4), np.uint64(5), np.uint64(6), np.uint64(7)
 _VALUES_2BIT = 4 * _BYTES_2BIT
 
 
@@ -1053,7 +1059,30 @@ def _pack_1bit_kernel(x, e_in, has_e_in, e_out, has_e_out, bits, tail, inline, s
         cuda.atomic.add(nbad_out, 0, nbad)
 
 
-@cuda.jit(cache=_CACHE)
+@cuda.jit(device=True)
+def _bits8(a0, a1, a2, a3, a4, a5, a6, a7, p, d0, d1, first):
+    """``a0`` .. ``a7`` plus (or, with ``first``, set to) the values of the
+    1bit byte ``p`` (MSB first): ``d1`` for a bit 1, ``d0`` for a 0."""
+    e0 = d1 if (p >> 7) & 1 else d0
+    e1 = d1 if (p >> 6) & 1 else d0
+    e2 = d1 if (p >> 5) & 1 else d0
+    e3 = d1 if (p >> 4) & 1 else d0
+    e4 = d1 if (p >> 3) & 1 else d0
+    e5 = d1 if (p >> 2) & 1 else d0
+    e6 = d1 if (p >> 1) & 1 else d0
+    e7 = d1 if p & 1 else d0
+    if first:
+        return e0, e1, e2, e3, e4, e5, e6, e7
+    return a0 + e0, a1 + e1, a2 + e2, a3 + e3, a4 + e4, a5 + e5, a6 + e6, a7 + e7
+
+
+@cuda.jit(device=True)
+def _store_at(out, i, v, n, a):
+    if v < n:
+        out[i] = a
+
+
+@cuda.jit(cache=_CACHE, **_BOUNDS)
 def _unpack_1bit_kernel(bits, tail, inline, stride, nsrc, starts, offs, out, block,
                         accumulate):
     j = cuda.blockIdx.y
@@ -1062,18 +1091,38 @@ def _unpack_1bit_kernel(bits, tail, inline, stride, nsrc, starts, offs, out, blo
     ob = offs[j]
     to = ob + (n + 7) // 8 if inline else ob
     zero = out.dtype.type(0)
-    for v in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, n,
+    # one thread per byte of bits: its 8 values in one block (block_size is a
+    # multiple of 8, checked by the launching functions)
+    nb = (n + 7) // 8
+    last = np.uint64(lo + n - 1)
+    for k in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, nb,
                    cuda.gridDim.x * cuda.blockDim.x):
-        i = lo + v
-        a = out[i] if accumulate else zero
-        sh = 7 - (v & 7)
+        v = 8 * k
+        i = np.uint64(lo + v)
         mk = to + 8 * (v // block)
-        for s in range(nsrc):
+        a0, a1, a2, a3, a4, a5, a6, a7 = zero, zero, zero, zero, zero, zero, zero, zero
+        if accumulate:  # out loaded once (past the shard: its last value, dropped)
+            a0, a1, a2, a3 = _load4_at(out, out, False, min(i, last), min(i + _U1, last),
+                                       min(i + _U2, last), min(i + _U3, last))
+            a4, a5, a6, a7 = _load4_at(out, out, False, min(i + _U4, last),
+                                       min(i + _U5, last), min(i + _U6, last),
+                                       min(i + _U7, last))
+        for s in range(nsrc):  # senders in rank order
             base = s * stride
-            bit = (bits[base + ob + (v >> 3)] >> sh) & 1
-            d = out.dtype.type(_get_f32(tail, base + mk + 4 * bit))
-            a = d if (s == 0 and not accumulate) else a + d
-        out[i] = a
+            # the byte and both means loaded at once, the mean picked after
+            p = bits[base + ob + k]
+            d0 = out.dtype.type(_get_f32(tail, base + mk))
+            d1 = out.dtype.type(_get_f32(tail, base + mk + 4))
+            a0, a1, a2, a3, a4, a5, a6, a7 = _bits8(a0, a1, a2, a3, a4, a5, a6, a7, p,
+                                                    d0, d1, s == 0 and not accumulate)
+        out[i] = a0  # v < n: a byte's first value
+        _store_at(out, i + _U1, v + 1, n, a1)
+        _store_at(out, i + _U2, v + 2, n, a2)
+        _store_at(out, i + _U3, v + 3, n, a3)
+        _store_at(out, i + _U4, v + 4, n, a4)
+        _store_at(out, i + _U5, v + 5, n, a5)
+        _store_at(out, i + _U6, v + 6, n, a6)
+        _store_at(out, i + _U7, v + 7, n, a7)
 
 
 def pack_1bit_shards(x, e_in, e_out, payload, starts, offs, block_size, *, cuda_stream=0):
@@ -1102,12 +1151,13 @@ def unpack_1bit_shards(payload, stride, nsrc, starts, offs, out, block_size, acc
                        cuda_stream=0):
     """Decode 1bit shards (bits, then pairs) of ``nsrc`` payloads onto ``out``
     (as :func:`unpack_2bit_shards`), one launch. Asynchronous."""
+    block_size = check_block_size(block_size, 8, "unpack_1bit_shards")  # a byte: 1 block
     payload, out = _dev(payload, "payload"), _dev(out, "out")
     starts, offs = _layout(starts, offs)
     if nsrc:
         _launch_shards(_unpack_1bit_kernel, starts, offs, cuda_stream,
                        payload, payload, True, int(stride), int(nsrc), _STARTS, _OFFS, out,
-                       int(block_size), bool(accumulate))
+                       int(block_size), bool(accumulate), block=LANES * 8)
 
 
 def pack_1bit(x, e_in, e_out, bits, means, block_size, *, cuda_stream=0):
@@ -1126,11 +1176,14 @@ def pack_1bit(x, e_in, e_out, bits, means, block_size, *, cuda_stream=0):
 
 
 def unpack_1bit(bits, means, out, block_size, accumulate, *, cuda_stream=0):
-    """Decode ``out.size`` 1-bit values with their block pairs (asynchronous)."""
+    """Decode ``out.size`` 1-bit values with their block pairs (asynchronous).
+    ``block_size``: a positive multiple of 8, as the pack's (else a
+    ``ConfigError``)."""
+    block_size = check_block_size(block_size, 8, "unpack_1bit")
     bits, means, out = _dev(bits, "bits"), _dev(means, "means"), _dev(out, "out")
     _launch_shards(_unpack_1bit_kernel, (0, out.size), (0,), cuda_stream,
                    bits, _payload_bytes(means), False, 0, 1, _STARTS, _OFFS, out,
-                   int(block_size), bool(accumulate))
+                   int(block_size), bool(accumulate), block=LANES * 8)
 
 
 # ----------------------------------------------------------------------------
@@ -1317,7 +1370,7 @@ def unpack_2bit_rel_shards(payload, stride, nsrc, starts, offs, out, block_size,
     if nsrc:
         _launch_shards(_unpack_2bit_rel_kernel, starts, offs, cuda_stream,
                        payload, payload, True, int(stride), int(nsrc), _STARTS, _OFFS, out,
-                       int(block_size), bool(accumulate))
+                       int(block_size), bool(accumulate), block=LANES * 8)
 
 
 def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size, *,

@@ -234,18 +234,29 @@ def _exchange(net: Network, op: str, n: int, P: int, L: int, *, agree: bool,
     cost = Cost(latency=2 * a, messages=4 * C * (P - 1) * net.overhead * cpu,
                 bandwidth=bw, compute=compute)
     if agree:
-        inline = (not pipelined and op != "terngrad"
+        inline = (P <= P2P_AGREEMENT_MAX_RANKS and not pipelined and op != "terngrad"
                   and max(payload_nbytes(op, m) for m in sizes) <= INLINE_MAX_SHARD_BYTES)
-        if P <= P2P_AGREEMENT_MAX_RANKS:
-            if not inline:
-                cost += Cost(latency=a, messages=2 * (P - 1) * net.overhead * cpu)
-            if pipelined:  # the trailers: one more row to every peer
-                cost += Cost(messages=2 * (P - 1) * net.overhead * cpu)
-        else:
-            rounds = math.ceil(math.log2(P))
-            cost += Cost(latency=rounds * a, messages=2 * rounds * net.overhead * cpu,
-                         bandwidth=(P - 1) * AGREEMENT_ROW_BYTES * L / net.beta)
+        if not inline:
+            cost += _agreement(net, P, L, cpu)
+        if pipelined and P <= P2P_AGREEMENT_MAX_RANKS:  # the trailers: a row to every peer
+            cost += Cost(messages=2 * (P - 1) * net.overhead * cpu)
     return cost
+
+
+def _agreement(net: Network, P: int, L: int, cpu: float) -> Cost:
+    """The agreement rows alone among ``P`` ranks, ``L`` per node.
+
+    ``P <= 16``: one row to every peer, one round: ``alpha + 2 (P-1) overhead
+    cpu``; ``P > 16``: ``MPI_Allgather`` of the 80-byte rows, taken as
+    recursive doubling: ``ceil(log2 P) (alpha + 2 overhead cpu)`` plus
+    ``(P-1) 80 L / beta`` on the NIC. ``alpha_intra`` when ``P <= L``.
+    """
+    a = net.alpha if P > L else net.alpha_intra
+    if P <= P2P_AGREEMENT_MAX_RANKS:
+        return Cost(latency=a, messages=2 * (P - 1) * net.overhead * cpu)
+    rounds = math.ceil(math.log2(P))
+    bw = (P - 1) * AGREEMENT_ROW_BYTES * L / net.beta if P > L else 0.0
+    return Cost(latency=rounds * a, messages=2 * rounds * net.overhead * cpu, bandwidth=bw)
 
 
 def flat_allreduce(op: str, nbytes: int, P: int, net: Network) -> Cost:
@@ -264,12 +275,7 @@ def flat_allreduce(op: str, nbytes: int, P: int, net: Network) -> Cost:
     L = min(net.ranks_per_node, P)
     cpu = net.cpu_factor(L)
     if op == "none":
-        a = net.alpha if P > L else net.alpha_intra
-        if P <= P2P_AGREEMENT_MAX_RANKS:
-            agree = Cost(latency=a, messages=2 * (P - 1) * net.overhead * cpu)
-        else:
-            rounds = math.ceil(math.log2(P))
-            agree = Cost(latency=rounds * a, messages=2 * rounds * net.overhead * cpu)
+        agree = _agreement(net, P, L, cpu)
         return agree + mpi_allreduce(nbytes, P, net) + Cost(fixed=net.call_overhead)
     return _exchange(net, op, nbytes // 4, P, L, agree=True, cpu=cpu) \
         + Cost(fixed=net.call_overhead)
@@ -281,6 +287,8 @@ def hierarchical_allreduce(op: str, nbytes: int, P: int, net: Network,
 
     With ``M = ceil(P / L)`` nodes (all assumed full):
 
+    0. the input agreement among all ``P`` ranks (``_agreement``), and one
+       more round inside the node for the groups' outcomes (``alpha_intra``);
     1. exact reduce-scatter inside the node through the shared window: each
        rank writes its ``4n`` bytes and sums ``L`` slices of ``4n/L``:
        ``2 x 4n / beta_intra x cpu + alpha_intra`` (a fence);
@@ -304,6 +312,7 @@ def hierarchical_allreduce(op: str, nbytes: int, P: int, net: Network,
     n = nbytes // 4
     intra = Cost(latency=2 * net.alpha_intra,
                  bandwidth=3 * nbytes / net.beta_intra * cpu)
+    intra += _agreement(net, P, L, cpu) + Cost(latency=net.alpha_intra)
     if M == 1:
         return intra + Cost(fixed=net.call_overhead)
     group = replace(net, beta=net.beta / L, ranks_per_node=1)

@@ -87,7 +87,8 @@ def test_mpi_ring_bandwidth_term_exact():
     for P in (2, 5, 64):
         t = cm.mpi_allreduce(1 << 24, P, net, algorithm="ring")
         assert t.total == pytest.approx(2 * (P - 1) / P * (1 << 24) / 1e9, rel=1e-12)
-        assert cm.flat_allreduce("none", 1 << 24, P, net).total == pytest.approx(t.total)
+        rows = (P - 1) * 80 / 1e9 if P > 16 else 0.0  # the agreement's MPI_Allgather
+        assert cm.flat_allreduce("none", 1 << 24, P, net).total == pytest.approx(t.total + rows)
     t = cm.mpi_allreduce(1 << 10, 8, net, algorithm="recursive_doubling")
     assert t.total == pytest.approx(3 * (1 << 10) / 1e9)
 
@@ -132,14 +133,15 @@ def test_monotone_in_bytes_and_ranks(f, op):
     for P in (2, 8, 64, 512, 4096):
         ts = [f(op, b, P, NET).total for b in sizes]
         assert ts == sorted(ts), (P, ts)
-    # in P: the rounds and messages always grow; the total grows from two nodes on
+    # in P: the rounds and messages grow on each side of 16 ranks (above, the rows go
+    # by MPI_Allgather, log2 P rounds, instead of a message to every peer); the total grows from two nodes on
     # with free kernels (with real ones a rank re-encodes a 1/P shard, which shrinks,
     # and from one node (8) to two (16) its shared-memory bytes halve)
     free = dataclasses.replace(NET, rates={o: cm.Rates(math.inf, math.inf) for o in cm.OPS})
     for b in sizes:
-        costs = [f(op, b, P, NET) for P in (2, 4, 8, 16, 32, 64, 256, 1024, 4096)]
-        ts = [c.latency + c.messages for c in costs]
-        assert ts == sorted(ts), (b, ts)
+        for Ps in ((2, 4, 8, 16), (32, 64, 256, 1024, 4096)):
+            ts = [(lambda c: c.latency + c.messages)(f(op, b, P, NET)) for P in Ps]
+            assert ts == sorted(ts), (b, ts)
         ts = [f(op, b, P, free).total for P in (16, 32, 64, 256, 1024, 4096)]
         assert ts == sorted(ts), (b, ts)
 

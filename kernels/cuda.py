@@ -48,7 +48,9 @@ Kernels
   once, in both passes, before it sums them or stores anything; an index
   past the block is clamped to its last value and dropped): 1bit signs by one
   ``ballot`` per row of 32
-  (four bytes, MSB first after a bit reversal), 2bit codes by shuffles. A
+  (four bytes, MSB first after a bit reversal); relative 2bit, whose first
+  two passes load 4 rows at once too, codes the block as ``2bit`` codes a
+  shard (a lane per payload byte, its 4 values loaded at once). A
   relative 2bit block where no value reaches ``c * rms`` reads the block once
   more for its ``max |v|`` (an integer max of the bits of ``float64(|v|)``
   per lane, then a tree over ``shfl_down``: exact, and no float max) and
@@ -1190,6 +1192,27 @@ def unpack_1bit(bits, means, out, block_size, accumulate, *, cuda_stream=0):
 # 2bit, relative mode: one warp per quantization block (as 1bit)
 # ----------------------------------------------------------------------------
 @cuda.jit(device=True)
+def _sum_selected(a, c, val, inside, tc, neg_tc):
+    """One value into a lane's float64 sum of the selected ``|v|`` and its
+    count (relative 2bit, pass 2)."""
+    if inside:
+        sel = (val >= tc) or (val <= neg_tc)
+        a += abs(np.float64(val)) if sel else 0.0
+        c += 1 if sel else 0
+    return a, c
+
+
+@cuda.jit(device=True)
+def _sum_square(a, val, inside):
+    """One value's float64 square (``mul.rn``) into a lane's sum (relative
+    2bit, pass 1)."""
+    if inside:
+        f = np.float64(val)
+        a += _dmul_rn(f, f)
+    return a
+
+
+@cuda.jit(device=True)
 def _rel_selected_sum(x, e_in, has_e_in, lo, b0, b1, lane, tc):
     """(A, count) of the block's values selected by ``tc`` (``v >= tc`` or
     ``v <= -tc``), in every lane: lane l sums the float64 |v| of the selected
@@ -1198,14 +1221,12 @@ def _rel_selected_sum(x, e_in, has_e_in, lo, b0, b1, lane, tc):
     neg_tc = -tc
     a = 0.0
     c = 0
-    for v in range(b0 + lane, b1, LANES):
-        i = lo + v
-        val = x[i]
-        if has_e_in:
-            val = val + e_in[i]
-        sel = (val >= tc) or (val <= neg_tc)
-        a += abs(np.float64(val)) if sel else 0.0
-        c += 1 if sel else 0
+    for v in range(b0 + lane, b1, _ROWS_1BIT * LANES):  # 4 rows loaded at once
+        f0, f1, f2, f3 = _rows4(x, e_in, has_e_in, lo, b1, v)
+        a, c = _sum_selected(a, c, f0, True, tc, neg_tc)
+        a, c = _sum_selected(a, c, f1, v + LANES < b1, tc, neg_tc)
+        a, c = _sum_selected(a, c, f2, v + 2 * LANES < b1, tc, neg_tc)
+        a, c = _sum_selected(a, c, f3, v + 3 * LANES < b1, tc, neg_tc)
     s = LANES // 2
     while s > 0:  # the same tree
         a += _shfl_down(a, s)
@@ -1226,20 +1247,19 @@ def _pack_2bit_rel_kernel(x, e_in, has_e_in, e_out, has_e_out, out, tail, inline
     zero = x.dtype.type(0)
     nan = x.dtype.type(np.nan)
     lane = cuda.threadIdx.x % LANES
-    sh = 6 - 2 * (lane & 3)
     nbad = 0
     for k in range(_warp_start() // LANES, nblk, cuda.gridDim.x * cuda.blockDim.x // LANES):
         b0 = k * block
         b1 = min(n, b0 + block)
-        # pass 1: lane l sums the squares of b0+l, b0+l+32, ... in order
+        # pass 1: lane l sums the squares of b0+l, b0+l+32, ... in order, 4
+        # rows loaded at once
         a = 0.0
-        for v in range(b0 + lane, b1, LANES):
-            i = lo + v
-            val = x[i]
-            if has_e_in:
-                val = val + e_in[i]
-            f = np.float64(val)
-            a += _dmul_rn(f, f)
+        for v in range(b0 + lane, b1, _ROWS_1BIT * LANES):
+            f0, f1, f2, f3 = _rows4(x, e_in, has_e_in, lo, b1, v)
+            a = _sum_square(a, f0, True)
+            a = _sum_square(a, f1, v + LANES < b1)
+            a = _sum_square(a, f2, v + 2 * LANES < b1)
+            a = _sum_square(a, f3, v + 3 * LANES < b1)
         s = LANES // 2
         while s > 0:  # the canonical pairwise tree
             a += _shfl_down(a, s)
@@ -1291,18 +1311,18 @@ def _pack_2bit_rel_kernel(x, e_in, has_e_in, e_out, has_e_out, out, tail, inline
             _put_f32(tail, to + 4 * k, r32)
         td = x.dtype.type(r32)
         neg_td = -td
-        # pass 3, row by row: codes, bytes by shuffles
+        # pass 3, as _pack_2bit_kernel within the block: a lane codes payload
+        # byte q (b0 is a multiple of 4: the shard's bytes), its loads first
         kbad = 0
-        for r0 in range(b0, b1, LANES):
-            v = r0 + lane
-            code = 0
-            if v < b1:
-                code, bad = _code_2bit(x, e_in, has_e_in, e_out, has_e_out, lo + v, tc,
-                                       neg_tc, td, neg_td, zero)
-                kbad += bad
-            cc = _byte_of_codes(code, sh)
-            if sh == 6 and v < b1:
-                out[ob + (v >> 2)] = cc
+        for q in range(b0 // 4 + lane, (b1 + 3) // 4, LANES):
+            i = np.uint64(lo + 4 * q)
+            last = np.uint64(lo + b1 - 1)
+            a0, a1, a2, a3 = _load4_at(x, e_in, has_e_in, i, min(i + _U1, last),
+                                       min(i + _U2, last), min(i + _U3, last))
+            cc, bad = _codes4(a0, a1, a2, a3, e_out, has_e_out, lo, b1, 4 * q, tc, neg_tc,
+                              td, neg_td, zero)
+            out[ob + q] = cc
+            kbad += bad
         kbad = _warp_sum_i(kbad)
         if lane == 0:
             # finite values whose threshold or mean magnitude is not finite:

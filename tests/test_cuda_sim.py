@@ -622,7 +622,9 @@ def check_2bit_rel():
     # (block 16 at n = 1027, 65 warps, left out too: the group ran 10.5 minutes with
     # it; n = 100 with block 16 already spans several warps and a partial block)
     cases = [(n, 4) for n in SIZES if n < 1000] + [(n, 16) for n in SIZES if n < 1000]
-    cases += [(n, 1024) for n in (13, 2051)]
+    # (1224: a last block of 200 values, inside a lane's second round of 4 rows;
+    # see check_1bit)
+    cases += [(n, 1024) for n in (13, 2051, 1224)]
     for dtype in DTYPES:
         for n, block in cases:
             x, e = _data(np, n, dtype, 7 * n + block)
@@ -633,6 +635,8 @@ def check_2bit_rel():
                 x[20:24] = np.array([1e-40, -1e-40, 1e-30, 0], dtype)  # tiny
                 e[20:24] = 0
                 x[30] = -0.0
+            if n == 1224:  # the value a lane's third row clamps to weighs (selected)
+                x[-1] = 8.0
             nblk = (n + block - 1) // block
             tag = f"2bit_rel {dtype} n={n} block={block}"
             out = np.zeros((n + 3) // 4, np.uint8)

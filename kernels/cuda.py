@@ -60,7 +60,9 @@ Kernels
   bytes straight into the payload after the codes.
   1bit decoding: one thread per byte of bits (8 values of one block),
   ``out`` loaded once and stored once, and per sender, in rank order, the
-  byte and both means of its block loaded before the sums.
+  byte and both means of its block loaded before the sums; relative 2bit
+  decoding likewise, a thread per byte of codes (4 values) and its block's
+  magnitude.
 - ``fp16`` / ``bf16``: one generic element-wise body, the conversion being
   the parameter (:func:`_make_half_kernels`). A thread handles 4 values a
   round, ``i + m * T`` (``T`` the grid's threads: each load and store a
@@ -110,8 +112,9 @@ A 1bit ``block_size`` must be a positive multiple of 8 and a relative 2bit
 one a multiple of 4 (one warp per block writes whole bytes; else two warps
 would write one byte, and its bits would depend on timing): the pack
 functions raise ``mpigc.ConfigError`` before any launch (the CPU kernels
-too). The 1bit decode functions too (a thread decodes a byte of bits with
-one block's pair; the CPU's decode assumes it without checking). A call's
+too). The 1bit and relative 2bit decode functions too (a thread decodes a
+byte with one block's numbers; the CPU's decode assumes it without
+checking). A call's
 shards are ``gridDim.y``, at most :data:`MAX_GRID_Y` (65535) per launch:
 more shards take one launch per 65535.
 
@@ -1334,7 +1337,7 @@ def _pack_2bit_rel_kernel(x, e_in, has_e_in, e_out, has_e_out, out, tail, inline
         cuda.atomic.add(nbad_out, 0, nbad)
 
 
-@cuda.jit(cache=_CACHE)
+@cuda.jit(cache=_CACHE, **_BOUNDS)
 def _unpack_2bit_rel_kernel(payload, tail, inline, stride, nsrc, starts, offs, out, block,
                             accumulate):
     j = cuda.blockIdx.y
@@ -1343,19 +1346,28 @@ def _unpack_2bit_rel_kernel(payload, tail, inline, stride, nsrc, starts, offs, o
     ob = offs[j]
     to = ob + (n + 3) // 4 if inline else ob
     zero = out.dtype.type(0)
-    for v in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, n,
+    nb = (n + 3) // 4
+    last = np.uint64(lo + n - 1)
+    # one thread per payload byte: its 4 values in one block (block_size is a
+    # multiple of 4, checked by the launching functions)
+    for k in range(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x, nb,
                    cuda.gridDim.x * cuda.blockDim.x):
-        i = lo + v
-        a = out[i] if accumulate else zero
-        sh = 6 - 2 * (v & 3)
+        v = 4 * k
+        i = np.uint64(lo + v)
         mk = to + 4 * (v // block)
-        for s in range(nsrc):
+        a0, a1, a2, a3 = zero, zero, zero, zero
+        if accumulate:  # out loaded once (past the shard: its last value, dropped)
+            a0, a1, a2, a3 = _load4_at(out, out, False, i, min(i + _U1, last),
+                                       min(i + _U2, last), min(i + _U3, last))
+        for s in range(nsrc):  # senders in rank order
             base = s * stride
-            c = (payload[base + ob + (v >> 2)] >> sh) & 3
-            t = out.dtype.type(_get_f32(tail, base + mk))
-            d = t if c == 3 else (-t if c == 2 else zero)
-            a = d if (s == 0 and not accumulate) else a + d
-        out[i] = a
+            p = payload[base + ob + k]
+            t = out.dtype.type(_get_f32(tail, base + mk))  # loaded with the byte
+            if s == 0 and not accumulate:
+                a0, a1, a2, a3 = _decode4(p, t, -t, zero)
+            else:
+                a0, a1, a2, a3 = _add4(a0, a1, a2, a3, p, t, -t, zero)
+        _store4(out, lo, n, v, a0, a1, a2, a3)
 
 
 def _pack_2bit_rel(x, e_in, e_out, out, tail, inline, starts, offs, rel, block, stream):
@@ -1385,12 +1397,13 @@ def unpack_2bit_rel_shards(payload, stride, nsrc, starts, offs, out, block_size,
                            *, cuda_stream=0):
     """Decode relative 2bit shards (codes, then magnitudes) of ``nsrc``
     payloads onto ``out`` (as :func:`unpack_2bit_shards`). Asynchronous."""
+    block_size = check_block_size(block_size, 4, "unpack_2bit_rel_shards")  # a byte: 1 block
     payload, out = _dev(payload, "payload"), _dev(out, "out")
     starts, offs = _layout(starts, offs)
     if nsrc:
         _launch_shards(_unpack_2bit_rel_kernel, starts, offs, cuda_stream,
                        payload, payload, True, int(stride), int(nsrc), _STARTS, _OFFS, out,
-                       int(block_size), bool(accumulate), block=LANES * 8)
+                       int(block_size), bool(accumulate), block=LANES * 4)
 
 
 def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size, *,
@@ -1412,11 +1425,13 @@ def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size, *,
 
 def unpack_2bit_rel(payload, scales, out, block_size, accumulate, *, cuda_stream=0):
     """Decode ``out.size`` 2bit codes with their block magnitudes r_b
-    (asynchronous)."""
+    (asynchronous). ``block_size``: a positive multiple of 4, as the pack's
+    (else a ``ConfigError``)."""
+    block_size = check_block_size(block_size, 4, "unpack_2bit_rel")
     payload, scales, out = _dev(payload, "payload"), _dev(scales, "scales"), _dev(out, "out")
     _launch_shards(_unpack_2bit_rel_kernel, (0, out.size), (0,), cuda_stream,
                    payload, _payload_bytes(scales), False, 0, 1, _STARTS, _OFFS, out,
-                   int(block_size), bool(accumulate))
+                   int(block_size), bool(accumulate), block=LANES * 4)
 
 
 # ----------------------------------------------------------------------------

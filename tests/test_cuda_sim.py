@@ -911,22 +911,27 @@ def _check_block_sizes(np, cuda, cpu, kc):
             launched = {k: v for k, v in launch_contract.counts().items()
                         if k.startswith("launch") and before.get(k) != v}
             assert not launched, f"{side} {name}: launched {launched} before refusing"
-    # the device's 1bit decode too (a thread decodes a byte with one block's
-    # pair); the CPU's assumes it unchecked
+    # the device's 1bit and relative 2bit decode too (a thread decodes a byte
+    # with one block's numbers); the CPU's assume it unchecked
     dbits, dmeans, dout = (cuda.to_device(np.zeros(5, np.uint8)),
                            cuda.to_device(np.zeros(8, np.float32)),
                            cuda.to_device(np.zeros(n, np.float32)))
-    for name, call in [("unpack_1bit", lambda: kc.unpack_1bit(dbits, dmeans, dout, 12, False)),
-                       ("unpack_1bit_shards", lambda: kc.unpack_1bit_shards(
-                           cuda.to_device(np.zeros(64, np.uint8)), 0, 1, (0, 20, 40),
-                           (0, 32), dout, 4, True))]:
+    dpay = cuda.to_device(np.zeros(64, np.uint8))
+    for name, m, call in [
+            ("unpack_1bit", 8, lambda: kc.unpack_1bit(dbits, dmeans, dout, 12, False)),
+            ("unpack_1bit_shards", 8, lambda: kc.unpack_1bit_shards(
+                dpay, 0, 1, (0, 20, 40), (0, 32), dout, 4, True)),
+            ("unpack_2bit_rel", 4, lambda: kc.unpack_2bit_rel(dbits, dmeans, dout, 6, False)),
+            ("unpack_2bit_rel_shards", 4, lambda: kc.unpack_2bit_rel_shards(
+                dpay, 0, 1, (0, 20, 40), (0, 32), dout, 2, True))]:
         before = launch_contract.counts()
         try:
             call()
         except mpigc.ConfigError as exc:
-            assert "multiple of 8" in str(exc) and name in str(exc), exc
+            assert f"multiple of {m}" in str(exc) and name in str(exc), exc
         else:
-            raise AssertionError(f"cuda {name} took a block_size that is not a multiple of 8")
+            raise AssertionError(f"cuda {name} took a block_size that is not a multiple "
+                                 f"of {m}")
         assert launch_contract.counts() == before, f"cuda {name} launched before refusing"
 
 

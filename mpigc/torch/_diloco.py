@@ -11,6 +11,11 @@ synchronisation) with :func:`mpigc.allreduce` (any op, with error feedback),
 apply SGD with Nesterov momentum to the anchor and restart from it, the same
 bits on every rank. The inner optimizer's state stays local and is never
 exchanged.
+
+With ``shards=S`` a replica is ``S`` consecutive ranks of ``comm`` that hold
+one model between them (FSDP2's ``fully_shard`` on those ranks): each rank
+exchanges its own shard's pseudo-gradient with the ranks that hold the same
+shard in the other replicas, over a sub-communicator of ``comm``.
 """
 import zlib
 
@@ -48,6 +53,35 @@ def _residuals_from_torch(state):
             for k, e in state.items()}
 
 
+def _is_dtensor(p):
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:   # a torch without torch.distributed: no DTensor
+        return False
+    return isinstance(p, DTensor)
+
+
+def _local(p):
+    """A parameter's values on this rank: an FSDP2 parameter's local shard."""
+    return p.to_local() if _is_dtensor(p) else p
+
+
+def _check_mesh(named, shards, rank):
+    """A DTensor parameter is sharded over the ``shards`` ranks of this
+    rank's replica, this rank at coordinate ``rank % shards``."""
+    for n, p in named:
+        if not _is_dtensor(p):
+            continue
+        mesh = p.device_mesh
+        if mesh.ndim != 1 or mesh.size() != shards or mesh.get_local_rank() != rank % shards:
+            raise ConfigError(
+                f"DiLoCo: parameter {n} is a DTensor over a mesh of shape "
+                f"{tuple(mesh.shape)}, this rank at {mesh.get_coordinate()}; with "
+                f"shards={shards} expected a 1-D mesh of {shards} ranks (the replica: "
+                f"ranks {rank - rank % shards}..{rank - rank % shards + shards - 1} of "
+                f"comm), this rank at [{rank % shards}]")
+
+
 class DiLoCo:
     """The outer optimizer of DiLoCo over an inner optimizer (collective).
 
@@ -76,6 +110,18 @@ class DiLoCo:
         ``"bf16"``, ``"fp16"``, ``"2bit"``, ``"1bit"``... with error feedback
         in :attr:`feedback` under ``key``. Its parameters as keywords.
     comm : mpi4py communicator (default ``MPI.COMM_WORLD``): the replicas.
+    shards : int
+        The ranks per replica (default 1: every rank a replica). Ranks
+        ``[r * shards, (r + 1) * shards)`` of ``comm`` are replica ``r``, and
+        each holds shard ``comm.rank % shards`` of it: the local shards of
+        FSDP2 parameters (DTensors over a 1-D mesh of those ``shards``
+        ranks, coordinate ``comm.rank % shards``: :func:`fully_shard` with
+        the ``"shard"`` dimension of an ``(R, shards)`` device mesh), or
+        plain tensors that are this rank's shard. The exchange runs over
+        :attr:`replica_comm` (the ranks holding this shard, one per replica):
+        shard ``s`` is averaged over the replicas' shard ``s``, the outer step
+        applied to it, as the unsharded step would on those values. Every
+        check and every failure is agreed over all of ``comm``.
     gather : ``"compressed"`` (default) or ``"exact"``, as :func:`mpigc.allreduce`.
     nonfinite : ``"raise"`` (default) or ``"skip"``
         A synchronisation whose pseudo-gradient is not finite on some rank
@@ -90,7 +136,8 @@ class DiLoCo:
 
     def __init__(self, model, inner_optimizer, *, sync_every=100, outer_lr=0.7,
                  outer_momentum=0.9, nesterov=True, op="none", comm=None, key="diloco",
-                 gather="compressed", nonfinite="raise", timeout=None, **op_params):
+                 gather="compressed", nonfinite="raise", timeout=None, shards=1,
+                 **op_params):
         from mpi4py import MPI
 
         self.comm = MPI.COMM_WORLD if comm is None else comm
@@ -99,6 +146,11 @@ class DiLoCo:
             if not isinstance(self.comm, MPI.Intracomm):
                 raise ConfigError(f"comm: expected an mpi4py Intracomm, got "
                                   f"{type(self.comm).__name__}")
+            if not (isinstance(shards, int) and shards >= 1
+                    and self.comm.size % shards == 0):
+                raise ConfigError(f"DiLoCo: shards (ranks per replica) must be an integer "
+                                  f">= 1 that divides the {self.comm.size} ranks of comm, "
+                                  f"got {shards!r}")
             if not (isinstance(sync_every, int) and sync_every >= 1):
                 raise ConfigError(f"sync_every must be an integer >= 1, got {sync_every!r}")
             if not (float(outer_lr) > 0 and 0 <= float(outer_momentum) < 1):
@@ -124,17 +176,35 @@ class DiLoCo:
                 raise InvalidBufferError(
                     "DiLoCo: parameters must all be float32 or all float64, on one "
                     f"device; got {sorted(map(str, dtypes))} on {sorted(map(str, devices))}")
+            local_shapes = [list(_local(p).shape) for _, p in named]
+            _check_mesh(named, shards, self.comm.rank)
             settings = {"sync_every": sync_every, "outer_lr": float(outer_lr),
                         "outer_momentum": float(outer_momentum), "nesterov": bool(nesterov),
                         "op": self.compressor.get_config(), "key": str(key),
                         "gather": gather, "nonfinite": nonfinite,
                         "inner": _inner_settings(inner_optimizer),
-                        "parameters": [[n, list(p.shape), str(p.dtype)] for n, p in named]}
+                        "shards": shards,
+                        # global shapes (a DTensor's); a plain tensor's when unsharded
+                        # (sharded, its shape is its shard's: checked per shard below)
+                        "parameters": [[n, list(p.shape) if shards == 1 or _is_dtensor(p)
+                                        else None, str(p.dtype)] for n, p in named]}
             settings.update(self._more_settings(named))
         except (MpigcError, TypeError, ValueError) as e:
             exc = e
         # this object's own small collectives, once the ranks agreed
         self._comm = agreed_comm(self.comm, exc, settings, "DiLoCo")
+        self.shards = shards
+        #: the ranks that hold this rank's shard, one per replica (``comm`` itself
+        #: when ``shards=1``): the outer exchange runs over it
+        self.replica_comm = self.comm
+        if shards > 1:
+            try:
+                self._check_shards(local_shapes)
+            except BaseException:
+                self._comm.Free()
+                raise
+            self.replica_comm = self._comm.Split(self.comm.rank % shards,
+                                                 self.comm.rank // shards)
         self.inner = inner_optimizer
         self.sync_every = sync_every
         self.outer_lr = float(outer_lr)
@@ -145,8 +215,8 @@ class DiLoCo:
         self.nonfinite = nonfinite
         self.feedback = ErrorFeedback()
         self._rendezvous = Rendezvous(self._comm, resolve_warn_s())
-        self._params = [p for _, p in named]
-        self._shapes = settings["parameters"]
+        self._named = named
+        self._shapes = settings["parameters"]   # agreed by every rank: no shard's own
         n = sum(p.numel() for p in self._params)
         dev, dt = self._params[0].device, self._params[0].dtype
         self._anchor = torch.zeros(n, dtype=dt, device=dev)
@@ -156,7 +226,8 @@ class DiLoCo:
         with torch.no_grad():
             self._flatten(self._anchor)
             host = self._anchor.cpu()
-            self._comm.Bcast(host.numpy(), root=0)  # every replica starts from rank 0's
+            # every replica starts from replica 0's (rank 0's when unsharded)
+            (self._comm if shards == 1 else self.replica_comm).Bcast(host.numpy(), root=0)
             self._anchor.copy_(host)
             self._unflatten(self._anchor)
         #: inner steps in the open window (0: every rank holds the anchor)
@@ -169,6 +240,25 @@ class DiLoCo:
         """A subclass's own settings, checked inside the constructor's
         agreement (raise :class:`ConfigError` to refuse them)."""
         return {}
+
+    def _check_shards(self, local_shapes):
+        """Every replica's shard ``s`` has the same shapes (collective over
+        all of ``comm``: :class:`MismatchError` on every rank)."""
+        rows = self._comm.allgather(local_shapes)
+        bad = [i for i, r in enumerate(rows) if r != rows[i % self.shards]]
+        if bad:
+            i = bad[0]
+            raise MismatchError(
+                f"DiLoCo: the replicas' shards differ in shape: shard {i % self.shards} "
+                f"is {rows[i % self.shards]} on rank {i % self.shards} (replica 0) and "
+                f"{rows[i]} on rank {i} (replica {i // self.shards}); every replica must "
+                f"shard the same model the same way over {self.shards} ranks")
+
+    @property
+    def _params(self):
+        """This rank's tensors: a parameter, or an FSDP2 parameter's local shard
+        (taken at each use: FSDP may swap it)."""
+        return [_local(p) for _, p in self._named]
 
     # -- helpers ----------------------------------------------------------------
     @staticmethod
@@ -248,13 +338,15 @@ class DiLoCo:
         finite = bool(torch.isfinite(delta).all())
         rows = self._comm.allgather((row, finite))
         exc = None
-        if any(r != rows[0][0] for r, _ in rows):
+        if any(r[:3] != rows[0][0][:3] or r[3] != rows[i % self.shards][0][3]
+               for i, (r, _) in enumerate(rows)):
             exc = MismatchError(
                 "DiLoCo.synchronize: the ranks differ in (syncs done, inner steps in the "
                 "window, settings, anchor): " + ", ".join(
                     f"rank {i}: {r[0]}, {r[1]}, {r[2]:08x}, {r[3]:08x}"
                     for i, (r, _) in enumerate(rows)) + " (every rank must run the same "
-                "number of inner steps with the same settings and load the same state)")
+                "number of inner steps with the same settings and load the same state; "
+                "the anchor is compared between the replicas of a shard)")
         elif not all(f for _, f in rows):
             bad = [i for i, (_, f) in enumerate(rows) if not f]
             exc = NonFiniteError(f"DiLoCo.synchronize: the pseudo-gradient is not finite "
@@ -263,11 +355,18 @@ class DiLoCo:
                                  "anchor)")
         if exc is None:
             try:
-                allreduce(self._wire(delta), self.compressor, comm=self.comm, key=self.key,
-                          average=True, gather=self.gather, feedback=self.feedback,
-                          nonfinite="raise")
-            except MpigcError as e:  # raised on every rank by the engine
+                allreduce(self._wire(delta), self.compressor, comm=self.replica_comm,
+                          key=self.key, average=True, gather=self.gather,
+                          feedback=self.feedback, nonfinite="raise")
+            except MpigcError as e:  # raised on every rank of replica_comm by the engine
                 exc = e
+            if self.shards > 1:  # and on every rank when one shard's exchange failed
+                failed = [i for i, ok in enumerate(self._comm.allgather(exc is None))
+                          if not ok]
+                if failed and exc is None:
+                    exc = StateError(f"DiLoCo.synchronize: the exchange failed on rank(s) "
+                                     f"{failed} (another shard); the window is dropped on "
+                                     "every rank")
         if exc is not None:
             self._drop()
             if isinstance(exc, NonFiniteError) and self.nonfinite == "skip":
@@ -302,6 +401,7 @@ class DiLoCo:
                 "window": self.window, "syncs": self.syncs,
                 "skipped_syncs": self.skipped_syncs, "world_size": self.comm.size,
                 "rank": self.comm.rank, "sync_every": self.sync_every,
+                "shards": self.shards,
                 "residuals": _residuals_to_torch(self.feedback.state_dict())}
 
     def load_state_dict(self, state):
@@ -315,6 +415,10 @@ class DiLoCo:
             raise InvalidBufferError(f"DiLoCo.load_state_dict: the state holds "
                                      f"{state['anchor'].numel()} values, the parameters "
                                      f"{self._anchor.numel()}")
+        if int(state.get("shards", 1)) != self.shards:
+            raise ConfigError(f"DiLoCo.load_state_dict: the state was saved with "
+                              f"shards={state.get('shards', 1)}, this object has "
+                              f"shards={self.shards}")
         same = int(state["world_size"]) == self.comm.size
         window = int(state["window"])
         if window and (not same or window >= self.sync_every):
@@ -335,16 +439,24 @@ class DiLoCo:
         """The residuals with :func:`mpigc.save_checkpoint` (collective; loadable
         on any number of ranks)."""
         import mpigc
+        self._unsharded("save_checkpoint")
         return mpigc.save_checkpoint(path, self.feedback, comm=self.comm, step=step)
 
     def load_checkpoint(self, path):
         import mpigc
+        self._unsharded("load_checkpoint")
         return mpigc.load_checkpoint(path, self.feedback, comm=self.comm)
+
+    def _unsharded(self, what):
+        if self.shards > 1:  # the same on every rank: raised on every rank
+            raise ConfigError(f"DiLoCo.{what}: not with shards > 1 (each shard's residuals "
+                              "are its replicas' own); save state_dict() per rank")
 
     def __repr__(self):
         return (f"DiLoCo(sync_every={self.sync_every}, outer_lr={self.outer_lr}, "
                 f"outer_momentum={self.outer_momentum}, op={self.compressor!r}, "
-                f"values={self._anchor.numel()}, ranks={self.comm.size})")
+                f"values={self._anchor.numel()}, ranks={self.comm.size}"
+                + (f", shards={self.shards})" if self.shards > 1 else ")"))
 
 
 class StreamingDiLoCo(DiLoCo):
@@ -376,6 +488,7 @@ class StreamingDiLoCo(DiLoCo):
     def __init__(self, model, inner_optimizer, *, fragments=2, overlap=0, mix=0.0, **kw):
         self.fragments, self.overlap, self.mix = fragments, overlap, mix
         self._h = kw.get("sync_every", 100)
+        self._shards = kw.get("shards", 1)
         super().__init__(model, inner_optimizer, **kw)
         sizes = [p.numel() for p in self._params]
         total, bounds, off, k = sum(sizes), [0], 0, 1
@@ -392,6 +505,9 @@ class StreamingDiLoCo(DiLoCo):
 
     def _more_settings(self, named):
         n_params = len(named)
+        if self._shards > 1:
+            raise ConfigError("StreamingDiLoCo: shards > 1 is not supported (fragments of "
+                              "sharded replicas: not yet); use DiLoCo")
         if not (isinstance(self.fragments, int) and 1 <= self.fragments <= n_params):
             raise ConfigError(f"fragments must be an integer from 1 to the number of "
                               f"parameters ({n_params}), got {self.fragments!r}")

@@ -4,7 +4,13 @@ against numpy at every synchronisation, the parameters the same bits on every
 rank, conservation of the residuals, resume bit for bit, and bad input (a
 non-finite pseudo-gradient, settings or windows that differ, a
 synchronisation reached by one rank only) raised on every rank with the
-window dropped."""
+window dropped; sharded replicas (``shards=S``, FSDP2 replicas over gloo):
+with ``op="none"`` each shard ends where the unsharded DiLoCo puts it, bit for
+bit, a compressed exchange conserves per shard, state_dict resumes bit for
+bit, layouts that do not fit raise on every rank."""
+import copy
+import os
+import socket
 import zlib
 
 import numpy as np
@@ -475,3 +481,245 @@ def test_streaming_bad_arguments_raise_everywhere(comm, kw):
     raises_everywhere(mpigc.ConfigError, lambda: mt.StreamingDiLoCo(
         model, torch.optim.SGD(model.parameters(), lr=0.1), sync_every=4,
         **(kw if bad else {})), comm)
+
+# -- sharded replicas (shards=S: a replica is S consecutive ranks, each holding
+# one shard; issue 47 item 3). SHAPES' 7 and 5 rows shard unevenly ----------
+
+
+
+def full_params(seed=7):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(*s, generator=g) for s in SHAPES]
+
+
+def shard_of(t, shards, s):
+    """Shard ``s`` of ``t`` as FSDP2's Shard(0) cuts it (torch.chunk; the
+    ranks past the chunks get an empty shard)."""
+    chunks = torch.chunk(t.detach(), shards, dim=0)
+    return chunks[s].clone() if s < len(chunks) else t.detach()[:0].clone()
+
+
+def trainable(tensors):
+    return [t.requires_grad_() for t in tensors]
+
+
+class Perturb:
+    """An inner optimizer whose step subtracts replica ``replica``'s own
+    deterministic noise of step t from the full parameters, cut to this
+    rank's shard: the sharded and the unsharded runs take the same steps."""
+
+    def __init__(self, tensors, replica, shards, shard):
+        self.tensors, self.replica, self.shards, self.shard = tensors, replica, shards, shard
+        self.t = 0
+
+    def zero_grad(self, set_to_none=True):
+        pass
+
+    def step(self):
+        self.t += 1
+        for i, t in enumerate(self.tensors):
+            g = torch.Generator().manual_seed(10000 * self.replica + 10 * self.t + i)
+            noise = torch.randn(*SHAPES[i], generator=g) * 0.1
+            with torch.no_grad():
+                t.sub_(shard_of(noise, self.shards, self.shard) if self.shards > 1 else noise)
+
+
+def sharded(comm, S, **kw):
+    """This rank's shard tensors, their Perturb and the DiLoCo over them."""
+    s, r = comm.rank % S, comm.rank // S
+    tensors = trainable([shard_of(p, S, s) for p in full_params()])
+    inner = Perturb(tensors, r, S, s)
+    return tensors, inner, mt.DiLoCo([(f"p{i}", t) for i, t in enumerate(tensors)], inner,
+                                     shards=S, **kw)
+
+
+def flat_of(tensors):
+    return torch.cat([t.detach().reshape(-1) for t in tensors])
+
+
+def layouts(comm):
+    return [S for S in (1, 2, 4) if comm.size % S == 0]
+
+
+@pytest.mark.parametrize("lr,mu", [(1.0, 0.0), (0.7, 0.9)])
+def test_none_sharded_is_unsharded_shard_for_shard(comm, lr, mu):
+    """op="none": the sharded DiLoCo's shard s is, bit for bit, shard s of
+    the unsharded DiLoCo over the same replicas (each on the full
+    parameters, over the ranks of shard s), after every synchronisation;
+    the outer step and the average are elementwise, and the sum of the
+    replicas' pseudo-gradients is taken in one order for any length."""
+    for S in layouts(comm):
+        s, r = comm.rank % S, comm.rank // S
+        tensors, inner, d = sharded(comm, S, sync_every=2, op="none", outer_lr=lr,
+                                    outer_momentum=mu)
+        ref_comm = comm.Split(s, r)   # replica r's rank, the full model on each
+        full = trainable(full_params())
+        ref = mt.DiLoCo([(f"p{i}", t) for i, t in enumerate(full)], Perturb(full, r, 1, 0),
+                        comm=ref_comm, sync_every=2, op="none", outer_lr=lr,
+                        outer_momentum=mu)
+        assert d.replica_comm.size == comm.size // S
+        for step in range(6):
+            d.step()
+            ref.step()
+            want = flat_of([shard_of(t, S, s) for t in full])
+            assert_all(torch.equal(flat_of(tensors), want),
+                       f"S={S} step {step}: shard {s} differs from the unsharded run's")
+        ref_anchor = torch.split(ref.anchor, [int(np.prod(x)) for x in SHAPES])
+        want = flat_of([shard_of(a.view(*x), S, s) for a, x in zip(ref_anchor, SHAPES)])
+        assert_all(d.syncs == 3 and torch.equal(d.anchor, want), f"S={S}: anchor differs")
+        ref_comm.Free()
+
+
+@pytest.mark.parametrize("op,params", [("2bit", {}), ("1bit", {})])
+def test_compressed_conserves_per_shard(comm, op, params):
+    """Per shard, over the syncs: sum_r delta_r / R = sum of the applied
+    pseudo-gradients + (worker residuals summed over the replicas) / R +
+    owner residuals (R replicas, over replica_comm)."""
+    for S in layouts(comm):
+        tensors, inner, d = sharded(comm, S, sync_every=2, op=op, key="w", **params)
+        rc, R = d.replica_comm, d.replica_comm.size
+        put_in = torch.zeros(d.anchor.numel(), dtype=torch.float64)
+        delivered = torch.zeros_like(put_in)
+        for sync in range(4):
+            d.step()
+            inner.step()
+            d.window += 1     # the window's last inner step, its delta taken before the sync
+            put_in += sum(rc.allgather((d.anchor - flat_of(tensors)).double()))
+            d.synchronize()
+            delivered += d.outer_gradient.double()
+        st = d.feedback.state_dict()["w"]
+        worker = rc.allreduce(st["worker"].astype(np.float64))
+        owner = np.concatenate(rc.allgather(st["owner"])).astype(np.float64)
+        gap = put_in.numpy() / R - (delivered.numpy() + worker / R + owner)
+        assert_all(np.abs(gap).max() < 1e-5, f"S={S}: conservation gap {np.abs(gap).max():.3g}")
+        assert_all(np.abs(worker).max() + np.abs(owner).max() > 0, f"S={S}: no residuals")
+
+
+@pytest.mark.parametrize("cut", [4, 5])   # at a sync, and 1 step into a window
+def test_state_dict_resumes_bit_exact(comm, cut):
+    for S in layouts(comm):
+        tensors, inner, d = sharded(comm, S, sync_every=2, op="2bit", key="k",
+                                    outer_momentum=0.5)
+        for _ in range(cut):
+            d.step()
+        saved = copy.deepcopy(([t.detach().clone() for t in tensors], inner.t, d.state_dict()))
+        assert saved[2]["shards"] == S
+        for _ in range(cut, 10):
+            d.step()
+        tensors2, inner2, d2 = sharded(comm, S, sync_every=2, op="2bit", key="k",
+                                       outer_momentum=0.5)
+        with torch.no_grad():
+            for t, v in zip(tensors2, saved[0]):
+                t.copy_(v)
+        inner2.t = saved[1]
+        d2.load_state_dict(saved[2])
+        for _ in range(cut, 10):
+            d2.step()
+        assert_all(torch.equal(flat_of(tensors2), flat_of(tensors)), f"S={S}: resumed run differs")
+        assert_all(torch.equal(d2.state_dict()["momentum"], d.state_dict()["momentum"])
+                   and d2.syncs == d.syncs, f"S={S}: momentum or syncs differ")
+
+
+def test_shards_that_do_not_divide_raise_everywhere(comm):
+    t = torch.zeros(4, requires_grad=True)
+    raises_everywhere(mpigc.ConfigError, lambda: mt.DiLoCo(
+        [("w", t)], torch.optim.SGD([t], lr=0.1), shards=comm.size + 1), comm,
+        match="divides the")
+
+
+def test_streaming_refuses_shards(comm):
+    if comm.size == 1:
+        pytest.skip("shards > 1 needs 2 ranks")
+    t = torch.zeros(8, requires_grad=True)
+    raises_everywhere(mpigc.ConfigError, lambda: mt.StreamingDiLoCo(
+        [("w", t)], Perturb([], 0, 1, 0), shards=comm.size, sync_every=2), comm,
+        match="shards > 1")
+
+
+def test_mismatched_shard_shapes_raise_everywhere(comm):
+    """Replica 1's shard 1 holds a row more than replica 0's: MismatchError
+    on every rank (also on the ranks of shard 0, whose shapes agree)."""
+    if comm.size != 4:
+        pytest.skip("needs 2 replicas x 2 shards")
+    rows = 4 if comm.rank == 3 else 3
+    t = torch.zeros(rows, 5, requires_grad=True)
+    raises_everywhere(mpigc.MismatchError, lambda: mt.DiLoCo(
+        [("w", t)], Perturb([], 0, 1, 0), shards=2), comm, match="shards differ in shape")
+
+
+# -- sharded replicas: FSDP2 ----------------------------------------------------------
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def gloo():
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    comm = MPI.COMM_WORLD
+    port = comm.bcast(_free_port() if comm.rank == 0 else None)
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=comm.rank, world_size=comm.size)
+    yield dist
+    dist.destroy_process_group()
+
+
+def fsdp_replica(S, R):
+    """Two linear layers (7 rows: uneven shards) fully_shard'ed over the
+    "shard" dimension of an (R, S) mesh: each replica its own FSDP2 model."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))["shard"]
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)]
+    for layer in layers[::2]:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(torch.nn.Sequential(*layers), mesh=mesh)
+
+
+def local_flat(model):
+    return torch.cat([p.to_local().detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def test_fsdp2_replicas(comm, gloo):
+    """FSDP2 replicas of S = 2 ranks (R = size / 2): AdamW inner steps on
+    each rank's own batches, then the outer step (op="none", lr 1, momentum
+    0): each rank's local shards become anchor - mean over the replicas of
+    (anchor - params) in numpy's float32 rounding, the same bits in every
+    replica; the model trains on; a model sharded over another mesh than
+    ``shards`` says is refused on every rank."""
+    if comm.size % 2:
+        pytest.skip("2 ranks per replica")
+    S, R = 2, comm.size // 2
+    model = fsdp_replica(S, R)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    raises_everywhere(mpigc.ConfigError, lambda: mt.DiLoCo(model, inner, shards=1), comm,
+                      match="mesh")
+    d = mt.DiLoCo(model, inner, sync_every=100, op="none", outer_lr=1.0, outer_momentum=0.0,
+                  shards=S)
+    g = torch.Generator().manual_seed(100 + comm.rank)
+    for sync in range(2):
+        for _ in range(3):
+            x = torch.randn(4, 5, generator=g)
+            loss = model(x).square().mean()
+            d.zero_grad()
+            loss.backward()
+            d.step()
+        a, x = d.anchor.numpy(), local_flat(model).numpy()
+        deltas = d.replica_comm.allgather(a - x)
+        mean = deltas[0].copy()
+        for dl in deltas[1:]:
+            mean += dl
+        want = a - (mean / np.float32(R)).astype(np.float32)
+        d.synchronize()
+        got = local_flat(model)
+        assert_all(np.array_equal(got.numpy(), want), f"sync {sync}: not the numpy step")
+        crcs = d.replica_comm.allgather(zlib.crc32(got.numpy().tobytes()))
+        assert_all(len(set(crcs)) == 1, "the replicas' shards differ")
+    assert_all(d.syncs == 2 and np.isfinite(model(torch.ones(2, 5)).detach().numpy()).all(),
+               "no forward after the syncs")

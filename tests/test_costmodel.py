@@ -7,7 +7,10 @@ import pytest
 
 import mpigc
 from mpigc import costmodel as cm
-from support import reference as ref
+try:
+    from .support import reference as ref
+except ImportError:
+    from support import reference as ref
 
 NET = cm.Network(alpha=5e-6, beta=25e9 / 8, ranks_per_node=8, overhead=2e-6,
                  call_overhead=1e-4, cores_per_node=8)
@@ -163,3 +166,18 @@ def test_bad_input_raises():
         cm.hierarchical_allreduce("2bit", 1024, 0, NET)
     with pytest.raises(mpigc.ConfigError, match="algorithm"):
         cm.mpi_allreduce(1024, 4, NET, algorithm="tree")
+
+
+def test_payload_equals_wire_format_doc():
+    # docs/wire-format.md prints the per-shard payloads of n = 10 on 3 ranks and the
+    # 1bit payload of 2^20 values: the model must say the same
+    import os
+    import re
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "wire-format.md")).read()
+    rows = re.findall(r"^(\w+)\s+per-shard payloads \[([\d, ]+)\]", doc, re.M)
+    assert {op for op, _ in rows} == {"none", "fp16", "bf16", "2bit", "1bit", "terngrad"}
+    for op, sizes in rows:
+        got = [cm.payload_nbytes(op, m) for m in cm.shard_sizes(10, 3)]
+        assert got == [int(v) for v in sizes.split(",")], op
+    assert "(139264, 30.11764705882353)" in doc
+    assert cm.payload_nbytes("1bit", 1 << 20) == 139264

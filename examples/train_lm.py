@@ -52,7 +52,10 @@ minus now) with ``--op`` (with error feedback) and apply an outer Nesterov step
 (``--outer-lr``, default 0.7, ``--outer-momentum``, default 0.9). Every evaluation
 and checkpoint first ends the open window (``synchronize()``); a checkpoint also
 holds each rank's own AdamW state and outer state (``DIR/diloco.rank{R}.pt``), so a
-resume at the same number of ranks is bit for bit.
+resume at the same number of ranks is bit for bit. ``--streaming P`` makes it
+``mpigc.torch.StreamingDiLoCo``: the parameters in ``P`` fragments, each
+synchronised once every ``H`` steps on a staggered schedule, its exchange
+nonblocking and overlapped with the next ``--overlap`` inner steps (default 0).
 
 2bit runs in its relative mode (``--rel-threshold``, default 1.5; see
 ``docs/torch.md``) unless ``--threshold`` gives MXNet's absolute one.
@@ -128,6 +131,12 @@ def parse_args(argv=None):
     p.add_argument("--outer-lr", type=float, default=0.7, help="--diloco: outer learning rate")
     p.add_argument("--outer-momentum", type=float, default=0.9,
                    help="--diloco: outer Nesterov momentum")
+    p.add_argument("--streaming", type=int, default=0, metavar="P",
+                   help="--diloco: Streaming DiLoCo with P fragments, each synchronised "
+                        "once every H steps, staggered (default 0: off)")
+    p.add_argument("--overlap", type=int, default=0, metavar="TAU",
+                   help="--streaming: inner steps a fragment's exchange overlaps before "
+                        "its outer step is applied (0 <= TAU < H; default 0)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--seed", type=int, default=0)
@@ -142,6 +151,10 @@ def parse_args(argv=None):
         p.error("--diloco takes AdamW as its inner optimizer (--optimizer adamw)")
     if args.diloco < 0:
         p.error("--diloco H needs H >= 1")
+    if (args.streaming or args.overlap) and not args.diloco:
+        p.error("--streaming and --overlap need --diloco H")
+    if args.streaming < 0 or not 0 <= args.overlap < max(1, args.diloco):
+        p.error("--streaming P needs P >= 1 and --overlap TAU 0 <= TAU < H")
     if args.n_embd % args.n_head:
         p.error("--n-embd must be a multiple of --n-head")
     return args
@@ -315,11 +328,15 @@ def main(argv=None):
               {"params": no_decay, "weight_decay": 0.0}]
     if args.diloco:  # local AdamW; the outer exchange is DiLoCo's own
         opt = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95))
-        sync = mpigc.torch.DiLoCo(model, opt, sync_every=args.diloco, outer_lr=args.outer_lr,
-                                  outer_momentum=args.outer_momentum, op=args.op,
-                                  gather=args.gather, **params)
+        kind, more = mpigc.torch.DiLoCo, {}
+        if args.streaming:   # fragments on a staggered schedule, nonblocking exchanges
+            kind = mpigc.torch.StreamingDiLoCo
+            more = {"fragments": args.streaming, "overlap": args.overlap}
+        sync = kind(model, opt, sync_every=args.diloco, outer_lr=args.outer_lr,
+                    outer_momentum=args.outer_momentum, op=args.op, gather=args.gather,
+                    **more, **params)
         params = dict(params, diloco=args.diloco, outer_lr=args.outer_lr,
-                      outer_momentum=args.outer_momentum)
+                      outer_momentum=args.outer_momentum, **more)
     elif args.optimizer == "adamw":
         sync = mpigc.torch.GradientSync(model, op=args.op, bucket_mb=args.bucket_mb,
                                         gather=args.gather, **params)
@@ -389,7 +406,8 @@ def main(argv=None):
                           "seconds": time.perf_counter() - t0,
                           "parameters_equal": all(v == same[0] for v in same),
                           "frozen_at": getattr(opt, "frozen_at", None),
-                          "outer_syncs": sync.syncs if args.diloco else None}))
+                          "outer_syncs": sync.syncs if args.diloco else None,
+                          "fragment_syncs": getattr(sync, "fragment_syncs", None)}))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """examples/train_lm.py at a tiny size under ``mpirun -n 2``, so it cannot rot:
-it trains (torch AdamW behind GradientSync, and mpigc.torch.CompressedAdamW),
+it trains (torch AdamW behind GradientSync, mpigc.torch.CompressedAdamW, DiLoCo
+and StreamingDiLoCo),
 prints its JSON summary, and a run stopped at a checkpoint and
 resumed ends bit for bit where the uninterrupted run ends (model, AdamW state,
 scheduler, residuals and the data order all come back)."""
@@ -38,7 +39,11 @@ def run(*args):
               "bf16", "--sync-every", "2", "--var-refresh", "1"]),
     # DiLoCo: local AdamW, the outer exchange (2bit, error feedback) every 2 steps;
     # each rank's own AdamW and outer state come back from the checkpoint
-    ("2bit", ["--diloco", "2"])])
+    ("2bit", ["--diloco", "2"]),
+    # Streaming DiLoCo: 2 fragments on a staggered schedule, each exchange overlapped
+    # with the next inner step; the evaluations' synchronize() completes them
+    ("2bit", ["--diloco", "2", "--streaming", "2", "--overlap", "1"])],
+    ids=["2bit", "1bit", "cadamw", "cadamw-local", "diloco", "streaming"])
 def test_resume_is_bit_identical(op, extra, tmp_path):
     whole = run("--op", op, "--steps", "4", *extra)
     assert whole["parameters_equal"] and whole["steps"] == 4
@@ -47,7 +52,12 @@ def test_resume_is_bit_identical(op, extra, tmp_path):
     else:  # a variance frozen after one step makes a wild start: resume is the point here
         assert 0 < whole["val_loss"] < float("inf")
     assert whole["bytes_sent_per_rank"] > 0
-    if "--diloco" in extra:   # outer steps after steps 2 and 4
+    if "--streaming" in extra:  # fragment 0 starts after steps 1 and 3, fragment 1 after
+        # 2 and 4 (completed by the evaluation's synchronize()), which then also
+        # synchronises every fragment at once: 2 x 2 fragment syncs + 2 full ones
+        assert whole["fragment_syncs"] == [2, 2] and whole["outer_syncs"] == 6
+        assert whole["params"]["fragments"] == 2 and whole["params"]["overlap"] == 1
+    elif "--diloco" in extra:   # outer steps after steps 2 and 4
         assert whole["outer_syncs"] == 2
     ck = str(tmp_path / "ck")
     first = run("--op", op, "--steps", "2", "--checkpoint", ck, *extra)

@@ -10,7 +10,7 @@ bit, a compressed exchange conserves per shard, state_dict resumes bit for
 bit, layouts that do not fit raise on every rank."""
 import copy
 import os
-import socket
+import sys
 import zlib
 
 import numpy as np
@@ -23,6 +23,9 @@ from conftest import assert_all, grads, raises_everywhere
 
 torch = pytest.importorskip("torch")
 import mpigc.torch as mt  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/
+from support import torch_dist as td  # noqa: E402
 
 # ranks: 1 for the single replica, 2 pairs, 3 uneven shards of the compressed
 # exchange, 4 a power of two past the pair (averages by 4 are exact)
@@ -649,37 +652,16 @@ def test_mismatched_shard_shapes_raise_everywhere(comm):
 
 # -- sharded replicas: FSDP2 ----------------------------------------------------------
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="module")
-def gloo():
-    dist = torch.distributed
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
-    comm = MPI.COMM_WORLD
-    port = comm.bcast(_free_port() if comm.rank == 0 else None)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=comm.rank, world_size=comm.size)
-    yield dist
-    dist.destroy_process_group()
+gloo = td.gloo   # its module-scoped fixture: torch.distributed over gloo
 
 
 def fsdp_replica(S, R):
-    """Two linear layers (7 rows: uneven shards) fully_shard'ed over the
-    "shard" dimension of an (R, S) mesh: each replica its own FSDP2 model."""
+    """The FSDP tests' model (two linear layers, 7 rows: uneven shards),
+    fully_shard'ed over the "shard" dimension of an (R, S) mesh: each
+    replica its own FSDP2 model."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (R, S), mesh_dim_names=("replicate", "shard"))["shard"]
-    torch.manual_seed(0)
-    layers = [torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)]
-    for layer in layers[::2]:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(torch.nn.Sequential(*layers), mesh=mesh)
+    return td.model(mesh=mesh)
 
 
 def local_flat(model):
@@ -702,13 +684,10 @@ def test_fsdp2_replicas(comm, gloo):
                       match="mesh")
     d = mt.DiLoCo(model, inner, sync_every=100, op="none", outer_lr=1.0, outer_momentum=0.0,
                   shards=S)
-    g = torch.Generator().manual_seed(100 + comm.rank)
     for sync in range(2):
-        for _ in range(3):
-            x = torch.randn(4, 5, generator=g)
-            loss = model(x).square().mean()
+        for step in range(3):
             d.zero_grad()
-            loss.backward()
+            td.backward(model, comm.rank, 3 * sync + step)
             d.step()
         a, x = d.anchor.numpy(), local_flat(model).numpy()
         deltas = d.replica_comm.allgather(a - x)

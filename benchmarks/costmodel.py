@@ -10,16 +10,17 @@
     #    and an SVG plot
     python benchmarks/costmodel.py --scale fit.json m2.json [--svg docs/images/costmodel-scale.svg]
 
-What --fit measures (each the best of --reps, every rank at once, as in a call;
---measure also takes the best, and records the median):
-the compress and decode (decode_into, accumulate) throughputs of none/2bit/1bit on
+What --fit measures (each the best of --reps, every rank at once, as in a call):
+the compress and decode (decompress, accumulate) throughputs of 2bit and 1bit on
 32 MiB; a ping-pong of 8 bytes (half the round trip: ``alpha_intra``); 64 small
 Isend/Irecv pairs to the peer (per message: ``overhead``); a 32 MiB Sendrecv
-(``beta_intra``); numpy's float32 add (``sum_rate``); and (not --fit itself) ``call_overhead`` from
-mpigc.allreduce calls of 64 KiB (measured minus the model without it, the mean of
-none/2bit/1bit, taken by --predict and --scale from the 2-rank measurement file).
-Those 64 KiB points at 2 ranks are therefore fitted, not predicted: --predict
-marks them. ``cores_per_node`` is ``os.cpu_count()``.
+(``beta_intra``); numpy's float32 add (``sum_rate``). ``cores_per_node`` is
+``os.cpu_count()``. --predict and --scale complete the fit from the 2-rank
+measurement file (``load``): ``beta_intra`` from MPI's 32 MiB Allreduce, each
+compressor's rates scaled to its 32 MiB call, ``call_overhead`` from the 64 KiB
+calls; --predict marks those points "fitted". --measure warms every op up (30
+calls) before timing: a job's first calls are slow. It takes the best of --reps
+and records the median.
 This is a benchmark, not a test: it asserts nothing.
 """
 import argparse
@@ -129,6 +130,12 @@ def measure(path, sizes, reps):
     comm = MPI.COMM_WORLD
     rows = []
     fb = mpigc.ErrorFeedback()
+    # the job's first calls are slow (at 2 ranks the first size's best of 15 took 5-30 ms
+    # at 64 KiB, 0.1-0.4 ms measured after a 1 MiB size): warm every op up first
+    w = np.zeros((64 << 10) // 4, np.float32)
+    for op in OPS:
+        for _ in range(30):
+            mpigc.allreduce(w, op=op, key="warm" + op, feedback=fb)
     for nb in sizes:
         n = nb // 4
         x = np.random.default_rng(comm.rank).standard_normal(n).astype(np.float32)
@@ -158,21 +165,50 @@ def predict_one(net, op, nb, P):
     return cm.flat_allreduce(op, nb, P, net).total
 
 
+FIT_BIG = 32 << 20  # the 2-rank calls of this size fit beta_intra and the kernel rates
+
+
 def load(fitpath, paths):
-    """The fit, with ``call_overhead`` fitted from the measured 64 KiB calls at
-    2 ranks (measured minus the model without it, mean of none/2bit/1bit)."""
+    """The fit, completed from the 2-rank measurements (when a file has them):
+
+    1. ``beta_intra`` from MPI's Allreduce of 32 MiB (the ring's bandwidth term:
+       measured minus its other terms);
+    2. per compressor, its compress and decode rates scaled by one factor so that
+       the 32 MiB call's compute term is what was measured minus the rest (the
+       kernels alone, timed by --fit through ``Compressor.compress``, ran slower
+       than inside a call: 2bit's encode at 0.19 GB/s would take 176 ms of a
+       32 MiB call measured at 78 ms);
+    3. ``call_overhead`` from the 64 KiB calls (measured minus the model
+       without it, the mean of none/2bit/1bit).
+    """
     f = json.load(open(fitpath))
     rows = [r for p in paths for r in json.load(open(p))]
-    extra = [r["t"] - cm.flat_allreduce(r["op"], r["bytes"], 2, network_from(f, 2)).total
-             for r in rows if r["P"] == 2 and r["bytes"] == 64 << 10 and r["op"] != "mpi"]
+    at2 = {(r["bytes"], r["op"]): r["t"] for r in rows if r["P"] == 2}
+    if (FIT_BIG, "mpi") in at2:
+        net = network_from(f, 2)
+        rest = cm.mpi_allreduce(FIT_BIG, 2, replace(net, beta_intra=math.inf)).total
+        f["beta_intra"] = FIT_BIG / max(at2[FIT_BIG, "mpi"] - rest, 1e-9)  # 2 (P-1)/P = 1
+    for op in OPS[1:]:
+        if (FIT_BIG, op) in at2:
+            net = network_from(f, 2)
+            c = cm.flat_allreduce(op, FIT_BIG, 2, net)
+            k = c.compute / max(at2[FIT_BIG, op] - (c.total - c.compute), 1e-9)
+            f["rates"][op] = [k * v for v in f["rates"][op]]
+    extra = [t - cm.flat_allreduce(op, nb, 2, network_from(f, 2)).total
+             for (nb, op), t in at2.items() if nb == 64 << 10 and op != "mpi"]
     if extra:
         f["call_overhead"] = max(0.0, float(np.mean(extra)))
     return f, rows
 
 
+def is_fitted(r):
+    return r["P"] == 2 and ((r["bytes"] == 64 << 10 and r["op"] != "mpi")
+                            or r["bytes"] == FIT_BIG)
+
+
 def predict(fitpath, paths):
     f, rows = load(fitpath, paths)
-    print(f"fitted on 2 ranks: alpha_intra {f['alpha_intra'] * 1e6:.1f} us, overhead "
+    print(f"fitted (--fit, then the 2-rank calls of 64 KiB and 32 MiB): alpha_intra {f['alpha_intra'] * 1e6:.1f} us, overhead "
           f"{f['overhead'] * 1e6:.2f} us/message, beta_intra {f['beta_intra'] / 1e9:.2f} GB/s, "
           f"sum {f['sum_rate'] / 1e9:.2f} GB/s, call_overhead {f['call_overhead'] * 1e6:.0f} us, "
           f"cores {f['cores']}; compress/decode GB/s: " + ", ".join(
@@ -187,7 +223,7 @@ def predict(fitpath, paths):
             net = network_from(f, r["P"])
             pred = predict_one(net, r["op"], r["bytes"], r["P"])
             ratio = pred / r["t"] if r["t"] > 0 else math.inf
-            fitted = r["P"] == 2 and r["bytes"] == 64 << 10 and r["op"] != "mpi"
+            fitted = is_fitted(r)
             if not fitted:
                 ratios.append(ratio)
             print(f"| {r['P']} | {fmt_size(r['bytes'])} | {r['op']} | {r['t'] * 1e3:.2f} | "

@@ -598,7 +598,10 @@ def pack_1bit(x, e_in, e_out, bits, means, block_size):
 
 
 def unpack_1bit(bits, means, out, block_size, accumulate):
-    """Decode ``out.size`` 1-bit values with their block pairs."""
+    """Decode ``out.size`` 1-bit values with their block pairs (``block_size``
+    checked as :func:`pack_1bit` checks it: the device twin reads a byte of
+    bits with one block's pair)."""
+    block_size = check_block_size(block_size, 8, "unpack_1bit")
     nch = _nchunks(out.size)
     if nch == 1:
         _unpack_1bit_range(bits, means, out, block_size, bool(accumulate), 0,
@@ -888,7 +891,9 @@ def pack_2bit_rel(x, e_in, e_out, out, scales, rel_threshold, block_size):
 
 def unpack_2bit_rel(payload, scales, out, block_size, accumulate):
     """Decode ``out.size`` 2bit codes with their block magnitudes: ``11`` ->
-    +r_b, ``10`` -> -r_b, else 0. Writes into ``out``, or adds to it."""
+    +r_b, ``10`` -> -r_b, else 0. Writes into ``out``, or adds to it
+    (``block_size`` checked as :func:`pack_2bit_rel` checks it)."""
+    block_size = check_block_size(block_size, 4, "unpack_2bit_rel")
     nch = _nchunks(out.size)
     if nch == 1:
         _unpack_2bit_rel_range(payload, scales, out, block_size, bool(accumulate), 0,
@@ -1328,6 +1333,7 @@ def pack_1bit_shards(x, e_in, e_out, payload, starts, offs, block_size):
 def unpack_1bit_shards(payload, stride, nsrc, starts, offs, out, block_size, accumulate):
     """Decode 1bit shards (bits, then pairs) of ``nsrc`` payloads onto ``out``
     (as :func:`unpack_2bit_shards`)."""
+    block_size = check_block_size(block_size, 8, "unpack_1bit_shards")
     for _, lo, hi, o in _shards(starts, offs):
         nb = (hi - lo + 7) // 8
         nm = 2 * ((hi - lo + block_size - 1) // block_size)
@@ -1355,6 +1361,7 @@ def pack_2bit_rel_shards(x, e_in, e_out, payload, starts, offs, rel_threshold, b
 def unpack_2bit_rel_shards(payload, stride, nsrc, starts, offs, out, block_size, accumulate):
     """Decode relative 2bit shards (codes, then magnitudes) of ``nsrc``
     payloads onto ``out`` (as :func:`unpack_2bit_shards`)."""
+    block_size = check_block_size(block_size, 4, "unpack_2bit_rel_shards")
     for _, lo, hi, o in _shards(starts, offs):
         nb = (hi - lo + 3) // 4
         nm = (hi - lo + block_size - 1) // block_size

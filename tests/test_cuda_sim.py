@@ -911,28 +911,30 @@ def _check_block_sizes(np, cuda, cpu, kc):
             launched = {k: v for k, v in launch_contract.counts().items()
                         if k.startswith("launch") and before.get(k) != v}
             assert not launched, f"{side} {name}: launched {launched} before refusing"
-    # the device's 1bit and relative 2bit decode too (a thread decodes a byte
-    # with one block's numbers); the CPU's assume it unchecked
-    dbits, dmeans, dout = (cuda.to_device(np.zeros(5, np.uint8)),
-                           cuda.to_device(np.zeros(8, np.float32)),
-                           cuda.to_device(np.zeros(n, np.float32)))
-    dpay = cuda.to_device(np.zeros(64, np.uint8))
-    for name, m, call in [
-            ("unpack_1bit", 8, lambda: kc.unpack_1bit(dbits, dmeans, dout, 12, False)),
-            ("unpack_1bit_shards", 8, lambda: kc.unpack_1bit_shards(
-                dpay, 0, 1, (0, 20, 40), (0, 32), dout, 4, True)),
-            ("unpack_2bit_rel", 4, lambda: kc.unpack_2bit_rel(dbits, dmeans, dout, 6, False)),
-            ("unpack_2bit_rel_shards", 4, lambda: kc.unpack_2bit_rel_shards(
-                dpay, 0, 1, (0, 20, 40), (0, 32), dout, 2, True))]:
-        before = launch_contract.counts()
-        try:
-            call()
-        except mpigc.ConfigError as exc:
-            assert f"multiple of {m}" in str(exc) and name in str(exc), exc
-        else:
-            raise AssertionError(f"cuda {name} took a block_size that is not a multiple "
-                                 f"of {m}")
-        assert launch_contract.counts() == before, f"cuda {name} launched before refusing"
+    # the 1bit and relative 2bit decodes too (a device thread decodes a byte
+    # with one block's numbers; a CPU decode with such a block misread the
+    # bits silently before it checked)
+    for side, m_, b in (("cuda", kc, cuda.to_device), ("cpu", cpu, lambda h: h)):
+        dbits, dmeans, dout = (b(np.zeros(5, np.uint8)), b(np.zeros(8, np.float32)),
+                               b(np.zeros(n, np.float32)))
+        dpay = b(np.zeros(64, np.uint8))
+        for name, m, call in [
+                ("unpack_1bit", 8, lambda: m_.unpack_1bit(dbits, dmeans, dout, 12, False)),
+                ("unpack_1bit_shards", 8, lambda: m_.unpack_1bit_shards(
+                    dpay, 0, 1, (0, 20, 40), (0, 32), dout, 4, True)),
+                ("unpack_2bit_rel", 4, lambda: m_.unpack_2bit_rel(dbits, dmeans, dout, 6,
+                                                                  False)),
+                ("unpack_2bit_rel_shards", 4, lambda: m_.unpack_2bit_rel_shards(
+                    dpay, 0, 1, (0, 20, 40), (0, 32), dout, 2, True))]:
+            before = launch_contract.counts()
+            try:
+                call()
+            except mpigc.ConfigError as exc:
+                assert f"multiple of {m}" in str(exc) and name in str(exc), exc
+            else:
+                raise AssertionError(f"{side} {name} took a block_size that is not a "
+                                     f"multiple of {m}")
+            assert launch_contract.counts() == before, f"{side} {name} launched before refusing"
 
 
 # shards of odd sizes, an empty one, one longer than a CUDA block and than

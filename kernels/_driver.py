@@ -145,7 +145,7 @@ class _Fn:
     """A kernel loaded for one signature: its handle, packing format, buffer
     and the array of pointers to each parameter the driver reads."""
 
-    __slots__ = ("kernel", "code", "handle", "fmt", "buf", "ptrs", "lock")
+    __slots__ = ("kernel", "code", "handle", "fmt", "buf", "ptrs", "addr", "lock")
 
     def __init__(self, code, kernel, codes):
         import ctypes
@@ -155,42 +155,45 @@ class _Fn:
         self.buf = (ctypes.c_char * size)()
         base = ctypes.addressof(self.buf)
         self.ptrs = (ctypes.c_void_p * max(len(offs), 1))(*[base + o for o in offs])
+        self.addr = ctypes.addressof(self.ptrs)
         self.lock = threading.Lock()
 
 
-def _key(args):
-    """The launch's argument kinds, or None where one is not for this route:
-    arrays by dtype and dimensions (C-contiguous), scalars by Python type."""
-    key = []
+_PLAIN = {bool, int, float}
+
+
+def _args(args):
+    """The launch's argument kinds and parameter values, in one pass:
+    ``(key, values)``, or None where an argument is not for this route.
+    Kinds: arrays by dtype and dimensions (C-contiguous only), scalars by
+    Python type; values: an array's 5 + 2 ndim fields of Numba's kernel
+    ABI, a scalar as a Python number."""
+    key, vals = [], []
     for a in args:
         t = type(a)
-        if t is bool or t is int or t is float or isinstance(a, np.generic):
+        if t in _PLAIN:
             key.append(t)
+            vals.append(a)
             continue
-        shape = getattr(a, "shape", None)
-        if shape is None or not hasattr(a, "gpu_data"):
+        if isinstance(a, np.generic):
+            key.append(t)
+            vals.append(a.item())
+            continue
+        try:
+            shape, strides, dt, gd = a.shape, a.strides, a.dtype, a.gpu_data
+        except AttributeError:
             return None
         if len(shape) == 1:
-            if shape[0] > 1 and a.strides[0] != a.dtype.itemsize:
+            if shape[0] > 1 and strides[0] != dt.itemsize:
                 return None
-        elif not a.flags["C_CONTIGUOUS"] or (0 in a.strides and a.size):
+        elif not a.flags["C_CONTIGUOUS"] or (0 in strides and a.size):
             return None
-        key.append((a.dtype, len(shape)))
-    return tuple(key)
-
-
-def _values(args):
-    vals = []
-    for a in args:
-        if isinstance(a, (bool, int, float, np.generic)):
-            vals.append(a.item() if isinstance(a, np.generic) else a)
-        else:
-            size = a.dtype.itemsize
-            ptr = a.gpu_data.device_ctypes_pointer.value if a.gpu_data is not None else 0
-            vals += (0, 0, a.size, size, ptr or 0)
-            vals += a.shape
-            vals += a.strides
-    return vals
+        key.append((dt, len(shape)))
+        vals += (0, 0, a.size, dt.itemsize,
+                 0 if gd is None else gd.device_ctypes_pointer.value or 0)
+        vals += shape
+        vals += strides
+    return tuple(key), vals
 
 
 def _load(dispatcher, args):
@@ -242,11 +245,11 @@ def launch(dispatcher, grid, block, stream, args):
     launches it there)."""
     if not enabled():
         return False
-    key = _key(args)
-    if key is None:
+    kv = _args(args)
+    if kv is None:
         _counts["numba"] += 1
         return False
-    k = (dispatcher, key)
+    k = (dispatcher, kv[0])
     fn = _fns.get(k, False)
     if fn is False:
         seen = _numba_launches.get(k, 0)
@@ -265,20 +268,17 @@ def launch(dispatcher, grid, block, stream, args):
         return False
     gx, gy = (grid, 1) if isinstance(grid, int) else grid
     hs = _handle(stream)
-    vals = _values(args)
+    vals = kv[1]
     drv = _state["drv"]
-    import ctypes
     with fn.lock:
         struct.pack_into(fn.fmt, fn.buf, 0, *vals)
-        err, = drv.cuLaunchKernel(fn.handle, gx, gy, 1, block, 1, 1, 0, hs,
-                                  ctypes.addressof(fn.ptrs), 0)
+        err, = drv.cuLaunchKernel(fn.handle, gx, gy, 1, block, 1, 1, 0, hs, fn.addr, 0)
     if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:  # a thread without one yet
         from numba import cuda
         cuda.current_context()
         with fn.lock:
             struct.pack_into(fn.fmt, fn.buf, 0, *vals)
-            err, = drv.cuLaunchKernel(fn.handle, gx, gy, 1, block, 1, 1, 0, hs,
-                                      ctypes.addressof(fn.ptrs), 0)
+            err, = drv.cuLaunchKernel(fn.handle, gx, gy, 1, block, 1, 1, 0, hs, fn.addr, 0)
     _check(err, "cuLaunchKernel")
     _counts["driver"] += 1
     return True

@@ -66,7 +66,10 @@ def enabled():
         on = False
         if os.environ.get("MPIGC_DRIVER_LAUNCH", "1") != "0":
             from numba import cuda
-            from numba.cuda.core import config
+            try:  # numba-cuda
+                from numba.cuda.core import config
+            except ImportError:  # numba's bundled CUDA target
+                from numba.core import config
             if not getattr(config, "ENABLE_CUDASIM", 0) and cuda.is_available():
                 try:
                     from cuda.bindings import driver
@@ -224,6 +227,8 @@ def _handle(stream):
     """The driver handle of Numba stream ``stream``."""
     got = _streams.get(id(stream))
     if got is None or got[0] is not stream:
+        if len(_streams) >= 256:  # streams made per call by a caller: no growth
+            _streams.clear()
         h = stream.handle
         drv = _state["drv"]
         if not isinstance(h, drv.CUstream):

@@ -639,6 +639,23 @@ def test_streaming_refuses_shards(comm):
         match="shards > 1")
 
 
+def test_nonfinite_shard_drops_the_window_everywhere(comm):
+    """A NaN in one rank's shard: NonFiniteError on every rank (the ranks of
+    the other shards too), every shard back at its anchor, nothing applied."""
+    S = 2 if comm.size % 2 == 0 else 1
+    tensors, inner, d = sharded(comm, S, sync_every=100, op="2bit", key="nf")
+    d.step()
+    d.step()
+    anchor = d.anchor
+    if comm.rank == comm.size - 1:
+        with torch.no_grad():
+            tensors[1].view(-1)[0] = float("nan")
+    raises_everywhere(mpigc.NonFiniteError, d.synchronize, comm, match="not finite")
+    assert_all(torch.equal(flat_of(tensors), anchor) and torch.equal(d.anchor, anchor)
+               and d.skipped_syncs == 1 and d.syncs == 0 and d.window == 0,
+               "the window was not dropped")
+
+
 def test_mismatched_shard_shapes_raise_everywhere(comm):
     """Replica 1's shard 1 holds a row more than replica 0's: MismatchError
     on every rank (also on the ranks of shard 0, whose shapes agree)."""

@@ -246,3 +246,27 @@ def test_state_of_is_the_state_of_the_layouts():
             fb.state_dict()
     finally:
         txn.end()
+
+
+def test_states_and_put_of_keys_of_their_own():
+    """FSDP's keys (one flat call each): states reads those of the keys that
+    have residuals; put installs entries for the keys, forgets those left
+    out and keeps other keys."""
+    import mpigc
+    fb = _store({"fsdp:a": np.arange(3), "fsdp:b": np.ones(2), "other": np.zeros(4)})
+    res = _residuals(fb)
+    got = res.states(["fsdp:a", "fsdp:b", "fsdp:c"])
+    assert sorted(got) == ["fsdp:a", "fsdp:b"]
+    assert got["fsdp:a"]["worker"].tolist() == [0, 1, 2]
+    new = _store({"fsdp:c": np.full(2, 5)}).entries()
+    res.put(["fsdp:a", "fsdp:b", "fsdp:c"], {"fsdp:b": _store({"x": np.zeros(2)}).entry("x"),
+                                             **new})
+    assert sorted(fb.state_dict()) == ["fsdp:b", "fsdp:c", "other"]
+    assert fb.state_dict()["fsdp:b"]["worker"].tolist() == [0, 0]
+    assert fb.state_dict()["fsdp:c"]["worker"].tolist() == [5, 5]
+    txn = fb.begin("other", 4, np.float32, 1, 0)  # a call pending: no state
+    try:
+        with pytest.raises(mpigc.StateError):
+            res.states(["fsdp:b"])
+    finally:
+        txn.end()

@@ -17,6 +17,7 @@ from ._common import (NP_OF_TORCH, Wait, agreed_comm, check_feedback, check_same
                       describe, raise_everywhere, resolve_comm, resolve_timeout,
                       resolve_warn_s, torch_compressor, torch_nonfinite, wait_request,
                       warn_if_uncompressed)
+from ._residuals import Residuals
 
 __all__ = ["FsdpHookState", "register_fsdp_hooks"]
 
@@ -192,6 +193,7 @@ class FsdpHookState:
                                  within=(_REGISTER, self.timeout, self._warn_s))
         _engine_comm.resolve(self._comm)
         check_same(self._comm, describe(named), "register_fsdp_hooks")
+        self._residuals = Residuals(self.feedback, self.comm, self._comm)
         self.size, self.rank = self._comm.size, self._comm.rank
         self.keys = [f"fsdp:{fqn}" for fqn, _, _ in groups]
         self._layouts = {}  # key -> (numel, dtype) of its flat input
@@ -452,7 +454,7 @@ def _dcp_state(st):
     # prepare_load's record sizes the next state_dict() only (dcp.load's
     # template): a load that fails before load_state_dict leaves nothing set
     saved, ndim, st._saved = st._saved, st._mesh.ndim, None
-    states = st.feedback.state_dict() if saved is None else {}
+    states = st._residuals.states(st.keys) if saved is None else {}
     meta, rows = _meta(st, states), {}
     for key in st.keys:
         dt = st._row_dtype[key]
@@ -564,11 +566,10 @@ def _dcp_load(st, state):
     except (MpigcError, TypeError, ValueError, KeyError, AttributeError) as e:
         exc = e
     raise_everywhere(st._comm, exc, what)
+    st._residuals.put(st.keys, entries)
     for key in st.keys:
         if key not in entries:
-            st.feedback.reset(key)
             st._layouts.pop(key, None)
-    st.feedback.update_entries(entries)
     st._layouts.update(layouts)
     st._saved = None
 

@@ -13,7 +13,9 @@ does, through the store's API only (no entry field is written here):
 - the per-parameter state of bucket layouts (``state_dict`` and its load,
   in :meth:`GradientSync.state_dict`'s format, whatever the bucketing,
   hierarchy and world size), and the checkpoint glue around
-  :func:`mpigc.save_checkpoint` and :func:`mpigc.load_checkpoint`.
+  :func:`mpigc.save_checkpoint` and :func:`mpigc.load_checkpoint`;
+- the residuals of keys of their own (the FSDP hooks': one flat call per
+  key), read and installed by key.
 
 The conversions themselves (per bucket <-> per parameter, flat <->
 hierarchical slices) are :mod:`mpigc.torch._state`'s.
@@ -163,6 +165,24 @@ class Residuals:
             for _, k in self.keys(layout):
                 self.feedback.reset(k)
             self.forget(layout.key)
+
+    # -- keys of their own (FSDP's groups: one flat call per key) -----------------------
+    def states(self, keys):
+        """``{key: state}`` (as :meth:`ErrorFeedback.state_dict` gives it:
+        host copies) of those of ``keys`` that have residuals; not
+        collective. Raises :class:`mpigc.StateError` while a call of the
+        store is pending."""
+        keys = set(keys)
+        return {k: s for k, s in self.feedback.state_dict().items() if k in keys}
+
+    def put(self, keys, entries):
+        """``entries`` (``{key: entry}``, :func:`mpigc.feedback.new_entry`'s)
+        in place of those of ``keys``; the keys of ``keys`` without one are
+        forgotten, other keys kept. No call may use ``keys``."""
+        for key in keys:
+            if key not in entries:
+                self.feedback.reset(key)
+        self.feedback.update_entries(entries)
 
     # -- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self, path, step=None, state=None):

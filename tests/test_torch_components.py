@@ -270,3 +270,21 @@ def test_states_and_put_of_keys_of_their_own():
             res.states(["fsdp:b"])
     finally:
         txn.end()
+
+
+def test_load_keys_changes_all_keys_or_none():
+    """load_keys: a build that fails raises, the store unchanged; one that
+    succeeds installs its entries as put does."""
+    import mpigc
+    fb = _store({"fsdp:a": np.arange(3), "fsdp:b": np.ones(2)})
+    res = _residuals(fb)
+
+    def bad():
+        raise mpigc.StateError("test: a bad record")
+    with pytest.raises(mpigc.StateError, match="a bad record"):
+        res.load_keys(["fsdp:a", "fsdp:b"], bad, "test")
+    assert sorted(fb.state_dict()) == ["fsdp:a", "fsdp:b"]
+    new = _store({"fsdp:a": np.full(3, 7)}).entries()
+    assert res.load_keys(["fsdp:a", "fsdp:b"], lambda: new, "test") == new
+    assert sorted(fb.state_dict()) == ["fsdp:a"]
+    assert fb.state_dict()["fsdp:a"]["worker"].tolist() == [7, 7, 7]

@@ -531,47 +531,51 @@ def _dcp_prepare(st, checkpoint_id, name, reader, group):
 
 
 def _dcp_load(st, state):
-    what, exc, entries, layouts = "FsdpHookState.load_state_dict", None, {}, {}
-    try:
-        if not isinstance(state, dict) or set(state) != {"meta", "rows"}:
-            raise StateError(f"{what}: expected the output of FsdpHookState.state_dict() "
-                             "(as dcp.load fills it)")
-        meta = _parse(state["meta"], what)
-        _check_meta(st, meta, what)
-        same = meta["mesh"] == list(st._mesh.shape)
-        sub = st._replica_comm if st.replicas > 1 else st._comm
-        for key, info in meta["entries"].items():
-            rows = state["rows"][key]
-            rows = (rows.to_local() if hasattr(rows, "to_local") else rows).detach()
-            rows = rows.reshape(-1, rows.shape[-1]).double().numpy()
-            dtype, n, owner = np.dtype(info["dtype"]), info["n"], None
-            if same:
-                if rows.shape[0] != 1:
-                    raise StateError(f"{what}: {key}: expected one row, got {rows.shape[0]}")
-                worker = rows[0, :n].astype(dtype)
-                if info["owner"]:
-                    lo, hi = shard_bounds(n, sub.size)[sub.rank]
-                    owner = rows[0, n:n + hi - lo].astype(dtype)
-                layouts[key] = tuple(info["input"])
-            else:
-                shapes, old = [sh for _, sh in st._params[key]], meta["mesh"][0]
-                total = [np.zeros(int(np.prod(sh))) for sh in shapes]
-                for row in rows:
-                    total = [t + a for t, a in zip(total, _to_params(row, shapes, old))]
-                worker = _from_params(total, shapes, st.size, dtype)
-                n = worker.size
-                layouts[key] = (n, info["input"][1])
-            entries[key] = new_entry(n, dtype, sub.size, sub.rank, st.compressor.get_config(),
-                                     info["calls"], worker, owner)
-    except (MpigcError, TypeError, ValueError, KeyError, AttributeError) as e:
-        exc = e
-    raise_everywhere(st._comm, exc, what)
-    st._residuals.put(st.keys, entries)
+    what, layouts = "FsdpHookState.load_state_dict", {}
+    entries = st._residuals.load_keys(st.keys, lambda: _dcp_entries(st, state, what, layouts),
+                                      what)
     for key in st.keys:
         if key not in entries:
             st._layouts.pop(key, None)
     st._layouts.update(layouts)
     st._saved = None
+
+
+def _dcp_entries(st, state, what, layouts):
+    """The residual entries ``{key: entry}`` of the DCP record ``state`` (its
+    keys' flat input layouts into ``layouts``), or raise; nothing installed."""
+    entries = {}
+    if not isinstance(state, dict) or set(state) != {"meta", "rows"}:
+        raise StateError(f"{what}: expected the output of FsdpHookState.state_dict() "
+                         "(as dcp.load fills it)")
+    meta = _parse(state["meta"], what)
+    _check_meta(st, meta, what)
+    same = meta["mesh"] == list(st._mesh.shape)
+    sub = st._replica_comm if st.replicas > 1 else st._comm
+    for key, info in meta["entries"].items():
+        rows = state["rows"][key]
+        rows = (rows.to_local() if hasattr(rows, "to_local") else rows).detach()
+        rows = rows.reshape(-1, rows.shape[-1]).double().numpy()
+        dtype, n, owner = np.dtype(info["dtype"]), info["n"], None
+        if same:
+            if rows.shape[0] != 1:
+                raise StateError(f"{what}: {key}: expected one row, got {rows.shape[0]}")
+            worker = rows[0, :n].astype(dtype)
+            if info["owner"]:
+                lo, hi = shard_bounds(n, sub.size)[sub.rank]
+                owner = rows[0, n:n + hi - lo].astype(dtype)
+            layouts[key] = tuple(info["input"])
+        else:
+            shapes, old = [sh for _, sh in st._params[key]], meta["mesh"][0]
+            total = [np.zeros(int(np.prod(sh))) for sh in shapes]
+            for row in rows:
+                total = [t + a for t, a in zip(total, _to_params(row, shapes, old))]
+            worker = _from_params(total, shapes, st.size, dtype)
+            n = worker.size
+            layouts[key] = (n, info["input"][1])
+        entries[key] = new_entry(n, dtype, sub.size, sub.rank, st.compressor.get_config(),
+                                 info["calls"], worker, owner)
+    return entries
 
 
 def _settled(req):

@@ -22,9 +22,10 @@ hierarchical slices) are :mod:`mpigc.torch._state`'s.
 """
 import numpy as np
 
+from .._errors import MpigcError
 from ..feedback import ErrorFeedback, restore, shard_bounds, snapshot
 
-from ._common import as_tensor
+from ._common import as_tensor, raise_everywhere
 from ._record import gather_record
 from ._state import (entries_for_layouts, flat_to_hier, hier_to_flat, incoming_state,
                      residual_keys, state_from_layouts, store_state)
@@ -183,6 +184,20 @@ class Residuals:
             if key not in entries:
                 self.feedback.reset(key)
         self.feedback.update_entries(entries)
+
+    def load_keys(self, keys, build, what):
+        """A load of ``keys`` that changes all of them or none (collective):
+        ``build()`` makes the entries (``{key: entry}``, nothing installed);
+        an error in it on any rank raises on every rank, the store
+        unchanged; else :meth:`put` installs them. Returns the entries."""
+        exc, entries = None, {}
+        try:
+            entries = build()
+        except (MpigcError, TypeError, ValueError, KeyError, AttributeError) as e:
+            exc = e
+        raise_everywhere(self.own, exc, what)
+        self.put(keys, entries)
+        return entries
 
     # -- checkpoints -------------------------------------------------------------------
     def save_checkpoint(self, path, step=None, state=None):

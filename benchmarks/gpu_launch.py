@@ -3,12 +3,14 @@
 On a GPU, for the 2bit pack kernel of ``mpigc.kernels.cuda`` on a 4 KiB buffer:
 
 - ``numba``: Numba's launch, ``kernel[grid, block, stream](*arrays)``: the
-  route of every launch of mpigc today;
+  route of a kernel's first launch with a set of argument types, and of every
+  launch with ``MPIGC_DRIVER_LAUNCH=0``;
 - ``driver``: ``cuLaunchKernel`` (``cuda.bindings.driver``) on the function
   Numba compiled, loaded from its PTX (``inspect_asm``, public) with
   ``cuda.core.ObjectCode.from_ptx(...).get_kernel(name)``, the parameter block
   (Numba's kernel ABI: an array is meminfo, parent, nitems, itemsize, data,
-  shape, strides) built once and reused;
+  shape, strides) packed once by ``mpigc.kernels._driver`` (``_load``,
+  ``_args``: the route's own loading and packing) and reused;
 - ``cuda.core``: ``cuda.core.launch`` with the same 52 arguments as Python
   scalars;
 
@@ -35,11 +37,9 @@ Exits 0 with a message where there is no GPU.
 """
 import argparse
 import cProfile
-import ctypes
 import io
 import json
 import pstats
-import re
 import statistics
 import sys
 import time
@@ -56,15 +56,6 @@ def _per_launch(fn, reps, batch=100):
             fn()
         out.append((time.perf_counter() - t) / batch * 1e6)
     return statistics.median(out)
-
-
-def _array_params(a):
-    """Numba's kernel ABI for a C-contiguous 1-d device array: 7 fields."""
-    ptr = a.__cuda_array_interface__["data"][0]
-    n = a.shape[0]
-    s = a.dtype.itemsize
-    return [ctypes.c_uint64(0), ctypes.c_uint64(0), ctypes.c_int64(n), ctypes.c_int64(s),
-            ctypes.c_uint64(ptr), ctypes.c_int64(n), ctypes.c_int64(s)]
 
 
 def main(argv=None):
@@ -104,31 +95,29 @@ def main(argv=None):
     res["numba_launch_us"] = _per_launch(numba_launch, args.reps)
     stream.synchronize()
 
-    # the same kernel through the driver
-    sig = list(k.overloads)[0]
-    ptx = k.inspect_asm(sig)
-    name = re.search(r"\.entry\s+(\S+)\s*\(", ptx).group(1)
-    nparams = len(_driver.ptx_params(ptx, name))
+    # the same kernel through the driver, loaded and packed by the library's
+    # own route (mpigc.kernels._driver: Numba's kernel ABI, checked against
+    # the PTX's parameter list), launched here by hand
+    import struct
+
     import cuda.core as cc
-    dev = cc.Device(cuda.get_current_device().id)
-    dev.set_current()
+    if not _driver.enabled():
+        print("the driver route is off (MPIGC_DRIVER_LAUNCH=0, or no cuda.bindings)")
+        return 0
     t = time.perf_counter()
-    kern = cc.ObjectCode.from_ptx(ptx.encode()).get_kernel(name)
+    fn = _driver._load(k, arrays)
     res["load_ptx_ms"] = (time.perf_counter() - t) * 1e3
-    fields = []
-    for a in arrays:
-        if isinstance(a, bool):
-            fields.append(ctypes.c_uint8(a))
-        elif isinstance(a, np.float32):
-            fields.append(ctypes.c_float(a))
-        else:
-            fields += _array_params(a)
-    res["params"] = [len(fields), nparams]
-    ptrs = (ctypes.c_void_p * len(fields))(*[ctypes.addressof(f) for f in fields])
-    addr = ctypes.addressof(ptrs)
+    if fn is None:
+        print("the pack kernel's signature is not one the driver route packs")
+        return 1
+    _, vals = _driver._args(arrays)
+    res["params"] = len(vals)  # the block _load checked against the PTX's entry
+    struct.pack_into(fn.fmt, fn.buf, 0, *vals)
+    addr = fn.addr
     sh = int(stream.handle.value) if hasattr(stream.handle, "value") else int(stream.handle)
     hstream = drv.CUstream(sh)
-    hk = kern.handle
+    hk = fn.handle
+    kern = fn.kernel
     gx, gy = blocks
     # clear the outputs, launch, compare
     out.copy_to_device(np.zeros(n // 4, np.uint8))
@@ -147,11 +136,10 @@ def main(argv=None):
     try:
         cfg = cc.LaunchConfig(grid=(gx, gy, 1), block=kc.THREADS)
         cstream = cc.Stream.from_handle(sh)
-        scal = [f.value for f in fields]
-        typed = [np.uint64(v) if isinstance(f, ctypes.c_uint64) else np.int64(v)
-                 if isinstance(f, ctypes.c_int64) else np.uint8(v)
-                 if isinstance(f, ctypes.c_uint8) else np.float32(v)
-                 for f, v in zip(fields, scal)]
+        # each value as the numpy scalar of its parameter's width
+        as_np = {"Q": np.uint64, "q": np.int64, "B": np.uint8, "f": np.float32}
+        codes = _driver.param_codes(tuple(k.typeof_pyval(a) for a in arrays))
+        typed = [as_np[c](v) for c, v in zip(codes, vals)]
 
         def core_launch():
             cc.launch(cstream, cfg, kern, *typed)

@@ -275,15 +275,14 @@ def launch(dispatcher, grid, block, stream, args):
     hs = _handle(stream)
     vals = kv[1]
     drv = _state["drv"]
-    with fn.lock:
-        struct.pack_into(fn.fmt, fn.buf, 0, *vals)
-        err, = drv.cuLaunchKernel(fn.handle, gx, gy, 1, block, 1, 1, 0, hs, fn.addr, 0)
-    if err == drv.CUresult.CUDA_ERROR_INVALID_CONTEXT:  # a thread without one yet
-        from numba import cuda
-        cuda.current_context()
+    for retry in (False, True):
         with fn.lock:
             struct.pack_into(fn.fmt, fn.buf, 0, *vals)
             err, = drv.cuLaunchKernel(fn.handle, gx, gy, 1, block, 1, 1, 0, hs, fn.addr, 0)
+        if err != drv.CUresult.CUDA_ERROR_INVALID_CONTEXT or retry:
+            break
+        from numba import cuda  # a thread without a context yet: Numba makes it current
+        cuda.current_context()
     _check(err, "cuLaunchKernel")
     _counts["driver"] += 1
     return True

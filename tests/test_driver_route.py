@@ -64,6 +64,18 @@ def test_parameters_at_their_natural_alignment():
     assert struct.unpack_from("<f", buf, 12)[0] == 0.5
 
 
+def _real_gpu():
+    """A GPU the driver could reach: not the simulator, and CUDA available."""
+    from numba import cuda
+    try:  # numba-cuda
+        from numba.cuda.core import config
+    except ImportError:  # numba's bundled CUDA target
+        from numba.core import config
+    return not getattr(config, "ENABLE_CUDASIM", 0) and cuda.is_available()
+
+
+@pytest.mark.skipif(_real_gpu(), reason="a GPU is here: the route may be on "
+                    "(tests/gpu checks it there)")
 def test_no_route_without_a_gpu():
     """Here (no GPU, or the simulator) every launch and copy is Numba's."""
     assert not _driver.enabled() and _driver.ON is False  # callers skip the route
@@ -231,3 +243,32 @@ def test_waits_are_events_of_the_stream_not_the_whole_stream(driver):
     v.strides = (16,)
     assert not _driver.copy(_Array(2, np.int64, 0x6000), v, stream, False)
     assert _driver.device_id() == 3
+
+
+def test_a_thread_without_a_context_gets_one_and_the_launch_is_made_once_more(
+        driver, monkeypatch):
+    """CUDA_ERROR_INVALID_CONTEXT (a thread the driver has no context for):
+    Numba makes the context current and the same launch is made again, once;
+    a second refusal is an error, not a loop."""
+    from numba import cuda
+    drv, stream = driver
+    made = []
+    monkeypatch.setattr(cuda, "current_context", lambda: made.append(1))
+    k = _Dispatcher(PTX)
+    args = (_Array(8, np.float32, 0x7000), True, np.float32(1))
+    assert _driver.launch(k, 1, 256, stream, args) is False  # Numba compiles it
+    answers = [_Result.CUDA_ERROR_INVALID_CONTEXT, _Result.CUDA_SUCCESS]
+    real = drv.__getattr__("cuLaunchKernel")
+
+    def launch(*a):
+        real(*a)
+        return (answers.pop(0),)
+    monkeypatch.setattr(drv, "cuLaunchKernel", launch, raising=False)
+    assert _driver.launch(k, 1, 256, stream, args) is True
+    assert made == [1] and not answers
+    assert [c[0] for c in drv.calls].count("cuLaunchKernel") == 2
+    assert drv.params == [0, 0, 8, 4, 0x7000, 8, 4, 1, 1.0]
+    answers[:] = [_Result.CUDA_ERROR_INVALID_CONTEXT] * 2
+    with pytest.raises(RuntimeError, match="cuLaunchKernel"):
+        _driver.launch(k, 1, 256, stream, args)
+    assert made == [1, 1] and not answers

@@ -41,6 +41,7 @@ class HostBackend:
     takes them as they are."""
 
     device = False
+    side = "host"  # in messages
     device_id = None  # no GPU to make current (DeviceBackend: the call's)
     #: decode the senders' payloads as they arrive, one call each (the CPU
     #: overlaps decoding with the transfers); the device backend decodes them
@@ -70,6 +71,16 @@ class HostBackend:
             return bool(buf.flags.writeable)
         a = self.view if buf is self.given else host_view(buf, "buf")
         return bool(a.flags.writeable)
+
+    def quick_member(self, b, dtype, writable):
+        """A grouped call's member ``b`` flat, where it passes every check of
+        :meth:`adopt` and the group's at a glance (a C-contiguous, non-empty
+        numpy array of ``dtype``, writable if ``writable``): no backend of its
+        own; else None (it is adopted as the first member was)."""
+        if (type(b) is np.ndarray and b.dtype == dtype and b.flags.c_contiguous and b.size
+                and (b.flags.writeable or not writable)):
+            return b.reshape(b.size)
+        return None
 
     def adopt_out(self, out, n, dtype):
         """reduce_scatter's ``out=``: a numpy array over ``out``'s memory (a
@@ -108,11 +119,33 @@ class HostBackend:
     def divide(self, a, d):
         np.divide(a, d, out=a)
 
+    def place_members(self, fused, members, place, to_fused):
+        """A grouped call's ``members`` to (``to_fused``) or from their places
+        in ``fused``, ``place`` a placement of :class:`mpigc._group._Layout`:
+        piece by piece, or one concatenation where every member follows the
+        one before whole (a plain allreduce's group)."""
+        pieces, _, nshards = place
+        if to_fused:
+            if nshards == 1 and len(pieces) == len(members):
+                np.concatenate(members, out=fused)
+            else:
+                for i, lo, hi, at in pieces:
+                    fused[at:at + hi - lo] = members[i][lo:hi]
+        else:
+            for i, lo, hi, at in pieces:
+                members[i][lo:hi] = fused[at:at + hi - lo]
+
     def fill_nan(self, a):
         a[...] = np.nan
 
     def count_nonfinite(self, a):
         return self.kernels.count_nonfinite(a)
+
+    def stats(self, x, e_in):
+        """``(sum, sum of squares, max |v|, non-finite count)`` of ``v = x +
+        e_in`` (``e_in`` None: ``x``), as float64 sums in the kernels' order:
+        terngrad's scale and the exact count of non-finite values."""
+        return self.kernels.stats(x, e_in)
 
     # -- what MPI touches ------------------------------------------------------
     def sync(self):
@@ -169,6 +202,7 @@ class DeviceBackend:
     ``__cuda_array_interface__``, read through the interface only)."""
 
     device = True
+    side = "device"
     batch_decode = True  # one launch per stage for all shards / senders
 
     def __init__(self, kernels):
@@ -192,6 +226,11 @@ class DeviceBackend:
 
     def is_c_contiguous(self, buf, a):
         return _cuda.is_c_contiguous(a)
+
+    def quick_member(self, b, dtype, writable):
+        """None: every member of a device group is adopted (its stream waited
+        for, its GPU checked)."""
+        return None
 
     def is_writable(self, buf):
         return not _cuda.is_readonly(buf)
@@ -240,6 +279,11 @@ class DeviceBackend:
 
     def count_nonfinite(self, a):
         return self.kernels.count_nonfinite(a)
+
+    def stats(self, x, e_in):
+        """As :meth:`HostBackend.stats`, by one launch (the host reads the
+        result: synchronised)."""
+        return self.kernels.stats(x, e_in)
 
     # -- what MPI touches ------------------------------------------------------
     def sync(self):

@@ -2,23 +2,26 @@
 phases (:mod:`mpigc._twophase`) share: the values it compresses, the
 residuals it reads and writes, terngrad's local scale, every shard packed
 when the call is not pipelined (:func:`compress_early`, :class:`Early`),
-the counts of values the wire format cannot carry (:func:`count_bad`) and
-terngrad's random stream (:func:`stream`). Functions of the call's
-prepared record (:class:`mpigc._prepared.Prepared`), its backend, buffers
-and residual transaction, that return what they produced; no MPI."""
+the counts of values the wire format cannot carry (:func:`count_bad`),
+terngrad's scale (:func:`local_scale`) and its random stream
+(:func:`stream`). Functions of the call's prepared record
+(:class:`mpigc._prepared.Prepared`), its backend, buffers and residual
+transaction, that return what they produced; no MPI. What differs between
+host and device arrays (the statistics, the counts) is the backend's
+(:mod:`mpigc._backend`): nothing here asks which side an array is on."""
+import math
 import struct
 import zlib
 from typing import NamedTuple
 
 import numpy as np
 
-from . import _dispatch
 from . import _plan
 from . import _timeline
 from .kernels import cpu as _cpu
 
-__all__ = ["Early", "compress_early", "pack_shards", "count_bad", "put_bad", "f64_bits",
-           "bits_f64", "stream"]
+__all__ = ["Early", "compress_early", "pack_shards", "count_bad", "local_scale", "put_bad",
+           "f64_bits", "bits_f64", "stream"]
 
 
 def f64_bits(x):
@@ -63,16 +66,26 @@ def pack_shards(rec, be, bufs, x, e_in, e_out, rank, size, scale_kw=None):
     return sendbuf, nbad
 
 
-def count_bad(x, e_in, nonfinite, nbad):
+def count_bad(be, x, e_in, nonfinite, nbad):
     """Split the encoder's bad count ``nbad`` into the non-finite values of
     ``x + e`` (column ``NBAD``) and the finite values that the wire format
-    cannot carry (column ``RANGE``): returns ``(nf, out_of_range)``, the
-    second None where not counted. The exact count runs only when ``nbad``
-    is not 0, and not at all under ``nonfinite="ignore"``."""
+    cannot carry (column ``RANGE``), counted by backend ``be``: returns
+    ``(nf, out_of_range)``, the second None where not counted. The exact
+    count runs only when ``nbad`` is not 0, and not at all under
+    ``nonfinite="ignore"``."""
     if nbad == 0 or nonfinite == "ignore":
         return nbad, None
-    nf = _dispatch.kernels(x).stats(x, e_in)[3]
+    nf = be.stats(x, e_in)[3]
     return nf, max(nbad - nf, 0)
+
+
+def local_scale(rec, be, x, e_in):
+    """terngrad's ``(max |v| after clipping, clip bound, bad count)`` of ``v =
+    x + e_in`` (:meth:`mpigc.compressors.TernGrad.local_scale`), its
+    statistics computed by backend ``be``."""
+    if x.size == 0:
+        return 0.0, math.inf, 0
+    return rec.comp.scale_of(be.stats(x, e_in), x.size)
 
 
 class Early(NamedTuple):
@@ -105,15 +118,16 @@ def compress_early(rec, be, bufs, flat, txn, use_ef, rank, size):
     e_in = txn.worker() if use_ef else None
     nonfinite = rec.settings.nonfinite
     if rec.comp.needs_global_scale:
-        amax, clip_bound, nbad = rec.comp.local_scale(x, e_in)
+        amax, clip_bound, nbad = local_scale(rec, be, x, e_in)
         return Early(x, e_in, None, clip_bound, f64_bits(amax), None,
-                     count_bad(x, e_in, nonfinite, nbad))
+                     count_bad(be, x, e_in, nonfinite, nbad))
     # compress every shard now; the new residual goes to a scratch buffer
     e_out = txn.take_scratch() if use_ef else None
     if rec.chunks is not None:  # pipelined: chunk by chunk once the rows agree
         return Early(x, e_in, e_out, None, None, None, None)
     sendbuf, nbad = pack_shards(rec, be, bufs, x, e_in, e_out, rank, size)
-    return Early(x, e_in, e_out, None, None, sendbuf, count_bad(x, e_in, nonfinite, nbad))
+    return Early(x, e_in, e_out, None, None, sendbuf,
+                 count_bad(be, x, e_in, nonfinite, nbad))
 
 
 def put_bad(row, counts):

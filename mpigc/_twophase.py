@@ -48,7 +48,7 @@ from . import _sched
 from . import _timeline
 from . import _wire
 from ._backend import part
-from ._early import bits_f64, count_bad, pack_shards, put_bad, stream
+from ._early import bits_f64, count_bad, local_scale, pack_shards, put_bad, stream
 
 __all__ = ["TwoPhase", "Gather"]
 
@@ -156,7 +156,7 @@ class TwoPhase:
         if self.cpack == len(self.cuts):
             row = self.trail[r]
             row[:] = b.table[r]
-            put_bad(row, count_bad(x, ei, rec.settings.nonfinite, self.nbad))
+            put_bad(row, count_bad(b.be, x, ei, rec.settings.nonfinite, self.nbad))
             for k in range(1, size):
                 self.sendreqs.append(comm.Isend(self.trail[r], dest=(r + k) % size,
                                                 tag=b.tags[2] + 1))
@@ -417,7 +417,7 @@ class Gather:
                          part(self.owner_out, a - lo, b - lo))
             kw, bad = {"offset": a}, 0
             if cb.rec.comp.needs_global_scale:
-                amax, bound, bad = cb.rec.comp.local_scale(acc, e)
+                amax, bound, bad = local_scale(cb.rec, cb.be, acc, e)
                 kw.update(scale=amax, clip_bound=bound,
                           stream=stream(cb.rec, cb.txn, cb.seq, cb.key, r, 1))
             x = acc if acc.dtype == cb.rec.wdtype else cb.be.converted(acc, cb.rec.wdtype)

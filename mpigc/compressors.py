@@ -739,11 +739,17 @@ class TernGrad(Compressor):
         scale is beyond float32 (it travels as float32: float64 input)."""
         if x.size == 0:
             return 0.0, math.inf, 0
-        s, ss, amax, nbad = _dispatch.kernels(x).stats(x, e_in)
+        return self.scale_of(_dispatch.kernels(x).stats(x, e_in), x.size)
+
+    def scale_of(self, stats, n):
+        """:meth:`local_scale` of ``n > 0`` values from their ``stats``, the
+        kernels' ``(sum, sum of squares, max |v|, non-finite count)`` (the
+        collectives compute them by their backend)."""
+        s, ss, amax, nbad = stats
         bound = math.inf
         if self.clip is not None and nbad == 0:
-            mean = s / x.size
-            std = math.sqrt(max(ss / x.size - mean * mean, 0.0))
+            mean = s / n
+            std = math.sqrt(max(ss / n - mean * mean, 0.0))
             if std > 0.0:  # values all equal (one element, say): nothing to clip
                 bound = self.clip * std
                 amax = min(amax, bound)

@@ -333,7 +333,10 @@ class _HierCall(_sched.PendingCall):
         n, wd, fb = x.n, x.wd, x.fb
         lo = lay.element_range(lay.rank, n)[0]
         sb = shard_bounds(n, lay.L)
-        marks, subs, parts = [], [], []
+        # one transaction on the slices' residuals (mpigc._residual_txn): if a
+        # group fails, every slice's goes back to what it was
+        txn = None if fb is None else fb.transaction()
+        subs, parts = [], []
         for s in lay.slices_of(lay.rank):
             slo, shi = sb[s]
             v = acc[slo - lo:shi - lo]
@@ -341,10 +344,10 @@ class _HierCall(_sched.PendingCall):
                 parts.append(v.copy())
                 continue
             sk = slice_key(x.key, s, lay.L, n)
-            # the inter-node calls keep the worker residual they replace
-            # (keep_replaced): put back if another group fails
-            if fb is not None:
-                marks.append(fb.mark(sk))
+            # recorded by reference: the inter-node calls keep the arrays
+            # they replace (keep_replaced)
+            if txn is not None:
+                txn.keep(sk)
             fill = None if self.alone else node_sum_fill(lay, segs, x.flat, n, wd, slo)
             # on a device, the node's sums made now and copied there, where the
             # engine reduces them between the nodes (its residuals there)
@@ -362,27 +365,28 @@ class _HierCall(_sched.PendingCall):
             yield _sched.Calls([sub for _, sub in subs])
             for _, sub in subs:
                 sub.settle()  # this call saw them done: their keys are free
-        skipped = yield from self._group_outcome(subs, marks)
+        skipped = yield from self._group_outcome(subs, txn)
         if skipped is not None:
             return None, skipped
-        for mark in marks:
-            fb.settle(mark)
+        if txn is not None:
+            txn.accept()
         # the reduced slices on the host (in the window for allreduce, where
         # the node's ranks read them); a host call's are there already
         return [x.be.to_host(p[1].result, p[0] if self.kind == "allreduce" else None)
                 if isinstance(p, tuple) else p for p in parts], None
 
-    def _group_outcome(self, subs, marks):
+    def _group_outcome(self, subs, txn):
         """Steps: every group's outcome (:func:`_group_failures`). Where one
-        failed, the residuals of ``marks`` are put back and the call raises,
+        failed, the slices' residuals are put back (``txn``, the transaction
+        on them: None without residuals) and the call raises,
         or, where every failure is a non-finite sum under nonfinite="skip",
         returns its NaN result (None: every group succeeded)."""
         failed = yield from _group_failures(self.lay, subs)
         if failed is None:
             return None
         v, texts, cause = failed
-        for mark in marks:
-            self.x.fb.rollback(mark)
+        if txn is not None:
+            txn.restore()
         if v.kind == "nonfinite":
             ranks = ""
             if self.x.nonfinite == "raise":

@@ -612,7 +612,7 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None,
     fb = get_default_feedback() if feedback is None else feedback
     path = os.fspath(path)
     fsync = _default_fsync() if fsync is None else bool(fsync)
-    held, exc, rows = None, None, []
+    txn, held, exc, rows = None, None, None, []
     try:
         if not isinstance(fb, ErrorFeedback):
             raise StateError(f"feedback: expected an ErrorFeedback, got {type(fb).__name__}")
@@ -620,7 +620,8 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None,
                 step, (int, np.integer))):
             raise ConfigError(f"step: expected an int or None, got {step!r}")
         check_hierarchy_mode(hierarchy)
-        held = fb.hold_entries()
+        txn = fb.transaction()  # holds every key while the save reads them
+        held = txn.hold_all()
         hier = hier_groups(held)
         for key in sorted(held):
             e = held[key]
@@ -721,8 +722,8 @@ def save_checkpoint(path, feedback=None, comm=None, step=None, *, fsync=None,
                 os.unlink(tmp)
         raise
     finally:
-        if held is not None:
-            fb.release_entries(held)
+        if txn is not None:
+            txn.end()
     return path
 
 
@@ -1099,6 +1100,9 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
     ConfigError
         On every rank, for a ``hierarchy`` that is not a mode, or none given
         where the checkpoint cannot say which (see ``hierarchy``).
+    StateError
+        On every rank, when a key of the store is in use by a pending
+        collective on any rank; every rank's store is unchanged.
     """
     cs = _comm.resolve(comm)
     c, size, rank = cs.comm, cs.size, cs.rank
@@ -1141,12 +1145,21 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
         exc = e if isinstance(e, MpigcError) else CheckpointError(f"{type(e).__name__}: {e}")
     _agree(c, exc, "load_checkpoint")
     entries = to_layout(c, comm, entries, mode, forms)
-    exc = None
+    # the install is a transaction (mpigc._residual_txn): it holds the keys until
+    # every rank has installed, and is undone where another rank could not
+    exc, txn = None, fb.transaction()
     try:
-        fb.replace_entries(entries, skipped_steps=meta["attrs"].get("skipped_steps", 0))
+        txn.install(entries, skipped_steps=meta["attrs"].get("skipped_steps", 0))
     except Exception as e:  # noqa: BLE001
         exc = e
-    _agree(c, exc, "load_checkpoint")
+    try:
+        _agree(c, exc, "load_checkpoint")
+    except BaseException:
+        if txn.held:
+            txn.restore()
+        raise
+    finally:
+        txn.end()
     if note is not None:
         warnings.warn(note, stacklevel=2)
     a = meta["attrs"]

@@ -1,7 +1,10 @@
 """The residual store owns its entries (issue 51 item 3): no module of
-mpigc but ``feedback.py`` writes an entry's fields or the store's count of
+mpigc but the store's (``feedback.py`` and its private ``_residual_entry.py``
+and ``_residual_txn.py``) writes an entry's fields or the store's count of
 skipped steps, or makes an entry itself; they go through the store's API,
-checked here too."""
+checked here too. Every rollback is one of the store's transactions
+(:class:`mpigc._residual_txn.Txn`), checked here for each of its records: by
+reference, by copy, and of the whole store."""
 import ast
 import os
 
@@ -17,11 +20,13 @@ FIELDS = {"worker", "owner", "calls", "skipped_steps", "on_device", "config"}
 PENDING = set()
 # not an entry: a Numba memory object's owner (mpigc/_cuda.py)
 OTHERS = {("_cuda.py", "owner")}
+# the store's modules (mpigc/)
+STORE = {"feedback.py", "_residual_entry.py", "_residual_txn.py"}
 
 
 def _writes(path):
     """``(line, field)`` of every assignment to ``<something>.FIELD`` where
-    the something is not ``self``, and every use of ``_Entry``."""
+    the something is not ``self``, and every use of the entry class."""
     tree = ast.parse(open(path).read())
     out = []
     for node in ast.walk(tree):
@@ -38,8 +43,8 @@ def _writes(path):
                     out.append((sub.lineno, sub.attr))
         if isinstance(node, (ast.Name, ast.Attribute, ast.alias)):
             name = getattr(node, "id", None) or getattr(node, "attr", None) or node.name
-            if name == "_Entry":
-                out.append((node.lineno, "_Entry"))
+            if name in ("_Entry", "Entry"):
+                out.append((node.lineno, name))
     return out
 
 
@@ -47,12 +52,12 @@ def test_no_module_but_feedback_writes_an_entry():
     bad = []
     for d, _, files in os.walk(ROOT):
         for f in files:
-            if not f.endswith(".py") or f == "feedback.py" and d == ROOT:
+            if not f.endswith(".py") or f in STORE and os.path.samefile(d, ROOT):
                 continue
             for line, field in _writes(os.path.join(d, f)):
                 if (f, field) not in PENDING | OTHERS:
                     bad.append(f"{os.path.relpath(os.path.join(d, f), ROOT)}:{line} {field}")
-    assert not bad, "written outside mpigc/feedback.py: " + ", ".join(bad)
+    assert not bad, "written outside the store's modules: " + ", ".join(bad)
 
 
 def test_the_api_writes_what_callers_wrote():
@@ -109,3 +114,94 @@ def test_a_fused_member_is_its_own_once_read(field):
     assert again.entry.worker.tolist() == [1, 2, 3]  # gathered anew
     again.end()
     assert p.worker.tolist() == [1, 2]  # a call that did not commit changed nothing
+
+
+def _one(fb, key, values, calls=2):
+    """``key`` in ``fb`` with worker residual ``values`` (float32, one rank)."""
+    w = np.array(values, np.float32)
+    fb.update_entries({key: feedback.new_entry(w.size, np.float32, 1, 0, {"type": "2bit"},
+                                               calls, w, None)})
+    return w
+
+
+def _call(fb, key, values, keep_replaced=False):
+    """One call's transaction on ``key``: a new worker residual ``values``."""
+    txn = fb.begin(key, len(values), np.float32, 1, 0)
+    txn.take_scratch()[:] = values
+    txn.commit({"type": "1bit"}, keep_replaced)
+    txn.count_call()
+    txn.end()
+
+
+def test_a_transaction_by_reference_puts_back_the_arrays_themselves():
+    """A hierarchical call's record: its sub-calls keep what they replace;
+    restore puts back the very arrays, counts and configs, and forgets a key
+    that had no entry; accept makes the replaced worker a spare."""
+    fb = mpigc.ErrorFeedback()
+    w = _one(fb, "s0", [1, 2, 3])
+    txn = fb.transaction()
+    txn.keep("s0")
+    txn.keep("s1")
+    _call(fb, "s0", [9, 9, 9], keep_replaced=True)
+    _call(fb, "s1", [5, 5], keep_replaced=True)
+    assert fb.state_dict()["s0"]["worker"].tolist() == [9, 9, 9]
+    txn.restore()
+    e = fb.entry("s0")
+    assert e.worker is w and e.calls == 2 and e.config == {"type": "2bit"}
+    assert "s1" not in fb and fb.keys() == ["s0"]
+    txn = fb.transaction()
+    txn.keep("s0")
+    _call(fb, "s0", [7, 7, 7], keep_replaced=True)
+    txn.accept()
+    assert fb.entry("s0").worker.tolist() == [7, 7, 7]
+    assert fb.spares.take(3, np.float32) is w  # the replaced array, spare
+
+
+def test_a_transaction_by_copy_puts_back_the_values_in_the_entrys_arrays():
+    """A torch step's record: calls may reuse what they replace and change
+    residuals in place; restore copies the values back into the entry's own
+    arrays (the record keeps its copies, reused by the next record)."""
+    fb = mpigc.ErrorFeedback()
+    _one(fb, "b", [1, 2, 3])
+    txn = fb.transaction()
+    txn.copy("b")
+    txn.copy("c")
+    assert txn.saved["c"] is None
+    _call(fb, "b", [4, 4, 4])
+    _call(fb, "b", [6, 6, 6])  # writes over the first call's spare
+    fb.add_to_worker("b", 0, 1, lambda v: v.__iadd__(10))
+    _call(fb, "c", [1, 1])
+    live = fb.entry("b").worker
+    fb.transaction(txn.saved).restore()  # its records, kept by the caller
+    e = fb.entry("b")
+    assert e.worker is live and live.tolist() == [1, 2, 3]
+    assert e.worker is not txn.saved["b"].worker
+    assert (e.calls, e.config) == (2, {"type": "2bit"}) and "c" not in fb
+    again = fb.transaction()
+    again.copy("b", txn.saved["b"])
+    assert again.saved["b"].worker is txn.saved["b"].worker  # written over
+
+
+def test_a_transaction_of_the_whole_store_holds_its_keys_and_puts_back():
+    """A checkpoint's install: every entry replaced, the keys held until the
+    end; restore puts back the old entries and count of skipped steps."""
+    fb = mpigc.ErrorFeedback()
+    fb.replace_entries({}, skipped_steps=3)
+    w = _one(fb, "old", [1, 2])
+    new = {"new": feedback.new_entry(2, np.float32, 1, 0, {"type": "2bit"}, 5,
+                                     np.zeros(2, np.float32), None)}
+    busy = fb.transaction()
+    busy.hold_all()
+    with pytest.raises(mpigc.StateError):  # a key held: nothing installed
+        fb.transaction().install(new, 9)
+    busy.end()
+    txn = fb.transaction()
+    txn.install(new, 9)
+    assert fb.keys() == ["new"] and fb.skipped_steps == 9
+    for key in ("old", "new"):  # held until the end
+        with pytest.raises(mpigc.StateError):
+            fb.begin(key, 2, np.float32, 1, 0)
+    txn.restore()
+    txn.end()
+    assert fb.keys() == ["old"] and fb.entry("old").worker is w and fb.skipped_steps == 3
+    _call(fb, "new", [1, 1])  # free again

@@ -4,9 +4,10 @@ DDP hook and CompressedAdamW do to their residuals, written once.
 :class:`Residuals` holds an object's :class:`mpigc.ErrorFeedback` store and
 does, through the store's API only (no entry field is written here):
 
-- a step that changes the residuals of all its calls or of none: snapshots
-  of a call's keys before it starts (their arrays reused step after step),
-  put back when another call of the step failed or was skipped;
+- a step that changes the residuals of all its calls or of none: the
+  store's transactions (:meth:`ErrorFeedback.transaction`) record a call's
+  keys by copy before it starts (their arrays reused step after step), put
+  back when another call of the step failed or was skipped;
 - the fold-back of parameters that no rank used: what their elements
   delivered goes back into the worker residuals (hierarchical calls: each of
   a slice's handlers takes its share);
@@ -23,7 +24,7 @@ hierarchical slices) are :mod:`mpigc.torch._state`'s.
 import numpy as np
 
 from .._errors import MpigcError
-from ..feedback import ErrorFeedback, restore, shard_bounds, snapshot
+from ..feedback import ErrorFeedback, shard_bounds
 
 from ._common import as_tensor, raise_everywhere
 from ._record import gather_record
@@ -64,17 +65,21 @@ class Residuals:
 
     # -- a step that changes the residuals of all its calls or of none -----------
     def snapshot(self, layout):
-        """The residuals of ``layout``'s keys now (``{key: snapshot}``, in
-        arrays of an older snapshot of it when there is one), for
-        :meth:`restore`; hand it back with :meth:`recycle`."""
+        """The residuals of ``layout``'s keys now, recorded by copy by a
+        transaction of the store (its records, ``{key: Saved | None}``, in
+        arrays of an older snapshot of it when there is one; by copy: the
+        step's calls may reuse the arrays they replace), for :meth:`restore`;
+        hand it back with :meth:`recycle`. Only while no call uses the keys."""
         reuse = self._spares.pop(layout.key, None) or {}
-        return {k: snapshot(self.feedback, k, reuse.get(k)) for _, k in self.keys(layout)}
+        txn = self.feedback.transaction()
+        for _, k in self.keys(layout):
+            txn.copy(k, reuse.get(k))
+        return txn.saved
 
     def restore(self, snaps):
         """Put back :meth:`snapshot`'s ``snaps`` (keys that had no residuals
-        then are forgotten)."""
-        for k, snap in snaps.items():
-            restore(self.feedback, k, snap)
+        then are forgotten): the transaction that took them, restored."""
+        self.feedback.transaction(snaps).restore()
 
     def recycle(self, layout_key, snaps):
         """``snaps`` (of the layout with key ``layout_key``) is no longer

@@ -264,6 +264,35 @@ def test_config_mismatch_strict_and_not(shared_dir):
     agree(same_state(fresh, fb), "matching configs= loads everything")
 
 
+def test_a_load_that_one_rank_cannot_install_changes_no_rank(shared_dir):
+    """A key in use on one rank only (a pending call's): the load raises
+    StateError on every rank, and every rank's store is as it was, count of
+    skipped steps too (the install is a transaction, undone where another
+    rank could not install)."""
+    path = os.path.join(shared_dir, "ck")
+    fb = mpigc.ErrorFeedback()
+    run_steps(fb, WORLD, range(2), keys=KEYS[:2])
+    fb.replace_entries(fb.entries(), skipped_steps=4)
+    mpigc.save_checkpoint(path, feedback=fb)
+    run_steps(fb, WORLD, range(2, 3), keys=KEYS[:2])
+    fb.replace_entries(fb.entries(), skipped_steps=6)
+    before = mpigc.ErrorFeedback()
+    before.load_state_dict(fb.state_dict())
+    held = None
+    if RANK == SIZE - 1:  # a call on a key of its own, pending on this rank only
+        held = fb.begin("local", 4, np.float32, 1, 0)
+    try:
+        raises_everywhere(mpigc.StateError, lambda: mpigc.load_checkpoint(path, feedback=fb),
+                          WORLD, match="in use")
+    finally:
+        if held is not None:
+            held.end()
+    agree(same_state(fb, before) and fb.skipped_steps == 6,
+          "a load one rank could not install leaves every store unchanged")
+    mpigc.load_checkpoint(path, feedback=fb)  # and then it can
+    agree(fb.skipped_steps == 4 and not same_state(fb, before), "the load after it")
+
+
 def _flip_byte(fname, offset):
     with open(fname, "r+b") as f:
         f.seek(offset)

@@ -1,0 +1,257 @@
+"""The residual store's entries (:mod:`mpigc.feedback`'s, private to it and
+to :mod:`mpigc._residual_txn`): a key's residuals (:class:`Entry`), the fused
+residuals of a grouped call's members (:class:`Fused`), and the copies of
+residual arrays on either side (host or device) that the store makes."""
+import threading
+
+import numpy as np
+
+from . import _dispatch
+from . import _timeline
+
+
+class Entry:
+    """A key's residuals (``worker``, ``owner``), call count and config.
+
+    ``worker`` and ``owner`` are properties: while the key is one member of
+    a grouped call's fused residuals (``fused``, a :class:`Fused`), its
+    residuals live in the group's fused buffers, and the first read or write
+    of either (a single call on the key, a state, a checkpoint, a snapshot)
+    first copies every member's back into arrays of their own (:meth:`Fused.evict`)."""
+
+    __slots__ = ("n", "dtype", "world_size", "rank", "_worker", "_owner", "config",
+                 "calls", "on_device", "fused")
+
+    def __init__(self, n, dtype, world_size, rank, config, on_device=None):
+        self.n = n
+        self.dtype = np.dtype(dtype)
+        self.world_size = world_size
+        self.rank = rank
+        self._worker = None
+        self._owner = None
+        self.fused = None
+        self.config = config
+        self.calls = 0
+        #: True: residuals in device memory; False: host; None: not placed yet
+        #: (loaded from a state dict or a checkpoint; see the module docstring)
+        self.on_device = on_device
+
+    @property
+    def worker(self):
+        if self.fused is not None:
+            self.fused.evict()
+        return self._worker
+
+    @worker.setter
+    def worker(self, a):
+        if self.fused is not None:
+            self.fused.evict()
+        self._worker = a
+
+    @property
+    def owner(self):
+        if self.fused is not None:
+            self.fused.evict()
+        return self._owner
+
+    @owner.setter
+    def owner(self, a):
+        if self.fused is not None:
+            self.fused.evict()
+        self._owner = a
+
+    def holds(self):
+        """Whether the key holds a residual (without moving fused ones)."""
+        return self.fused is not None or self._worker is not None or self._owner is not None
+
+    def place(self, device):
+        """Move not-yet-placed residuals to where a call needs them."""
+        if self.on_device is None:  # loaded: never fused
+            if device:
+                from . import _cuda
+                self._worker = None if self._worker is None else _cuda.to_device(self._worker)
+                self._owner = None if self._owner is None else _cuda.to_device(self._owner)
+            self.on_device = bool(device)
+
+    def host_copy(self):
+        """An entry with host copies of the residuals (the same one if they
+        are on the host already)."""
+        if not self.on_device:
+            return self
+        e = Entry(self.n, self.dtype, self.world_size, self.rank, self.config, False)
+        e.calls = self.calls
+        e.worker = host(self.worker)
+        e.owner = host(self.owner)
+        return e
+
+    def describe(self):
+        return (f"{self.n} values of {self.dtype} on {self.world_size} rank(s)")
+
+
+class Fused:
+    """The residuals of a grouped call's members, kept fused between calls
+    (issue 51 item 6): ``worker``, laid out as the group's fused buffer
+    (placement ``place``), and ``owner``, as this rank's fused shard
+    (``owner_place``); None where the members keep their own arrays. A
+    grouped call with the same keys, entries and placement uses them as they
+    are (no gather or scatter per call); anything else that reads or writes a
+    member's residual first moves every member's back into arrays of their
+    own (:meth:`evict`), which is the scatter a call used to make at its end."""
+
+    __slots__ = ("members", "place", "owner_place", "dtype", "device", "worker", "owner",
+                 "lock")
+
+    def __init__(self, members, place, owner_place, dtype, device):
+        self.members = list(members)
+        self.place, self.owner_place = place, owner_place
+        self.dtype, self.device = dtype, device
+        self.worker = self.owner = None
+        self.lock = threading.Lock()
+
+    def serves(self, entries, place, owner_place):
+        """Whether a grouped call of ``entries`` (its members' entries, in
+        order) and this placement finds its residuals here."""
+        if (self.worker is None and self.owner is None) or len(entries) != len(self.members):
+            return False
+        if not (self.place is place or self.place == place) or not (
+                self.owner_place is owner_place or self.owner_place == owner_place):
+            return False
+        for e, m in zip(entries, self.members):
+            if e is not m or e.fused is not self:
+                return False
+        return True
+
+    def adopt(self, worker, owner, calls):
+        """A committed grouped call's fused residuals ``worker`` and ``owner``
+        (None: the members keep their own) become the members' (their own
+        arrays of them are stale: dropped), and ``calls`` their call count.
+        Returns whether the members are now fused (hold any of them)."""
+        for e in self.members:
+            if worker is not None:
+                e._worker = None
+            if owner is not None:
+                e._owner = None
+            e.calls = calls
+        self.worker, self.owner = worker, owner
+        if worker is None and owner is None:
+            return False
+        for e in self.members:
+            e.fused = self
+        return True
+
+    def evict(self):
+        """Every member's residuals back into arrays of their own (new ones:
+        the store's lock may be held); the fused arrays are dropped. Under
+        the group's own lock; does nothing once done."""
+        with self.lock:
+            members, dtype, device = self.members, self.dtype, self.device
+            if self.worker is None and self.owner is None:
+                return
+            t0 = _timeline.ON and _timeline.now()
+            for arr, place, attr in ((self.worker, self.place, "_worker"),
+                                     (self.owner, self.owner_place, "_owner")):
+                if arr is None or place is None:
+                    continue
+                pieces, ats, nshards = place
+                for i, lo, hi, at in pieces:
+                    e = members[i]
+                    dst = getattr(e, attr)
+                    m = e.n if attr == "_worker" else hi - lo
+                    if dst is None or dst.size != m:
+                        dst = empty(m, dtype, device)
+                        setattr(e, attr, dst)
+                    if not device:
+                        dst[lo:hi] = arr[at:at + hi - lo]
+                if device:  # one launch per member
+                    _dispatch.kernels(arr).group_copy(
+                        arr, [getattr(e, attr) for e in members], ats, nshards, False)
+                if attr == "_owner":
+                    # a member smaller than the ranks owns no element here: an
+                    # empty owner residual, as its single call leaves
+                    for e in members:
+                        if e._owner is None:
+                            e._owner = empty(0, dtype, device)
+            self.worker = self.owner = None
+            for e in members:
+                if e.fused is self:
+                    e.fused = None
+            if t0:
+                _timeline.span("group: residuals out", t0)
+
+
+class Spares:
+    """A store's scratch residual buffers (double-buffering): at most one
+    per size, dtype and side (host or device), under a lock of its own."""
+
+    def __init__(self):
+        self._pools = {}
+        self._lock = threading.Lock()
+
+    def take(self, n, dtype, device=False):
+        """A buffer of ``n`` values (contents undefined), in device memory if
+        ``device``: one given back by :meth:`give` (taken out under the
+        lock), or a new one (allocated outside the lock)."""
+        with self._lock:
+            pool = self._pools.get((n, np.dtype(dtype), bool(device)))
+            if pool:
+                return pool.pop()
+        return empty(n, dtype, device)
+
+    def give(self, arr):
+        """Give back a residual buffer that no entry uses any more (kept if
+        the pool of its size, dtype and side is empty; else dropped)."""
+        with self._lock:
+            key = (arr.size, np.dtype(arr.dtype), _dispatch.is_device_array(arr))
+            pool = self._pools.setdefault(key, [])
+            if len(pool) < 1:
+                pool.append(arr)
+
+    def clear(self):
+        with self._lock:
+            self._pools.clear()
+
+
+def empty(n, dtype, device):
+    if device:
+        from . import _cuda
+        return _cuda.empty(n, dtype)
+    return np.empty(n, dtype)
+
+
+
+def host(a):
+    """A host copy of residual ``a`` (host or device), or None."""
+    if a is None:
+        return None
+    if _dispatch.is_device_array(a):
+        return a.copy_tohost()
+    return a.copy()
+
+
+
+def zero(dst):
+    """``dst[:] = 0`` in device memory."""
+    from . import _cuda
+    _cuda.copy(dst, np.zeros(dst.size, dst.dtype))
+
+
+
+def copy_of(a, into=None):
+    """A copy of residual ``a`` on its own side (a device residual stays in
+    device memory), written into ``into`` when that fits; None for None."""
+    if a is None:
+        return None
+    if _dispatch.is_device_array(a):
+        from . import _cuda
+        if (into is None or not _dispatch.is_device_array(into) or into.size != a.size
+                or np.dtype(into.dtype) != np.dtype(a.dtype)):
+            into = _cuda.empty(a.size, a.dtype)
+        if a.size:
+            _cuda.copy(into, a)
+        return into
+    if (into is None or not isinstance(into, np.ndarray) or into.shape != a.shape
+            or into.dtype != a.dtype):
+        return np.array(a, copy=True)
+    into[...] = a
+    return into
+

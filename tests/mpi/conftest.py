@@ -24,6 +24,11 @@ shards, 4 for nodes of 2, the house style). Under
 K it does not declare; a file that declares nothing (or something that is not
 a list of rank counts) is a collection error, so a new file must choose.
 ``MPIGC_TEST_ALL_RANKS=1`` runs every file at every K.
+
+A test that matters at fewer counts than its file's narrows them with a marker
+of its own, which wins over the file's (``@pytest.mark.ranks(2)`` above the
+test: a pair-only check skips at 3 and 4 while the rest of the file runs
+there); its counts must be among the file's.
 """
 import os
 import re
@@ -212,8 +217,21 @@ def pytest_collection_modifyitems(config, items):
     size = MPI.COMM_WORLD.Get_size()
     for item in items:
         mark = item.get_closest_marker("ranks")
+        own = [m for m in item.own_markers if m.name == "ranks"]
+        if own:  # a test's own counts: valid, and among its file's
+            module = item.getparent(pytest.Module)
+            outer = [m for m in module.own_markers if m.name == "ranks"] if module else []
+            bad = (own[0].kwargs or not own[0].args
+                   or not all(isinstance(k, int) and not isinstance(k, bool) and k >= 1
+                              for k in own[0].args)
+                   or (outer and not set(own[0].args) <= set(outer[0].args)))
+            if bad:
+                raise pytest.UsageError(
+                    f"{item.nodeid}: invalid marker ranks({', '.join(map(repr, own[0].args))}):"
+                    f" expected ranks(K, ...), each K >= 1 and among its file's counts")
         if mark is not None and size not in mark.args:
             counts = ", ".join(map(str, mark.args))
+            who = item.name if own else item.path.name
             item.add_marker(pytest.mark.skip(
-                reason=f"{item.path.name} runs at {counts} rank(s) only (its "
+                reason=f"{who} runs at {counts} rank(s) only (its "
                        f"pytest.mark.ranks; MPIGC_TEST_ALL_RANKS=1 runs it at {size})"))

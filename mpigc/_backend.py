@@ -72,15 +72,20 @@ class HostBackend:
         a = self.view if buf is self.given else host_view(buf, "buf")
         return bool(a.flags.writeable)
 
-    def quick_member(self, b, dtype, writable):
-        """A grouped call's member ``b`` flat, where it passes every check of
-        :meth:`adopt` and the group's at a glance (a C-contiguous, non-empty
-        numpy array of ``dtype``, writable if ``writable``): no backend of its
-        own; else None (it is adopted as the first member was)."""
-        if (type(b) is np.ndarray and b.dtype == dtype and b.flags.c_contiguous and b.size
-                and (b.flags.writeable or not writable)):
-            return b.reshape(b.size)
-        return None
+    def quick_members(self, bufs, start, dtype, writable):
+        """A grouped call's members ``bufs[start:k]`` flat, ``k`` the first
+        that does not pass every check of :meth:`adopt` and the group's at a
+        glance (a C-contiguous, non-empty numpy array of ``dtype``, writable
+        if ``writable``): those need no backend of their own (the others are
+        adopted as the first member was)."""
+        out = []
+        ndarray = np.ndarray
+        for b in bufs[start:]:
+            if (type(b) is not ndarray or b.dtype != dtype or not b.flags.c_contiguous
+                    or not b.size or (writable and not b.flags.writeable)):
+                break
+            out.append(b.reshape(b.size))
+        return out
 
     def adopt_out(self, out, n, dtype):
         """reduce_scatter's ``out=``: a numpy array over ``out``'s memory (a
@@ -227,10 +232,10 @@ class DeviceBackend:
     def is_c_contiguous(self, buf, a):
         return _cuda.is_c_contiguous(a)
 
-    def quick_member(self, b, dtype, writable):
-        """None: every member of a device group is adopted (its stream waited
-        for, its GPU checked)."""
-        return None
+    def quick_members(self, bufs, start, dtype, writable):
+        """None at a glance: every member of a device group is adopted (its
+        stream waited for, its GPU checked)."""
+        return []
 
     def is_writable(self, buf):
         return not _cuda.is_readonly(buf)

@@ -30,7 +30,7 @@ def test_both_sides_have_the_same_methods():
     host, dev = _methods(_backend.HostBackend), _methods(_backend.DeviceBackend)
     assert host == dev, (f"host only: {sorted(host - dev)}, device only: "
                          f"{sorted(dev - host)}")
-    for name in ("place_members", "stats", "count_nonfinite", "quick_member"):
+    for name in ("place_members", "stats", "count_nonfinite", "quick_members"):
         assert name in host
 
 
@@ -72,20 +72,22 @@ def test_stats_and_counts_by_the_backend():
     assert be.count_nonfinite(x) == 1
 
 
-def test_quick_member():
+def test_quick_members():
     be = _backend.HostBackend(cpu)
     f32 = np.dtype(np.float32)
     a = np.ones((4, 5), np.float32)
-    assert be.quick_member(a, f32, True).shape == (20,)
     ro = a.copy()
     ro.flags.writeable = False
-    assert be.quick_member(ro, f32, True) is None
-    assert be.quick_member(ro, f32, False) is not None
-    assert be.quick_member(a.T, f32, True) is None  # not C-contiguous
-    assert be.quick_member(a.astype(np.float64), f32, True) is None
-    assert be.quick_member(np.ones(0, np.float32), f32, True) is None
-    assert be.quick_member([1.0], f32, True) is None
-    assert _backend.DeviceBackend(None).quick_member(a, f32, True) is None
+
+    def quick(bufs, start=0, writable=True):
+        return [f.shape for f in be.quick_members(bufs, start, f32, writable)]
+    assert quick([a, a]) == [(20,), (20,)]
+    assert quick([a, ro, a]) == [(20,)]  # up to the first that is not at a glance
+    assert quick([a, ro, a], writable=False) == [(20,)] * 3
+    assert quick([a, a, ro, a], start=3) == [(20,)]
+    for bad in (a.T, a.astype(np.float64), np.ones(0, np.float32), [1.0]):
+        assert quick([bad, a]) == []
+    assert _backend.DeviceBackend(None).quick_members([a], 0, f32, True) == []
 
 
 @pytest.fixture
@@ -150,3 +152,29 @@ def _side_questions(path):
 def test_the_engine_does_not_ask_the_side(module):
     found = _side_questions(os.path.join(ROOT, "mpigc", module + ".py"))
     assert not found, f"mpigc/{module}.py asks which side an array is on: {found}"
+
+
+def test_group_adopts_members_that_are_not_quick():
+    """A member the backend does not take at a glance (a CPU array that is
+    not numpy's, a read-only one in a reduce_scatter) is adopted as the first
+    was, the members after it at a glance again; a bad one is named."""
+    from mpigc._group import Group
+    a, c = np.arange(6, dtype=np.float32), np.arange(3, dtype=np.float32)
+    buf = bytearray(np.arange(4, dtype=np.float32).tobytes())
+    b = memoryview(buf).cast("f")
+    g = Group("allreduce", [a, b, c, a], None, None, None, True)
+    g.adopt(None)
+    assert g.sizes == (6, 4, 3, 6)
+    g.flats[1][0] = 7  # a view of the member's memory
+    assert np.frombuffer(buf, np.float32)[0] == 7
+    ro = c.copy()
+    ro.flags.writeable = False
+    g = Group("reduce_scatter", [a, ro, c], None, None, None, True)
+    g.adopt(None)
+    assert g.sizes == (6, 3, 3)
+    g = Group("allreduce", [a, c, ro, a], None, None, None, True)
+    with pytest.raises(mpigc.InvalidBufferError, match="group member 2"):
+        g.adopt(None)
+    g = Group("allreduce", [a, np.ones(4, np.float64)], None, None, None, True)
+    with pytest.raises(mpigc.DTypeError, match="group member 1 is float64"):
+        g.adopt(None)

@@ -35,7 +35,7 @@ from . import _settings
 from . import _wire
 from .compressors import work_dtype
 
-__all__ = ["Prepared", "Buffers", "BufferSet", "Bound", "prepare", "cache_enabled"]
+__all__ = ["Prepared", "Buffers", "BufferSet", "Bound", "prepare", "lookup", "cache_enabled"]
 
 
 class BufferSet:
@@ -214,12 +214,51 @@ def cache_enabled():
     return _wire.getenv("MPIGC_PLAN_CACHE") != "0"
 
 
+# the records of the commonest signatures (a str op without parameters, no
+# recvcounts, keys and flags of their exact types) by their arguments as they
+# come and the raw values of the variables that shape a call
+# (_wire.env_snapshot, the limits' among them): a dict lookup where the full
+# signature costs a few microseconds per call (settings_key's checks, its
+# variables read one by one, a nested key hashed). The same records as _cache.
+_front = {}
+_KEY_TYPES = frozenset((str, int, type(None)))
+_OPT_STR = frozenset((str, type(None)))
+
+
+def _front_key(kind, device, device_id, dtype, n, size, rank, op, params, key, average,
+               gather, nonfinite, recvcounts):
+    """The call's key in ``_front``, or None (not one of its signatures)."""
+    if (type(op) is not str or params or recvcounts is not None
+            or type(average) is not bool or type(key) not in _KEY_TYPES
+            or type(gather) not in _OPT_STR or type(nonfinite) not in _OPT_STR):
+        return None
+    return (kind, op, type(key), key, average, gather, nonfinite, n, dtype, size, rank,
+            device, device_id, _wire.env_snapshot())
+
+
+def lookup(kind, device, device_id, dtype, n, size, rank, op, params, key, average, gather,
+           nonfinite, recvcounts):
+    """The cached :class:`Prepared` record of a call of the commonest
+    signatures, its limits those that :func:`mpigc._wire.read_limits` reads
+    now (``rec.limits``), or None: then :func:`prepare` it."""
+    fk = _front_key(kind, device, device_id, dtype, n, size, rank, op, params, key, average,
+                    gather, nonfinite, recvcounts)
+    return None if fk is None else _front.get(fk)
+
+
 def prepare(kind, device, device_id, dtype, n, size, rank, op, params, key, average, gather,
             nonfinite, recvcounts, limits):
     """The call's :class:`Prepared` record: the cached one of its signature,
     or made now (its settings validated: raises ConfigError or
     InvalidBufferError as :func:`mpigc._settings.settings_for` does).
-    ``device``, ``device_id``: the buffer's backend's (host: False, None)."""
+    ``device``, ``device_id``: the buffer's backend's (host: False, None).
+    ``limits``: :func:`mpigc._wire.read_limits`'s now."""
+    fk = _front_key(kind, device, device_id, dtype, n, size, rank, op, params, key, average,
+                    gather, nonfinite, recvcounts)
+    if fk is not None:
+        hit = _front.get(fk)
+        if hit is not None and hit.limits == limits:
+            return hit
     sk = _settings.settings_key(kind, op, params, key, average, gather, nonfinite, n, dtype,
                                 recvcounts, size, limits.max_count)
     ck = None
@@ -227,6 +266,7 @@ def prepare(kind, device, device_id, dtype, n, size, rank, op, params, key, aver
         ck = (sk, rank, device, device_id, _wire.getenv("MPIGC_CHUNK_BYTES"), limits)
         hit = _cache.get(ck)
         if hit is not None:
+            _remember(fk, hit)
             return hit
     st = _settings.settings_for(kind, dtype, size, op, params, key, average, gather,
                                 nonfinite, n, recvcounts, limits)
@@ -246,4 +286,15 @@ def prepare(kind, device, device_id, dtype, n, size, rank, op, params, key, aver
         if len(_cache) >= _CACHE_MAX:
             _cache.clear()
         _cache[ck] = rec
+        _remember(fk, rec)
     return rec
+
+
+def _remember(fk, rec):
+    """Put ``rec``, cached under its signature, in ``_front`` (``fk``: its
+    key there, or None) when its limits are the environment's now (those
+    that the key's variables give)."""
+    if fk is not None and rec.limits == _wire.read_limits():
+        if len(_front) >= _CACHE_MAX:
+            _front.clear()
+        _front[fk] = rec

@@ -235,6 +235,8 @@ class Request:
     def wait(self):
         """Complete the call and return its result."""
         op = self._op
+        if op.straight:  # completed straight through, never queued: nothing to do
+            return op.result
         note_caller()
         with lock:
             complete(op)
@@ -491,6 +493,7 @@ class PendingCall:
     wait_since = None  # when it was first waited for (while a timeline is recorded)
     running = False  # a step is under way (no re-entry from a nested wait)
     polite = False
+    straight = False  # a call completed straight through, never queued (the short path's)
 
     def progress(self, block):
         """Advance; never raises (see :meth:`finished`). Blocks in MPI only

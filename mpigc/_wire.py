@@ -115,6 +115,25 @@ def getenv(name):
     return None if v is None else os.fsdecode(v)
 
 
+# the variables that shape a call's record (mpigc._prepared): its limits
+# (read_limits), its settings (mpigc._settings.settings_key), its chunks and the
+# cache itself, as bytes keys of _ENV_DATA
+_SHAPING = ("MPIGC_INLINE_PLAIN_BYTES", "MPIGC_INLINE_PAYLOAD_BYTES", "MPIGC_MAX_COUNT",
+            "MPIGC_NONFINITE", "MPIGC_MIN_COMPRESS_BYTES", "MPIGC_CHUNK_BYTES",
+            "MPIGC_PLAN_CACHE")
+_SHAPING_B = tuple(name.encode() for name in _SHAPING)
+
+
+def env_snapshot():
+    """The raw values (None where unset) of the environment variables that
+    shape a call's prepared record, in one tuple: a key for records whose
+    limits and settings these variables fix (about 0.3 us, where reading
+    them one by one costs a function call each)."""
+    if _ENV_DATA is None:
+        return tuple(map(os.environ.get, _SHAPING))
+    return tuple(map(_ENV_DATA.get, _SHAPING_B))
+
+
 def env_int(name, default, least=0, most=None):
     """The integer in the environment variable ``name`` (``default`` when it
     is unset), from ``least`` to ``most``; ConfigError otherwise."""

@@ -400,3 +400,26 @@ def test_slice_verdict_reads_every_group_on_every_node_rank(rows, want):
     t = np.array(rows, np.int64)
     assert P.slice_verdict(t) == want
     assert P.slice_verdict(t[::-1]) == want  # whichever rank ran a group
+
+
+class _NoLists(np.ndarray):
+    """A table whose rows cannot be read as lists."""
+
+    def tolist(self):
+        raise AssertionError("read as lists")
+
+
+def test_identical_rows_go_by_their_bytes():
+    """The common table (every row the same bytes, none with an error, a
+    non-finite or an out-of-range count) goes ahead on two bytes compares,
+    before its rows are read as lists; the other tables as before."""
+    for size in (1, 2, 5, 16):
+        t = table(*[same() for _ in range(size)]).view(_NoLists)
+        for rank in range(size):
+            assert P.verdict(t, rank, "raise") is P.GO
+    for col in (P.NBAD, P.RANGE):
+        t = table(*[{**same(), col: 3} for _ in range(2)])
+        assert verdicts(t, "skip").kind == "skip"
+        assert verdicts(t, "ignore") is P.GO
+    t = table(*[{**same(), P.CODE: 2} for _ in range(2)])
+    assert verdicts(t).kind == "failed"

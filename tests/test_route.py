@@ -70,3 +70,63 @@ def test_hierarchy_is_checked_by_the_router_before_anything():
         _route.start("allreduce", np.zeros(4, np.float32), "none", {}, comm=None, key=None,
                      average=False, gather="compressed", feedback=None, nonfinite=None,
                      hierarchy="nodes", blocking=True)
+
+
+def _prep(monkeypatch=None, **kw):
+    from mpigc import _prepared
+    args = dict(kind="allreduce", device=False, device_id=None, dtype=np.dtype(np.float32),
+                n=1000, size=2, rank=0, op="none", params={}, key="k", average=False,
+                gather="compressed", nonfinite=None, recvcounts=None)
+    args.update(kw)
+    return _prepared, args
+
+
+def test_a_repeated_call_s_record_is_found_by_its_arguments(no_limits):
+    """A call of the commonest signatures (a str op, no parameters, no
+    recvcounts) finds its prepared record by its arguments and the raw
+    environment (``_prepared.lookup``), without the full signature
+    (``settings_key``: a few microseconds per call); a variable that shapes
+    the call, a key of another type or a flag that is not a bool is another
+    signature."""
+    _prepared, args = _prep()
+    no_limits.delenv("MPIGC_PLAN_CACHE", raising=False)
+    rec = _prepared.prepare(**args, limits=_wire.read_limits())
+    assert _prepared.lookup(**args) is rec
+    assert rec.limits == _wire.read_limits()
+
+    def no_key(*a, **k):
+        raise AssertionError("the full signature was computed")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_settings, "settings_key", no_key)
+        assert _prepared.prepare(**args, limits=_wire.read_limits()) is rec
+    for var, value in (("MPIGC_NONFINITE", "skip"), ("MPIGC_INLINE_PLAIN_BYTES", "16"),
+                       ("MPIGC_MIN_COMPRESS_BYTES", "64"), ("MPIGC_CHUNK_BYTES", "4096"),
+                       ("MPIGC_PLAN_CACHE", "1")):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(var, value)
+            assert _prepared.lookup(**args) is None, var
+    assert _prepared.lookup(**dict(args, key=1)) is None
+    assert _prepared.lookup(**dict(args, average=1)) is None
+    assert _prepared.lookup(**dict(args, params={"threshold": 0.5})) is None
+    assert _prepared.lookup(**args) is rec
+    # limits given that are not the environment's (a hierarchical call's
+    # read at its start) are not served another call's record
+    other = _wire.Limits(16, 16, 1 << 20)
+    assert _prepared.prepare(**args, limits=other).limits == other
+    assert _prepared.lookup(**args) is rec
+    no_limits.setenv("MPIGC_PLAN_CACHE", "0")
+    assert _prepared.lookup(**args) is None
+    assert _prepared.prepare(**args, limits=_wire.read_limits()) is not rec
+
+
+def test_a_call_completed_straight_through_is_waited_for_without_the_engine(monkeypatch):
+    """A call that the short path completed (never queued) is its result at
+    once: Request.wait takes no lock and drives no call."""
+    from mpigc import _sched, _shortcall, _trace
+
+    def driven(*a, **k):
+        raise AssertionError("the engine drove a completed call")
+    monkeypatch.setattr(_sched, "complete", driven)
+    monkeypatch.setattr(_sched, "note_caller", driven)
+    buf = np.zeros(3)
+    assert _sched.Request(_shortcall.Done(buf, _trace.CallTrace())).wait() is buf

@@ -57,6 +57,7 @@ from .scenarios import call_input, draw_calls, outcome, state_bytes
 # the engine's modules with MPI or state of their own: one copy per rank
 ENGINE = ("_sched", "_comm", "_reducer", "_wire", "_settings", "_prepared", "_agree",
           "_flatagree",
+          "_effects",
           "_shortcall", "_collective", "_twophase", "_plainsum", "_group", "_hierarchy",
           "_hiercall", "_route", "allreduce", "reduce_scatter")
 

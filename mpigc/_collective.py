@@ -394,7 +394,8 @@ class _Op(PendingCall):
             # non-finite values, known after its last chunk, agree too
             self._commit()
         # the data travelled with the rows when every row says so
-        inline = rows.sources is not None and bool(self.table[:, _INLINE].all())
+        # (a list's all(): numpy's reduction costs more than its few values)
+        inline = rows.sources is not None and all(self.table[:, _INLINE].tolist())
         self.trace.went("plain" if rec.plain else "two-phase", inline)
         if rec.plain:
             # the steps of the plain sum (here, not as a sub-generator:

@@ -89,15 +89,25 @@ def kernels(a):
     return cpu
 
 
+# the host backend's class and kernels, imported on the first host call (an
+# import statement per call costs about a microsecond)
+_host = None
+
+
 def backend(a):
     """A new backend (:mod:`mpigc._backend`) for one call on array ``a``:
     the device one for device arrays, the host one otherwise (numpy arrays
     and other CPU arrays, which its ``adopt`` views or refuses)."""
-    from ._backend import DeviceBackend, HostBackend
+    global _host
     if is_device_array(a):
+        from ._backend import DeviceBackend
         return DeviceBackend(_cuda_kernels())
-    from .kernels import cpu
-    return HostBackend(cpu)
+    host = _host
+    if host is None:
+        from ._backend import HostBackend
+        from .kernels import cpu
+        host = _host = (HostBackend, cpu)
+    return host[0](host[1])
 
 
 def put_bytes(payload, host_bytes):

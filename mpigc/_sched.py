@@ -50,8 +50,11 @@ __all__ = ["lock", "Request", "PendingCall", "Turn", "All", "Any", "Probe", "Job
 lock = threading.RLock()
 
 _pending = []  # calls started and not done, in start order
-# a wait that polls sleeps on this, the lock given up meanwhile (poll)
+# a wait that polls sleeps on this, the lock given up meanwhile (poll); how
+# many do now (under lock): the queue notifies them only when there are some
+# (Condition.notify_all costs about a microsecond even without a waiter)
 _changed = threading.Condition(lock)
+_polling = 0
 # the user threads that called mpigc: the first one's id, then True for several
 _first_caller = None
 _several = False
@@ -60,7 +63,8 @@ _several = False
 def enqueue(call):
     """Queue a call that has started (under :data:`lock`)."""
     _pending.append(call)
-    _changed.notify_all()
+    if _polling:
+        _changed.notify_all()
 
 
 def dequeue(call):
@@ -68,7 +72,8 @@ def dequeue(call):
     when it is not there)."""
     if call in _pending:
         _pending.remove(call)
-        _changed.notify_all()
+        if _polling:
+            _changed.notify_all()
         if _timeline.ON:
             call.trace.ended(*call.trace_args())
 
@@ -293,13 +298,18 @@ def poll(done):
     for up to 100 µs at a time, waking when a call is queued or finished), so
     that other threads may start and advance calls meanwhile. What
     :func:`complete` does when several user threads call mpigc."""
+    global _polling
     t0 = time.perf_counter()
     while not done():
         progress_all()
         if done():
             return
         # the lock (every level of it) given up meanwhile
-        _changed.wait(0 if time.perf_counter() - t0 < 200e-6 else 100e-6)
+        _polling += 1
+        try:
+            _changed.wait(0 if time.perf_counter() - t0 < 200e-6 else 100e-6)
+        finally:
+            _polling -= 1
 
 
 def in_order(op):

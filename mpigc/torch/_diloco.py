@@ -354,19 +354,26 @@ class DiLoCo:
                                  "steps is dropped on every rank (parameters back at the "
                                  "anchor)")
         if exc is None:
+            # sharded: the residuals as they are, by copy, put back if another
+            # shard's exchange fails (this shard's then delivered nothing)
+            txn = None
+            if self.shards > 1:
+                txn = self.feedback.transaction()
+                txn.copy(self.key)
             try:
                 allreduce(self._wire(delta), self.compressor, comm=self.replica_comm,
                           key=self.key, average=True, gather=self.gather,
                           feedback=self.feedback, nonfinite="raise")
             except MpigcError as e:  # raised on every rank of replica_comm by the engine
-                exc = e
+                exc = e              # (residuals unchanged by a call that fails)
             if self.shards > 1:  # and on every rank when one shard's exchange failed
                 failed = [i for i, ok in enumerate(self._comm.allgather(exc is None))
                           if not ok]
                 if failed and exc is None:
+                    txn.restore()
                     exc = StateError(f"DiLoCo.synchronize: the exchange failed on rank(s) "
                                      f"{failed} (another shard); the window is dropped on "
-                                     "every rank")
+                                     "every rank, its residuals as before it")
         if exc is not None:
             self._drop()
             if isinstance(exc, NonFiniteError) and self.nonfinite == "skip":

@@ -656,6 +656,44 @@ def test_nonfinite_shard_drops_the_window_everywhere(comm):
                "the window was not dropped")
 
 
+def test_failed_shard_exchange_leaves_every_shards_residuals(comm, monkeypatch):
+    """Shard 1's exchange fails (its engine error, on its ranks); shard 0's
+    completed: StateError there, the window dropped on every rank, and shard
+    0's residuals put back as they were before the exchange (what it
+    delivered was dropped with the window: kept, the residuals would count
+    it as delivered and conservation would lose it for good)."""
+    if comm.size % 2:
+        pytest.skip("2 shards need an even number of ranks")
+    from mpigc.torch import _diloco
+    tensors, inner, d = sharded(comm, 2, sync_every=100, op="2bit", key="fx")
+    for _ in range(2):
+        d.step()
+    d.synchronize()  # a first exchange: residuals on every rank
+    for _ in range(2):
+        d.step()
+    before = {k: np.copy(v) for k, v in d.feedback.state_dict()["fx"].items()
+              if isinstance(v, np.ndarray)}
+    calls = d.feedback.state_dict()["fx"]["calls"]
+    anchor = d.anchor
+    if comm.rank % 2 == 1:  # every rank of shard 1: its exchange fails there
+        def failing(*a, **kw):
+            raise mpigc.MpigcError("planted: shard 1's exchange failed")
+        monkeypatch.setattr(_diloco, "allreduce", failing)
+    got = None
+    try:
+        d.synchronize()
+    except mpigc.MpigcError as e:
+        got = e
+    want = mpigc.StateError if comm.rank % 2 == 0 else mpigc.MpigcError
+    assert_all(isinstance(got, want), f"rank {comm.rank}: {got!r}")
+    after = d.feedback.state_dict()["fx"]
+    same = all(np.array_equal(after[k], v) for k, v in before.items())
+    assert_all(same and after["calls"] == calls,
+               f"rank {comm.rank}: the residuals changed by a dropped exchange")
+    assert_all(torch.equal(flat_of(tensors), anchor) and torch.equal(d.anchor, anchor)
+               and d.syncs == 1 and d.skipped_syncs == 1, "the window was not dropped")
+
+
 def test_mismatched_shard_shapes_raise_everywhere(comm):
     """Replica 1's shard 1 holds a row more than replica 0's: MismatchError
     on every rank (also on the ranks of shard 0, whose shapes agree)."""

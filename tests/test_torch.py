@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import mpigc
+from support import background
 
 
 def test_import_mpigc_does_not_import_torch():
@@ -165,15 +166,19 @@ SIM_SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mpi",
 
 # about 8 minutes in all on the 2-core VM under load; MPIGC_TORCH_SIM_RANKS="3" halves it
 _SIM_RANKS = [int(k) for k in os.environ.get("MPIGC_TORCH_SIM_RANKS", "2 3").split()]
+_SIM_GROUPS = ["ops", "skip", "state", "hook", "hier"]  # hier last: it sets MPIGC_NODE_SPLIT
+_SIM_RUNS = background.Runs()  # a job per rank count, side by side (support/background.py)
 
 
 @pytest.mark.parametrize("ranks", _SIM_RANKS)
-@pytest.mark.parametrize("group", ["ops", "skip", "state", "hook", "hier"])
-def test_device_buckets_in_the_simulator(group, ranks):
-    """``mpirun -n K python tests/mpi/test_torch_gpu_sim_mpi.py GROUP`` with
+@pytest.mark.parametrize("group", _SIM_GROUPS)
+def test_device_buckets_in_the_simulator(group, ranks, request):
+    """``mpirun -n K python tests/mpi/test_torch_gpu_sim_mpi.py GROUP ...`` with
     ``NUMBA_ENABLE_CUDASIM=1`` (that file says what each group checks): device
     buckets give the gradients, parameters and residuals of host buckets, bit
-    for bit. A subprocess, so this session never imports the simulator."""
+    for bit. A subprocess, so this session never imports the simulator. The
+    selected groups of a rank count are one job (each rank imports torch and
+    the simulator once, about 6 CPU s); each test checks its own group's line."""
     import shutil
     pytest.importorskip("torch")
     exe = (shutil.which("mpirun") or shutil.which("mpiexec")
@@ -185,14 +190,28 @@ def test_device_buckets_in_the_simulator(group, ranks):
     env.update(NUMBA_ENABLE_CUDASIM="1", MPIGC_CUDA_AWARE="0", OMPI_ALLOW_RUN_AS_ROOT="1",
                OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_rmaps_base_oversubscribe="1",
                PYTHONUNBUFFERED="1")
-    cmd = [exe, "--oversubscribe", "-n", str(ranks), sys.executable, SIM_SCRIPT, group]
     timeout = int(os.environ.get("MPIGC_TEST_TIMEOUT", "900"))
-    try:
-        r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        pytest.fail(f"{' '.join(cmd)} timed out after {timeout} s:\n{exc.stdout}")
-    assert r.returncode == 0 and f"ok {group}" in r.stdout, \
-        f"{' '.join(cmd)}: exit {r.returncode}\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
+    chosen = background.selected(request, "test_device_buckets_in_the_simulator",
+                                 "group", "ranks")
+
+    def groups(k):
+        return [g for g in _SIM_GROUPS if (g, k) in chosen] or [group]
+
+    def cmd(k):
+        return [exe, "--oversubscribe", "-n", str(k), sys.executable, SIM_SCRIPT, *groups(k)]
+    # the most ranks first (the longest)
+    counts = sorted({k for _, k in chosen}, key=lambda k: -k)
+    _SIM_RUNS.start({k: (cmd(k), env, timeout) for k in counts})
+    r = _SIM_RUNS.result(ranks, cmd(ranks), env, timeout)
+    if isinstance(r, subprocess.TimeoutExpired):
+        pytest.fail(f"{' '.join(cmd(ranks))} timed out after {timeout} s:\n{r.stdout}")
+    mine = [line for line in r.stdout.splitlines() if line.startswith(f"FAIL {group} ")]
+    # the job's exit status is the last group's to check (a crash after every line)
+    last = group == groups(ranks)[-1]
+    assert f"ok {group}" in r.stdout.splitlines() and not mine and \
+        (r.returncode == 0 or not last), \
+        f"{' '.join(cmd(ranks))}: exit {r.returncode}\n" + "\n".join(mine)[-6000:] + \
+        f"\n{r.stdout[-6000:]}\n{r.stderr[-6000:]}"
 
 
 def test_a_step_shows_in_torch_profiler(torch, mt):

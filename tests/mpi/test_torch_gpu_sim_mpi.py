@@ -7,14 +7,17 @@ This file has two uses (as ``tests/mpi/test_gpu_path_mpi.py``).
    without it, on every rank.
 
 2. Run as a script, ``NUMBA_ENABLE_CUDASIM=1 MPIGC_CUDA_AWARE=0 mpirun -n K
-   python tests/mpi/test_torch_gpu_sim_mpi.py GROUP``: the same training with
+   python tests/mpi/test_torch_gpu_sim_mpi.py GROUP [GROUP ...]``: the same training with
    host buckets (CPU kernels) and with device buckets (the private seam
    ``mpigc.torch._sim_device_buckets``: each bucket's engine array is a
    simulated device array over the bucket tensor, so bucket allocation, the
    gradient copy, the launch through the engine's device path, the copy-back,
    the ``nonfinite="skip"`` snapshots and rollback and the residual state run
    as they do on a GPU) must give bit-identical gradients, parameters and
-   residuals. ``tests/test_torch.py`` launches it at 2 and 3 ranks. Groups:
+   residuals. ``tests/test_torch.py`` launches it at 2 and 3 ranks, every group
+   in one job per count (a rank's start, torch and the simulator imported, is
+   about 6 CPU s on the 2-core VM). Groups, run in the order given (``hier`` last: it sets
+   ``MPIGC_NODE_SPLIT``), each checked on its own:
 
    ``ops``    3 SGD steps with 2bit, 1bit, none, fp16 (several buckets); 2bit
               also with ``gradient_as_bucket_view`` and a layer used at step 0
@@ -39,7 +42,8 @@ This file has two uses (as ``tests/mpi/test_gpu_path_mpi.py``).
               against host buckets (the intra-node steps staged through the
               host window).
 
-Ranks agree on pass/fail before the script exits; rank 0 prints ``ok GROUP``.
+Ranks agree on pass/fail after each group; rank 0 prints ``ok GROUP`` for a
+group that passed, else its ``FAIL GROUP rank R: ...`` lines.
 """
 import os
 import sys
@@ -153,7 +157,7 @@ class Checks:
         if self.rank == 0:
             bad = [(r, f) for r, fs in enumerate(allf) for f in fs]
             for r, f in bad:
-                print(f"FAIL rank {r}: {f}")
+                print(f"FAIL {group} rank {r}: {f}")
             if not bad:
                 print(f"ok {group}")
         sys.stdout.flush()
@@ -409,27 +413,30 @@ GROUPS = {"ops": group_ops, "skip": group_skip, "state": group_state, "hook": gr
           "hier": group_hier}
 
 
-def main(group):
+def main(groups):
     from mpigc import _cuda
     assert _cuda.simulator(), "run with NUMBA_ENABLE_CUDASIM=1"
     os.environ["MPIGC_MIN_COMPRESS_BYTES"] = "0"  # the compressed path on tiny buckets
     warnings.filterwarnings("ignore", category=RuntimeWarning, module=r"mpigc\.kernels\.cuda")
     torch.set_num_threads(1)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from simulator_fix import fix_simulator_shared_arrays
+    from support.simulator_fix import fix_simulator_shared_arrays
     fix_simulator_shared_arrays()
-    import launch_contract
+    from support import launch_contract
     from mpigc.kernels import cuda as kc
     launch_contract.install(kc)  # every simulated launch: what a real launch accepts
     comm = MPI.COMM_WORLD
-    c = Checks(comm)
-    try:
-        GROUPS[group](c)
-    except Exception:  # noqa: BLE001 - reported with the others
-        import traceback
-        c.failures.append(traceback.format_exc())
-    return c.finish(group)
+    status = 0
+    for group in groups:
+        c = Checks(comm)
+        try:
+            GROUPS[group](c)
+        except Exception:  # noqa: BLE001 - reported with the others
+            import traceback
+            c.failures.append(traceback.format_exc())
+        status |= c.finish(group)
+    return status
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1:]))

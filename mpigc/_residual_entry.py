@@ -224,7 +224,7 @@ def host(a):
     if a is None:
         return None
     if _dispatch.is_device_array(a):
-        return a.copy_tohost()
+        return a.copy_to_host()
     return a.copy()
 
 

@@ -98,7 +98,8 @@ def _have_numba_cuda_ptx():
 # every subprocess run of the selected tests, the longest first (CPU seconds on the
 # 2-core VM, with yield_while_polling: signatures 34 and then the PTX compile 31,
 # gpu_semantics 45, 2bit_rel 15, 1bit 12, shards 11, terngrad 10, stats_order 9, the
-# others 1-6 each; a simulator run is one single-threaded Python process)
+# others 1-6 each, before the block threads were reused, which took 30-55% off the
+# simulator groups; a simulator run is one Python process, one thread at a time)
 _SLOWEST = ["signatures", "gpu_semantics", "2bit_rel", "1bit", "shards", "terngrad",
             "stats_order", "fp16", "bf16", "2bit", "planted_ptx", "stats"]
 _TIMEOUT = 1500

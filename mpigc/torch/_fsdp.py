@@ -198,6 +198,11 @@ class FsdpHookState:
         self.keys = [f"fsdp:{fqn}" for fqn, _, _ in groups]
         self._layouts = {}  # key -> (numel, dtype) of its flat input
         self._first = {}  # key -> its first call's buffer, until every key has had one
+        # a step (one call per key) changes the residuals of all its keys or of
+        # none: each key's residuals by copy before its call (with several keys)
+        self._step = {}      # key -> the record taken before its call in this step
+        self._step_spares = {}  # key -> an older step's record, its arrays reused
+        self._step_dropped = False  # a call of this step was skipped or failed
         self.calls = self.bytes_sent = self.logical_bytes = 0
         self._groups = groups
         names = {id(p): n for n, p in model.named_parameters()}
@@ -239,7 +244,7 @@ class FsdpHookState:
             self._check_input(key, reduce_output)
             x = reduce_output.detach()
             xs = (x.float() if x.dtype == torch.bfloat16 else x).numpy()
-            self._run(key, xs, lambda: iallreduce(
+            self._run(key, xs, xs, lambda: iallreduce(
                 xs, op=self.compressor, comm=self._replica_comm, key=key,
                 average=group.gradient_divide_factor is None, feedback=self.feedback,
                 nonfinite=self.nonfinite))
@@ -248,27 +253,61 @@ class FsdpHookState:
                     reduce_output.copy_(torch.from_numpy(xs))
         return hook
 
-    def _run(self, key, buf, start):
-        """Start a call on ``buf`` (``start()``: its request), wait for it
-        within the timeout, count its traffic (which a call that completes at
-        its start counts there). Once every group has had a call: a warning
-        when they are all under $MPIGC_MIN_COMPRESS_BYTES (sent exactly)."""
+    def _run(self, key, buf, result, start):
+        """Start a call on ``buf`` whose result is ``result`` (``start()``:
+        its request), wait for it within the timeout, count its traffic
+        (which a call that completes at its start counts there). Once every
+        group has had a call: a warning when they are all under
+        $MPIGC_MIN_COMPRESS_BYTES (sent exactly). A step changes the
+        residuals of all its keys or of none (:meth:`_begin`)."""
         if self._first is not None:
             self._first.setdefault(key, torch.from_numpy(buf))
             if len(self._first) == len(self.keys):
                 warn_if_uncompressed("register_fsdp_hooks", self.compressor,
                                      list(self._first.values()))
                 self._first = None
+        self._begin(key)
         before = _wire.traffic()
-        req = start()
-        wait_request(lambda: _settled(req), f"FSDP gradient reduction of {key} (rank "
-                     f"{self.rank} of {self.size})", _STEP, timeout=self.timeout,
-                     warn_s=self._warn_s)
-        req.wait()
+        try:
+            req = start()
+            wait_request(lambda: _settled(req), f"FSDP gradient reduction of {key} (rank "
+                         f"{self.rank} of {self.size})", _STEP, timeout=self.timeout,
+                         warn_s=self._warn_s)
+            req.wait()
+        except MpigcError:  # this call changed no residual (or is still running:
+            self._drop_step(but=key)  # its key is left alone); the others go back
+            raise
+        if self._step_dropped or (self.nonfinite == "skip" and result.size
+                                  and np.isnan(result.flat[0])):
+            # skipped on every rank (NaN/Inf in a group's gradient: a step a loss
+            # scaler skips), this call or an earlier one of the step
+            self._drop_step()
         after = _wire.traffic()
         self.calls += after["calls"] - before["calls"]
         self.bytes_sent += after["bytes_sent"] - before["bytes_sent"]
         self.logical_bytes += after["logical_bytes"] - before["logical_bytes"]
+
+    def _begin(self, key):
+        """Before ``key``'s call: a key called again starts a new step; with
+        several keys, ``key``'s residuals are recorded by copy (in the
+        arrays of an older step's record) for :meth:`_drop_step`."""
+        if key in self._step:  # a new step: the last one's records serve this one
+            self._step_spares.update(self._step)
+            self._step.clear()
+            self._step_dropped = False
+        if len(self.keys) > 1:
+            txn = self.feedback.transaction()
+            txn.copy(key, self._step_spares.pop(key, None))
+            self._step[key] = txn.saved[key]
+
+    def _drop_step(self, but=None):
+        """The step is dropped (a call of it was skipped or failed, the same on
+        every rank): the residuals of its calls so far go back to what they
+        were before it (``but``: a key whose call may still run)."""
+        self._step_dropped = True
+        saved = {k: v for k, v in self._step.items() if k != but}
+        if saved:
+            self.feedback.transaction(saved).restore()
 
     def _check_input(self, key, inp):
         """``inp`` is a CPU float tensor in the layout of ``key``'s first call."""
@@ -313,7 +352,7 @@ class FsdpHookState:
         out = (output.detach().numpy() if output.dtype == x.dtype
                else np.empty(output.numel(), xs.dtype))
         m = output.numel()
-        self._run(key, xs, lambda: ireduce_scatter(
+        self._run(key, xs, out, lambda: ireduce_scatter(
             xs, op=self.compressor, recvcounts=[m] * self.size, out=out, comm=self._comm,
             key=key, average=average, feedback=self.feedback, nonfinite=self.nonfinite))
         if output.dtype != x.dtype:

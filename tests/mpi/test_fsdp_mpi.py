@@ -85,6 +85,47 @@ def test_explicit_prefetching(comm, gloo, compressed):
     assert_all(td.same(*runs), "2bit with prefetching differs from 2bit without")
 
 
+def _residual_state(state):
+    return {k: {n: np.copy(v) for n, v in e.items() if isinstance(v, np.ndarray)}
+            for k, e in state.feedback.state_dict().items()}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("nonfinite", ["skip", "raise"])
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_a_step_with_a_nonfinite_group_changes_no_residual(comm, gloo, nonfinite, hsdp):
+    """Rank 0's batch holds an Inf: the first layer's gradient is NaN (0 x
+    Inf), the last layer's finite, so in backward the last layer's group is
+    exchanged first and the first layer's is skipped (``"skip"``: a step that
+    a loss scaler skips) or fails (``"raise"``: NonFiniteError from backward
+    on every rank). Either way no group's residual changes: the step is
+    dropped, and a residual that kept the exchanged group's update would
+    count as delivered a gradient the optimizer never applied."""
+    if hsdp and comm.size != 4:
+        pytest.skip("HSDP 2 x 2 needs 4 ranks")
+    mesh = td.mesh_2x2(comm)["shard"] if hsdp else None
+    m = td.model(mesh=mesh)
+    state = mt.register_fsdp_hooks(m, op="2bit", threshold=0.01, nonfinite=nonfinite)
+    td.train(m, 3, comm.rank)
+    before = _residual_state(state)
+    assert_all(len(before) == 2, f"keys {sorted(before)}")
+    x = torch.randn(4, 5, generator=torch.Generator().manual_seed(comm.rank))
+    if comm.rank == 0:
+        x[0, 0] = float("inf")
+    m.zero_grad()
+    got = None
+    try:
+        m(x).pow(2).sum().backward()
+    except mpigc.MpigcError as e:
+        got = e
+    want = mpigc.NonFiniteError if nonfinite == "raise" else type(None)
+    assert_all(isinstance(got, want), f"rank {comm.rank}: {got!r}")
+    after = _residual_state(state)
+    changed = [k for k in before if any(not np.array_equal(after[k][n], v)
+                                        for n, v in before[k].items())]
+    assert_all(not changed, f"the residuals of {changed} changed in a dropped step")
+
+
 def _divide_by(m, factor, force_sum=False):
     from torch.distributed.fsdp import FSDPModule
     for mod in m.modules():

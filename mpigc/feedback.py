@@ -222,14 +222,17 @@ class ErrorFeedback:
         """For :meth:`Txn.hold_all`: mark every key busy and return
         ``{key: entry}`` (the live entries, except host copies of residuals
         kept on a GPU). Raises StateError if a key (or a hierarchical call's
-        name) is in use; then nothing is marked. Under the lock."""
+        name) is in use; then nothing is marked, as when a copy fails (no
+        device memory): the copies are made before the keys are marked. Under
+        the lock."""
         with self._lock:
             busy = sorted(self._busy)
             if busy:
                 raise StateError(f"key(s) {busy} in use by a pending collective; wait "
                                  "for them before saving")
-            self._busy.update(self._entries)
-            return {k: e.host_copy() for k, e in self._entries.items()}
+            held = {k: e.host_copy() for k, e in self._entries.items()}
+            self._busy.update(held)
+            return held
 
     def replace_entries(self, entries, skipped_steps=None, hold=False):
         """For mpigc's own modules: ``{key: entry}`` (not copied; made by

@@ -205,3 +205,30 @@ def test_a_transaction_of_the_whole_store_holds_its_keys_and_puts_back():
     txn.end()
     assert fb.keys() == ["old"] and fb.entry("old").worker is w and fb.skipped_steps == 3
     _call(fb, "new", [1, 1])  # free again
+
+
+def test_a_save_whose_copy_fails_holds_no_key(monkeypatch):
+    """A checkpoint's save holds every key while it reads them (Txn.hold_all);
+    where a host copy of a device residual fails (no memory; 9fa6c9b's
+    copy_tohost typo did so for every GPU residual), it raises and holds
+    nothing: before, every key stayed in use for good (each later call,
+    state, load or reset raised StateError)."""
+    from mpigc import _residual_entry
+    fb = mpigc.ErrorFeedback()
+    _one(fb, "a", [1, 2])
+    _one(fb, "b", [3, 4])
+
+    def fails(entry):
+        raise MemoryError("no memory for the host copy")
+    monkeypatch.setattr(_residual_entry.Entry, "host_copy", fails)
+    txn = fb.transaction()
+    with pytest.raises(MemoryError):
+        txn.hold_all()
+    assert not txn.held
+    monkeypatch.undo()
+    assert sorted(fb.state_dict()) == ["a", "b"]  # no key in use
+    _call(fb, "a", [5, 5])
+    txn = fb.transaction()
+    assert sorted(txn.hold_all()) == ["a", "b"]
+    txn.end()
+    fb.reset()

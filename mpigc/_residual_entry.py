@@ -181,7 +181,8 @@ class Fused:
 
 class Spares:
     """A store's scratch residual buffers (double-buffering): at most one
-    per size, dtype and side (host or device), under a lock of its own."""
+    per size, dtype and side (the host, or a GPU: :func:`_side`), under a
+    lock of its own."""
 
     def __init__(self):
         self._pools = {}
@@ -189,19 +190,22 @@ class Spares:
 
     def take(self, n, dtype, device=False):
         """A buffer of ``n`` values (contents undefined), in device memory if
-        ``device``: one given back by :meth:`give` (taken out under the
-        lock), or a new one (allocated outside the lock)."""
+        ``device`` (on the GPU current now, the call's): one given back by
+        :meth:`give` (taken out under the lock), or a new one (allocated
+        outside the lock)."""
+        key = (n, np.dtype(dtype), _side(device))
         with self._lock:
-            pool = self._pools.get((n, np.dtype(dtype), bool(device)))
+            pool = self._pools.get(key)
             if pool:
                 return pool.pop()
         return empty(n, dtype, device)
 
     def give(self, arr):
-        """Give back a residual buffer that no entry uses any more (kept if
-        the pool of its size, dtype and side is empty; else dropped)."""
+        """Give back a residual buffer that no entry uses any more, by the
+        call that used it (its GPU current); kept if the pool of its size,
+        dtype and side is empty, else dropped."""
+        key = (arr.size, np.dtype(arr.dtype), _side(_dispatch.is_device_array(arr)))
         with self._lock:
-            key = (arr.size, np.dtype(arr.dtype), _dispatch.is_device_array(arr))
             pool = self._pools.setdefault(key, [])
             if len(pool) < 1:
                 pool.append(arr)
@@ -209,6 +213,17 @@ class Spares:
     def clear(self):
         with self._lock:
             self._pools.clear()
+
+
+def _side(device):
+    """Where a spare serves: None, the host; else the GPU current in the
+    calling thread (a call's: the engine makes it current for its steps), so
+    that a spare given back by a call on one GPU is never another GPU's
+    call's scratch (one process may drive several)."""
+    if not device:
+        return None
+    from . import _cuda
+    return ("device", _cuda.current_device_id())
 
 
 def empty(n, dtype, device):

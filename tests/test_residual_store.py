@@ -89,11 +89,57 @@ assert {k: st[k]["worker"].tolist() for k in "ab"} == exp, (st, exp)
 print("ok residual store on the device")
 '''
 
+# two simulated GPUs in one process (the simulator has one): which is current
+# is what tells them apart (as tests/mpi/test_gpu_path_mpi.py's devices group)
+TWO_DEVICES = r'''
+import numpy as np
+from numba import cuda
+from numba.cuda.simulator.cudadrv import devices as simulated
+from mpigc import _cuda
+from mpigc.compressors import get_compressor
+from mpigc.feedback import ErrorFeedback
 
-def test_device_residuals_copy_to_the_host_and_back():
+contexts = (simulated.FakeCUDAContext(0), simulated.FakeCUDAContext(1))
+now = [0]
+cuda.current_context = lambda devnum=None: contexts[now[0] if devnum is None else devnum]
+cfg = get_compressor("2bit").get_config()
+fb = ErrorFeedback()
+
+
+def call(key, dev):
+    now[0] = dev
+    assert _cuda.current_device_id() == dev
+    t = fb.begin(key, 8, np.float32, 1, 0, device=True)
+    s = t.take_scratch()
+    t.commit(cfg)
+    t.end()
+    return s
+
+
+first = call("on1", 1)
+call("on1", 1)  # the first call's worker is a spare now, of GPU 1
+assert call("on0", 0) is not first, "GPU 1's spare served a call on GPU 0"
+assert call("again1", 1) is first  # a call on its own GPU takes it
+print("ok spares per GPU")
+'''
+
+
+def _simulated(code, ok):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
     env.pop("MPIGC_DEVICE", None)
-    r = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                        text=True, timeout=300)
-    assert r.returncode == 0 and "ok residual store on the device" in r.stdout, \
+    assert r.returncode == 0 and ok in r.stdout, \
         f"exit {r.returncode}\n{r.stdout[-3000:]}\n{r.stderr[-3000:]}"
+
+
+def test_device_residuals_copy_to_the_host_and_back():
+    _simulated(SCRIPT, "ok residual store on the device")
+
+
+def test_a_spare_serves_calls_on_its_own_gpu_only():
+    """A device spare (a replaced worker residual) given back by a call on
+    one GPU is never the scratch of a call on another GPU of the process:
+    before, the pool was keyed by side only, so a kernel on GPU 0 would have
+    written GPU 1's memory."""
+    _simulated(TWO_DEVICES, "ok spares per GPU")

@@ -10,7 +10,8 @@ member order. So each member's residuals, under its own key, have the shapes
 a single call on that member gives them (the worker residual one value per
 element, the owner residual this rank's shard of the member): grouped and
 single calls may take turns on a key, and checkpoints hold one entry per
-member (:class:`mpigc.feedback.GroupTransaction` gathers and scatters them).
+member (:class:`mpigc._residual_txn.GroupTransaction` gathers them; they stay fused
+between grouped calls, :class:`mpigc._residual_entry.Fused`).
 A reduce-scatter returns each member's shard, as single calls would. A
 plain allreduce (``op="none"``, or a group below the compression threshold)
 uses no residual: its members are simply concatenated.

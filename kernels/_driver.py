@@ -46,7 +46,9 @@ _state = {"on": None, "drv": None, "cc": None}
 
 #: Whether the route is on: None until :func:`enabled` first decides, then
 #: its answer. Callers test ``_driver.ON is not False`` before calling in,
-#: so that off the route (the simulator, no GPU) nothing is called at all.
+#: so that off the route (the simulator, no GPU) nothing is called at all;
+#: the functions below read it first too (``ON or enabled()``), so that on
+#: the route they ask :func:`enabled` nothing once it decided.
 ON = None
 _fns = {}  # (kernel, key) -> _Fn, or None: Numba's route for good
 _numba_launches = {}  # (kernel, key) -> launches through Numba so far
@@ -248,7 +250,7 @@ def launch(dispatcher, grid, block, stream, args):
     threads on Numba stream ``stream`` with ``args`` through the driver, and
     return True; False where this launch is for Numba's route (the caller
     launches it there)."""
-    if not enabled():
+    if not (ON or enabled()):
         return False
     kv = _args(args)
     if kv is None:
@@ -294,7 +296,7 @@ def _ptr(d):
 
 def memset0(d, stream):
     """Zero device array ``d`` in stream order; False: not this route."""
-    if not enabled() or not _contiguous(d):
+    if not (ON or enabled()) or not _contiguous(d):
         return False
     drv = _state["drv"]
     err, = drv.cuMemsetD8Async(_ptr(d), 0, d.nbytes, _handle(stream))
@@ -306,7 +308,7 @@ def memset0(d, stream):
 def to_host(h, d, stream):
     """``h[:] = d`` (pinned or pageable host ``h``), in order on ``stream``,
     then wait for ``stream``; False: not this route."""
-    if not enabled() or not _contiguous(d) or h.nbytes != d.nbytes:
+    if not (ON or enabled()) or not _contiguous(d) or h.nbytes != d.nbytes:
         return False
     drv = _state["drv"]
     hs = _handle(stream)
@@ -331,7 +333,7 @@ def copy(dst, src, stream, wait):
     (Numba's) on either side, in order on ``stream``; with ``wait``, then
     wait for ``stream``. False: not this route (the caller copies through
     Numba, which also raises on what does not fit)."""
-    if not enabled():
+    if not (ON or enabled()):
         return False
     dh, sh = isinstance(dst, np.ndarray), isinstance(src, np.ndarray)
     if (dh and sh) or dst.nbytes != src.nbytes:
@@ -360,7 +362,7 @@ def copy(dst, src, stream, wait):
 def sync(stream):
     """Wait for the work queued on ``stream`` so far; False: not this
     route."""
-    if not enabled():
+    if not (ON or enabled()):
         return False
     _wait(_handle(stream))
     return True
@@ -406,7 +408,7 @@ def order_after(producer, stream):
     context, made once: the wait takes the event's state when it is
     queued). False: not
     this route."""
-    if not enabled():
+    if not (ON or enabled()):
         return False
     drv = _state["drv"]
     ev = _event("order")
@@ -422,7 +424,7 @@ def device_id():
     thread (``cuCtxGetDevice``: well under a microsecond, where Numba's
     ``get_current_device`` takes tens), or None: no context current, or not
     this route (the caller asks Numba, which makes one current)."""
-    if not enabled():
+    if not (ON or enabled()):
         return None
     err, dev = _state["drv"].cuCtxGetDevice()
     if err != _state["drv"].CUresult.CUDA_SUCCESS:

@@ -211,14 +211,18 @@ def _max_blocks():
     return cap
 
 
-def _grid(work, per_block=THREADS):
-    """Number of CUDA blocks for ``work`` items, ``per_block`` per block."""
-    return max(1, min((work + per_block - 1) // per_block, _max_blocks()))
+def _grid(work, per_block=THREADS, dev=None):
+    """Number of CUDA blocks for ``work`` items, ``per_block`` per block, on
+    the current GPU ``dev`` (None: asked; its cap once known is taken from
+    the cache without asking the driver again)."""
+    cap = _max_blocks_cache.get(dev) or _max_blocks()
+    return max(1, min((work + per_block - 1) // per_block, cap))
 
 
-def _grid2(work, nshard, per_block=THREADS):
-    """``(blocks per shard, shards)``: ``work`` items in the largest shard."""
-    cap = max(1, _max_blocks() // max(1, nshard))
+def _grid2(work, nshard, per_block=THREADS, dev=None):
+    """``(blocks per shard, shards)``: ``work`` items in the largest shard
+    (``dev``: as :func:`_grid`'s)."""
+    cap = max(1, (_max_blocks_cache.get(dev) or _max_blocks()) // max(1, nshard))
     return (max(1, min((work + per_block - 1) // per_block, cap)), nshard)
 
 
@@ -228,13 +232,16 @@ MAX_GRID_Y = 65535
 _STARTS, _OFFS = object(), object()  # placeholders of _launch_shards' arguments
 
 
-def _launch_shards(kernel, starts, offs, stream, *args, block=0):
+def _launch_shards(kernel, starts, offs, stream, *args, block=0, dev=None):
     """Launch ``kernel`` over the shards ``starts`` / ``offs`` (shard j is
     ``blockIdx.y``), ``args`` with ``_STARTS`` and ``_OFFS`` standing for the
     bounds as device arrays. ``block``: one warp per quantization block of
     that many elements (1bit, relative 2bit); else one thread per value. One
     launch per :data:`MAX_GRID_Y` shards (one launch below that); none for
-    empty shards."""
+    empty shards. ``dev``: the current GPU (:func:`_device_id`; None: asked
+    here, once)."""
+    if dev is None:
+        dev = _device_id()
     m = len(starts) - 1
     for j0 in range(0, m, MAX_GRID_Y):
         st, of = starts[j0:j0 + MAX_GRID_Y + 1], offs[j0:j0 + MAX_GRID_Y]
@@ -242,11 +249,11 @@ def _launch_shards(kernel, starts, offs, stream, *args, block=0):
         if not big:
             continue
         if block:
-            blocks = _grid2((big + block - 1) // block, len(st) - 1, WARPS)
+            blocks = _grid2((big + block - 1) // block, len(st) - 1, WARPS, dev)
         else:
-            blocks = _grid2(big, len(st) - 1)
+            blocks = _grid2(big, len(st) - 1, dev=dev)
         _launch(kernel, blocks, stream,
-                *[_index(st) if a is _STARTS else _index(of) if a is _OFFS else a
+                *[_index(st, dev) if a is _STARTS else _index(of, dev) if a is _OFFS else a
                   for a in args])
 
 
@@ -327,18 +334,23 @@ _index_cache = collections.OrderedDict()
 
 
 def _device_id():
+    """The GPU current in the calling thread: the key of the pools and caches
+    below. A function of this module that needs it several times asks once
+    and passes it to the helpers (their ``dev``), none keeps it past its
+    return: the caller may make another GPU current between two calls
+    (``cuda.select_device``, ``torch.cuda.set_device``)."""
     if SIMULATOR:
         return 0
     d = _driver.device_id() if _driver.ON is not False else None
     return cuda.get_current_device().id if d is None else d
 
 
-def _index(values):
+def _index(values, dev=None):
     """The int64 device array of ``values`` (shard bounds, payload offsets),
-    uploaded once per layout and device: a call with the layout of an earlier
-    one transfers nothing."""
+    uploaded once per layout and device (``dev``, the current one; None:
+    asked): a call with the layout of an earlier one transfers nothing."""
     # (numpy and Python integers of one value hash and compare equal)
-    key = (_device_id(), tuple(values))
+    key = (_device_id() if dev is None else dev, tuple(values))
     with _lock:
         a = _index_cache.get(key)
         if a is not None:
@@ -365,10 +377,12 @@ def _host_zero():
     return z
 
 
-def _counter(stream):
-    """A zeroed device counter (int64[1]) from a pool: no allocation per call;
-    zeroed by an asynchronous copy in stream order."""
-    dev = _device_id()
+def _counter(stream, dev=None):
+    """A zeroed device counter (int64[1]) from the pool of the current GPU
+    ``dev`` (None: asked): no allocation per call; zeroed by an asynchronous
+    copy in stream order."""
+    if dev is None:
+        dev = _device_id()
     with _lock:
         free = _counters.setdefault(dev, [])
         c = free.pop() if free else None
@@ -395,39 +409,47 @@ def _pinned_twin(d):
 _scratch = {}  # (device id, shape, dtype) -> free device scratch arrays
 
 
-def _take_scratch(shape, dtype):
-    """A device array of ``shape`` from a pool (contents undefined): no
-    allocation once a call of that shape ran (terngrad's statistics)."""
-    key = (_device_id(), shape, np.dtype(dtype))
+def _take_scratch(shape, dtype, dev=None):
+    """A device array of ``shape`` from the pool of the current GPU ``dev``
+    (None: asked; contents undefined): no allocation once a call of that
+    shape ran (terngrad's statistics)."""
+    key = (_device_id() if dev is None else dev, shape, np.dtype(dtype))
     with _lock:
         free = _scratch.get(key)
         a = free.pop() if free else None
     return cuda.device_array(shape, dtype) if a is None else a
 
 
-def _give_scratch(a):
-    """``a`` (from :func:`_take_scratch`) is free again: its results were
-    read (a wait for its stream), so a later call may write it."""
+def _give_scratch(a, dev=None):
+    """``a`` (from :func:`_take_scratch` on GPU ``dev``, the current one;
+    None: asked) is free again: its results were read (a wait for its
+    stream), so a later call may write it."""
+    if dev is None:
+        dev = _device_id()
     with _lock:
-        free = _scratch.setdefault((_device_id(), a.shape, np.dtype(a.dtype)), [])
+        free = _scratch.setdefault((dev, a.shape, np.dtype(a.dtype)), [])
         if len(free) < 4:
             free.append(a)
 
 
-def _read_count(counter, stream):
-    """The counter's value: the one device-to-host read (and wait) of a pack.
-    (A copy to pageable host memory returns when it is done; the caller's
-    own stream is synchronised as well. On the driver's route: an
-    asynchronous copy into the counter's pinned twin, then a wait for the
-    stream.)"""
+def _read_count(counter, stream, dev=None):
+    """The counter's value: the one device-to-host read (and wait) of a pack;
+    the counter then goes back to the pool of ``dev`` (the GPU of
+    :func:`_counter`, current; None: asked). (A copy to pageable host memory
+    returns when it is done; the caller's own stream is synchronised as
+    well. On the driver's route: an asynchronous copy into the counter's
+    pinned twin, then a wait for the stream.)"""
     s = _stream(stream)
-    host = _pinned_twin(counter) if _driver.ON is not False and _driver.enabled() else None
+    host = (_pinned_twin(counter) if _driver.ON or (_driver.ON is None and _driver.enabled())
+            else None)
     if host is None or not _driver.to_host(host, counter, s):
         host = counter.copy_to_host(stream=s)
         if stream:
             stream.synchronize()
+    if dev is None:
+        dev = _device_id()
     with _lock:
-        _counters.setdefault(_device_id(), []).append(counter)
+        _counters.setdefault(dev, []).append(counter)
     return int(host[0])
 
 
@@ -896,11 +918,12 @@ def pack_2bit_shards(x, e_in, e_out, payload, starts, offs, threshold, *, cuda_s
     t = x.dtype.type(threshold)
     if not _max_shard(starts):
         return 0
-    cnt = _counter(cuda_stream)
+    dev = _device_id()
+    cnt = _counter(cuda_stream, dev)
     _launch_shards(_pack_2bit_kernel, starts, offs, cuda_stream,
                    x, *_opt(e_in, x), *_opt(e_out, x), payload, _STARTS, _OFFS, t, cnt,
-                   block=LANES * _VALUES_2BIT)
-    return _read_count(cnt, cuda_stream)
+                   block=LANES * _VALUES_2BIT, dev=dev)
+    return _read_count(cnt, cuda_stream, dev)
 
 
 def unpack_2bit_shards(payload, stride, nsrc, starts, offs, out, threshold, accumulate, *,
@@ -1145,11 +1168,12 @@ def pack_1bit_shards(x, e_in, e_out, payload, starts, offs, block_size, *, cuda_
 def _pack_1bit(x, e_in, e_out, bits, tail, inline, starts, offs, block, stream):
     if not _max_shard(starts):
         return 0
-    cnt = _counter(stream)
+    dev = _device_id()
+    cnt = _counter(stream, dev)
     _launch_shards(_pack_1bit_kernel, starts, offs, stream,
                    x, *_opt(e_in, x), *_opt(e_out, x), bits, tail, bool(inline),
-                   _STARTS, _OFFS, int(block), cnt, block=block)
-    return _read_count(cnt, stream)
+                   _STARTS, _OFFS, int(block), cnt, block=block, dev=dev)
+    return _read_count(cnt, stream, dev)
 
 
 def unpack_1bit_shards(payload, stride, nsrc, starts, offs, out, block_size, accumulate, *,
@@ -1373,11 +1397,12 @@ def _unpack_2bit_rel_kernel(payload, tail, inline, stride, nsrc, starts, offs, o
 def _pack_2bit_rel(x, e_in, e_out, out, tail, inline, starts, offs, rel, block, stream):
     if not _max_shard(starts):
         return 0
-    cnt = _counter(stream)
+    dev = _device_id()
+    cnt = _counter(stream, dev)
     _launch_shards(_pack_2bit_rel_kernel, starts, offs, stream,
                    x, *_opt(e_in, x), *_opt(e_out, x), out, tail, bool(inline),
-                   _STARTS, _OFFS, float(rel), int(block), cnt, block=block)
-    return _read_count(cnt, stream)
+                   _STARTS, _OFFS, float(rel), int(block), cnt, block=block, dev=dev)
+    return _read_count(cnt, stream, dev)
 
 
 def pack_2bit_rel_shards(x, e_in, e_out, payload, starts, offs, rel_threshold, block_size,
@@ -1529,20 +1554,22 @@ def stats(x, e_in, *, cuda_stream=0):
     x, e_in = _dev(x, "x"), _dev(e_in, "e_in")
     if x.size == 0:
         return 0.0, 0.0, 0.0, 0
-    nb = _grid(x.size)
-    partial = _take_scratch((nb, 4), np.float64)
-    result = _take_scratch((4,), np.float64)
+    dev = _device_id()
+    nb = _grid(x.size, dev=dev)
+    partial = _take_scratch((nb, 4), np.float64, dev)
+    result = _take_scratch((4,), np.float64, dev)
     _launch(_stats_kernel, nb, cuda_stream, x, *_opt(e_in, x), partial)
     _launch(_stats_combine_kernel, 1, cuda_stream, partial, result)
     s = _stream(cuda_stream)
-    p = _pinned_twin(result) if _driver.ON is not False and _driver.enabled() else None
+    p = (_pinned_twin(result) if _driver.ON or (_driver.ON is None and _driver.enabled())
+         else None)
     if p is None or not _driver.to_host(p, result, s):
         p = result.copy_to_host(stream=s)
         if cuda_stream:
             cuda_stream.synchronize()
     out = float(p[0]), float(p[1]), float(p[2]), int(p[3])
-    _give_scratch(partial)
-    _give_scratch(result)
+    _give_scratch(partial, dev)
+    _give_scratch(result, dev)
     return out
 
 
@@ -1684,12 +1711,13 @@ def _pack_ternary(x, e_in, e_out, out, inline, starts, offs, scale, clip, stream
     s = x.dtype.type(scale)
     if not _max_shard(starts):
         return 0
-    cnt = _counter(cuda_stream)
+    dev = _device_id()
+    cnt = _counter(cuda_stream, dev)
     _launch_shards(_pack_ternary_kernel, starts, offs, cuda_stream,
                    x, *_opt(e_in, x), *_opt(e_out, x), out, bool(inline), _STARTS, _OFFS,
                    s, scale, float(clip), np.uint64(stream), np.uint64(offset), cnt,
-                   block=LANES * _VALUES_2BIT)
-    return _read_count(cnt, cuda_stream)
+                   block=LANES * _VALUES_2BIT, dev=dev)
+    return _read_count(cnt, cuda_stream, dev)
 
 
 def pack_ternary_shards(x, e_in, e_out, payload, starts, offs, scale, clip, stream, offset,
@@ -1835,13 +1863,14 @@ def _pack_half(fmt, x, e_in, e_out, out, divisor, cuda_stream):
     dv = x.dtype.type(divisor)
     if not x.size:
         return 0
-    cnt = _counter(cuda_stream)
+    dev = _device_id()
+    cnt = _counter(cuda_stream, dev)
     if x.size:
         k32, k64, _ = _HALF[fmt]
         _launch(k64 if x.dtype == np.float64 else k32,
-                _grid(x.size, THREADS * _VALUES_HALF), cuda_stream,
+                _grid(x.size, THREADS * _VALUES_HALF, dev), cuda_stream,
                 x, *_opt(e_in, x), *_opt(e_out, x), out, dv, cnt)
-    return _read_count(cnt, cuda_stream)
+    return _read_count(cnt, cuda_stream, dev)
 
 
 def _unpack_half(fmt, payload, stride, nsrc, out, accumulate, cuda_stream):
@@ -1930,10 +1959,11 @@ def _count_nonfinite_kernel(x, nbad_out):
 def count_nonfinite(x, *, cuda_stream=0):
     """Number of NaN and infinite values in ``x``."""
     x = _dev(x, "x")
-    cnt = _counter(cuda_stream)
+    dev = _device_id()
+    cnt = _counter(cuda_stream, dev)
     if x.size:
-        _launch(_count_nonfinite_kernel, _grid(x.size), cuda_stream, x, cnt)
-    return _read_count(cnt, cuda_stream)
+        _launch(_count_nonfinite_kernel, _grid(x.size, dev=dev), cuda_stream, x, cnt)
+    return _read_count(cnt, cuda_stream, dev)
 
 
 # ----------------------------------------------------------------------------
@@ -2026,7 +2056,8 @@ def group_copy(fused, members, ats, nshards, to_fused, *, cuda_stream=0):
     if len(ats) != len(members) * nshards:
         raise ValueError(f"group_copy: expected {len(members) * nshards} offsets, got "
                          f"{len(ats)}")
-    table = _index(ats)  # uploaded once per layout
+    dev = _device_id()
+    table = _index(ats, dev)  # uploaded once per layout
     dtype = fused.dtype
     f16 = dtype == np.float16  # moved as bits, as every kernel here takes float16
     if f16:
@@ -2041,8 +2072,8 @@ def group_copy(fused, members, ats, nshards, to_fused, *, cuda_stream=0):
         if f16:
             member = member.view(np.uint16)
         q, r = divmod(member.size, nshards)
-        _launch(_group_copy_kernel, _grid(member.size), cuda_stream, fused, member, table,
-                i * nshards, q, r, flag)
+        _launch(_group_copy_kernel, _grid(member.size, dev=dev), cuda_stream, fused, member,
+                table, i * nshards, q, r, flag)
 
 
 @cuda.jit(cache=_CACHE)

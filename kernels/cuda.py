@@ -395,7 +395,9 @@ def _counter(stream, dev=None):
 
 
 # id(array) -> (array, its pinned host twin): for the pooled counters and
-# scratch arrays, which live in their pools for good
+# scratch arrays. The entry holds the array, so its id is not reused while
+# the entry is there (and the twin is checked to be its array's); a scratch
+# array the pool drops takes its twin with it (_give_scratch)
 _twins = {}
 
 
@@ -430,6 +432,8 @@ def _give_scratch(a, dev=None):
         free = _scratch.setdefault((dev, a.shape, np.dtype(a.dtype)), [])
         if len(free) < 4:
             free.append(a)
+        else:
+            _twins.pop(id(a), None)
 
 
 def _read_count(counter, stream, dev=None):

@@ -183,7 +183,7 @@ def to_device(h):
 def to_host(d, out=None):
     """Copy device array ``d`` to host (into ``out`` if given): synchronous,
     in order on the engine's stream."""
-    if _driver.ON is not False and _driver.enabled():
+    if _driver.ON or (_driver.ON is None and _driver.enabled()):
         h = np.empty(d.shape, d.dtype) if out is None else out
         if _driver.copy(h, d, engine_stream(), True):
             return h

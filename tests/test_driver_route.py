@@ -272,3 +272,19 @@ def test_a_thread_without_a_context_gets_one_and_the_launch_is_made_once_more(
     with pytest.raises(RuntimeError, match="cuLaunchKernel"):
         _driver.launch(k, 1, 256, stream, args)
     assert made == [1, 1] and not answers
+
+
+def test_a_scratch_array_the_pool_drops_takes_its_pinned_twin_along(monkeypatch):
+    """``kernels.cuda``'s pinned twins (the host side of the driver's reads of
+    a pooled counter or scratch array) are keyed by ``id()`` and hold their
+    array, so no id is reused while its twin is there; a scratch array the
+    full pool drops is let go with its twin (no array kept by its twin)."""
+    from mpigc.kernels import cuda as kc
+    dt = np.dtype(np.float64)
+    kept = [_Array(4, dt, 0x1000 + i) for i in range(4)]
+    monkeypatch.setattr(kc, "_scratch", {(0, (4,), dt): list(kept)})
+    extra = _Array(4, dt, 0x2000)
+    monkeypatch.setattr(kc, "_twins", {id(a): (a, np.empty(4, dt)) for a in kept + [extra]})
+    kc._give_scratch(extra, 0)
+    assert id(extra) not in kc._twins and kc._scratch[(0, (4,), dt)] == kept
+    assert all(kc._twins[id(a)][0] is a for a in kept)

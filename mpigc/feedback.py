@@ -393,7 +393,12 @@ def _entry_from_state(key, s):
 
 
 def _host_array(a):
-    return a.copy_to_host() if _dispatch.is_device_array(a) else a
+    """A host copy of a loaded residual on a device: a Numba array, or any
+    ``__cuda_array_interface__`` object (CuPy, a CUDA torch tensor)."""
+    if not _dispatch.is_device_array(a):
+        return a
+    from . import _cuda
+    return _cuda.to_host(_cuda.as_device(a))
 
 
 _default = ErrorFeedback()

@@ -72,6 +72,16 @@ t = fb.begin("w", n, f32, 2, 0, device=True)
 assert _dispatch.is_device_array(t.worker())
 assert t.worker().copy_to_host().tolist() == list(range(n))
 t.end()
+# a state whose residuals are foreign device arrays (CuPy, a CUDA torch
+# tensor: only __cuda_array_interface__), read through the interface
+import sys, os
+sys.path.insert(0, os.environ["MPIGC_TESTS_DIR"])
+from support.foreign_arrays import TorchLikeTensor as Foreign
+
+fb.load_state_dict({"w": dict(st, worker=Foreign(_cuda.to_device(np.arange(n, dtype=f32))),
+                              owner=Foreign(_cuda.to_device(np.full(4, 5, f32))))})
+assert fb.state_dict()["w"]["worker"].tolist() == list(range(n))
+assert fb.state_dict()["w"]["owner"].tolist() == [5] * 4
 # a device group's fused residuals, each member's read back
 sizes = (3, 5)
 lay = _group._layout(sizes, 2, False)
@@ -125,7 +135,8 @@ print("ok spares per GPU")
 
 
 def _simulated(code, ok):
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
+               MPIGC_TESTS_DIR=os.path.dirname(os.path.abspath(__file__)))
     env.pop("MPIGC_DEVICE", None)
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                        text=True, timeout=300)

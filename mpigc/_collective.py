@@ -110,7 +110,7 @@ class _Op(PendingCall):
             self.seq, self.tags = pre.seq, pre.tags
         self.state = "agree"
         self.result = None
-        self.txn = None  # the residual transaction (mpigc.feedback.Transaction)
+        self.txn = None  # the residual transaction (mpigc._residual_txn.Transaction)
         self.key = None
         self.sendreqs = []
         self.rows = self.report = None

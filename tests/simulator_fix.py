@@ -1,7 +1,0 @@
-"""Moved to tests/support/simulator_fix.py; this name stays for tests/mpi/test_torch_gpu_sim_mpi.py
-(whose owners move its import). One module under both names: its state is shared."""
-import sys
-
-from support import simulator_fix as _moved
-
-sys.modules[__name__] = _moved

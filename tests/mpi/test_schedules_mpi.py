@@ -31,7 +31,8 @@ class on every rank), the stores must hold the same residuals, and no
 scenario may take longer than ``TIMEOUT`` seconds: a rank that gets there
 prints the seed and every thread's stack, and aborts the job, so a hang is
 reported as the schedule that produced it. ``MPIGC_SCHEDULE_SEEDS=a:b``
-runs seeds ``a`` to ``b - 1`` (the default is a CI-sized sweep);
+runs seeds ``a`` to ``b - 1`` (the default is a CI-sized sweep: ``0:200``
+at 1 to 3 ranks, ``0:80`` at 4, see ``_seeds``);
 ``MPIGC_PROGRESS_THREAD=0`` runs them without the progress thread.
 """
 import faulthandler
@@ -60,8 +61,13 @@ TIMEOUT = float(os.environ.get("MPIGC_SCHEDULE_TIMEOUT", "60"))
 SIZES = [100, 3001, 12_001, 60_000, 100_000, 1_000_000]
 
 
-def _seeds():
-    a, _, b = os.environ.get("MPIGC_SCHEDULE_SEEDS", "0:200").partition(":")
+# the default seeds per rank count: 200 at 1 to 3 ranks; 80 at 4 and more, which
+# hold the seeds where the 4-rank runs found their planted causes (c94bb39's
+# residuals at seed 25, the two-thread hang at seed 1 or 2; docs/hangs.md);
+# MPIGC_SCHEDULE_SEEDS=0:200 (or wider) searches more at any count
+def _seeds(size):
+    default = "0:80" if size >= 4 else "0:200"
+    a, _, b = os.environ.get("MPIGC_SCHEDULE_SEEDS", default).partition(":")
     return range(int(a), int(b))
 
 
@@ -208,7 +214,7 @@ def test_random_schedules_end_as_blocking_calls_in_order(comm, monkeypatch, pyte
     ref_comms = _comms(comm, hier_ok)
     failures = []
     sched_comms = None
-    for seed in _seeds():
+    for seed in _seeds(comm.size):
         calls = _draw(seed, comm.size, hier_ok, threads_ok)
         if sched_comms is None or seed % 10 == 0:
             sched_comms = _comms(comm, hier_ok)

@@ -380,6 +380,8 @@ def _clean_env():
             if k in keep or not k.split("_")[0] in ("OMPI", "PMIX", "PRTE", "OPAL")}
 
 
+# flat calls (no emulated nodes), victim rank 0 or the last: 2 and 3 cover it, 4 adds nothing
+@pytest.mark.ranks(1, 2, 3)
 @pytest.mark.parametrize("point", ["data", "manifest", "cleanup"])
 def test_killed_save_keeps_previous_checkpoint(shared_dir, point):
     path = os.path.join(shared_dir, "ck")

@@ -133,6 +133,7 @@ def test_nan_payloads_are_those_of_mpi_allreduce(comm, dup, dtype, path, monkeyp
             assert_all(same, same or f"{what}: not MPI's bits ({_first(x, want)})")
 
 
+@pytest.mark.ranks(2)  # the short path is for 2 ranks (it skips at the others)
 @pytest.mark.parametrize("short", ["rank 0", "rank 1"])
 def test_either_path_on_either_rank(comm, dup, short, monkeypatch):
     """One rank on the short path, its peer on the engine's: the same bits."""

@@ -162,6 +162,7 @@ def test_blocking_mpi_sum_while_a_request_is_pending(comm):
 
 
 @pytest.mark.mpi
+@pytest.mark.ranks(2)  # the hang it guards was a pair's (it skips at the other counts)
 def test_reduce_scatter_sends_do_not_block_the_thread(comm):
     """The progress thread finishing an ireduce_scatter must not block on its
     sends (engine lock held) while the peer waits for an earlier call of

@@ -692,6 +692,7 @@ def test_join_shadows_the_steps_of_ranks_with_more_batches(comm, op):
 
 
 @pytest.mark.mpi
+@pytest.mark.ranks(2, 3)  # flat, rank 0 against the others: 2 and 3 cover it, 4 adds nothing
 def test_uneven_inputs_without_join_raise_within_the_timeout(comm):
     if comm.size < 2:
         pytest.skip("needs 2 ranks")
@@ -1085,6 +1086,7 @@ def test_changed_after_backward_counts_ranks(comm):
 
 
 @pytest.mark.mpi
+@pytest.mark.ranks(2, 3)  # flat, rank 0 alone against the others: 4 adds nothing
 @pytest.mark.parametrize("hook", [False, True])
 def test_state_dict_on_one_rank_fails_there_within_the_timeout(comm, gloo, hook):
     """A DDP script saves inside `if master_process:`: the hook's (or

@@ -55,7 +55,7 @@ def test_a_defect_on_one_rank_aborts_the_job(ranks, mode, env):
     assert r.returncode != 0, out[-4000:]
     assert "RuntimeError in " in out and "aborting the job" in out, out[-4000:]
     if mode == "short":  # in the short path of small calls
-        assert "planted defect in decode_into" in out and "_shortcall.py" in out, out[-4000:]
+        assert "planted defect in verdict" in out and "_shortcall.py" in out, out[-4000:]
     else:
         assert "planted defect in unpack_1bit_shards" in out, out[-4000:]
     assert "MPIGC_ON_INTERNAL_ERROR=raise" in out

@@ -10,7 +10,8 @@ leaving them waiting forever.
 MODE: ``blocking``, ``nonblocking`` (``iallreduce(...).wait()``), ``hier``
 (``hierarchy="node"``, run with ``MPIGC_NODE_SPLIT=2``) or ``short`` (a small
 ``op="none"`` call on 2 ranks, which takes the short path of small calls,
-``mpigc._shortcall``: rank 1's addition of its peer's values raises). A rank that sees the
+``mpigc._shortcall``: rank 1's reading of the exchanged rows, the verdict, raises; the
+short path sums with ``np.add`` itself since 9111b5a, so a planted decoder is not reached). A rank that sees the
 exception prints ``raised: ...`` and goes on, as a training loop that skips a
 failed step would: into a barrier, where its peers never come (with
 ``MPIGC_ON_INTERNAL_ERROR=raise``, the hang this prevents). At one rank,
@@ -33,8 +34,8 @@ comm.Barrier()
 if comm.rank == 1 or comm.size == 1:
     if mode == "short":
         def broken(*args, **kwargs):
-            raise RuntimeError("planted defect in decode_into")
-        mpigc.compressors.NoCompression.decode_into = broken
+            raise RuntimeError("planted defect in verdict")
+        mpigc._plan.verdict = broken
     else:
         def broken(*args, **kwargs):
             raise RuntimeError("planted defect in unpack_1bit_shards")

@@ -1268,6 +1268,51 @@ def count_nonfinite(x):
     return int(_count_nonfinite_par(x, nch))
 
 
+# the bits of each float dtype's exponent (all ones: NaN or infinite), by itemsize
+_EXP_BITS = {2: (np.uint16, np.uint16(0x7C00)), 4: (np.uint32, np.uint32(0x7F800000)),
+             8: (np.uint64, np.uint64(0x7FF0000000000000))}
+
+
+@njit(**_JIT)
+def _copy_count_range(src, dst, mask, i0, i1):
+    nbad = 0
+    for i in range(i0, i1):
+        v = src[i]
+        dst[i] = v
+        nbad += (v & mask) == mask
+    return nbad
+
+
+@njit(parallel=True, **_JIT)
+def _copy_count_par(src, dst, mask, nchunks):
+    n = src.size
+    per = (n + nchunks - 1) // nchunks
+    nbad = 0
+    for c in prange(nchunks):
+        i0 = min(n, c * per)
+        nbad += _copy_count_range(src, dst, mask, i0, min(n, i0 + per))
+    return nbad
+
+
+def copy_count_nonfinite(x, out):
+    """Copy the bytes of ``x`` (float16, float32 or float64, 1-D, contiguous)
+    into ``out`` (uint8, ``x.nbytes``, aligned for ``x``'s dtype) and return
+    :func:`count_nonfinite` of ``x``, in one pass over the values instead of
+    two (the values that travel in an agreement message, whose row holds
+    their count). The copy is of the bits (NaN payloads as they are); a
+    value is counted where its exponent bits are all ones.
+
+    Host only, not in ``__all__``: the values travel inline in agreement
+    messages of host buffers only (:func:`mpigc._plan.inline_data`), so the
+    device module has no sibling."""
+    ut, mask = _EXP_BITS[x.dtype.itemsize]
+    src, dst = x.view(ut), out.view(ut)
+    nch = _nchunks(src.size)
+    if nch == 1:
+        return int(_copy_count_range(src, dst, mask, 0, src.size))
+    return int(_copy_count_par(src, dst, mask, nch))
+
+
 # ----------------------------------------------------------------------------
 # the shards of one collective call: the device module packs (decodes) them
 # all in one launch; here each is a call of the kernels above, in order

@@ -20,9 +20,9 @@ class Entry:
     first copies every member's back into arrays of their own (:meth:`Fused.evict`)."""
 
     __slots__ = ("n", "dtype", "world_size", "rank", "_worker", "_owner", "config",
-                 "calls", "on_device", "fused")
+                 "calls", "on_device", "gpu", "fused")
 
-    def __init__(self, n, dtype, world_size, rank, config, on_device=None):
+    def __init__(self, n, dtype, world_size, rank, config, on_device=None, gpu=None):
         self.n = n
         self.dtype = np.dtype(dtype)
         self.world_size = world_size
@@ -35,6 +35,8 @@ class Entry:
         #: True: residuals in device memory; False: host; None: not placed yet
         #: (loaded from a state dict or a checkpoint; see the module docstring)
         self.on_device = on_device
+        #: the GPU (its id) whose memory holds device residuals; None on the host
+        self.gpu = gpu if on_device else None
 
     @property
     def worker(self):
@@ -64,14 +66,16 @@ class Entry:
         """Whether the key holds a residual (without moving fused ones)."""
         return self.fused is not None or self._worker is not None or self._owner is not None
 
-    def place(self, device):
-        """Move not-yet-placed residuals to where a call needs them."""
+    def place(self, device, gpu=None):
+        """Move not-yet-placed residuals to where a call needs them: the host,
+        or (``device``) GPU ``gpu``, the call's, current in the calling thread."""
         if self.on_device is None:  # loaded: never fused
             if device:
                 from . import _cuda
                 self._worker = None if self._worker is None else _cuda.to_device(self._worker)
                 self._owner = None if self._owner is None else _cuda.to_device(self._owner)
             self.on_device = bool(device)
+            self.gpu = gpu if device else None
 
     def host_copy(self):
         """An entry with host copies of the residuals (the same one if they
@@ -181,30 +185,33 @@ class Fused:
 
 class Spares:
     """A store's scratch residual buffers (double-buffering): at most one
-    per size, dtype and side (the host, or a GPU: :func:`_side`), under a
-    lock of its own."""
+    per size, dtype and side (the host, or a GPU), under a lock of its own.
+    A device spare serves calls on its own GPU only (one process may drive
+    several): the caller says which, ``gpu``, the id its call's backend
+    took when it adopted the buffer (:class:`mpigc._backend.DeviceBackend`),
+    so that no take or give asks the driver; None is the host."""
 
     def __init__(self):
         self._pools = {}
         self._lock = threading.Lock()
 
-    def take(self, n, dtype, device=False):
-        """A buffer of ``n`` values (contents undefined), in device memory if
-        ``device`` (on the GPU current now, the call's): one given back by
-        :meth:`give` (taken out under the lock), or a new one (allocated
-        outside the lock)."""
-        key = (n, np.dtype(dtype), _side(device))
+    def take(self, n, dtype, gpu=None):
+        """A buffer of ``n`` values (contents undefined), on the host (``gpu``
+        None) or in the memory of GPU ``gpu``, current in the calling thread
+        (the call's): one given back by :meth:`give` (taken out under the
+        lock), or a new one (allocated outside the lock)."""
+        key = (n, np.dtype(dtype), gpu)
         with self._lock:
             pool = self._pools.get(key)
             if pool:
                 return pool.pop()
-        return empty(n, dtype, device)
+        return empty(n, dtype, gpu is not None)
 
-    def give(self, arr):
-        """Give back a residual buffer that no entry uses any more, by the
-        call that used it (its GPU current); kept if the pool of its size,
+    def give(self, arr, gpu=None):
+        """Give back a residual buffer that no entry uses any more, on the
+        host (``gpu`` None) or on GPU ``gpu``; kept if the pool of its size,
         dtype and side is empty, else dropped."""
-        key = (arr.size, np.dtype(arr.dtype), _side(_dispatch.is_device_array(arr)))
+        key = (arr.size, np.dtype(arr.dtype), gpu)
         with self._lock:
             pool = self._pools.setdefault(key, [])
             if len(pool) < 1:
@@ -213,17 +220,6 @@ class Spares:
     def clear(self):
         with self._lock:
             self._pools.clear()
-
-
-def _side(device):
-    """Where a spare serves: None, the host; else the GPU current in the
-    calling thread (a call's: the engine makes it current for its steps), so
-    that a spare given back by a call on one GPU is never another GPU's
-    call's scratch (one process may drive several)."""
-    if not device:
-        return None
-    from . import _cuda
-    return ("device", _cuda.current_device_id())
 
 
 def empty(n, dtype, device):

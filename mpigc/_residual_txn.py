@@ -125,16 +125,19 @@ class Txn:
 
     def restore(self):
         """Put back what it recorded (the keys that had no entry then are
-        forgotten), in one hold of the store's lock."""
-        self.fb.put_back(self.saved, self.whole)
+        forgotten), in one hold of the store's lock. Raises StateError, and
+        puts nothing back, if a call other than its own holds a key it
+        would change."""
+        self.fb.put_back(self.saved, self.whole, self.keys if self.held else ())
 
     def accept(self):
         """What it recorded is not put back: a worker array recorded by
-        reference that its key no longer holds becomes a spare."""
+        reference that its key no longer holds becomes a spare (of its
+        entry's side)."""
         for s in self.saved.values():
             if (s is not None and not s.copied and s.worker is not None
                     and s.entry.worker is not s.worker):
-                self.fb.spares.give(s.worker)
+                self.fb.spares.give(s.worker, s.entry.gpu)
 
 
 class Transaction(Txn):
@@ -142,12 +145,13 @@ class Transaction(Txn):
     holding the key from the start to :meth:`end`. The new worker residual is
     written to a scratch array (:meth:`take_scratch`) and installed by
     :meth:`commit`, so a call that does not go ahead leaves the old one;
-    ``entry`` is the key's entry (None before a first call's commit)."""
+    ``entry`` is the key's entry (None before a first call's commit);
+    ``gpu`` the id of the call's GPU (None: a host call)."""
 
-    __slots__ = ("key", "entry", "scratch", "_shape", "keep_replaced")
+    __slots__ = ("key", "entry", "scratch", "_shape", "keep_replaced", "gpu")
 
-    def __init__(self, fb, key, n, dtype, world_size, rank, device):
-        entry = fb.acquire(key, n, dtype, world_size, rank, device)
+    def __init__(self, fb, key, n, dtype, world_size, rank, device, device_id=None):
+        entry, self.gpu = fb.acquire(key, n, dtype, world_size, rank, device, device_id)
         Txn.__init__(self, fb)
         self.entry, self.key, self.keys = entry, key, [key]
         self._shape = (n, dtype, world_size, rank, bool(device))
@@ -162,8 +166,8 @@ class Transaction(Txn):
 
     def take_scratch(self):
         """The array the call writes its new worker residual to."""
-        n, dtype, _, _, device = self._shape
-        self.scratch = self.fb.spares.take(n, dtype, device)
+        n, dtype = self._shape[:2]
+        self.scratch = self.fb.spares.take(n, dtype, self.gpu)
         return self.scratch
 
     def commit(self, config, keep_replaced=False):
@@ -174,13 +178,13 @@ class Transaction(Txn):
         it back). Returns the entry."""
         n, dtype, size, rank, device = self._shape
         e = self.entry = self.fb.commit(self.key, self.entry, n, dtype, size, rank, config,
-                                        device)
+                                        device, self.gpu)
         self.keep_replaced = keep_replaced
         if self.scratch is not None:
             old, e.worker = e.worker, self.scratch
             self.scratch = None
             if old is not None and not keep_replaced:
-                self.fb.spares.give(old)
+                self.fb.spares.give(old, self.gpu)
         return e
 
     def skipped(self):
@@ -228,7 +232,7 @@ class Transaction(Txn):
         (``n`` values of this rank's shard, contents undefined): a spare, so
         that the owner residual is double-buffered like the worker's (the old
         one becomes the spare at :meth:`set_owner`), or a new one."""
-        return self.fb.spares.take(n, dtype, self._shape[4])
+        return self.fb.spares.take(n, dtype, self.gpu)
 
     def set_owner(self, arr):
         """The committed call's new owner residual ``arr`` replaces the old
@@ -236,14 +240,14 @@ class Transaction(Txn):
         the call keeps the arrays it replaces (``keep_replaced``)."""
         old, self.entry.owner = self.entry.owner, arr
         if old is not None and old is not arr and not self.keep_replaced:
-            self.fb.spares.give(old)
+            self.fb.spares.give(old, self.gpu)
 
     def end(self, defer=False):
         """The call is over, or will not go ahead: an unused scratch array
         becomes a spare and the key is released (with ``defer``, at
         :meth:`settle`: :meth:`Txn.end`)."""
         if self.scratch is not None:
-            self.fb.spares.give(self.scratch)
+            self.fb.spares.give(self.scratch, self.gpu)
             self.scratch = None
         Txn.end(self, defer)
 
@@ -272,16 +276,18 @@ class GroupTransaction(Transaction):
     __slots__ = ("sizes", "entries", "committed", "place", "owner_place", "fused")
 
     def __init__(self, fb, keys, sizes, place, owner_place, shard_n, dtype, world_size,
-                 rank, device):
+                 rank, device, device_id=None):
         entries = []
         try:
             for k, m in zip(keys, sizes):
-                entries.append(fb.acquire(k, m, dtype, world_size, rank, device))
+                e, device_id = fb.acquire(k, m, dtype, world_size, rank, device, device_id)
+                entries.append(e)
         except BaseException:
             for k in keys[:len(entries)]:
                 fb.release(k)
             raise
         Txn.__init__(self, fb)
+        self.gpu = device_id
         self.keys, self.sizes, self.entries = list(keys), sizes, entries
         self.key = None  # its keys are self.keys
         self.place, self.owner_place = place, owner_place
@@ -293,14 +299,14 @@ class GroupTransaction(Transaction):
         self.entry = None
         fused = self.fused = fb.fused_of(keys)
         if fused is not None and fused.serves(entries, place, owner_place):
-            f = self.entry = Entry(n, dtype, world_size, rank, None, bool(device))
+            f = self.entry = Entry(n, dtype, world_size, rank, None, bool(device), self.gpu)
             f.calls = max(e.calls for e in entries)
             f.worker, f.owner = fused.worker, fused.owner  # resident: no copies
             return
         self.fused = None
         if any(e is not None for e in entries):
             t0 = _timeline.ON and _timeline.now()
-            f = self.entry = Entry(n, dtype, world_size, rank, None, bool(device))
+            f = self.entry = Entry(n, dtype, world_size, rank, None, bool(device), self.gpu)
             f.calls = max(e.calls for e in entries if e is not None)
             try:
                 f.worker = self._gather([None if e is None else e.worker for e in entries],
@@ -321,7 +327,7 @@ class GroupTransaction(Transaction):
         if all(a is None for a in arrays):
             return None
         _, dtype, _, _, device = self._shape
-        out = self.fb.spares.take(n, dtype, device)
+        out = self.fb.spares.take(n, dtype, self.gpu)
         pieces, ats, nshards = place
         if device:
             if any(a is None for a in arrays):
@@ -344,16 +350,16 @@ class GroupTransaction(Transaction):
         n, dtype, size, rank, device = self._shape
         for i, (k, m) in enumerate(zip(self.keys, self.sizes)):
             self.entries[i] = self.fb.commit(k, self.entries[i], m, dtype, size, rank, config,
-                                             device)
+                                             device, self.gpu)
         f = self.entry
         if f is None:
-            f = self.entry = Entry(n, dtype, size, rank, config, device)
+            f = self.entry = Entry(n, dtype, size, rank, config, device, self.gpu)
         f.config = config
         if self.scratch is not None:
             old, f.worker = f.worker, self.scratch
             self.scratch = None
             if old is not None:
-                self.fb.spares.give(old)  # the members' get the new one at end()
+                self.fb.spares.give(old, self.gpu)  # the members' get the new one at end()
         self.committed = True
         return f
 
@@ -377,7 +383,7 @@ class GroupTransaction(Transaction):
         already; the keys are released (with ``defer``, at :meth:`settle`, as
         :meth:`Transaction.end`)."""
         if self.scratch is not None:
-            self.fb.spares.give(self.scratch)
+            self.fb.spares.give(self.scratch, self.gpu)
             self.scratch = None
         f = self.entry
         if f is not None:
@@ -386,7 +392,7 @@ class GroupTransaction(Transaction):
             elif self.fused is None:
                 for a in (f.worker, f.owner):
                     if a is not None:
-                        self.fb.spares.give(a)
+                        self.fb.spares.give(a, self.gpu)
             f.worker = f.owner = None
             self.committed = False
         Txn.end(self, defer)

@@ -18,11 +18,13 @@ Where residuals live
 --------------------
 A key's residuals live where its buffers live: in host memory for numpy
 buffers, in device memory for CUDA device arrays (the double-buffer spare
-too). A key used with a host buffer cannot then be used with a device buffer
-(or the other way round): that is a :class:`StateError`. Residuals put in by
+too), of the GPU the key's calls ran on. A key used with a host buffer
+cannot then be used with a device buffer (or the other way round), nor a key
+whose residuals are on one GPU by a call on another GPU of the process: that
+is a :class:`StateError`. Residuals put in by
 :meth:`ErrorFeedback.load_state_dict` or ``mpigc.load_checkpoint`` are host
 arrays and have no place yet: the key's next call moves them to the device
-if its buffer is a device array. :meth:`ErrorFeedback.state_dict` and
+(its GPU) if its buffer is a device array. :meth:`ErrorFeedback.state_dict` and
 checkpoints always get host copies.
 """
 import threading
@@ -165,13 +167,19 @@ class ErrorFeedback:
     # store's bookkeeping stays private. What a method does "under the lock"
     # it does in one hold of the store's lock (never across an MPI call).
 
-    def acquire(self, key, n, dtype, world_size, rank, device=False):
+    def acquire(self, key, n, dtype, world_size, rank, device=False, device_id=None):
         """For mpigc's own modules: mark ``key`` busy for a call and return
-        its entry (or None if the key is new, which is then a pending first
-        call: :meth:`state_dict` leaves it out). Raises StateError, changing
+        ``(entry, gpu)``: its entry (or None if the key is new, which is then
+        a pending first call: :meth:`state_dict` leaves it out) and the id of
+        the call's GPU (None for a host call). Raises StateError, changing
         nothing, if it is in use already or does not fit the call (size,
-        layout, or side: ``device``, the call's buffer is a device array).
-        Under the lock: checks, placing and marking are one step."""
+        layout, or side: ``device``, the call's buffer is a device array on
+        GPU ``device_id``, the call's backend's; None: the GPU current now,
+        asked once). Under the lock: checks, placing and marking are one step."""
+        if device and device_id is None:
+            from . import _cuda
+            device_id = _cuda.current_device_id()
+        gpu = device_id if device else None
         with self._lock:
             if key in self._busy:
                 raise StateError(f"key {key!r} is already used by a pending collective; "
@@ -191,12 +199,19 @@ class ErrorFeedback:
                     f"key {key!r} holds residuals in {held} memory; this call has a "
                     f"{given} buffer: use another key, reset({key!r}), or move them "
                     "(load_state_dict(state_dict()) places them on the next call)")
+            if e is not None and e.on_device and e.gpu != gpu:
+                # another GPU's memory: a kernel here would fault or read it
+                # through the peer mapping
+                raise StateError(
+                    f"key {key!r} holds residuals on GPU {e.gpu}; this call's buffer is "
+                    f"on GPU {gpu}: use a key per GPU, reset({key!r}), or move them "
+                    "(load_state_dict(state_dict()) places them on the next call's GPU)")
             if e is not None:
-                e.place(device)
+                e.place(device, gpu)
             else:
                 self._first.add(key)
             self._busy.add(key)
-            return e
+            return e, gpu
 
     def release(self, key):
         """For mpigc's own modules: ``key`` (marked by :meth:`acquire`) is no
@@ -206,14 +221,15 @@ class ErrorFeedback:
             self._busy.discard(key)
             self._first.discard(key)
 
-    def commit(self, key, entry, n, dtype, world_size, rank, config, device=False):
+    def commit(self, key, entry, n, dtype, world_size, rank, config, device=False,
+               gpu=None):
         """For mpigc's own modules: the call on ``key`` (held) goes ahead: a
         new entry for ``key`` if ``entry`` is None (a first call; on the
-        device if ``device``), given ``config``; returns the entry. Under
-        the lock (the key stays held)."""
+        device if ``device``, GPU ``gpu``), given ``config``; returns the
+        entry. Under the lock (the key stays held)."""
         with self._lock:
             if entry is None:
-                entry = Entry(n, dtype, world_size, rank, config, bool(device))
+                entry = Entry(n, dtype, world_size, rank, config, bool(device), gpu)
                 self._entries[key] = entry
             entry.config = config
             return entry
@@ -289,17 +305,19 @@ class ErrorFeedback:
             return dict(self._entries)
 
     # -- one call's transaction --------------------------------------------------------
-    def begin(self, key, n, dtype, world_size, rank, device=False):
+    def begin(self, key, n, dtype, world_size, rank, device=False, device_id=None):
         """For mpigc's own modules: a :class:`Transaction` of one call, holding
-        ``key`` (:meth:`acquire`: StateError, and then nothing changed)."""
-        return Transaction(self, key, n, dtype, world_size, rank, device)
+        ``key`` (:meth:`acquire`: StateError, and then nothing changed);
+        ``device_id``: a device call's GPU, as its backend took it when it
+        adopted the buffer (None: asked once here)."""
+        return Transaction(self, key, n, dtype, world_size, rank, device, device_id)
 
     def begin_group(self, keys, sizes, place, owner_place, shard_n, dtype, world_size,
-                    rank, device=False):
+                    rank, device=False, device_id=None):
         """For mpigc's own modules (grouped calls, :mod:`mpigc._group`): a
         :class:`GroupTransaction` holding every key of ``keys`` (or StateError)."""
         return GroupTransaction(self, keys, sizes, place, owner_place, shard_n, dtype,
-                                world_size, rank, device)
+                                world_size, rank, device, device_id)
 
     def fused_of(self, keys):
         """The fused residuals of a grouped call on ``keys``, or None."""
@@ -323,12 +341,20 @@ class ErrorFeedback:
             return None if e is None else Saved(e.worker, e.owner, e.calls, e.config, e,
                                                 False)
 
-    def put_back(self, saved, whole=None):
+    def put_back(self, saved, whole=None, held=()):
         """For :meth:`Txn.restore`: ``whole`` (entries, skipped steps) if given
         in place of the store's, then each record of ``saved`` (None: forget
         the key) put back: entry, calls, config, arrays (copies copied into
-        the entry's own). In one hold of the lock: no state sees half of it."""
+        the entry's own). In one hold of the lock: no state sees half of it.
+        Raises StateError, putting nothing back, if a key it would change is
+        used by a call (``held``: the restoring transaction's own keys), as
+        :meth:`reset` does: the call's residuals are not overwritten under it."""
         with self._lock:
+            busy = self._busy.difference(held)
+            clash = sorted(busy if whole is not None else busy.intersection(saved))
+            if clash:
+                raise StateError(f"key(s) {clash} in use by a pending collective; wait "
+                                 "for it before putting their residuals back")
             if whole is not None:
                 self._entries, self.skipped_steps = dict(whole[0]), whole[1]
                 self._fused.clear()

@@ -77,16 +77,85 @@ def _asks():
     return got
 
 
-def test_a_kernel_function_asks_for_the_gpu_at_most_once():
+def _call_asks():
+    """``{what: asks}`` of ``mpigc._cuda.current_device_id``: per 2bit device
+    allreduce (one rank, both gathers, after the first call of each), those
+    of them from the residual store's spares and entries, and those of one
+    call's transaction through the store's API given the call's GPU."""
+    import traceback
+    import warnings
+
+    import numpy as np
+    from numba import cuda
+
+    import mpigc
+    from mpigc import _cuda
+    from mpigc.compressors import get_compressor
+    assert _cuda.simulator(), "NUMBA_ENABLE_CUDASIM=1 was not in effect"
+    os.environ["MPIGC_MIN_COMPRESS_BYTES"] = "0"
+    warnings.simplefilter("ignore")  # the staging warning, the simulator's
+    asked = []
+    device_id = _cuda.current_device_id
+
+    def counted():
+        asked.append(traceback.extract_stack(limit=2)[0].filename)  # the asker
+        return device_id()
+    _cuda.current_device_id = counted
+    fb = mpigc.ErrorFeedback()
+    g = np.linspace(-1, 1, 256).astype(np.float32)
+    got = {}
+    for gather in ("compressed", "exact"):
+        for _ in range(2):  # the second: the spares are there, nothing new
+            del asked[:]
+            mpigc.allreduce(cuda.to_device(g), "2bit", key=gather, feedback=fb,
+                            gather=gather)
+        got[gather] = len(asked)
+        got[gather + " store"] = sum(os.path.basename(f) in (
+            "_residual_entry.py", "_residual_txn.py") for f in asked)
+    del asked[:]
+    t = fb.begin("api", 8, np.float32, 2, 0, device=True, device_id=0)
+    t.take_scratch()
+    t.commit(get_compressor("2bit").get_config())
+    t.set_owner(t.take_owner_scratch(4, np.float32))
+    t.take_owner_scratch(4, np.float32)
+    t.end()
+    t = fb.begin("api", 8, np.float32, 2, 0, device=True, device_id=0)
+    t.take_scratch()
+    t.commit(get_compressor("2bit").get_config())
+    t.end()
+    got["api"] = len(asked)
+    return got
+
+
+def test_a_device_call_asks_for_the_gpu_once_not_at_each_spare():
+    """The residual store's device spares are keyed by the call's GPU: the
+    id the call's backend took when it adopted the buffer goes down to the
+    store's transaction (``begin(..., device_id=)``), which hands it to
+    every take and give; before, each take and give asked the driver (4 asks
+    per 2bit call on a GPU: worker and owner scratch taken, the replaced ones
+    given back; 5 in all per call, 3 with gather="exact"). Now: the adopt's
+    ask and at most one of the store's (:meth:`ErrorFeedback.acquire` asks
+    once when its caller gives no id), none from the spares."""
+    got = _run("calls")
+    assert got["api"] == 0, got
+    assert got["compressed store"] == 0 and got["exact store"] == 0, got
+    assert got["compressed"] <= 2 and got["exact"] <= 2, got
+
+
+def _run(what=""):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1", PYTHONPATH=ROOT)
-    r = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env,
-                       capture_output=True, text=True, timeout=600)
+    r = subprocess.run([sys.executable, os.path.abspath(__file__)] + ([what] if what else []),
+                       env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    got = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def test_a_kernel_function_asks_for_the_gpu_at_most_once():
+    got = _run()
     assert len(got) == 14, got
     more = {k: v for k, v in got.items() if v > 1}
     assert not more, f"asked the GPU more than once per call: {more}"
 
 
 if __name__ == "__main__":
-    print(json.dumps(_asks()))
+    print(json.dumps(_call_asks() if sys.argv[1:] == ["calls"] else _asks()))

@@ -232,3 +232,47 @@ def test_a_save_whose_copy_fails_holds_no_key(monkeypatch):
     assert sorted(txn.hold_all()) == ["a", "b"]
     txn.end()
     fb.reset()
+
+
+def test_a_restore_refuses_a_key_a_pending_call_uses():
+    """A record put back under a pending call would overwrite that call's
+    residuals (or forget the entry its commit writes to): restore raises
+    StateError and puts nothing back, for every kind of record; its own keys
+    (a checkpoint's install holds them) do not count. 9fa6c9b's put_back
+    wrote them silently (the old module function restored through reset(),
+    which refused a busy key)."""
+    fb = mpigc.ErrorFeedback()
+    _one(fb, "b", [1, 2, 3])
+    by_copy, by_ref = fb.transaction(), fb.transaction()
+    by_copy.copy("b")
+    by_copy.copy("new")  # no entry then: restore would forget it
+    by_ref.keep("b")
+    _call(fb, "b", [4, 4, 4])
+    pending = fb.begin("b", 3, np.float32, 1, 0)  # a call on "b" in progress
+    first = fb.begin("new", 2, np.float32, 1, 0)  # a first call in progress
+    live = fb.entry("b").worker
+    for txn in (by_copy, by_ref, fb.transaction(by_copy.saved)):
+        with pytest.raises(mpigc.StateError, match="in use by a pending collective"):
+            txn.restore()
+        assert fb.entry("b").worker is live and live.tolist() == [4, 4, 4]
+        assert fb.entry("b").calls == 3
+    pending.end()
+    with pytest.raises(mpigc.StateError, match=r"\['new'\]"):
+        by_copy.restore()
+    first.take_scratch()[:] = 1
+    first.commit({"type": "2bit"})
+    first.end()
+    assert "new" in fb
+    # the whole store: any key in use but its own
+    whole = fb.transaction()
+    whole.install({})
+    other = fb.begin("x", 2, np.float32, 1, 0)
+    with pytest.raises(mpigc.StateError, match=r"\['x'\]"):
+        whole.restore()
+    assert fb.keys() == []
+    other.end()
+    whole.restore()  # its own keys held: allowed
+    whole.end()
+    assert sorted(fb.keys()) == ["b", "new"]
+    by_copy.restore()  # nothing in use now
+    assert fb.entry("b").worker.tolist() == [1, 2, 3] and "new" not in fb

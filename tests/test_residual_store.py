@@ -133,6 +133,35 @@ assert call("again1", 1) is first  # a call on its own GPU takes it
 print("ok spares per GPU")
 '''
 
+# a key's device residuals are refused to a call on another GPU
+OTHER_GPU = TWO_DEVICES.replace('print("ok spares per GPU")', r'''
+from mpigc import StateError, _group
+import pytest
+with pytest.raises(StateError, match="holds residuals on GPU 1; this call's buffer is on GPU 0"):
+    call("on1", 0)
+assert fb.entry("on1").gpu == 1 and fb.state_dict()["on1"]["calls"] == 0
+call("on1", 1)  # not left in use; its own GPU's calls go on
+with pytest.raises(StateError, match="on GPU 0"):  # the backend's id, given
+    fb.begin("on1", 8, np.float32, 1, 0, device=True, device_id=0)
+now[0] = 0
+sizes = (3, 8)
+lay = _group._layout(sizes, 1, False)
+with pytest.raises(StateError, match="GPU 1"):  # a group with a member of GPU 1
+    fb.begin_group(["g0", "on1"], sizes, lay.place, lay.owner[0], lay.counts[0],
+                   np.float32, 1, 0, device=True)
+fb.begin("g0", 3, np.float32, 1, 0, device=True).end()  # the group's keys released
+# moved through a state: placed on the next call's GPU
+st = fb.state_dict()
+fb.load_state_dict(st)
+s = call("on1", 0)
+assert fb.entry("on1").gpu == 0
+with pytest.raises(StateError, match="on GPU 0; this call's buffer is on GPU 1"):
+    call("on1", 1)
+# a key that holds nothing (reset residuals) may change GPUs
+fb.reset("on1")
+call("on1", 1)
+print("ok one GPU per key")''')
+
 
 def _simulated(code, ok):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
@@ -154,3 +183,14 @@ def test_a_spare_serves_calls_on_its_own_gpu_only():
     before, the pool was keyed by side only, so a kernel on GPU 0 would have
     written GPU 1's memory."""
     _simulated(TWO_DEVICES, "ok spares per GPU")
+
+
+def test_a_key_on_one_gpu_is_refused_to_a_call_on_another():
+    """A key whose residuals live in one GPU's memory, used by a call on
+    another GPU of the process (several GPUs per rank, or the current GPU
+    changed between two calls), raises StateError (and the engine reports
+    it on every rank, as a key in use): before, the store checked the side
+    only, and the call's kernels read and wrote the other GPU's memory (an
+    illegal address, or a silent peer access). Moving them is a state's
+    round trip, placed on the next call's GPU, as between host and device."""
+    _simulated(OTHER_GPU, "ok one GPU per key")

@@ -37,7 +37,10 @@ This file has two uses.
                the call, for every kind of call (flat, grouped,
                hierarchical, ``op="none"``): every copy and launch that an
                engine thread makes for a call started on device 1 (0) runs
-               with device 1 (0) current there.
+               with device 1 (0) current there. A key's residuals live on
+               one GPU: each device has its keys, and a key of device 1
+               used by a call on device 0 (on one rank) fails on every rank
+               with StateError, nothing changed.
 
    Ranks agree on pass/fail before the script exits; rank 0 prints
    ``ok GROUP`` or every rank's failures.
@@ -678,20 +681,24 @@ def group_devices(c, cuda):
     os.environ["MPIGC_NODE_SPLIT"] = "2"
     hier = mpigc._hierarchy.layout(comm).hierarchical("node")
     fb = mpigc.ErrorFeedback()
+    # a key's residuals live on one GPU (a key used on another raises): a
+    # key per device
     kinds = {
-        "flat": lambda g: mpigc.iallreduce(cuda.to_device(g), "2bit", key="f", feedback=fb),
-        "grouped": lambda g: mpigc.iallreduce([cuda.to_device(g[:20]), cuda.to_device(g[20:])],
-                                              "2bit", key="g", feedback=fb),
-        "hierarchical": lambda g: mpigc.iallreduce(cuda.to_device(g), "2bit", key="h",
-                                                   feedback=fb, hierarchy="node"),
-        "none": lambda g: mpigc.iallreduce(cuda.to_device(g), "none"),
+        "flat": lambda g, d: mpigc.iallreduce(cuda.to_device(g), "2bit", key=f"f{d}",
+                                              feedback=fb),
+        "grouped": lambda g, d: mpigc.iallreduce(
+            [cuda.to_device(g[:20]), cuda.to_device(g[20:])], "2bit", key=f"g{d}",
+            feedback=fb),
+        "hierarchical": lambda g, d: mpigc.iallreduce(cuda.to_device(g), "2bit", key=f"h{d}",
+                                                      feedback=fb, hierarchy="node"),
+        "none": lambda g, d: mpigc.iallreduce(cuda.to_device(g), "none"),
     }
     for kind, start in kinds.items():
         for dev in (1, 0):
             what = f"{kind} on device {dev}"
             cuda.select_device(dev)
             mark = len(log)
-            req = start(_grad(r, 64, np.float32, dev))
+            req = start(_grad(r, 64, np.float32, dev), dev)
             call = req._op
             c.check(call.device_id() == dev, f"{what}: the call says device {call.device_id()}")
             if kind == "hierarchical":
@@ -709,6 +716,20 @@ def group_devices(c, cuda):
             wrong = [e for e in ours if e[1] != dev]
             c.check(not wrong, f"{what}: {len(wrong)} of {len(ours)} copies and launches "
                     f"with another device current, first {wrong[:3]}")
+    # device 1's key used by a call on device 0 (rank 0; the others on device 1)
+    cuda.select_device(0 if r == 0 else 1)
+    before = fb.state_dict()["f1"]
+    e = _raises_everywhere(c, "a key of another GPU", mpigc.StateError,
+                           lambda: mpigc.allreduce(cuda.to_device(_grad(r, 64, np.float32, 2)),
+                                                   "2bit", key="f1", feedback=fb))
+    c.check(r != 0 or "holds residuals on GPU 1; this call's buffer is on GPU 0" in str(e),
+            f"message: {e}")
+    after = fb.state_dict()["f1"]
+    c.same("another GPU: residual unchanged", after["worker"], before["worker"])
+    c.check(after["calls"] == before["calls"], "another GPU: calls changed")
+    cuda.select_device(1)
+    mpigc.allreduce(cuda.to_device(_grad(r, 64, np.float32, 3)), "2bit", key="f1",
+                    feedback=fb)  # on its own GPU again, on every rank
     cuda.select_device(0)
     from mpigc import _shortcall
     c.check(_shortcall.Done(None, None).device_id() is None, "the short path's device")

@@ -365,7 +365,7 @@ RENDEZVOUS = Wait("call it",
                   "It is collective: call it on every rank, not only on the one that "
                   "writes the model's checkpoint (not inside `if rank == 0:` / `if "
                   "master_process:`)",
-                  "Its barrier stays posted: call it on every rank before any other "
+                  "Its gather stays posted: call it on every rank before any other "
                   "collective use of this object")
 
 
@@ -384,7 +384,8 @@ def _say(what, wait, elapsed, timeout, warn_s):
         pass
 
 
-def wait_request(test, what, wait, *, timeout, warn_s, progress=None, since=None):
+def wait_request(test, what, wait, *, timeout, warn_s, progress=None, since=None,
+                 watch=None):
     """Poll ``test()`` until it is true, calling ``progress()`` meanwhile: the
     one way the torch layer waits for the other ranks.
 
@@ -394,6 +395,11 @@ def wait_request(test, what, wait, *, timeout, warn_s, progress=None, since=None
     (None: never) :class:`StateError` on this rank. Both count from ``since``
     (a ``time.monotonic()``; default now), so that several waits of one step
     share one timeout and one schedule of lines.
+
+    ``watch``: a callable that a wait which lasts (past its first
+    :data:`_QUICK_SPINS` polls) calls every :data:`_WATCH_EVERY` polls, and
+    which raises to end it (:meth:`Rendezvous.watch`: the other ranks in a
+    collective method); never called when ``test()`` is true soon.
     """
     began = time.monotonic()
     start = began if since is None else since
@@ -409,7 +415,9 @@ def wait_request(test, what, wait, *, timeout, warn_s, progress=None, since=None
         if progress is not None:
             progress()
         spins += 1
-        if spins > 200:
+        if spins > _QUICK_SPINS:
+            if watch is not None and spins % _WATCH_EVERY == 0:
+                watch()
             now = time.monotonic()
             if warn_at is not None and now >= warn_at:
                 _say(what, wait, now - start, timeout, warn_s)
@@ -422,24 +430,155 @@ def wait_request(test, what, wait, *, timeout, warn_s, progress=None, since=None
             time.sleep(0.0002)
 
 
+#: polls of a wait before it sleeps between them and checks the time
+_QUICK_SPINS = 200
+#: a lasting wait's ``watch`` runs every this many polls (~0.2 ms apart)
+_WATCH_EVERY = 32
+#: seconds a rank waits in a rendezvous before it tells the others which
+#: collective method it is in (:class:`Rendezvous`)
+ANNOUNCE_S = 0.2
+
+_COLLECTIVE = "a collective method: call it on every rank, not inside `if rank == 0:`"
+
+
 class Rendezvous:
     """Every rank's arrival at a collective method of this layer (a state
-    dict, a checkpoint), within a timeout. A checkpoint saved inside ``if
-    rank == 0:`` then ends on that rank with an error that says what to do,
-    instead of waiting forever in the method's first collective."""
+    dict, a checkpoint), within a timeout, and the other ranks told at once
+    when some rank calls such a method while they wait in a step.
+
+    Built on every rank by the constructor of the object that owns it
+    (collective: it duplicates ``comm``, its own channel). A call of a
+    method is an ``Iallgather`` of the method's name (a CRC): ranks in two
+    different methods get :class:`MismatchError` on every rank. A rank that
+    waits there longer than :data:`ANNOUNCE_S` sends each other rank a small
+    announcement (the method, the owner's steps posted so far); a rank that
+    waits in a step of the owner (``wait_request(watch=rdv.watch(doing))``)
+    reads them as it waits, and when the announcer has not posted the step it
+    waits for (the announcer can reach that step only after the method,
+    which waits for this rank), it replies and raises
+    :class:`MismatchError` naming both sides, and the announcer, reading the
+    reply, raises too. A method called on every rank, at whatever times,
+    completes: an announcement of a method that the reader reaches after
+    its step is read and forgotten, and one not read before the method
+    completes is recognised as old whenever it is read. Nothing of this runs
+    while the ranks keep step (a wait that ends within its first polls reads
+    nothing).
+
+    A call that raised (its timeout, a mismatch) leaves its gather posted:
+    the next call of the same method on this rank takes it up.
+    """
+
+    _TAG = 0  # every message on the channel: (kind, ...), in order per sender
 
     def __init__(self, comm, warn_s):
-        self.comm = comm
+        self.comm = comm.Dup()  # the channel: gathers and announcements only
         self.warn_s = warn_s
-        self.req = None  # a barrier posted by a call that timed out
+        self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
+        self.req = None  # a gather posted by a call that raised
+        self._method = None  # (method, text) of the posted gather
+        self._out = None  # its buffers
+        self.done = 0  # the gathers completed here
+        self.posted = 0  # the owner's steps posted here (step_posted)
+        self._attempt = 0  # calls here (a reply names the one it answers)
+        self._announced = False
+        self._peers = {}  # rank -> its last announcement (done, posted, method, text, attempt)
+        self._sends = []  # requests of messages sent, tested now and then
 
-    def __call__(self, timeout, what):
+    def step_posted(self):
+        """The owner posted the collective of one more step (every rank
+        posts the same ones in the same order)."""
+        self.posted += 1
+
+    def __call__(self, timeout, what, method=None):
+        """Wait for every rank to call ``method`` (default ``what``: a name
+        the same on every rank); ``what`` words this call in messages."""
+        method = what if method is None else method
         if self.req is None:
-            self.req = self.comm.Ibarrier()
-        wait_request(self.req.Test,
-                     f"{what} (rank {self.comm.Get_rank()} of {self.comm.Get_size()})",
-                     RENDEZVOUS, timeout=timeout, warn_s=self.warn_s)
+            crc = np.array([zlib.crc32(method.encode())], np.int64)
+            self._out = (crc, np.zeros(self.size, np.int64))
+            self._method = (method, what)
+            self.req = self.comm.Iallgather(self._out[0], self._out[1])
+        self._attempt += 1
+        self._announced = False
+        self._began = time.monotonic()
+        label = f"{what} (rank {self.rank} of {self.size})"
+        try:
+            wait_request(self.req.Test, label, RENDEZVOUS, timeout=timeout,
+                         warn_s=self.warn_s, watch=lambda: self._in_rendezvous(label))
+        except BaseException:
+            if self._announced:  # the others forget it
+                self._send_all(("W", self._attempt))
+            raise
         self.req = None
+        self.done += 1
+        self._peers = {q: a for q, a in self._peers.items() if a[0] >= self.done}
+        self._sends = [r for r in self._sends if not r.Test()]
+        crcs = self._out[1]
+        if (crcs != crcs[0]).any():  # every rank sees it, and is here: all raise
+            names = self.comm.allgather(self._method[1])
+            raise MismatchError(f"{label}: the ranks called different collective methods "
+                                "of this object: " + "; ".join(
+                                    f"rank {q} {n}" for q, n in enumerate(names))
+                                + " (every rank calls the same ones in the same order)")
+
+    def _send_all(self, msg):
+        for q in range(self.size):
+            if q != self.rank:
+                self._sends.append(self.comm.isend(msg, q, self._TAG))
+
+    def _read(self):
+        """The messages arrived so far: announcements kept per rank (the
+        last), withdrawals applied; the replies to this call returned."""
+        replies = []
+        status = MPI.Status()
+        while self.comm.iprobe(MPI.ANY_SOURCE, self._TAG, status):
+            q = status.Get_source()
+            msg = self.comm.recv(None, q, self._TAG)
+            if msg[0] == "A":
+                self._peers[q] = msg[1:]
+            elif msg[0] == "W":
+                if q in self._peers and self._peers[q][4] == msg[1]:
+                    del self._peers[q]
+            elif msg[0] == "R" and msg[1] == self._attempt:
+                replies.append((q, msg[2]))
+        return replies
+
+    def _in_rendezvous(self, label):
+        """The watch of this rank's wait in a method: announce it once it
+        lasts; raise on a reply (a rank in a step that this method blocks)."""
+        if not self._announced and time.monotonic() - self._began > ANNOUNCE_S:
+            self._announced = True
+            self._send_all(("A", self.done, self.posted, self._method[0],
+                            self._method[1], self._attempt))
+        replies = self._read()
+        if replies:
+            q, doing = replies[0]
+            raise MismatchError(
+                f"{label}: rank {self.rank} is in {self._method[1]} ({_COLLECTIVE}); "
+                f"rank {q} is in {doing}, which it cannot leave until this rank "
+                "joins it. Call the method on every rank at the same point of the loop")
+
+    def watch(self, doing, label):
+        """The ``watch`` of a wait of the owner in its step number
+        :attr:`posted` (``doing``: words for it, where ``{step}`` becomes
+        that number; ``label``: who waits):
+        raises :class:`MismatchError` when a rank announced a method that
+        it called before posting this step."""
+        return lambda: self._in_step(doing, label)
+
+    def _in_step(self, doing, label):
+        self._read()
+        for q, (done, posted, _, text, attempt) in list(self._peers.items()):
+            if done < self.done:
+                del self._peers[q]  # a method completed here: old news
+            elif done == self.done and posted < self.posted:
+                del self._peers[q]
+                doing = doing.format(step=self.posted)
+                self._sends.append(self.comm.isend(("R", attempt, doing), q, self._TAG))
+                raise MismatchError(
+                    f"{label}: rank {q} is in {text} ({_COLLECTIVE}); rank {self.rank} is "
+                    f"in {doing}, which rank {q} reaches only after that method, which waits "
+                    "for this rank. Call the method on every rank at the same point of the loop")
 
 # -- device buckets ------------------------------------------------------------
 def simulating():

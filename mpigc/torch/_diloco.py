@@ -328,7 +328,8 @@ class DiLoCo:
         """
         if self.window == 0:
             return
-        self._rendezvous(self.timeout, f"DiLoCo.synchronize after {self.window} inner steps")
+        self._rendezvous(self.timeout, f"DiLoCo.synchronize after {self.window} inner steps",
+                         "DiLoCo.synchronize")
         delta = self._delta
         self._flatten(delta)
         torch.sub(self._anchor, delta, out=delta)
@@ -447,11 +448,13 @@ class DiLoCo:
         on any number of ranks)."""
         import mpigc
         self._unsharded("save_checkpoint")
+        self._rendezvous(self.timeout, "DiLoCo.save_checkpoint")
         return mpigc.save_checkpoint(path, self.feedback, comm=self.comm, step=step)
 
     def load_checkpoint(self, path):
         import mpigc
         self._unsharded("load_checkpoint")
+        self._rendezvous(self.timeout, "DiLoCo.load_checkpoint")
         return mpigc.load_checkpoint(path, self.feedback, comm=self.comm)
 
     def _unsharded(self, what):
@@ -551,7 +554,8 @@ class StreamingDiLoCo(DiLoCo):
 
     def _begin(self, p):
         lo, hi = self._bounds[p]
-        self._rendezvous(self.timeout, f"StreamingDiLoCo fragment {p} at inner step {self._t}")
+        self._rendezvous(self.timeout, f"StreamingDiLoCo fragment {p} at inner step {self._t}",
+                         "StreamingDiLoCo fragment")
         d, a = self._delta[lo:hi], self._anchor[lo:hi]
         self._flatten_range(d, lo, hi)   # other fragments' slices may be in flight
         torch.sub(a, d, out=d)

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .._errors import MpigcError, StateError
+from .._errors import MismatchError, MpigcError, StateError
 from ..allreduce import iallreduce
 
 from ._common import (HOOK_STALE, HOOK_STEP, engine_after_torch, engine_array, first_is_nan,
@@ -133,6 +133,8 @@ class HookSteps:
             self._count_handle = None
         tensor = bucket.buffer()
         layout = None
+        if not self._futures:  # DDP's first bucket of a step
+            self._arrive.step_posted()
         if self._error is None:  # after an error the step's other buckets wait for it
             try:
                 if self._stale:
@@ -177,7 +179,8 @@ class HookSteps:
             held = buf.detach().clone()
             if buf.is_cuda:
                 engine_after_torch(buf.device)
-            self._wait(lambda: _settled(req), HOOK_STALE, t0)  # a timeout keeps the rest
+            # a timeout keeps the rest (unwatched: an older step than the one posted)
+            self._wait(lambda: _settled(req), HOOK_STALE, t0, watched=False)
             self._stale.pop(0)
             try:
                 req.wait()
@@ -193,11 +196,16 @@ class HookSteps:
         used, self._used = self._used, np.zeros(len(self.names), np.int64)
         return used, self._comm.Iallreduce(MPI.IN_PLACE, used, op=MPI.SUM)
 
-    def _wait(self, test, wait, since):
+    def _wait(self, test, wait, since, watched=True):
         """Wait for the other ranks (:func:`wait_request`: a line on stderr
-        when it lasts, :class:`StateError` after the timeout)."""
-        wait_request(test, f"comm_hook (rank {self.rank} of {self.size})", wait,
-                     timeout=self.timeout, warn_s=self._warn_s, since=since)
+        when it lasts, :class:`StateError` after the timeout;
+        ``watched``: :class:`MismatchError` on every rank when some rank is
+        in a collective method of this object instead)."""
+        label = f"comm_hook (rank {self.rank} of {self.size})"
+        wait_request(test, label, wait, timeout=self.timeout, warn_s=self._warn_s,
+                     since=since, watch=self._arrive.watch(
+                         "the gradient synchronisation of step {step} (comm_hook)", label)
+                     if watched else None)
 
     def _settle(self, calls):
         """Wait for the step's ``calls``, under one timeout for the step:
@@ -211,7 +219,7 @@ class HookSteps:
                 if late is None:
                     try:
                         self._wait(lambda: _settled(req), HOOK_STEP, t0)
-                    except StateError as e:
+                    except (StateError, MismatchError) as e:
                         late = e
                 if late is not None and not _settled(req):
                     self._stale.append((req, buf))

@@ -188,13 +188,18 @@ class SyncSteps:
             buf[2:] = np.asarray(used, np.int64)
         self._agree_buf = buf
         self._agree_req = self._comm.Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        self._arrive.step_posted()
 
-    def _agreement(self, wait=STEP, what="GradientSync"):
+    def _agreement(self, wait=STEP, what="GradientSync",
+                   doing="the gradient synchronisation of step {step}"):
         """Wait for the step's agreement (:func:`wait_request`: a line on
         stderr when it lasts, :class:`StateError` after the timeout, the
-        agreement still posted)."""
-        wait_request(self._agree_req.Test, f"{what} (rank {self.rank} of {self.size})", wait,
-                     timeout=self.timeout, warn_s=self._warn_s, progress=self._poke)
+        agreement still posted; :class:`MismatchError` on every rank when
+        some rank is in a collective method instead)."""
+        label = f"{what} (rank {self.rank} of {self.size})"
+        wait_request(self._agree_req.Test, label, wait, timeout=self.timeout,
+                     warn_s=self._warn_s, progress=self._poke,
+                     watch=self._arrive.watch(doing, label))
         self._agree_req = None
         return self._agree_buf
 
@@ -269,7 +274,8 @@ class SyncSteps:
                 self._post_agreement(active=False, changed=0,
                                      used=[False] * len(self._params)
                                      if self.find_unused_parameters else None)
-            buf = self._agreement(JOIN, "GradientSync.join")
+            buf = self._agreement(JOIN, "GradientSync.join",
+                                  "join(), shadowing the others' step {step}")
             if buf[0] == 0:
                 break
             for b in self.buckets:  # shadow: zeros, in bucket order

@@ -375,6 +375,49 @@ def test_sync_reached_by_one_rank_only(comm):
     assert_all(d.syncs == 1 and same_everywhere(flat(model), comm), "no recovery")
 
 
+def test_checkpoint_on_rank_0_only_raises_on_every_rank_at_the_next_sync(comm, monkeypatch,
+                                                                       tmp_path_factory):
+    """Rank 0 saves the residuals inside `if rank == 0:` (default timeout,
+    1800 s), the others train on to the synchronisation: a MismatchError on
+    every rank, naming both methods, as soon as they are there (before,
+    rank 0 waited in save_checkpoint's collectives and the others in the
+    synchronisation). Nothing changed: rank 0 trains on to the
+    synchronisation, which completes, and the checkpoint on every rank too,
+    twice in a row with the last rank late for it."""
+    import faulthandler
+    import time
+    monkeypatch.delenv("MPIGC_TORCH_TIMEOUT", raising=False)
+    path = comm.bcast(str(tmp_path_factory.mktemp("dl")) if comm.rank == 0 else None)
+    model = make_model()
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    d = mt.DiLoCo(model, inner, sync_every=4, op="2bit")
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the test
+    train(comm, model, inner, d, 0, 2)
+    got = None
+    try:
+        if comm.rank == 0:
+            d.save_checkpoint(path + "/a")   # the mistake
+        train(comm, model, inner, d, 2, 4)
+    except mpigc.MpigcError as e:
+        got = e
+    if comm.size > 1:
+        assert_all(isinstance(got, mpigc.MismatchError) and "DiLoCo.save_checkpoint" in
+                   str(got) and "DiLoCo.synchronize" in str(got), repr(got))
+        assert_all(d.syncs == 0 and d.window == (2 if comm.rank == 0 else 4), "changed")
+        if comm.rank == 0:
+            train(comm, model, inner, d, 2, 4)   # its fourth step synchronises
+        else:
+            d.synchronize()
+    assert_all(d.syncs == 1 and same_everywhere(flat(model), comm), "no recovery")
+    for name in ("b", "c"):
+        if comm.rank == comm.size - 1:
+            time.sleep(0.5)   # the others wait long enough to announce it
+        d.save_checkpoint(f"{path}/{name}")
+    train(comm, model, inner, d, 4, 8)
+    faulthandler.cancel_dump_traceback_later()
+    assert_all(d.syncs == 2 and same_everywhere(flat(model), comm), "not after")
+
+
 def test_bad_arguments_raise_everywhere(comm):
     model = make_model()
     inner = torch.optim.SGD(model.parameters(), lr=0.1)

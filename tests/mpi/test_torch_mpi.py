@@ -1114,6 +1114,162 @@ def test_state_dict_on_one_rank_fails_there_within_the_timeout(comm, gloo, hook)
     assert_all(ok and isinstance(state, dict), f"{err!r} after {took} s")
 
 
+def _watchdog(seconds=120):
+    """A hang (the default timeout is 1800 s) kills this rank, with its
+    traceback on stderr, instead of the run."""
+    import faulthandler
+    faulthandler.dump_traceback_later(seconds, exit=True)
+    return faulthandler.cancel_dump_traceback_later
+
+
+class _Trainer:
+    """One model trained by ``kind``: ``sync`` (GradientSync and wait()),
+    ``optimizer`` (DistributedOptimizer: opt.step()) or ``hook``
+    (CommHookState in DDP); ``holder`` has the collective methods."""
+
+    def __init__(self, kind, comm):
+        self.kind, self.rank = kind, comm.rank
+        model = make_model()
+        if kind == "hook":
+            self.net = _ddp(model)
+            self.holder = mt.CommHookState(self.net, op="2bit")
+            self.net.register_comm_hook(self.holder, mt.comm_hook)
+        else:
+            self.net = model
+            self.opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                               model, op="2bit", bucket_mb=0.002)
+            self.holder = self.opt.sync
+            self.holder.sync_on_backward = kind == "optimizer"
+
+    def step(self, step):
+        if self.kind == "optimizer":
+            self.opt.zero_grad()
+            backward(self.net, self.rank, step)
+            self.opt.step()
+        else:
+            self.net.zero_grad()
+            backward(self.net, self.rank, step)
+            if self.kind == "sync":
+                self.holder.wait()
+
+    def call(self, method, path):
+        if method == "save_checkpoint":
+            return self.holder.save_checkpoint(path)
+        return self.holder.state_dict()
+
+    def params(self):
+        return torch.cat([p.detach().reshape(-1) for p in self.net.parameters()])
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("method", ["state_dict", "save_checkpoint"])
+@pytest.mark.parametrize("kind", ["sync", "optimizer", "hook"])
+def test_a_collective_method_on_rank_0_only_raises_on_every_rank_at_once(
+        comm, gloo, monkeypatch, tmp_path_factory, kind, method):
+    """The checkpoint of a DDP script saved inside `if rank == 0:` with the
+    default timeout (1800 s): rank 0 waits in the method, the others in the
+    next step; a MismatchError on every rank, promptly, that names the
+    method on rank 0 and the step on the others (before, both waited 1800 s).
+    Then rank 0 does its step, the others complete theirs, and the method on
+    every rank completes (rank 0 takes up its gather)."""
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    monkeypatch.delenv("MPIGC_TORCH_TIMEOUT", raising=False)
+    path = comm.bcast(str(tmp_path_factory.mktemp("one")) if comm.rank == 0 else None)
+    t = _Trainer(kind, comm)
+    cancel = _watchdog()
+    err, took = None, None
+    try:
+        t0 = time.monotonic()
+        for step in range(3):
+            t.step(step)
+            if comm.rank == 0 and step == 1:  # the mistake
+                t.call(method, path + "/a")
+    except mpigc.MpigcError as e:
+        err, took = e, time.monotonic() - t0
+    name = {"hook": "CommHookState", "sync": "GradientSync",
+            "optimizer": "GradientSync"}[kind] + "." + method
+    ok = (isinstance(err, mpigc.MismatchError) and took < 60
+          and f"rank 0 is in {name}" in str(err) and "not inside `if rank == 0:`" in str(err)
+          and (comm.rank == 0 or f"rank {comm.rank} is in the gradient synchronisation "
+               "of step 3" in str(err)))
+    # recovery: rank 0's step 2 completes the others' pending one
+    if kind == "hook":  # the others' calls of step 2 stay posted: their next step ends them
+        if comm.rank == 0:
+            t.step(2)
+        t.step(3)
+    elif comm.rank == 0:
+        t.step(2)
+    elif kind == "optimizer":
+        t.opt.step()
+    else:
+        t.holder.wait()
+    state = t.call(method, path + "/b")
+    cancel()
+    ok &= state is not None
+    if kind != "hook":
+        mine = t.params()
+        ok &= all(torch.equal(mine, other) for other in comm.allgather(mine))
+    assert_all(ok, f"{err!r} after {took} s")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind", ["sync", "optimizer", "hook"])
+def test_collective_methods_on_every_rank_at_different_times_just_work(
+        comm, gloo, monkeypatch, tmp_path_factory, kind):
+    """The methods on every rank, twice in a row at two steps, with the last
+    rank late for them (the others wait long enough to tell it which method
+    they are in) and rank 0 late for the step after (the others wait in it
+    long enough to read what was announced before): no error, and nothing
+    left over confuses the next calls."""
+    monkeypatch.delenv("MPIGC_TORCH_TIMEOUT", raising=False)
+    path = comm.bcast(str(tmp_path_factory.mktemp("all")) if comm.rank == 0 else None)
+    t = _Trainer(kind, comm)
+    cancel = _watchdog()
+    err = None
+    try:
+        for step in range(5):
+            if comm.rank == 0 and step in (2, 3):
+                time.sleep(0.5)
+            t.step(step)
+            if step in (1, 2):
+                if comm.rank == comm.size - 1:
+                    time.sleep(0.5)
+                t.call("state_dict", None)
+                t.call("save_checkpoint", f"{path}/{step}")
+                t.call("save_checkpoint", f"{path}/{step}b")
+    except mpigc.MpigcError as e:
+        err = e
+    cancel()
+    ok = err is None
+    if kind != "hook":
+        mine = t.params()
+        ok &= all(torch.equal(mine, other) for other in comm.allgather(mine))
+    assert_all(ok, repr(err))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("hook", [False, True])
+def test_two_different_collective_methods_raise_on_every_rank(comm, gloo, tmp_path_factory,
+                                                              hook):
+    """Rank 0 in load_checkpoint, the others in state_dict: a MismatchError on
+    every rank naming both, instead of each going on into another collective."""
+    path = comm.bcast(str(tmp_path_factory.mktemp("two")) if comm.rank == 0 else None)
+    t = _Trainer("hook" if hook else "sync", comm)
+    t.step(0)
+    t.holder.save_checkpoint(path + "/a")
+    cancel = _watchdog()
+    if comm.size == 1:
+        t.holder.load_checkpoint(path + "/a")
+        cancel()
+        return
+    got = raises_everywhere(mpigc.MismatchError, lambda: (
+        t.holder.load_checkpoint(path + "/a") if comm.rank == 0 else t.holder.state_dict()),
+        comm, match="different collective methods")
+    cancel()
+    assert_all("load_checkpoint" in str(got) and "state_dict" in str(got), str(got))
+
+
 @pytest.mark.mpi
 @pytest.mark.parametrize("op", ["2bit", "1bit"])
 def test_gathered_state_in_a_rank_0_torch_save_resumes_bit_exact(comm, op, tmp_path_factory):

@@ -1,4 +1,4 @@
-# usage: percall.py {new|old} ITERS [compressed]  -- per-call time of mpigc.allreduce, interleaved
+# usage: percall.py {new|old|both} ITERS [compressed]  -- per-call time of mpigc.allreduce, interleaved
 # per iteration. Default: op="none" (and the 2bit plain fallback at 4 KiB) against comm.Allreduce
 # and, on 2 ranks, the Python floor of a 2-rank allreduce (one Sendrecv of the buffer with the
 # peer, then np.add: what any Python layer over mpi4py must at least do) at 4 KiB, 64 KiB and
@@ -9,7 +9,10 @@
 # of prepared calls off (none-nocache and engine-nocache: $MPIGC_PLAN_CACHE=0, each call
 # prepared anew: what the cache buys). "old" imports the mpigc package found in
 # $MPIGC_OLD_TREE (a directory holding an mpigc/ package, its kernels/ copied in) instead of
-# the installed one.
+# the installed one. "both": the installed package and the one in $MPIGC_OLD_TREE (loaded as
+# the package "mpigc_old", its own engine and communicators) in one run, their op="none"
+# calls interleaved per iteration as "none" and "old-none" (and "old-none-engine", "old-2bit"):
+# before and after, under the same load.
 import os
 import sys
 if sys.argv[1] == "old":
@@ -22,8 +25,17 @@ import mpigc
 comm = MPI.COMM_WORLD
 N = int(sys.argv[2])
 compressed = sys.argv[3:] == ["compressed"]
+old_mpigc = None
+if sys.argv[1] == "both":
+    import importlib.util
+    _init = os.path.join(os.environ["MPIGC_OLD_TREE"], "mpigc", "__init__.py")
+    _spec = importlib.util.spec_from_file_location(
+        "mpigc_old", _init, submodule_search_locations=[os.path.dirname(_init)])
+    old_mpigc = importlib.util.module_from_spec(_spec)
+    sys.modules["mpigc_old"] = old_mpigc
+    _spec.loader.exec_module(old_mpigc)
 if comm.rank == 0:
-    print(sys.argv[1], mpigc.__file__)
+    print(sys.argv[1], mpigc.__file__, "" if old_mpigc is None else old_mpigc.__file__)
 
 
 def timed(fns, n, warmup):
@@ -95,6 +107,15 @@ for size in (4096, 65536, 1 << 20):
     if comm.size == 2:
         fns.append(("floor", floor_of(buf)))
     fns.append(("none", lambda: mpigc.allreduce(buf, op="none", key="k")))
+    if old_mpigc is not None:
+        def old_none():
+            old_mpigc.allreduce(buf, op="none", key="k")
+        fns += [("old-none", old_none),
+                ("none-engine", with_env(lambda: mpigc.allreduce(buf, op="none", key="k"),
+                                         MPIGC_SHORT_PATH="0")),
+                ("old-none-engine", with_env(old_none, MPIGC_SHORT_PATH="0"))]
+        if size == 4096:
+            fns.append(("old-2bit", lambda: old_mpigc.allreduce(buf, op="2bit", key="k2")))
     if sys.argv[1] == "new":
         def none():
             mpigc.allreduce(buf, op="none", key="k")

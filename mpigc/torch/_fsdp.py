@@ -203,6 +203,7 @@ class FsdpHookState:
         self._step = {}      # key -> the record taken before its call in this step
         self._step_spares = {}  # key -> an older step's record, its arrays reused
         self._step_dropped = False  # a call of this step was skipped or failed
+        self._step_put_back = set()  # keys of the dropped step put back (or left alone)
         self.calls = self.bytes_sent = self.logical_bytes = 0
         self._groups = groups
         names = {id(p): n for n, p in model.named_parameters()}
@@ -295,6 +296,7 @@ class FsdpHookState:
             self._step_spares.update(self._step)
             self._step.clear()
             self._step_dropped = False
+            self._step_put_back.clear()
         if len(self.keys) > 1:
             txn = self.feedback.transaction()
             txn.copy(key, self._step_spares.pop(key, None))
@@ -303,11 +305,17 @@ class FsdpHookState:
     def _drop_step(self, but=None):
         """The step is dropped (a call of it was skipped or failed, the same on
         every rank): the residuals of its calls so far go back to what they
-        were before it (``but``: a key whose call may still run)."""
+        were before it, each key's once in the step (a later call of the
+        dropped step puts back its own only); ``but``: a key whose call failed
+        (it changed no residual) or may still run, left alone."""
         self._step_dropped = True
-        saved = {k: v for k, v in self._step.items() if k != but}
+        done = self._step_put_back
+        if but is not None:
+            done.add(but)
+        saved = {k: v for k, v in self._step.items() if k not in done}
         if saved:
             self.feedback.transaction(saved).restore()
+            done.update(saved)
 
     def _check_input(self, key, inp):
         """``inp`` is a CPU float tensor in the layout of ``key``'s first call."""

@@ -126,6 +126,42 @@ def test_a_step_with_a_nonfinite_group_changes_no_residual(comm, gloo, nonfinite
     assert_all(not changed, f"the residuals of {changed} changed in a dropped step")
 
 
+@pytest.mark.mpi
+def test_a_dropped_step_puts_each_key_back_once(comm, gloo):
+    """A step whose every group is skipped (rank 0's loss times Inf: every
+    gradient non-finite there, ``nonfinite="skip"``): each of its keys is put
+    back once. Before, each call after the first skipped one restored every
+    key recorded so far in the step again (the first exchanged group's twice
+    with two groups: a copy per later call), though the residuals ended the
+    same."""
+    m = td.model()
+    state = mt.register_fsdp_hooks(m, op="2bit", threshold=0.01, nonfinite="skip")
+    td.train(m, 2, comm.rank)
+    before = _residual_state(state)
+    assert_all(len(before) == 2, f"keys {sorted(before)}")
+    fb, put = state.feedback, []
+    restore = fb.put_back
+
+    def counted(saved, *args, **kw):
+        put.extend(saved)
+        return restore(saved, *args, **kw)
+    fb.put_back = counted
+    try:
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(comm.rank))
+        m.zero_grad()
+        (m(x).pow(2).sum() * (float("inf") if comm.rank == 0 else 1.0)).backward()
+    finally:
+        del fb.put_back
+    counts = {k: put.count(k) for k in before}
+    assert_all(counts == {k: 1 for k in before} and len(put) == len(before),
+               f"keys put back {counts} ({put})")
+    after = _residual_state(state)
+    changed = [k for k in before if any(not np.array_equal(after[k][n], v)
+                                        for n, v in before[k].items())]
+    assert_all(not changed, f"the residuals of {changed} changed in a dropped step")
+    td.train(m, 1, comm.rank, first=5)  # the next step goes on
+
+
 def _divide_by(m, factor, force_sum=False):
     from torch.distributed.fsdp import FSDPModule
     for mod in m.modules():

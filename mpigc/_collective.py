@@ -76,8 +76,195 @@ _CODE, _NBAD, _SCALE, _INLINE = _plan.CODE, _plan.NBAD, _plan.SCALE, _plan.INLIN
 _N, _DTYPE, _FP, _CHUNK = _plan.N, _plan.DTYPE, _plan.FP, _plan.CHUNK
 
 
+class _Input:
+    """A flat call's data (:meth:`adopt`): its buffer on its backend's side,
+    its prepared record (:class:`mpigc._prepared.Prepared`) and the working
+    buffers re-bound from the record's pool, its residual transaction, and
+    what it compressed before the agreement; and what becomes of them: the
+    transaction committed or ended, the buffers given back, the result put
+    where the caller wants it. The call (:class:`_Op`) decides when; a rank
+    whose input fails keeps what was adopted before the error (its
+    transaction, to end; its size and dtype, for its trace)."""
+
+    def __init__(self, limits):
+        # the call's limits (mpigc._wire.Limits): given by the call that
+        # started this one, read by the short path, or read when it prepares
+        self.limits = limits
+        self.txn = None  # the residual transaction (mpigc._residual_txn.Transaction)
+        self.key = None
+        self.sendbuf = None  # phase 1's payloads, once packed (mpigc._twophase)
+        self.x = self.e_in = self.e_out = self.clip_bound = None  # (compressed calls)
+        self.none_buf = None  # the values a plain sum sums (plain calls)
+        self.be = None  # the backend of the buffer's side (mpigc._backend)
+        self.prep = None  # the call prepared (mpigc._prepared.Prepared)
+        self.bufs = None  # its working buffers (a mpigc._prepared.BufferSet)
+        # what the agreement step reads of a rank that failed early: defined
+        # before anything can raise, so every rank evaluates it the same way
+        self.n = self.dtype = self.nonfinite = None
+
+    # -- 1. prepare ----------------------------------------------------------
+    def adopt(self, kind, cs, group, fill, buf, op, params, key, average, gather, feedback,
+              nonfinite, recvcounts, out, row):
+        """Check, prepare and (a compressed call) compress the input of a
+        call of ``kind`` on ``cs`` (``group``: a grouped call's members;
+        ``fill``: see :class:`_Op`), filling this rank's agreement ``row``;
+        raises what the row's code reports."""
+        if self.limits is None:
+            self.limits = _wire.read_limits()
+        size, rank = cs.size, cs.rank
+        if group is None:
+            be, dbuf, dtype = _settings.adopt_input(kind, buf, cs)
+            n = dbuf.size
+        else:
+            be, dtype = group.adopt(cs)
+            n, recvcounts, key = sum(group.sizes), group.counts(size), group.key
+        dev = be.device
+        self.be = be
+        self.buf = buf
+        self.n = n
+        self.dtype = dtype
+        row[_N] = n
+        row[_DTYPE] = _plan.DTYPE_CODE[dtype]
+
+        # what the call's signature fixes, prepared once (mpigc._prepared)
+        rec = self.prep = _prepared.prepare(kind, be.device, be.device_id, dtype, n,
+                                            size, rank, op, params, key, average,
+                                            gather, nonfinite, recvcounts, self.limits)
+        st = rec.settings
+        comp, plain, wdtype = rec.comp, rec.plain, rec.wdtype
+        self.key = st.key
+        self.nonfinite = nonfinite = st.nonfinite
+        row[_FP] = st.fp
+        # the call's working buffers, re-bound from the record's pool
+        self.bufs = bufs = rec.buffers.take()
+        if group is not None:
+            # a plain allreduce uses no residual: its members simply follow
+            # one another
+            dbuf = group.fuse(be, bufs.get("fused", be, n, dtype), size,
+                              plain and kind == "allreduce")
+        self.flat = dbuf.reshape(dbuf.size)
+        # before anything that can fail with a full row (a key in use):
+        # every complete row says how the call is cut
+        if rec.chunks is not None:
+            row[_CHUNK] = len(rec.chunks)
+        if fill is not None and rec.chunks is None:
+            fill(0, n)  # read whole below (or by the inline path)
+        lo, hi = rec.bounds[rank]
+        self.out_given = out  # what reduce_scatter returns (the caller's object)
+        if out is not None:
+            out = be.adopt_out(out, hi - lo, dtype)  # on the side of buf
+        self.out = out
+
+        uses_state = not plain and feedback is not False
+        self.use_ef = uses_state and comp.uses_feedback
+        if uses_state:
+            fb = get_default_feedback() if feedback is None else feedback
+            if group is None:
+                self.txn = fb.begin(self.key, n, wdtype, size, rank, dev)
+            else:
+                self.txn = fb.begin_group(group.keys, group.sizes, group.layout.place,
+                                          group.owner_place(rank), hi - lo,
+                                          wdtype, size, rank, dev)
+
+        if plain:
+            # MPI has no float16 sum: reduce a float32 copy
+            if rec.f32_copy:
+                self.none_buf = bufs.get("f32", be, n, np.float32)
+                be.assign(self.none_buf, self.flat)
+            else:
+                self.none_buf = self.flat
+            if nonfinite != "ignore":
+                row[_NBAD] = be.count_nonfinite(self.none_buf)
+            return
+        e = _early.compress_early(rec, be, bufs, self.flat, self.txn, self.use_ef,
+                                     rank, size)
+        self.x, self.e_in, self.e_out = e.x, e.e_in, e.e_out
+        self.clip_bound, self.sendbuf = e.clip_bound, e.sendbuf
+        if e.scale is not None:
+            row[_SCALE] = e.scale
+        if e.bad is not None:
+            _early.put_bad(row, e.bad)
+
+    def bound(self, cs, tags, fill, table, rows, sendreqs, seq):
+        """What the two phases bind (:class:`mpigc._prepared.Bound`)."""
+        return _prepared.Bound(self.prep, cs, tags, self.be, self.bufs, self.txn,
+                               self.use_ef, self.flat, self.x, self.e_in, self.e_out,
+                               self.sendbuf, self.clip_bound, fill, table, rows, sendreqs,
+                               seq, self.key)
+
+    # -- the residual transaction ---------------------------------------------
+    def end(self):
+        """Undo the local effects of a call that will not go ahead: its key
+        is free (at :meth:`settle` where the progress thread completed it)."""
+        if self.txn is not None:
+            # completed by the progress thread: the key stays in use until
+            # the caller's test() or wait() sees the call done, as without
+            # the thread (see Request.settle)
+            self.txn.end(defer=_sched.in_progress_thread())
+
+    def settle(self):
+        if self.txn is not None:
+            self.txn.settle()
+
+    def commit(self, keep_replaced):
+        """The call goes ahead: install the new worker residual."""
+        if self.txn is not None:
+            self.txn.commit(self.prep.comp.get_config(), keep_replaced)
+
+    def phases_done(self, owner):
+        """The two phases are over: the new owner residual (None: the old
+        one stays) and the call's count."""
+        if owner is not None:
+            self.txn.set_owner(owner)
+        if self.txn is not None:
+            self.txn.count_call()
+
+    def skipped(self, rank):
+        """The call is skipped on every rank: the store counts a skipped
+        step; returns the NaN values (:func:`mpigc._flatagree.nan_result`)."""
+        if self.txn is not None:
+            self.txn.skipped()
+        return _flatagree.nan_result(self.prep, self.be, self.flat, rank)
+
+    # -- the result ------------------------------------------------------------
+    def release_buffers(self, result):
+        """The call completed (or was skipped on every rank), every transfer
+        done and its kernels synchronised: its working buffers serve a later
+        call of its signature, but for its ``result`` (a failed call's are
+        never given back: an MPI operation may still write them)."""
+        bufs, self.bufs = self.bufs, None
+        if bufs is not None:
+            self.prep.buffers.give(bufs, result)
+
+    def result(self, kind, group, rank, v):
+        """The call's result: allreduce, the buffer (``v``, when not None,
+        copied into it first); reduce_scatter, ``v``, this rank's shard (or
+        the caller's ``out``, ``v`` copied in). A grouped call's go to its
+        members."""
+        be = self.be
+        if kind == "allreduce":
+            if v is not None and v is not self.flat:
+                be.assign(self.flat, v)
+            if group is not None:
+                group.scatter(be, self.flat)
+            return self.buf
+        if group is not None:
+            return group.shards(be, v, rank, lambda a: be.converted(a, self.dtype))
+        if self.out is not None:
+            be.assign(self.out, v)
+            return self.out_given
+        return v if v.dtype == self.dtype else be.converted(v, self.dtype)
+
+    def trace_args(self):
+        """The bytes, dtype and key, as far as they were adopted."""
+        return {"bytes": 0 if self.n is None else self.n * self.dtype.itemsize,
+                "dtype": str(self.dtype), "key": self.key}
+
+
 class _Op(PendingCall):
-    """One collective call (see the module docstring)."""
+    """One collective call (see the module docstring): its steps
+    (:meth:`_steps`) and what they decide; its data is its :class:`_Input`
+    (``x``)."""
 
     def __init__(self, kind, buf, op, params, cs, key, average, gather, feedback,
                  nonfinite, recvcounts, out, blocking, fill=None, keep_replaced=False,
@@ -96,11 +283,9 @@ class _Op(PendingCall):
         # time, so that the sums overlap with the transfers of a pipelined call)
         self.fill = fill
         self.cs = cs  # the communicator's CommState (start() resolved it)
-        # the call's limits (mpigc._wire.Limits): given by the call that
-        # started this one, read by the short path, or read when it prepares
         if limits is None and pre is not None:
             limits = pre.limits
-        self.limits = limits
+        self.x = x = _Input(limits)
         self.trace = _trace.CallTrace()  # what Request.trace shows
         self.size, self.rank = self.cs.size, self.cs.rank
         if pre is None:
@@ -110,138 +295,43 @@ class _Op(PendingCall):
             self.seq, self.tags = pre.seq, pre.tags
         self.state = "agree"
         self.result = None
-        self.txn = None  # the residual transaction (mpigc._residual_txn.Transaction)
-        self.key = None
         self.sendreqs = []
         self.rows = self.report = None
         self.local_error = None
         self.error = None
-        self.sendbuf = None  # phase 1's payloads, once packed (mpigc._twophase)
-        self.x = self.e_in = self.e_out = self.clip_bound = None  # (compressed calls)
-        self.none_buf = None  # the values a plain sum sums (plain calls)
-        self.be = None  # the backend of the buffer's side (mpigc._backend)
-        self.prep = None  # the call prepared (mpigc._prepared.Prepared)
-        self.bufs = None  # its working buffers (a mpigc._prepared.BufferSet)
-        # what the agreement step reads of a rank that failed early: defined
-        # before anything can raise, so every rank evaluates it the same way
-        self.n = self.dtype = self.nonfinite = None
         row = _plan.new_row()
         try:
-            self._prepare(buf, op, params, key, average, gather, feedback, nonfinite,
-                          recvcounts, out, row)
+            x.adopt(kind, cs, group, fill, buf, op, params, key, average, gather, feedback,
+                    nonfinite, recvcounts, out, row)
         except Exception as exc:  # noqa: BLE001 - reported collectively below
             self.local_error = exc
             row[_CODE] = code_of(exc)
             self.abandon()
         self.row = row
         if pre is None:
-            self.rows = _flatagree.start_rows(self.cs, self.tags, row, self.prep,
-                                              self.local_error is not None, self.none_buf,
-                                              self.sendbuf, self.sendreqs)
+            self.rows = _flatagree.start_rows(self.cs, self.tags, row, x.prep,
+                                              self.local_error is not None, x.none_buf,
+                                              x.sendbuf, self.sendreqs)
         else:
             self.rows, self.sendreqs = pre.rows, pre.sendreqs
         self.table = self.rows.table
         self.steps = self._steps()
         _sched.enqueue(self)
 
-    # -- 1. prepare ----------------------------------------------------------
-    def _prepare(self, buf, op, params, key, average, gather, feedback, nonfinite,
-                 recvcounts, out, row):
-        if self.limits is None:
-            self.limits = _wire.read_limits()
-        group = self.group
-        if group is None:
-            be, dbuf, dtype = _settings.adopt_input(self.kind, buf, self.cs)
-            n = dbuf.size
-        else:
-            be, dtype = group.adopt(self.cs)
-            n, recvcounts, key = sum(group.sizes), group.counts(self.size), group.key
-        dev = be.device
-        self.be = be
-        self.buf = buf
-        self.n = n
-        self.dtype = dtype
-        row[_N] = n
-        row[_DTYPE] = _plan.DTYPE_CODE[dtype]
-
-        # what the call's signature fixes, prepared once (mpigc._prepared)
-        rec = self.prep = _prepared.prepare(self.kind, be.device, be.device_id, dtype, n,
-                                            self.size, self.rank, op, params, key, average,
-                                            gather, nonfinite, recvcounts, self.limits)
-        st = rec.settings
-        comp, plain, wdtype = rec.comp, rec.plain, rec.wdtype
-        self.key = st.key
-        self.nonfinite = nonfinite = st.nonfinite
-        row[_FP] = st.fp
-        # the call's working buffers, re-bound from the record's pool
-        self.bufs = bufs = rec.buffers.take()
-        if group is not None:
-            # a plain allreduce uses no residual: its members simply follow
-            # one another
-            dbuf = group.fuse(be, bufs.get("fused", be, n, dtype), self.size,
-                              plain and self.kind == "allreduce")
-        self.flat = dbuf.reshape(dbuf.size)
-        # before anything that can fail with a full row (a key in use):
-        # every complete row says how the call is cut
-        if rec.chunks is not None:
-            row[_CHUNK] = len(rec.chunks)
-        if self.fill is not None and rec.chunks is None:
-            self.fill(0, n)  # read whole below (or by the inline path)
-        lo, hi = rec.bounds[self.rank]
-        self.out_given = out  # what reduce_scatter returns (the caller's object)
-        if out is not None:
-            out = self.be.adopt_out(out, hi - lo, dtype)  # on the side of buf
-        self.out = out
-
-        uses_state = not plain and feedback is not False
-        self.use_ef = uses_state and comp.uses_feedback
-        if uses_state:
-            fb = get_default_feedback() if feedback is None else feedback
-            if group is None:
-                self.txn = fb.begin(self.key, n, wdtype, self.size, self.rank, dev)
-            else:
-                self.txn = fb.begin_group(group.keys, group.sizes, group.layout.place,
-                                          group.owner_place(self.rank), hi - lo,
-                                          wdtype, self.size, self.rank, dev)
-
-        if plain:
-            # MPI has no float16 sum: reduce a float32 copy
-            if rec.f32_copy:
-                self.none_buf = bufs.get("f32", be, n, np.float32)
-                be.assign(self.none_buf, self.flat)
-            else:
-                self.none_buf = self.flat
-            if nonfinite != "ignore":
-                row[_NBAD] = be.count_nonfinite(self.none_buf)
-            return
-        e = _early.compress_early(rec, be, bufs, self.flat, self.txn, self.use_ef,
-                                     self.rank, self.size)
-        self.x, self.e_in, self.e_out = e.x, e.e_in, e.e_out
-        self.clip_bound, self.sendbuf = e.clip_bound, e.sendbuf
-        if e.scale is not None:
-            row[_SCALE] = e.scale
-        if e.bad is not None:
-            _early.put_bad(row, e.bad)
+    @property
+    def bufs(self):
+        """The call's working buffers (None once given back): its input's."""
+        return self.x.bufs
 
     # -- 2. agree ------------------------------------------------------------
     def abandon(self):
         """Undo the local effects of a call that will not go ahead."""
-        if self.txn is not None:
-            # completed by the progress thread: the key stays in use until
-            # the caller's test() or wait() sees the call done, as without
-            # the thread (see Request.settle)
-            self.txn.end(defer=_sched.in_progress_thread())
+        self.x.end()
 
     def settle(self):
         """The caller saw the call done: release a key that the progress
         thread left in use."""
-        if self.txn is not None:
-            self.txn.settle()
-
-    def _commit(self):
-        """The call goes ahead: install the new worker residual."""
-        if self.txn is not None:
-            self.txn.commit(self.prep.comp.get_config(), self.keep_replaced)
+        self.x.settle()
 
     def release_agree(self):
         """The call is over: its agreement buffers go back to the pool, the
@@ -257,18 +347,9 @@ class _Op(PendingCall):
             self.rows.drop(self.sendreqs)
         self.sendreqs = []
 
-    def release_buffers(self):
-        """The call completed (or was skipped on every rank), every transfer
-        done and its kernels synchronised: its working buffers serve a later
-        call of its signature, but for its result (a failed call's are never
-        given back: an MPI operation may still write them)."""
-        bufs, self.bufs = self.bufs, None
-        if bufs is not None:
-            self.prep.buffers.give(bufs, self.result)
-
     def set_result(self, v):
-        """The call's result (:func:`_result_of`)."""
-        self.result = _result_of(self, v)
+        """The call's result (:meth:`_Input.result`)."""
+        self.result = self.x.result(self.kind, self.group, self.rank, v)
 
     def _finish_plain(self, v, sent, pieces):
         """The plain sum is over (:meth:`mpigc._plainsum.PlainSum.finish`):
@@ -276,35 +357,30 @@ class _Op(PendingCall):
         reduce_scatter: this rank's shard), ``sent`` bytes went out, in
         ``pieces`` MPI sums."""
         self.trace.summed(pieces)
-        if self.prep.settings.average:
-            self.be.divide(v, self.size)
+        if self.x.prep.settings.average:
+            self.x.be.divide(v, self.size)
         self._done(v, sent)
 
     def _finish(self, sent, acc, owner):
         """The two phases are over (:meth:`mpigc._twophase.TwoPhase.products`):
         ``sent`` bytes of data went out; ``acc``: this rank's reduced shard;
         ``owner``: the new owner residual (None: the old one stays)."""
-        if owner is not None:
-            self.txn.set_owner(owner)
         self.sendreqs = []  # complete: the steps waited for them
-        if self.txn is not None:
-            self.txn.count_call()
+        self.x.phases_done(owner)
         self._done(None if self.kind == "allreduce" else acc, sent)
 
     def _stop(self):
         """The table's non-finite and out-of-range counts stop the call:
         raise NonFiniteError on every rank, or skip it on every rank (NaN
         results); nothing else has changed."""
-        t = self.table
-        v = _plan.nonfinite_verdict(t, self.nonfinite)
+        t, x = self.table, self.x
+        v = _plan.nonfinite_verdict(t, x.nonfinite)
         self.abandon()
         if v.kind == "nonfinite":
-            raise _flatagree.nonfinite_error(self.kind, t, self.prep.comp)
-        if self.txn is not None:
-            self.txn.skipped()
-        self.set_result(_flatagree.nan_result(self.prep, self.be, self.flat, self.rank))
-        self.be.sync()
-        self.release_buffers()
+            raise _flatagree.nonfinite_error(self.kind, t, x.prep.comp)
+        self.set_result(x.skipped(self.rank))
+        x.be.sync()
+        x.release_buffers(self.result)
         self.state = "done"
         self.release_agree()
 
@@ -312,11 +388,12 @@ class _Op(PendingCall):
         """The call's result: the buffer (allreduce; ``v``, when not None,
         copied into it first) or ``v`` (reduce_scatter); then its buffers go
         back."""
-        _wire.add_traffic(sent, self.flat.nbytes)
+        x = self.x
+        _wire.add_traffic(sent, x.flat.nbytes)
         self.set_result(v)
-        self.be.sync()  # the kernels are asynchronous
-        self.be.release()  # the staging buffers
-        self.release_buffers()
+        x.be.sync()  # the kernels are asynchronous
+        x.be.release()  # the staging buffers
+        x.release_buffers(self.result)
         self.release_agree()
         self.abandon()
         self.state = "done"
@@ -336,16 +413,14 @@ class _Op(PendingCall):
 
     def device_id(self):
         # a grouped call's backend is its members' (mpigc._group.Group.adopt)
-        return None if self.be is None else self.be.device_id
+        return None if self.x.be is None else self.x.be.device_id
 
     def trace_args(self):
-        comp = None if self.prep is None else self.prep.comp
+        comp = None if self.x.prep is None else self.x.prep.comp
         name = f"{self.kind} {comp.codec_id if comp is not None else '?'}"
-        return name, {"bytes": 0 if self.n is None else self.n * self.dtype.itemsize,
-                      "dtype": str(self.dtype), "key": self.key, "ranks": self.size,
-                      "blocking": self.blocking,
-                      "members": None if self.group is None else len(self.group.given),
-                      "error": None if self.error is None else str(self.error)}
+        return name, dict(self.x.trace_args(), ranks=self.size, blocking=self.blocking,
+                          members=None if self.group is None else len(self.group.given),
+                          error=None if self.error is None else str(self.error))
 
     def _my_turn(self):
         """Every earlier call of this communicator has acted on its agreement."""
@@ -353,10 +428,9 @@ class _Op(PendingCall):
                        for op in _sched.earlier(self))
 
     def _steps(self):
-        rows = self.rows
+        rows, x = self.rows, self.x
         if rows.req is not None:  # by allgather
             yield rows.req
-            rows.req = None
         if rows.sources is not None:
             # the peers' rows (and data), matched by probe (written here, not
             # as a sub-generator: small calls are made of such steps)
@@ -374,25 +448,25 @@ class _Op(PendingCall):
             yield _sched.Turn(self._my_turn)
         self.state = "agreed"
         self.trace.agreed()
-        v = _flatagree.verdict(self.table, self.rank, self.nonfinite)
+        v = _flatagree.verdict(self.table, self.rank, x.nonfinite)
         if v.kind in ("mismatch", "failed"):
             if v.kind == "mismatch":
                 self.abandon()
             # the report is a collective started after the agreement
             # (cs.post), reached by every rank whatever this one holds
             self.report = _flatagree.report(self.cs, self.kind, v, self.table,
-                                            self.local_error, self.prep, self.n, self.dtype)
+                                            self.local_error, x.prep, x.n, x.dtype)
             self.state = "report"
             yield self.report.req
             raise self.report.error()
         if v.kind != "go":
             self._stop()  # raises, or skips
             return
-        rec = self.prep
+        rec = x.prep
         if rec.chunks is None:
             # a pipelined call's residual is committed once the counts of
             # non-finite values, known after its last chunk, agree too
-            self._commit()
+            x.commit(self.keep_replaced)
         # the data travelled with the rows when every row says so
         # (a list's all(): numpy's reduction costs more than its few values)
         inline = rows.sources is not None and all(self.table[:, _INLINE].tolist())
@@ -400,8 +474,7 @@ class _Op(PendingCall):
         if rec.plain:
             # the steps of the plain sum (here, not as a sub-generator:
             # small calls are made of such steps)
-            plain = _plainsum.PlainSum(self, rec, self.cs, self.be, self.none_buf,
-                                       self.blocking)
+            plain = _plainsum.PlainSum(self, rec, self.cs, x.be, x.none_buf, self.blocking)
             if inline and plain.add_inline(rows.payload(1 - self.rank)):
                 self._finish_plain(*plain.finish())
                 return
@@ -416,15 +489,13 @@ class _Op(PendingCall):
         if rec.chunks is not None:
             self.trace.pipelined(len(rec.chunks))
             _wire.count("pipelined_calls")
-        tp = _twophase.TwoPhase(_prepared.Bound(
-            rec, self.cs, self.tags, self.be, self.bufs, self.txn, self.use_ef, self.flat,
-            self.x, self.e_in, self.e_out, self.sendbuf, self.clip_bound, self.fill,
-            self.table, rows, self.sendreqs, self.seq, self.key), inline)
+        tp = _twophase.TwoPhase(x.bound(self.cs, self.tags, self.fill, self.table, rows,
+                                        self.sendreqs, self.seq), inline)
         end = yield from tp.steps()
         if end == "trailers":  # a pipelined call: the trailers' counts decide
             self.table[:] = tp.trail
-            if _plan.nonfinite_verdict(self.table, self.nonfinite).kind == "go":
-                self._commit()
+            if _plan.nonfinite_verdict(self.table, x.nonfinite).kind == "go":
+                x.commit(self.keep_replaced)
                 tp.go()
             else:
                 tp.stop()
@@ -433,26 +504,6 @@ class _Op(PendingCall):
             self._stop()
             return
         self._finish(*tp.products())
-
-
-def _result_of(op, v):
-    """The result of call ``op``: allreduce, the buffer (``v``, when not
-    None, copied into it first); reduce_scatter, ``v``, this rank's shard
-    (or the caller's ``out``, ``v`` copied in). A grouped call's go to its
-    members."""
-    group, be = op.group, op.be
-    if op.kind == "allreduce":
-        if v is not None and v is not op.flat:
-            be.assign(op.flat, v)
-        if group is not None:
-            group.scatter(be, op.flat)
-        return op.buf
-    if group is not None:
-        return group.shards(be, v, op.rank, lambda a: be.converted(a, op.dtype))
-    if op.out is not None:
-        be.assign(op.out, v)
-        return op.out_given
-    return v if v.dtype == op.dtype else be.converted(v, op.dtype)
 
 
 def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfinite,

@@ -6,6 +6,7 @@ redistribution) as a generator of effects; :func:`start` starts one
 import itertools
 import json
 import zlib
+from typing import NamedTuple
 
 import numpy as np
 
@@ -36,13 +37,26 @@ def start(lay, kind, buf, op, params, *, comm, key, average, gather, feedback, n
     return call
 
 
+class _Args(NamedTuple):
+    """A hierarchical call's arguments, as the caller gave them (its
+    plain sum's flat call is given them again)."""
+    key: object
+    average: object
+    gather: object
+    feedback: object
+    nonfinite: object
+    recvcounts: object
+    out: object
+
+
 class _Input:
     """A hierarchical call's input and settings, checked (:meth:`adopt`, the
     checks and settings of a flat call), and its hold on its key. A rank
     whose input fails keeps what was adopted before the error (its backend,
     to release)."""
 
-    def __init__(self):
+    def __init__(self, args):
+        self.args = args  # the call's arguments (_Args)
         # the buffer's backend (a device one's device_id is made current by
         # the progress thread: _HierCall.device_id); the caller's buffer,
         # flat, on its side (side_flat) and in host memory (flat: the same
@@ -55,10 +69,10 @@ class _Input:
         self.fb = None  # the residual store, None with feedback=False
         self.busy = None  # this call's name in the store's keys in use (_hold_key)
 
-    def adopt(self, lay, kind, buf, op, params, key, average, gather, feedback, nonfinite,
-              recvcounts, out, row):
+    def adopt(self, lay, kind, buf, op, params, row):
         """Check the input and fill this rank's agreement ``row``; raises
         what a flat call would (its code travels in the row)."""
+        g = self.args
         # the limits the settings depend on, from the environment now, as a
         # flat call reads them; its inter-node calls are given them
         self.limits = _wire.read_limits()
@@ -71,17 +85,17 @@ class _Input:
         self.wd = np.dtype(work_dtype(dtype))
         row[_N] = n
         row[_DTYPE] = _plan.DTYPE_CODE[dtype]
-        st = _settings.settings_for(kind, dtype, lay.size, op, params, key, average, gather,
-                                    nonfinite, n, recvcounts, self.limits)
+        st = _settings.settings_for(kind, dtype, lay.size, op, params, g.key, g.average,
+                                    g.gather, g.nonfinite, n, g.recvcounts, self.limits)
         self.comp, self.average, self.gather, self.nonfinite = (st.comp, st.average,
                                                                 st.gather, st.nonfinite)
         self.bounds, self.key, self.plain = st.bounds, st.key, st.plain
         lo, hi = self.bounds[lay.rank]
-        self.out, self.dout = out, None
-        if out is not None:
-            self.dout = self.be.adopt_out(out, hi - lo, dtype)  # or raises
-        if feedback is not False:
-            self.fb = get_default_feedback() if feedback is None else feedback
+        self.out, self.dout = g.out, None
+        if g.out is not None:
+            self.dout = self.be.adopt_out(g.out, hi - lo, dtype)  # or raises
+        if g.feedback is not False:
+            self.fb = get_default_feedback() if g.feedback is None else g.feedback
         self.settings = settings = dict(st.config, layout=lay.describe())
         row[_FP] = zlib.crc32(json.dumps(settings, sort_keys=True).encode())
         if not self.plain:
@@ -130,6 +144,19 @@ class _Input:
         self.be.put(self.dout, res)
         return self.out
 
+    def skipped(self, kind, rank, buf):
+        """The call is skipped on every rank (nonfinite="skip"): the store
+        counts a skipped step; returns the NaN result (allreduce: ``buf``,
+        filled with NaN)."""
+        if self.fb is not None:
+            self.fb.count_skipped_step()
+        if kind == "allreduce":
+            self.be.fill_nan(self.side_flat)
+            self.be.sync()
+            return buf
+        lo, hi = self.bounds[rank]
+        return self.shard_result(np.full(hi - lo, np.nan, self.dtype))
+
 
 class _HierCall(_sched.PendingCall):
     """One hierarchical call, held in the engine's queue of pending calls
@@ -153,13 +180,12 @@ class _HierCall(_sched.PendingCall):
     def __init__(self, lay, kind, buf, op, params, comm, key, average, gather, feedback,
                  nonfinite, recvcounts, out):
         self.lay, self.kind, self.buf, self.op, self.params = lay, kind, buf, op, params
-        self.args = (key, average, gather, feedback, nonfinite, recvcounts, out)
         self.comm = comm
         self.cs = lay  # the engine orders calls by .cs; never one of its CommStates
         self.trace = _trace.CallTrace("hierarchical")  # Request.trace
         self.state = "pending"
         self.result = self.error = None
-        self.x = _Input()
+        self.x = _Input(_Args(key, average, gather, feedback, nonfinite, recvcounts, out))
 
     # -- the engine's protocol (PendingCall) -------------------------------------------
     def settle(self):
@@ -212,7 +238,7 @@ class _HierCall(_sched.PendingCall):
         row = _plan.new_row()
         self.exc = None
         try:
-            x.adopt(lay, self.kind, self.buf, self.op, self.params, *self.args, row)
+            x.adopt(lay, self.kind, self.buf, self.op, self.params, row)
         except Exception as e:  # noqa: BLE001 - reported collectively
             self.exc = e
             row[_CODE] = code_of(e)
@@ -298,12 +324,12 @@ class _HierCall(_sched.PendingCall):
         """Steps of op="none" and small buffers: the flat engine (a plain MPI
         sum), on the layout's own communicator (the same ranks in the same
         order)."""
-        x, (_, _, _, feedback, _, recvcounts, out) = self.x, self.args
+        x = self.x
         sub = _collective.start(self.kind, self.buf, self.op, self.params,
                                 comm=self.lay.comm, key=x.key, average=x.average,
-                                gather=x.gather, feedback=feedback, nonfinite=x.nonfinite,
-                                recvcounts=recvcounts, out=out, blocking=False,
-                                limits=x.limits)
+                                gather=x.gather, feedback=x.args.feedback,
+                                nonfinite=x.nonfinite, recvcounts=x.args.recvcounts,
+                                out=x.args.out, blocking=False, limits=x.limits)
         yield _sched.Calls([sub])
         sub.settle()
         sub.finished()
@@ -423,17 +449,9 @@ class _HierCall(_sched.PendingCall):
         return x.shard_result(res.astype(x.dtype, copy=False))
 
     def _nonfinite(self, what):
-        x = self.x
-        if x.nonfinite == "raise":
+        if self.x.nonfinite == "raise":
             raise _plan.nonfinite_error(self.kind, what)
-        if x.fb is not None:
-            x.fb.count_skipped_step()
-        if self.kind == "allreduce":
-            x.be.fill_nan(x.side_flat)
-            x.be.sync()
-            return self.buf
-        lo, hi = x.bounds[self.lay.rank]
-        return x.shard_result(np.full(hi - lo, np.nan, x.dtype))
+        return self.x.skipped(self.kind, self.lay.rank, self.buf)
 
 
 def _group_failures(lay, subs):

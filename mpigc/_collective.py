@@ -187,10 +187,11 @@ class _Input:
 
     def bound(self, cs, tags, fill, table, rows, sendreqs, seq):
         """What the two phases bind (:class:`mpigc._prepared.Bound`)."""
-        return _prepared.Bound(self.prep, cs, tags, self.be, self.bufs, self.txn,
-                               self.use_ef, self.flat, self.x, self.e_in, self.e_out,
-                               self.sendbuf, self.clip_bound, fill, table, rows, sendreqs,
-                               seq, self.key)
+        return _prepared.Bound(
+            rec=self.prep, cs=cs, tags=tags, be=self.be, bufs=self.bufs, txn=self.txn,
+            use_ef=self.use_ef, flat=self.flat, x=self.x, e_in=self.e_in, e_out=self.e_out,
+            sendbuf=self.sendbuf, clip_bound=self.clip_bound, fill=fill, table=table,
+            rows=rows, sendreqs=sendreqs, seq=seq, key=self.key)
 
     # -- the residual transaction ---------------------------------------------
     def end(self):
@@ -266,7 +267,7 @@ class _Op(PendingCall):
     (:meth:`_steps`) and what they decide; its data is its :class:`_Input`
     (``x``)."""
 
-    def __init__(self, kind, buf, op, params, cs, key, average, gather, feedback,
+    def __init__(self, kind, buf, op, params, cs, *, key, average, gather, feedback,
                  nonfinite, recvcounts, out, blocking, fill=None, keep_replaced=False,
                  group=None, pre=None, limits=None):
         self.kind = kind  # "allreduce" or "reduce_scatter"
@@ -529,8 +530,10 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
             pre = _shortcall.run(buf, op, params, cs, key, average, gather, nonfinite)
             if isinstance(pre, _shortcall.Done):
                 return pre
-        o = _Op(kind, buf, op, params, cs, key, average, gather, feedback, nonfinite,
-                recvcounts, out, blocking, fill, keep_replaced, group, pre, limits)
+        o = _Op(kind, buf, op, params, cs, key=key, average=average, gather=gather,
+                feedback=feedback, nonfinite=nonfinite, recvcounts=recvcounts, out=out,
+                blocking=blocking, fill=fill, keep_replaced=keep_replaced, group=group,
+                pre=pre, limits=limits)
     if not blocking and o.state != "done":
         _sched.wake()
     return o

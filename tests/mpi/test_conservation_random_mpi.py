@@ -2,7 +2,8 @@
 ranks and steps, what was put in equals what was delivered plus what the
 residuals still hold, worker and owner side) checked after every step of
 random sequences (seeded, the same on every rank) of single, nonblocking,
-grouped and reduce_scatter calls mixed with what must change no residual:
+grouped, hierarchical (``MPIGC_NODE_SPLIT=2``: their residuals are the
+slices' keys) and reduce_scatter calls mixed with what must change no residual:
 calls that fail (a non-finite value planted on one rank, a size one rank
 gets wrong, a key already in use) or are skipped (``nonfinite="skip"``), and
 what must keep every residual: state and checkpoint round trips into a new
@@ -15,17 +16,21 @@ import pytest
 from mpi4py import MPI
 
 import mpigc
+from mpigc import _hierarchy
 from conftest import assert_all, grads, on_root, raises_everywhere
 
-# ranks: 1 (no exchange), 2, 3 (uneven shards: key "b" has one element)
+# ranks: 1 (no exchange), 2 (one node of 2), 3 (uneven shards: key "b" has one
+# element; nodes of 2 + 1)
 pytestmark = pytest.mark.ranks(1, 2, 3)
 
 #: key -> (size, average, gather): a grouped call's members share the last two
 KEYS = {"a": (300, False, "compressed"), "b": (1, False, "compressed"),
         "c": (777, True, "exact"), "d": (64, True, "exact")}
 GROUPS = (["a", "b"], ["b", "a"], ["c", "d"], ["d", "c"])
-ACTIONS = ["single", "single", "nonblocking", "group", "rs", "fail", "skip", "mismatch",
-           "busy", "state", "ckpt"]
+ACTIONS = ["single", "single", "nonblocking", "group", "rs", "hier", "hier-fail", "fail",
+           "skip", "mismatch", "busy", "state", "ckpt"]
+#: the keys a hierarchical call uses (not averaged: its slices' calls sum)
+HIER_KEYS = ["a", "b"]
 OPS = {"2bit": "2bit", "1bit": "1bit",
        "terngrad-ef": {"type": "terngrad", "error_feedback": True}}
 
@@ -52,19 +57,30 @@ class Ledger:
 
     def error(self, fb):
         """The largest conservation error over the keys (the same on every
-        rank), and the key."""
+        rank), and the key. A key's residuals are its own entry's and those
+        of its hierarchical calls' slices (``key@hier[s/L:n]``: the slice's
+        elements of the worker residual, the slice's shard of this rank in
+        its inter-node group of the owner's)."""
         comm, st = self.comm, fb.state_dict()
+        mine = {k: (np.zeros(n), np.zeros(n)) for k, (n, _, _) in KEYS.items()}
+        for name, e in st.items():
+            sliced = _hierarchy.parse_slice_key(name)
+            k, lo = (name, 0) if sliced is None else (sliced[0], mpigc.shard_bounds(
+                sliced[3], sliced[2])[sliced[1]][0])
+            worker, owner = mine[k]
+            if e["worker"] is not None:
+                worker[lo:lo + e["worker"].size] += e["worker"]
+            if e["owner"] is not None:
+                n = e["n"]
+                a, b = mpigc.shard_bounds(n, e["world_size"])[e["rank"]]
+                owner[lo + a:lo + b] += e["owner"]
         worst = (0.0, None)
         for k, (n, average, _) in KEYS.items():
-            e = st.get(k)
-            w = np.zeros(n) if e is None or e["worker"] is None else e["worker"]
-            worker = np.empty(n)
-            comm.Allreduce(np.ascontiguousarray(w, np.float64), worker, op=MPI.SUM)
+            worker, owner = np.empty(n), np.empty(n)
+            comm.Allreduce(mine[k][0], worker, op=MPI.SUM)
+            comm.Allreduce(mine[k][1], owner, op=MPI.SUM)
             if average:
                 worker /= comm.size
-            lo, hi = mpigc.shard_bounds(n, comm.size)[comm.rank]
-            o = np.zeros(hi - lo) if e is None or e["owner"] is None else e["owner"]
-            owner = np.concatenate(comm.allgather(np.asarray(o, np.float64)))
             err = float(np.max(np.abs(self.put_in[k] - (self.delivered[k] + worker + owner)),
                                initial=0.0))
             worst = max(worst, (err, k), key=lambda t: t[0])
@@ -106,6 +122,17 @@ def _run(comm, op, seed, steps, path):
             out = mpigc.allreduce(xs, key=keys, **kw(keys[0]))
             for k, r in zip(keys, out):
                 book.got(k, r)
+        elif what in ("hier", "hier-fail"):
+            key = HIER_KEYS[rng.integers(len(HIER_KEYS))]
+            x = g(key, step)
+            if what == "hier":
+                book.gave(key, x)
+                book.got(key, mpigc.allreduce(x, key=key, hierarchy="node", **kw(key)))
+            else:  # a NaN on the last rank: its slice's group fails, every slice put back
+                if comm.rank == comm.size - 1:
+                    x[-1] = np.nan
+                raises_everywhere(mpigc.NonFiniteError, lambda: mpigc.allreduce(
+                    x, key=key, hierarchy="node", **kw(key)))
         elif what == "rs":
             x = g(key, step)
             book.gave(key, x)
@@ -154,10 +181,11 @@ def _run(comm, op, seed, steps, path):
 
 @pytest.mark.mpi
 @pytest.mark.parametrize("op", list(OPS))
-def test_random_sequences_conserve_every_input(comm, op):
+def test_random_sequences_conserve_every_input(comm, op, monkeypatch):
+    monkeypatch.setenv("MPIGC_NODE_SPLIT", "2")  # emulated nodes of two ranks
     d = on_root(lambda: tempfile.mkdtemp(prefix="mpigc-conservation-"), comm)
     path = os.path.join(d, "ckpt")
     seen = set()
-    for seed in range(3):
-        seen.update(_run(comm, OPS[op], 17 * seed + len(op), 16, path))
+    for seed in range(4):
+        seen.update(_run(comm, OPS[op], 17 * seed + len(op), 20, path))
     assert_all(seen == set(ACTIONS), f"not every action ran: {set(ACTIONS) - seen}")

@@ -1274,13 +1274,20 @@ _EXP_BITS = {2: (np.uint16, np.uint16(0x7C00)), 4: (np.uint32, np.uint32(0x7F800
 
 
 @njit(**_JIT)
-def _copy_count_range(src, dst, mask, i0, i1):
+def _copy_count(src, dst, mask):
     nbad = 0
-    for i in range(i0, i1):
+    for i in range(src.size):
         v = src[i]
         dst[i] = v
         nbad += (v & mask) == mask
     return nbad
+
+
+@njit(**_JIT)
+def _copy_count_range(src, dst, mask, i0, i1):
+    # on slices: a loop over range(i0, i1) of the whole arrays was not
+    # vectorised (318 us for 256K float32, against 38 us)
+    return _copy_count(src[i0:i1], dst[i0:i1], mask)
 
 
 @njit(parallel=True, **_JIT)

@@ -45,14 +45,18 @@ rest of its line)::
 
 How it runs
 -----------
-The blocks of one doc that run the same way (plain ``python``, or ``mpirun -n K``)
-run in one launch of ``tests/support/docs_harness.py``, one after another, each as a script
-of its own (fresh namespace, fresh working directory, mpigc's process-wide residual
-store and traffic counters reset in between). A launch starts when the first test of
-its blocks runs, under a timeout (``$MPIGC_DOCS_TIMEOUT`` seconds, default 300). The
-environment is the caller's without any ``MPIGC_*`` setting (the docs describe the
-defaults; ``MPIGC_CACHE_DIR`` and ``MPIGC_COMPILE_LOCK_TIMEOUT`` are kept) and without
-``NUMBA_ENABLE_CUDASIM``. One test per block (``test_doc_block[docs/x.md:LINE]``, LINE
+The blocks of one doc that run in plain ``python``, and the blocks of all docs (those
+with a selected test) that run under ``mpirun -n K`` for one K, run in one launch of
+``tests/support/docs_harness.py``, one after another, each as a script of its own (fresh
+namespace, fresh working directory, mpigc's process-wide residual store and traffic
+counters reset in between): 11 launches, not 16 (one per doc and way before; a rank's
+start, imports and ``mpirun`` cost more than most blocks). The plain-python launches
+stay one per doc: what the engine keeps for a process (its buffer pools) shows in a
+block that measures the process's memory (``docs/error-feedback.md``'s tracemalloc).
+A launch starts when the first test of its blocks runs, under a timeout
+(``$MPIGC_DOCS_TIMEOUT`` seconds, default 300). The environment is the caller's
+without any ``MPIGC_*`` setting (the docs describe the defaults; ``MPIGC_CACHE_DIR``
+and ``MPIGC_COMPILE_LOCK_TIMEOUT`` are kept) and without ``NUMBA_ENABLE_CUDASIM``. One test per block (``test_doc_block[docs/x.md:LINE]``, LINE
 the opening fence's; a failure shows the doc's output, the printed one and a diff); the
 terminal summary gives the counts per doc: blocks run, compared, failed, skipped by
 reason, output and text blocks, and the time of each launch.
@@ -264,21 +268,31 @@ def _env():
 
 
 class Launches:
-    """The launches of the harness, one per (doc, ranks), each run once when a
-    test first needs it: ``result(block, ranks) -> (outputs per rank, error)``."""
+    """The launches of the harness, each run once when a test first needs it:
+    ``result(block, ranks) -> (outputs per rank, error)``. One per doc for plain
+    python (``ranks`` None: a block may measure the process's memory, which
+    earlier docs' blocks would change), one per rank count for the blocks of
+    all the docs in ``docs`` (the docs of the selected tests; ``None``: all)
+    under ``mpirun``: the harness isolates each block already, and each launch
+    pays its ranks' start, imports and ``mpirun`` (16 launches were 11)."""
 
     def __init__(self, blocks):
         self.groups = collections.defaultdict(list)
         for b in blocks:
             if b.kind in ("python", "doctest"):
                 for k in b.ranks:
-                    self.groups[(b.doc, k)].append(b)
+                    self.groups[self._key(b, k)].append(b)
+        self.docs = None
         self.done = {}
         self.timings = {}
         self.tmp = None  # made by the first launch
 
+    @staticmethod
+    def _key(b, k):
+        return (b.doc if k is None else None, k)
+
     def result(self, b, k):
-        key = (b.doc, k)
+        key = self._key(b, k)
         if key not in self.done:
             self.done[key] = self._launch(key)
         ranks, failure = self.done[key]
@@ -288,13 +302,14 @@ class Launches:
         doc, k = key
         if self.tmp is None:
             self.tmp = tempfile.mkdtemp(prefix="mpigc-docs-")
-        name = re.sub(r"[^A-Za-z0-9]", "_", doc) + f"_n{k or 0}"
+        name = re.sub(r"[^A-Za-z0-9]", "_", doc or "docs") + f"_n{k or 0}"
+        blocks = [b for b in self.groups[key] if self.docs is None or b.doc in self.docs]
         spec = {"workdir": os.path.join(self.tmp, name), "results": os.path.join(self.tmp, name),
                 "blocks": [{"id": b.id, "file": b.doc, "first": b.first, "code": b.code,
                             "mode": "doctest" if b.kind == "doctest" else "exec",
                             "env": b.env, "ns": b.ns, "ellipsis": b.ellipsis,
                             "imports": b.imports}
-                           for b in self.groups[key]]}
+                           for b in blocks]}
         path = os.path.join(self.tmp, name + ".json")
         with open(path, "w") as f:
             json.dump(spec, f)
@@ -464,7 +479,7 @@ class _Summary:
                 tr.write_line(f"    skipped {n}: {reason}")
         tr.write_line(f"all docs: {line(total)}")
         tr.write_line("launches: " + ", ".join(
-            f"{d} {'python' if k is None else f'mpirun -n {k}'} {t:.0f} s"
+            f"{d or 'all docs'} {'python' if k is None else f'mpirun -n {k}'} {t:.0f} s"
             for (d, k), t in _LAUNCHES.timings.items())
             + f"; {sum(_LAUNCHES.timings.values()):.0f} s in all")
 
@@ -473,6 +488,11 @@ class _Summary:
 def _summary(request):
     plugin = _Summary()
     request.config.pluginmanager.register(plugin, "mpigc-docs-summary")
+    # the launches run the blocks of the docs that have a selected test (a block may
+    # continue an earlier one of its doc, so a doc runs whole)
+    _LAUNCHES.docs = {it.callspec.params["b"].doc for it in request.session.items
+                      if getattr(it, "originalname", None) == "test_doc_block"
+                      and str(it.path) == str(request.node.path)}
     yield
     if _LAUNCHES.tmp:
         shutil.rmtree(_LAUNCHES.tmp, ignore_errors=True)

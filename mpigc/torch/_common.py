@@ -455,17 +455,21 @@ class Rendezvous:
     waits in a step of the owner (``wait_request(watch=rdv.watch(doing))``)
     reads them as it waits, and when the announcer has not posted the step it
     waits for (the announcer can reach that step only after the method,
-    which waits for this rank), it replies and raises
-    :class:`MismatchError` naming both sides, and the announcer, reading the
-    reply, raises too. A method called on every rank, at whatever times,
-    completes: an announcement of a method that the reader reaches after
-    its step is read and forgotten, and one not read before the method
-    completes is recognised as old whenever it is read. Nothing of this runs
+    which waits for this rank), it tells every other rank so and raises
+    :class:`MismatchError` naming both sides; the ranks in the method that
+    have not posted that step raise on it too. A method called on every
+    rank, at whatever times, completes: an announcement of a method that the
+    reader reaches after its step is read and kept until the reader
+    completes the method, and one not read before then is recognised as old
+    whenever it is read. Nothing of this runs
     while the ranks keep step (a wait that ends within its first polls reads
     nothing).
 
     A call that raised (its timeout, a mismatch) leaves its gather posted:
-    the next call of the same method on this rank takes it up.
+    the next call of the same method on this rank takes it up. After its
+    timeout the announcement is withdrawn; after a mismatch it stays, so
+    that every rank that waits in a step raises on it, until the method
+    completes on every rank.
     """
 
     _TAG = 0  # every message on the channel: (kind, ...), in order per sender
@@ -479,7 +483,7 @@ class Rendezvous:
         self._out = None  # its buffers
         self.done = 0  # the gathers completed here
         self.posted = 0  # the owner's steps posted here (step_posted)
-        self._attempt = 0  # calls here (a reply names the one it answers)
+        self._attempt = 0  # calls here (a withdrawal names the announcement it withdraws)
         self._announced = False
         self._peers = {}  # rank -> its last announcement (done, posted, method, text, attempt)
         self._sends = []  # requests of messages sent, tested now and then
@@ -505,8 +509,10 @@ class Rendezvous:
         try:
             wait_request(self.req.Test, label, RENDEZVOUS, timeout=timeout,
                          warn_s=self.warn_s, watch=lambda: self._in_rendezvous(label))
+        except MismatchError:  # found by a rank in a step: the others raise on it too
+            raise
         except BaseException:
-            if self._announced:  # the others forget it
+            if self._announced:  # the others forget it (this rank may go on to a step)
                 self._send_all(("W", self._attempt))
             raise
         self.req = None
@@ -528,8 +534,9 @@ class Rendezvous:
 
     def _read(self):
         """The messages arrived so far: announcements kept per rank (the
-        last), withdrawals applied; the replies to this call returned."""
-        replies = []
+        last), withdrawals applied; the mismatches found by ranks in a step
+        returned, as ``(rank, done, posted, doing)``."""
+        found = []
         status = MPI.Status()
         while self.comm.iprobe(MPI.ANY_SOURCE, self._TAG, status):
             q = status.Get_source()
@@ -539,20 +546,21 @@ class Rendezvous:
             elif msg[0] == "W":
                 if q in self._peers and self._peers[q][4] == msg[1]:
                     del self._peers[q]
-            elif msg[0] == "R" and msg[1] == self._attempt:
-                replies.append((q, msg[2]))
-        return replies
+            elif msg[0] == "M":
+                found.append((q,) + tuple(msg[1:]))
+        return found
 
     def _in_rendezvous(self, label):
         """The watch of this rank's wait in a method: announce it once it
-        lasts; raise on a reply (a rank in a step that this method blocks)."""
+        lasts; raise when a rank found a mismatch with a step that this
+        method blocks (this rank has not posted it: old news otherwise)."""
         if not self._announced and time.monotonic() - self._began > ANNOUNCE_S:
             self._announced = True
             self._send_all(("A", self.done, self.posted, self._method[0],
                             self._method[1], self._attempt))
-        replies = self._read()
-        if replies:
-            q, doing = replies[0]
+        for q, done, posted, doing in self._read():
+            if done != self.done or posted <= self.posted:
+                continue
             raise MismatchError(
                 f"{label}: rank {self.rank} is in {self._method[1]} ({_COLLECTIVE}); "
                 f"rank {q} is in {doing}, which it cannot leave until this rank "
@@ -568,13 +576,14 @@ class Rendezvous:
 
     def _in_step(self, doing, label):
         self._read()
-        for q, (done, posted, _, text, attempt) in list(self._peers.items()):
+        for q, (done, posted, _, text, _) in list(self._peers.items()):
             if done < self.done:
                 del self._peers[q]  # a method completed here: old news
             elif done == self.done and posted < self.posted:
                 del self._peers[q]
                 doing = doing.format(step=self.posted)
-                self._sends.append(self.comm.isend(("R", attempt, doing), q, self._TAG))
+                # every rank in a method learns it (not only those it announced)
+                self._send_all(("M", self.done, self.posted, doing))
                 raise MismatchError(
                     f"{label}: rank {q} is in {text} ({_COLLECTIVE}); rank {self.rank} is "
                     f"in {doing}, which rank {q} reaches only after that method, which waits "

@@ -1193,6 +1193,7 @@ def test_a_collective_method_on_rank_0_only_raises_on_every_rank_at_once(
           and f"rank 0 is in {name}" in str(err) and "not inside `if rank == 0:`" in str(err)
           and (comm.rank == 0 or f"rank {comm.rank} is in the gradient synchronisation "
                "of step 3" in str(err)))
+    comm.Barrier()  # every rank raised (rank 0 stays out of the step meanwhile)
     # recovery: rank 0's step 2 completes the others' pending one
     if kind == "hook":  # the others' calls of step 2 stay posted: their next step ends them
         if comm.rank == 0:
@@ -1245,6 +1246,40 @@ def test_collective_methods_on_every_rank_at_different_times_just_work(
     if kind != "hook":
         mine = t.params()
         ok &= all(torch.equal(mine, other) for other in comm.allgather(mine))
+    assert_all(ok, repr(err))
+
+
+@pytest.mark.mpi
+def test_a_collective_method_while_a_rank_shadows_in_join_raises_on_every_rank(
+        comm, monkeypatch):
+    """Uneven inputs under join(), and state_dict in the loop: rank 0 ran out of
+    batches and shadows the others' steps in join() while they call
+    state_dict (default timeout): a MismatchError on every rank naming both
+    sides (before, rank 0's agreement met the others' barrier on one
+    communicator). On a communicator of its own: the object is left as the
+    error left it."""
+    if comm.size < 2:
+        pytest.skip("needs 2 ranks")
+    monkeypatch.delenv("MPIGC_TORCH_TIMEOUT", raising=False)
+    sub = comm.Dup()
+    model = make_model()
+    opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
+                                  op="2bit", bucket_mb=0.002, comm=sub)
+    cancel = _watchdog()
+    err = None
+    try:
+        with opt.join():
+            for step in range(2 + (comm.rank != 0)):  # rank 0: one batch less
+                opt.zero_grad()
+                backward(model, comm.rank, step)
+                opt.step()
+                if step == 2:
+                    opt.sync.state_dict()
+    except mpigc.MpigcError as e:
+        err = e
+    cancel()
+    ok = (isinstance(err, mpigc.MismatchError)
+          and "GradientSync.state_dict" in str(err) and "join()" in str(err))
     assert_all(ok, repr(err))
 
 

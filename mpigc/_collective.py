@@ -494,7 +494,7 @@ class _Op(PendingCall):
                                         self.sendreqs, self.seq), inline)
         end = yield from tp.steps()
         if end == "trailers":  # a pipelined call: the trailers' counts decide
-            self.table[:] = tp.trail
+            self.table = tp.trail  # (read, never written: the rows' table stays theirs)
             if _plan.nonfinite_verdict(self.table, x.nonfinite).kind == "go":
                 x.commit(self.keep_replaced)
                 tp.go()

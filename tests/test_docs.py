@@ -263,7 +263,10 @@ def _env():
             env[k] = os.environ[k]
     env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1", PYTHONUNBUFFERED="1",
-               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe")
+               PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+               # a waiting rank yields its core (tests/run.sh says why); what a block
+               # prints does not depend on it
+               OMPI_MCA_mpi_yield_when_idle="1")
     return env
 
 

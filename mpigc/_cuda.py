@@ -41,6 +41,7 @@ Simulator test seam
     MPI the device array itself. Nothing else depends on the simulator.
 """
 import collections
+import contextlib
 import ctypes
 import os
 import sys
@@ -518,6 +519,49 @@ def make_current(device_id):
         return
     _numba_cuda().select_device(device_id)
     _thread_device.id = device_id
+
+
+_thread_on = threading.local()  # the GPU on_gpu() made current here, while it is
+
+
+@contextlib.contextmanager
+def on_gpu(device_id, current=None):
+    """Make GPU ``device_id`` current in the calling thread for the block and
+    the GPU current before it again after: for work on a key's device
+    residuals outside a call (the residual store's copies, evictions and
+    records), which must run on the GPU that holds them, whatever GPU the
+    calling thread has current (one process may drive several). Nothing
+    for ``device_id`` None (host residuals), nor when it is current already:
+    ``current``, the GPU the caller knows is current (a call's: no driver
+    ask), or inside an ``on_gpu`` block of the same GPU; otherwise one ask
+    (:func:`current_device_id`). On a GPU the switch pushes the GPU's
+    primary context and pops it after, so a context made current by
+    another library (torch, CuPy) is current again."""
+    if device_id is None or device_id == current \
+            or getattr(_thread_on, "id", None) == device_id:
+        yield
+        return
+    before = current_device_id()
+    if before == device_id:
+        _thread_on.id, outer = device_id, getattr(_thread_on, "id", None)
+        try:
+            yield
+        finally:
+            _thread_on.id = outer
+        return
+    cuda = _numba_cuda()
+    if simulator():  # no context stack there: select it, then the one before
+        cuda.select_device(device_id)
+        pop = lambda: cuda.select_device(before)  # noqa: E731
+    else:
+        from numba.cuda.cudadrv import devices
+        pop = devices.get_context(device_id).pop  # pushed: popped at the end
+    outer, _thread_on.id = getattr(_thread_on, "id", None), device_id
+    try:
+        yield
+    finally:
+        _thread_on.id = outer
+        pop()
 
 
 def _device_count():

@@ -2,6 +2,7 @@
 to :mod:`mpigc._residual_txn`): a key's residuals (:class:`Entry`), the fused
 residuals of a grouped call's members (:class:`Fused`), and the copies of
 residual arrays on either side (host or device) that the store makes."""
+import contextlib
 import threading
 
 import numpy as np
@@ -79,13 +80,14 @@ class Entry:
 
     def host_copy(self):
         """An entry with host copies of the residuals (the same one if they
-        are on the host already)."""
+        are on the host already), copied on the entry's GPU."""
         if not self.on_device:
             return self
         e = Entry(self.n, self.dtype, self.world_size, self.rank, self.config, False)
         e.calls = self.calls
-        e.worker = host(self.worker)
-        e.owner = host(self.owner)
+        with on_gpu(self.gpu):
+            e.worker = host(self.worker)
+            e.owner = host(self.owner)
         return e
 
     def describe(self):
@@ -100,15 +102,19 @@ class Fused:
     grouped call with the same keys, entries and placement uses them as they
     are (no gather or scatter per call); anything else that reads or writes a
     member's residual first moves every member's back into arrays of their
-    own (:meth:`evict`), which is the scatter a call used to make at its end."""
+    own (:meth:`evict`), which is the scatter a call used to make at its end.
+    ``gpu``: the id of the GPU whose memory holds device residuals (the
+    grouped call's and every member's), where :meth:`evict` allocates and
+    copies whatever GPU is current; None on the host."""
 
-    __slots__ = ("members", "place", "owner_place", "dtype", "device", "worker", "owner",
-                 "lock")
+    __slots__ = ("members", "place", "owner_place", "dtype", "device", "gpu", "worker",
+                 "owner", "lock")
 
-    def __init__(self, members, place, owner_place, dtype, device):
+    def __init__(self, members, place, owner_place, dtype, device, gpu=None):
         self.members = list(members)
         self.place, self.owner_place = place, owner_place
         self.dtype, self.device = dtype, device
+        self.gpu = gpu if device else None
         self.worker = self.owner = None
         self.lock = threading.Lock()
 
@@ -143,44 +149,52 @@ class Fused:
             e.fused = self
         return True
 
-    def evict(self):
+    def evict(self, current=None):
         """Every member's residuals back into arrays of their own (new ones:
-        the store's lock may be held); the fused arrays are dropped. Under
-        the group's own lock; does nothing once done."""
+        the store's lock may be held), allocated and copied on the group's
+        GPU (``gpu``, made current for it: :func:`mpigc._cuda.on_gpu`;
+        ``current``: the GPU the caller knows is current, a call's, which
+        saves the driver ask); the fused arrays are dropped. Under the
+        group's own lock; does nothing once done."""
         with self.lock:
-            members, dtype, device = self.members, self.dtype, self.device
             if self.worker is None and self.owner is None:
                 return
-            t0 = _timeline.ON and _timeline.now()
-            for arr, place, attr in ((self.worker, self.place, "_worker"),
-                                     (self.owner, self.owner_place, "_owner")):
-                if arr is None or place is None:
-                    continue
-                pieces, ats, nshards = place
-                for i, lo, hi, at in pieces:
-                    e = members[i]
-                    dst = getattr(e, attr)
-                    m = e.n if attr == "_worker" else hi - lo
-                    if dst is None or dst.size != m:
-                        dst = empty(m, dtype, device)
-                        setattr(e, attr, dst)
-                    if not device:
-                        dst[lo:hi] = arr[at:at + hi - lo]
-                if device:  # one launch per member
-                    _dispatch.kernels(arr).group_copy(
-                        arr, [getattr(e, attr) for e in members], ats, nshards, False)
-                if attr == "_owner":
-                    # a member smaller than the ranks owns no element here: an
-                    # empty owner residual, as its single call leaves
-                    for e in members:
-                        if e._owner is None:
-                            e._owner = empty(0, dtype, device)
-            self.worker = self.owner = None
-            for e in members:
-                if e.fused is self:
-                    e.fused = None
-            if t0:
-                _timeline.span("group: residuals out", t0)
+            with on_gpu(self.gpu, current):
+                self._evict()
+
+    def _evict(self):
+        """:meth:`evict`'s copies, with the group's GPU current."""
+        members, dtype, device = self.members, self.dtype, self.device
+        t0 = _timeline.ON and _timeline.now()
+        for arr, place, attr in ((self.worker, self.place, "_worker"),
+                                 (self.owner, self.owner_place, "_owner")):
+            if arr is None or place is None:
+                continue
+            pieces, ats, nshards = place
+            for i, lo, hi, at in pieces:
+                e = members[i]
+                dst = getattr(e, attr)
+                m = e.n if attr == "_worker" else hi - lo
+                if dst is None or dst.size != m:
+                    dst = empty(m, dtype, device)
+                    setattr(e, attr, dst)
+                if not device:
+                    dst[lo:hi] = arr[at:at + hi - lo]
+            if device:  # one launch per member
+                _dispatch.kernels(arr).group_copy(
+                    arr, [getattr(e, attr) for e in members], ats, nshards, False)
+            if attr == "_owner":
+                # a member smaller than the ranks owns no element here: an
+                # empty owner residual, as its single call leaves
+                for e in members:
+                    if e._owner is None:
+                        e._owner = empty(0, dtype, device)
+        self.worker = self.owner = None
+        for e in members:
+            if e.fused is self:
+                e.fused = None
+        if t0:
+            _timeline.span("group: residuals out", t0)
 
 
 class Spares:
@@ -222,6 +236,18 @@ class Spares:
             self._pools.clear()
 
 
+def on_gpu(gpu, current=None):
+    """:func:`mpigc._cuda.on_gpu`: GPU ``gpu`` current for a block (nothing
+    for None, a host residual's, without importing the CUDA side)."""
+    if gpu is None:
+        return _HOST
+    from . import _cuda
+    return _cuda.on_gpu(gpu, current)
+
+
+_HOST = contextlib.nullcontext()
+
+
 def empty(n, dtype, device):
     if device:
         from . import _cuda
@@ -235,7 +261,8 @@ def host(a):
     if a is None:
         return None
     if _dispatch.is_device_array(a):
-        return a.copy_to_host()
+        from . import _cuda
+        return _cuda.to_host(a)
     return a.copy()
 
 

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import _dispatch
 from . import _timeline
-from ._residual_entry import Entry, Fused, copy_of, zero
+from ._residual_entry import Entry, Fused, copy_of, on_gpu, zero
 
 __all__ = ["Saved", "Txn", "Transaction", "GroupTransaction"]
 
@@ -49,6 +49,12 @@ class Saved(NamedTuple):
     config: object
     entry: object
     copied: bool
+
+    def copied_into(self, e):
+        """Copies of the recorded residuals ``(worker, owner)``, written into
+        entry ``e``'s arrays where they fit, made on ``e``'s GPU."""
+        with on_gpu(e.gpu):
+            return copy_of(self.worker, e.worker), copy_of(self.owner, e.owner)
 
 
 class Txn:
@@ -105,15 +111,17 @@ class Txn:
         """Record copies of what ``key`` holds now, on the residuals' side
         (device residuals are copied on the device), written into the arrays
         of ``reuse`` (an older record of the key, no longer needed) where
-        they fit, so that a step allocates nothing. Only while no call uses
-        the key."""
+        they fit, so that a step allocates nothing; device copies are made
+        on the key's GPU, whichever is current. Only while no call uses the
+        key."""
         e = self.fb.entry(key)
         if e is None:
             self.saved[key] = None
             return
         w, o = (None, None) if reuse is None else (reuse.worker, reuse.owner)
-        self.saved[key] = Saved(copy_of(e.worker, w), copy_of(e.owner, o), e.calls,
-                                e.config, e, True)
+        with on_gpu(e.gpu):
+            self.saved[key] = Saved(copy_of(e.worker, w), copy_of(e.owner, o), e.calls,
+                                    e.config, e, True)
 
     def install(self, entries, skipped_steps=None):
         """Install ``{key: entry}`` in place of every entry (and the count of
@@ -152,6 +160,9 @@ class Transaction(Txn):
 
     def __init__(self, fb, key, n, dtype, world_size, rank, device, device_id=None):
         entry, self.gpu = fb.acquire(key, n, dtype, world_size, rank, device, device_id)
+        if entry is not None and entry.fused is not None:
+            # its own arrays again, on its GPU: the call's, current (no ask)
+            entry.fused.evict(self.gpu)
         Txn.__init__(self, fb)
         self.entry, self.key, self.keys = entry, key, [key]
         self._shape = (n, dtype, world_size, rank, bool(device))
@@ -304,6 +315,9 @@ class GroupTransaction(Transaction):
             f.worker, f.owner = fused.worker, fused.owner  # resident: no copies
             return
         self.fused = None
+        for e in entries:  # members' own arrays again, on the call's GPU (no ask)
+            if e is not None and e.fused is not None:
+                e.fused.evict(self.gpu)
         if any(e is not None for e in entries):
             t0 = _timeline.ON and _timeline.now()
             f = self.entry = Entry(n, dtype, world_size, rank, None, bool(device), self.gpu)
@@ -369,7 +383,7 @@ class GroupTransaction(Transaction):
         f, (_, dtype, _, _, device) = self.entry, self._shape
         fused = self.fused
         if fused is None:
-            fused = Fused(self.entries, self.place, self.owner_place, dtype, device)
+            fused = Fused(self.entries, self.place, self.owner_place, dtype, device, self.gpu)
         worker = f.worker if self.place is not None else None
         owner = f.owner if self.owner_place is not None else None
         if fused.adopt(worker, owner, f.calls):

@@ -25,7 +25,11 @@ is a :class:`StateError`. Residuals put in by
 :meth:`ErrorFeedback.load_state_dict` or ``mpigc.load_checkpoint`` are host
 arrays and have no place yet: the key's next call moves them to the device
 (its GPU) if its buffer is a device array. :meth:`ErrorFeedback.state_dict` and
-checkpoints always get host copies.
+checkpoints always get host copies. Every copy or move of a key's device
+residuals outside a call (a state, a checkpoint's save, a record by copy and
+its restore, a grouped call's fused residuals given back to their members)
+runs on the key's GPU, made current for it (:func:`mpigc._cuda.on_gpu`)
+whatever GPU the calling thread has current.
 """
 import threading
 
@@ -33,7 +37,7 @@ import numpy as np
 
 from . import _dispatch
 from ._errors import StateError
-from ._residual_entry import Entry, Spares, copy_of, host
+from ._residual_entry import Entry, Spares, host, on_gpu
 from ._residual_txn import GroupTransaction, Saved, Transaction, Txn
 from .compressors import get_compressor
 
@@ -54,8 +58,11 @@ def shard_bounds(n, size):
 
 
 def _entry_state(e):
-    """One entry as :meth:`ErrorFeedback.state_dict` gives it (host copies)."""
-    return {"worker": host(e.worker), "owner": host(e.owner), "config": dict(e.config),
+    """One entry as :meth:`ErrorFeedback.state_dict` gives it (host copies,
+    made on the entry's GPU)."""
+    with on_gpu(e.gpu):
+        worker, owner = host(e.worker), host(e.owner)
+    return {"worker": worker, "owner": owner, "config": dict(e.config),
             "calls": e.calls, "world_size": e.world_size, "rank": e.rank, "n": e.n,
             "dtype": e.dtype.name}
 
@@ -365,8 +372,8 @@ class ErrorFeedback:
                 e = s.entry
                 if not s.copied:
                     e.worker, e.owner = s.worker, s.owner
-                else:  # into the entry's arrays where they fit
-                    e.worker, e.owner = copy_of(s.worker, e.worker), copy_of(s.owner, e.owner)
+                else:  # into the entry's arrays where they fit, on its GPU
+                    e.worker, e.owner = s.copied_into(e)
                 e.calls, e.config = s.calls, s.config
                 self._entries[key] = e
 

@@ -112,6 +112,15 @@ from mpigc.feedback import ErrorFeedback
 contexts = (simulated.FakeCUDAContext(0), simulated.FakeCUDAContext(1))
 now = [0]
 cuda.current_context = lambda devnum=None: contexts[now[0] if devnum is None else devnum]
+
+
+def select_device(dev):
+    assert dev in (0, 1), dev
+    now[0] = dev
+    return contexts[dev].device
+
+
+cuda.select_device = select_device
 cfg = get_compressor("2bit").get_config()
 fb = ErrorFeedback()
 
@@ -162,6 +171,83 @@ fb.reset("on1")
 call("on1", 1)
 print("ok one GPU per key")''')
 
+# a key's device residuals copied or moved outside a call (a state, a
+# checkpoint's save, a record by copy and its restore, a fused group's
+# eviction) from a thread whose current GPU is another: every allocation,
+# copy and launch runs on the key's GPU, and the thread's GPU is current again
+OUTSIDE = TWO_DEVICES.replace('print("ok spares per GPU")', r'''
+from mpigc import _group
+from mpigc.kernels import cuda as kc
+log = []
+
+
+def logged(module, name):
+    f = getattr(module, name)
+
+    def recorded(*args, **kw):
+        log.append((now[0], name))
+        return f(*args, **kw)
+    setattr(module, name, recorded)
+
+
+fb = ErrorFeedback()  # its keys on GPU 1 only
+logged(kc, "_launch")
+for name in ("copy", "to_host", "to_device", "empty", "zeros"):
+    logged(_cuda, name)
+
+
+def on(dev, what, f):
+    """f() with device 0 current: its copies and launches ran on ``dev``."""
+    now[0] = 0
+    del log[:]
+    r = f()
+    assert log, f"{what}: nothing copied"
+    wrong = [x for x in log if x[0] != dev]
+    assert not wrong, f"{what}: {len(wrong)} of {len(log)} on another GPU: {log}"
+    assert now[0] == 0, f"{what}: device {now[0]} left current"
+    return r
+
+
+sizes = (3, 5)
+lay = _group._layout(sizes, 1, False)
+
+
+def group_call(value):
+    now[0] = 1
+    g = fb.begin_group(["a", "b"], sizes, lay.place, lay.owner[0], lay.counts[0],
+                       np.float32, 1, 0, device=True)
+    _cuda.copy(g.take_scratch(), np.full(8, value, np.float32))
+    g.commit(cfg)
+    g.count_call()
+    g.end()
+
+
+group_call(1)  # kept fused, on GPU 1
+st = on(1, "state_dict of fused members", fb.state_dict)  # evicts, copies to the host
+assert st["a"]["worker"].tolist() == [1] * 3 and st["b"]["worker"].tolist() == [1] * 5, st
+group_call(2)
+held = on(1, "a checkpoint's hold_all", lambda: fb.transaction().hold_all())
+assert held["b"].worker.tolist() == [2] * 5
+for k in "ab":
+    fb.release(k)
+group_call(3)
+rec = fb.transaction()
+on(1, "a record by copy", lambda: rec.copy("a"))
+group_call(4)
+on(1, "its restore", rec.restore)
+assert fb.state_dict()["a"]["worker"].tolist() == [3] * 3
+# a single call on a fused member (its GPU current): evicted there, with no ask
+group_call(5)
+asked = []
+ask = _cuda.current_device_id
+_cuda.current_device_id = lambda: asked.append(1) or ask()
+now[0] = 1
+fb.begin("a", 3, np.float32, 1, 0, device=True, device_id=1).end()
+_cuda.current_device_id = ask
+assert not asked, "a call's eviction asked for the current GPU"
+assert fb.entry("a").fused is None and fb.entry("a").worker.copy_to_host().tolist() == [5] * 3
+print("ok outside calls on the key's GPU")''')
+
 
 def _simulated(code, ok):
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1",
@@ -194,3 +280,14 @@ def test_a_key_on_one_gpu_is_refused_to_a_call_on_another():
     illegal address, or a silent peer access). Moving them is a state's
     round trip, placed on the next call's GPU, as between host and device."""
     _simulated(OTHER_GPU, "ok one GPU per key")
+
+
+def test_copies_outside_a_call_run_on_the_keys_gpu():
+    """A key's device residuals copied or moved outside a call (a state, a
+    checkpoint's hold_all, a record by copy and its restore, the eviction
+    of a grouped call's fused residuals), from a thread whose current GPU
+    is not the key's, are allocated, copied and launched on the key's GPU,
+    and the thread's GPU is current again after: before, on the current
+    one (a process driving several GPUs got residuals on the wrong one).
+    A call's own eviction of a fused member asks the driver nothing."""
+    _simulated(OUTSIDE, "ok outside calls on the key's GPU")

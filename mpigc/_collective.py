@@ -160,11 +160,13 @@ class _Input:
         if uses_state:
             fb = get_default_feedback() if feedback is None else feedback
             if group is None:
-                self.txn = fb.begin(self.key, n, wdtype, size, rank, dev)
+                self.txn = fb.begin(self.key, n, wdtype, size, rank, dev,
+                                    device_id=be.device_id)
             else:
                 self.txn = fb.begin_group(group.keys, group.sizes, group.layout.place,
                                           group.owner_place(rank), hi - lo,
-                                          wdtype, size, rank, dev)
+                                          wdtype, size, rank, dev,
+                                          device_id=be.device_id)
 
         if plain:
             # MPI has no float16 sum: reduce a float32 copy

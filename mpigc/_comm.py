@@ -70,6 +70,13 @@ class CommState:
                 self.comm.Sendrecv([one, MPI.BYTE], (self.rank + k) % self.size, 0,
                                    [got, MPI.BYTE], (self.rank - k) % self.size, 0)
 
+    def reduction_thread(self, make):
+        """The reduction thread of this communicator's nonblocking op="none"
+        sums (``reducer``): ``make()`` on first use (under the engine lock)."""
+        if self.reducer is None:
+            self.reducer = make()
+        return self.reducer
+
     def next_tags(self):
         """Tags ``(phase1, phase2, agreement)`` for the next call on this
         communicator."""

@@ -242,6 +242,13 @@ class Layout:
                 self._segs.append(np.frombuffer(mem, np.uint8))
         return self._segs
 
+    def take_read_fence(self):
+        """The node's read fence of the last call (an MPI request, set by
+        :func:`read_node_results`), or None; forgotten here, so that the
+        next call waits for it once."""
+        fence, self.read_fence = self.read_fence, None
+        return fence
+
     def node_fence(self):
         """Steps (a generator of what to wait for): stores to the shared window
         before it are seen by the node after it (a nonblocking barrier)."""

@@ -294,10 +294,10 @@ class _HierCall(_sched.PendingCall):
         lay, x = self.lay, self.x
         # the hierarchical calls of a layout advance one at a time, oldest first
         yield _sched.Turn(self._head)
-        if lay.read_fence is not None:
+        fence = lay.take_read_fence()
+        if fence is not None:
             # the node's ranks have read the last call's results out of the window
-            yield lay.read_fence
-            lay.read_fence = None
+            yield fence
         # while the rows travel: this rank's values into its segment of the
         # node's window (when it is large enough already)
         stored = self.need and lay.window_bytes() >= self.need

@@ -72,9 +72,7 @@ class Reducer:
     def of(cls, cs):
         """The reduction thread of ``cs`` (made on first use; under the
         engine lock)."""
-        if cs.reducer is None:
-            cs.reducer = cls()
-        return cs.reducer
+        return cs.reduction_thread(cls)
 
     def submit(self, fn, device=None):
         """Run ``fn()`` after the sums handed over before it; returns its

@@ -46,12 +46,7 @@ STORE = {"feedback", "_residual_entry", "_residual_txn"}
 KNOWN_BIG = {  # (module, class) -> its lines when listed
     ("feedback", "ErrorFeedback"): 321,  # since 8810900 (spares per GPU)
 }
-KNOWN = {
-    ("_reducer", "cs.reducer"): "CommState is _comm's: _comm should make or hold the "
-                                "reduction thread",
-    ("_hiercall", "lay.read_fence"): "Layout is _hierarchy's: a Layout method should hand "
-                                     "over the node's read fence (and forget it)",
-}
+KNOWN = {}
 
 
 def _tree(module):

@@ -581,6 +581,15 @@ def _array_device(a):
     return idx if isinstance(idx, int) else None
 
 
+def host_copy(a):
+    """A host copy of device array ``a``: Numba's, or any
+    ``__cuda_array_interface__`` object (CuPy, a CUDA torch tensor), copied
+    with the GPU that holds it current where it says which (torch, CuPy:
+    :func:`on_gpu`), whatever GPU the calling thread has current."""
+    with on_gpu(_array_device(a)):
+        return to_host(as_device(a))
+
+
 def ensure_device(a, cs):
     """Before the first kernel on ``a``: the device rule of the module
     docstring. Raises DTypeError when the array lives on another GPU than the

@@ -427,11 +427,12 @@ def _entry_from_state(key, s):
 
 def _host_array(a):
     """A host copy of a loaded residual on a device: a Numba array, or any
-    ``__cuda_array_interface__`` object (CuPy, a CUDA torch tensor)."""
+    ``__cuda_array_interface__`` object (CuPy, a CUDA torch tensor), made on
+    its GPU."""
     if not _dispatch.is_device_array(a):
         return a
     from . import _cuda
-    return _cuda.to_host(_cuda.as_device(a))
+    return _cuda.host_copy(a)
 
 
 _default = ErrorFeedback()

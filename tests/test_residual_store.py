@@ -246,6 +246,24 @@ fb.begin("a", 3, np.float32, 1, 0, device=True, device_id=1).end()
 _cuda.current_device_id = ask
 assert not asked, "a call's eviction asked for the current GPU"
 assert fb.entry("a").fused is None and fb.entry("a").worker.copy_to_host().tolist() == [5] * 3
+# a loaded state's foreign device arrays (a CUDA torch tensor on GPU 1):
+# copied to the host with their GPU current
+import os, sys
+sys.path.insert(0, os.environ["MPIGC_TESTS_DIR"])
+from support.foreign_arrays import TorchLikeTensor as Foreign
+
+
+def on_gpu1(a):
+    t = Foreign(_cuda.to_device(a))
+    t.device.index = 1
+    return t
+
+
+st = fb.state_dict()["b"]
+st = dict(st, worker=on_gpu1(st["worker"]),
+          owner=None if st["owner"] is None else on_gpu1(st["owner"]))
+on(1, "a load's copies of foreign arrays", lambda: fb.load_state_dict({"b": st}))
+assert fb.state_dict()["b"]["worker"].tolist() == [5] * 5
 print("ok outside calls on the key's GPU")''')
 
 

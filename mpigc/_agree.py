@@ -78,12 +78,18 @@ class Rows:
     __slots__ = ("table", "req", "sources", "buf", "size", "data", "held")
 
     def __init__(self, comm, rank, size, tag, row, inline, expected, sendreqs,
-                 by_allgather=False):
+                 by_allgather=False, pack=None):
         """Send ``row`` to every peer, followed by ``inline[peer]`` (a uint8
         array) when ``inline`` is not None (the row's ``INLINE`` column says
         so); a peer that agrees with this rank sends ``expected`` bytes after
         its row. The sends join ``sendreqs``. ``by_allgather``: the rows
-        alone, by allgather, whatever the size (hierarchical calls)."""
+        alone, by allgather, whatever the size (hierarchical calls).
+        ``pack(j, dst)``, with ``inline``: writes peer ``j``'s data into
+        ``dst`` (the message's bytes after the row) instead of a copy of
+        ``inline[j]``, and may set ``row``'s columns first (the short path
+        copies its values and counts their non-finite ones in one pass,
+        :func:`mpigc.kernels.cpu.copy_count_nonfinite`); every peer's data
+        is packed before ``row`` is read."""
         self.table = _plan.new_table(size)
         self.req = self.sources = self.buf = None
         self.data, self.held = {}, []  # received messages; pooled send buffers
@@ -95,19 +101,29 @@ class Rows:
             # MPI_Allgather does not match another rank's MPI_Iallgather
             self.req = comm.Iallgather(row, self.table)
             return
+        peers = [(rank + k) % size for k in range(1, size)]
+        if inline is None:
+            msgs = None
+        else:
+            msgs = []
+            for j in peers:
+                p = inline[j]
+                msg = _pool.take(_HDR + p.size)
+                if pack is None:
+                    msg[_HDR:] = p
+                else:
+                    pack(j, msg[_HDR:])
+                msgs.append(msg)
+            self.held.extend(msgs)
         row[_plan.INLINE] = 0 if inline is None else 1
         self.table[rank] = row
         hdr = row.view(np.uint8)
-        for k in range(1, size):
-            j = (rank + k) % size
-            if inline is None:
+        for i, j in enumerate(peers):
+            if msgs is None:
                 msg = hdr
             else:
-                p = inline[j]
-                msg = _pool.take(_HDR + p.size)
+                msg = msgs[i]
                 msg[:_HDR] = hdr
-                msg[_HDR:] = p
-                self.held.append(msg)
             sendreqs.append(comm.Isend([msg, MPI.BYTE], dest=j, tag=tag))
         self.size = _HDR + expected
         # one pooled buffer, a slot per source (this rank's slot unused)

@@ -13,7 +13,7 @@ from ..feedback import new_entry, shard_bounds
 from ..allreduce import iallreduce
 from ..reduce_scatter import ireduce_scatter
 
-from ._common import (NP_OF_TORCH, Wait, agreed_comm, check_feedback, check_same,
+from ._common import (NP_OF_TORCH, Rendezvous, Wait, agreed_comm, check_feedback, check_same,
                       describe, raise_everywhere, resolve_comm, resolve_timeout,
                       resolve_warn_s, torch_compressor, torch_nonfinite, wait_request,
                       warn_if_uncompressed)
@@ -192,6 +192,7 @@ class FsdpHookState:
         self._comm = agreed_comm(self.comm, exc, settings, "register_fsdp_hooks",
                                  within=(_REGISTER, self.timeout, self._warn_s))
         _engine_comm.resolve(self._comm)
+        self._arrive = Rendezvous(self._comm, self._warn_s)  # its collective methods
         check_same(self._comm, describe(named), "register_fsdp_hooks")
         self._residuals = Residuals(self.feedback, self.comm, self._comm)
         self.size, self.rank = self._comm.size, self._comm.rank
@@ -271,9 +272,11 @@ class FsdpHookState:
         before = _wire.traffic()
         try:
             req = start()
-            wait_request(lambda: _settled(req), f"FSDP gradient reduction of {key} (rank "
-                         f"{self.rank} of {self.size})", _STEP, timeout=self.timeout,
-                         warn_s=self._warn_s)
+            self._arrive.step_posted()
+            label = f"FSDP gradient reduction of {key} (rank {self.rank} of {self.size})"
+            wait_request(lambda: _settled(req), label, _STEP, timeout=self.timeout,
+                         warn_s=self._warn_s, watch=self._arrive.watch(
+                             f"the gradient reduction of {key} (call {{step}})", label))
             req.wait()
         except MpigcError:  # this call changed no residual (or is still running:
             self._drop_step(but=key)  # its key is left alone); the others go back
@@ -386,6 +389,7 @@ class FsdpHookState:
         torch.distributed.checkpoint"). On an error on any rank (another op,
         another model), the same :class:`MpigcError` on every rank and
         nothing changed."""
+        self._arrive(self.timeout, "FsdpHookState.load_state_dict")
         _dcp_load(self, state)
 
     def prepare_load(self, checkpoint_id=None, *, name="mpigc", storage_reader=None,
@@ -396,6 +400,7 @@ class FsdpHookState:
         saved at another world size (it sizes the next :meth:`state_dict`
         only, the template ``dcp.load`` fills). Not needed at the same world
         size."""
+        self._arrive(self.timeout, "FsdpHookState.prepare_load")
         _dcp_prepare(self, checkpoint_id, name, storage_reader, process_group)
 
     def __repr__(self):

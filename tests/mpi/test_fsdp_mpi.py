@@ -287,6 +287,34 @@ def test_resume_bit_exact(comm, gloo, name):
 
 # -- errors ---------------------------------------------------------------------------
 @pytest.mark.mpi
+def test_load_state_dict_on_one_rank_fails_there_within_the_timeout(comm, gloo):
+    """load_state_dict is collective: called on rank 0 only, a StateError
+    there after the timeout that says so (before, rank 0 waited for ever in
+    its agreement); called again on every rank, it takes up rank 0's
+    rendezvous and loads, and training goes on."""
+    import faulthandler
+    faulthandler.dump_traceback_later(120, exit=True)  # a hang fails the test
+    m = td.model()
+    state = mt.register_fsdp_hooks(m, op="2bit", timeout=60)
+    state.timeout = 1.0  # for the load (the construction's wait may take longer)
+    td.train(m, 1, comm.rank)
+    saved = state.state_dict()
+    err = None
+    if comm.rank == 0:
+        try:
+            state.load_state_dict(saved)
+        except mpigc.StateError as e:
+            err = e
+    comm.Barrier()
+    ok = comm.rank != 0 or (err is not None and "FsdpHookState.load_state_dict" in str(err)
+                            and "if rank == 0:" in str(err))
+    state.load_state_dict(saved)
+    td.train(m, 1, comm.rank, first=1)
+    faulthandler.cancel_dump_traceback_later()
+    assert_all(ok, repr(err))
+
+
+@pytest.mark.mpi
 def test_settings_differ(comm, gloo):
     m = td.model()
     op = {"op": "2bit", "threshold": 0.5 if comm.rank == 0 else 0.25}

@@ -125,7 +125,10 @@ class CommHookState(HookSteps):
         step's from ``backward()``). Such a wait says so on stderr after
         ``$MPIGC_TORCH_WARN_S`` seconds (60), and again every 5 times that.
         A step that timed out leaves its calls posted; this rank's next step
-        completes them first (their results are dropped).
+        completes them first (their results are dropped). A collective method
+        on some ranks while the others wait in a step is a
+        :class:`mpigc.MismatchError` on every rank at once instead (from
+        ``backward()`` in the step).
 
     An error in the hook (a timeout, ``nonfinite="raise"``, a bucket it
     cannot reduce) is raised by ``backward()`` itself, its class and message

@@ -74,7 +74,10 @@ class GradientSync(SyncSteps):
         ``$MPIGC_TORCH_TIMEOUT`` or 1800 (as torch.distributed); 0 waits
         forever. Such a wait (and :meth:`join`'s) says on stderr what it
         waits for and the likely causes after ``$MPIGC_TORCH_WARN_S``
-        seconds (default 60; 0: never), and again every 5 times that.
+        seconds (default 60; 0: never), and again every 5 times that. A
+        collective method on some ranks while the others wait in a step (or
+        another method) is a :class:`mpigc.MismatchError` on every rank at
+        once instead (docs/torch.md, "Waits for the other ranks").
     sync_on_backward : bool
         Complete the synchronisation at the end of every ``backward()``, as
         DDP does, so ``param.grad`` holds the averages when ``backward()``

@@ -31,8 +31,9 @@ Model and data are those of ``examples/train_lm.py`` (a byte-level
 transformer on the Python standard library's source, nothing downloaded).
 The last line printed is a JSON object: the final validation loss, the bytes
 sent per rank by the gradient reduce-scatter and by the replica all-reduce
-(mpigc's counters where mpigc sends them, else computed for a
-bandwidth-optimal ring), and the time per step.
+over this run's steps (mpigc's counters where mpigc sends them, else computed
+for a bandwidth-optimal ring), the time per step (evaluation and checkpoints
+left out) and a digest of every rank's parameter shards.
 """
 import argparse
 import hashlib

@@ -168,7 +168,7 @@ class Group:
             flats.append(dbuf.reshape(dbuf.size))
             i += 1
         self.flats = flats
-        sizes = tuple(int(f.size) for f in flats)
+        sizes = tuple([int(f.size) for f in flats])
         k = self._key_arg
         ck = (tuple(k) if isinstance(k, (list, tuple)) else k, type(k), sizes, dtype)
         try:

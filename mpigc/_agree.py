@@ -69,6 +69,19 @@ def _drain():
     _draining[:] = keep
 
 
+_rings = {}
+
+
+def _ring(rank, size):
+    """The peers ``rank`` sends to, in order, and the sources it receives
+    from, in order (tuples), made once per rank and size."""
+    hit = _rings.get((rank, size))
+    if hit is None:
+        hit = _rings[rank, size] = (tuple((rank + k) % size for k in range(1, size)),
+                                    tuple((rank - k) % size for k in range(1, size)))
+    return hit
+
+
 class Rows:
     """The exchange of one call's agreement rows: started at once; the
     call's steps receive them (:attr:`req` to wait for, or a probe per
@@ -101,7 +114,7 @@ class Rows:
             # MPI_Allgather does not match another rank's MPI_Iallgather
             self.req = comm.Iallgather(row, self.table)
             return
-        peers = [(rank + k) % size for k in range(1, size)]
+        peers, sources = _ring(rank, size)
         if inline is None:
             msgs = None
         else:
@@ -128,7 +141,7 @@ class Rows:
         self.size = _HDR + expected
         # one pooled buffer, a slot per source (this rank's slot unused)
         self.buf = _pool.take(size * self.size)
-        self.sources = [(rank - k) % size for k in range(1, size)]
+        self.sources = sources
 
     def slot(self, j, count):
         """Where source ``j``'s message of ``count`` bytes is received: its

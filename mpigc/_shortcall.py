@@ -46,6 +46,9 @@ _DTYPES = {np.dtype(t): _plan.DTYPE_CODE[np.dtype(t)] for t in (np.float32, np.f
 # counted in one pass (kernels.cpu.copy_count_nonfinite); below, a pass costs
 # less than the closure and the calls
 _FUSE_MIN_BYTES = 256 << 10
+# the status of the peer's message: one for every call (they run under the
+# engine lock, one user thread: _sched.alone)
+_STATUS = MPI.Status()
 
 
 class Done:
@@ -144,8 +147,12 @@ def _straight(buf, cs, st, code, limits):
     sendreqs = []
     rows = _agree.Rows(comm, rank, 2, tags[2], row, {peer: flat.view(np.uint8)}, nbytes,
                        sendreqs, pack=pack)
-    msg, count = _sched.wait_alone(_sched.Probe(comm, peer, tags[2]))
-    _sched.wait_alone(_sched.All([msg.Irecv([rows.slot(peer, count), count, MPI.BYTE])]))
+    # the peer's message, matched by probe and received blocking in MPI (what
+    # _sched.wait_alone of a Probe, then of an All of its Irecv, does; without
+    # the effects and the request: issue 51, the per-call cost at 4 KiB)
+    msg = comm.Mprobe(peer, tags[2], _STATUS)
+    count = _STATUS.Get_count(MPI.BYTE)
+    msg.Recv([rows.slot(peer, count), count, MPI.BYTE])
     rows.read()
     trace = _trace.CallTrace()
     trace.agreed()

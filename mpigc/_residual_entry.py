@@ -9,6 +9,7 @@ import numpy as np
 
 from . import _dispatch
 from . import _timeline
+from ._errors import StateError
 
 
 class Entry:
@@ -77,6 +78,36 @@ class Entry:
                 self._owner = None if self._owner is None else _cuda.to_device(self._owner)
             self.on_device = bool(device)
             self.gpu = gpu if device else None
+
+    def fit(self, key, n, dtype, world_size, rank, device, gpu):
+        """For :meth:`ErrorFeedback.acquire <mpigc.feedback.ErrorFeedback.acquire>`
+        (under the store's lock): check that ``key``'s entry fits a call of
+        ``n`` values of ``dtype`` on ``world_size`` ranks (rank ``rank``),
+        with a device buffer on GPU ``gpu`` if ``device``, and place its
+        residuals for it (:meth:`place`; an entry that holds no residual may
+        change sides). Raises StateError, changing nothing, if it does not fit."""
+        if (self.n, self.dtype, self.world_size, self.rank) != (
+                n, np.dtype(dtype), world_size, rank):
+            raise StateError(
+                f"key {key!r} holds residuals of {self.describe()} (rank {self.rank}); "
+                f"this call has {n} values of {np.dtype(dtype)} on {world_size} rank(s) "
+                f"(rank {rank}): use another key, or reset({key!r})")
+        if not self.holds():
+            self.on_device = None  # nothing held: the key may change sides
+        if self.on_device is not None and self.on_device != bool(device):
+            held, given = (("device", "host") if self.on_device else ("host", "device"))
+            raise StateError(
+                f"key {key!r} holds residuals in {held} memory; this call has a "
+                f"{given} buffer: use another key, reset({key!r}), or move them "
+                "(load_state_dict(state_dict()) places them on the next call)")
+        if self.on_device and self.gpu != gpu:
+            # another GPU's memory: a kernel here would fault or read it
+            # through the peer mapping
+            raise StateError(
+                f"key {key!r} holds residuals on GPU {self.gpu}; this call's buffer is "
+                f"on GPU {gpu}: use a key per GPU, reset({key!r}), or move them "
+                "(load_state_dict(state_dict()) places them on the next call's GPU)")
+        self.place(device, gpu)
 
     def host_copy(self):
         """An entry with host copies of the residuals (the same one if they

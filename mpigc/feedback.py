@@ -192,31 +192,10 @@ class ErrorFeedback:
                 raise StateError(f"key {key!r} is already used by a pending collective; "
                                  "wait for it, or use distinct keys")
             e = self._entries.get(key)
-            if e is not None and (e.n, e.dtype, e.world_size, e.rank) != (
-                    n, np.dtype(dtype), world_size, rank):
-                raise StateError(
-                    f"key {key!r} holds residuals of {e.describe()} (rank {e.rank}); this "
-                    f"call has {n} values of {np.dtype(dtype)} on {world_size} rank(s) "
-                    f"(rank {rank}): use another key, or reset({key!r})")
-            if e is not None and not e.holds():
-                e.on_device = None  # nothing held: the key may change sides
-            if e is not None and e.on_device is not None and e.on_device != bool(device):
-                held, given = (("device", "host") if e.on_device else ("host", "device"))
-                raise StateError(
-                    f"key {key!r} holds residuals in {held} memory; this call has a "
-                    f"{given} buffer: use another key, reset({key!r}), or move them "
-                    "(load_state_dict(state_dict()) places them on the next call)")
-            if e is not None and e.on_device and e.gpu != gpu:
-                # another GPU's memory: a kernel here would fault or read it
-                # through the peer mapping
-                raise StateError(
-                    f"key {key!r} holds residuals on GPU {e.gpu}; this call's buffer is "
-                    f"on GPU {gpu}: use a key per GPU, reset({key!r}), or move them "
-                    "(load_state_dict(state_dict()) places them on the next call's GPU)")
-            if e is not None:
-                e.place(device, gpu)
-            else:
+            if e is None:
                 self._first.add(key)
+            else:  # StateError if it does not fit the call; else placed for it
+                e.fit(key, n, dtype, world_size, rank, device, gpu)
             self._busy.add(key)
             return e, gpu
 

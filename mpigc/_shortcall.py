@@ -132,7 +132,7 @@ def _straight(buf, cs, st, code, limits):
     peer = 1 - rank
     seq = cs.seq
     tags = cs.next_tags()
-    flat = buf.reshape(n)
+    flat = buf if buf.ndim == 1 else buf.reshape(n)  # a reshape costs 0.3 us
     row = _plan.new_row()
     row[_N], row[_DTYPE], row[_FP] = n, code, st.fp
     pack = None

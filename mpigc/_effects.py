@@ -1,6 +1,6 @@
 """The effects of the engine's steps: what a call's steps yield, what it
 waits for (:class:`Turn`, :class:`All`, :class:`Any`, :class:`Probe`,
-:class:`Job`, :class:`Calls`, :class:`Alone`, :data:`PAUSE`), and how each is
+:class:`Received`, :class:`Job`, :class:`Calls`, :class:`Alone`, :data:`PAUSE`), and how each is
 waited for: ``ready(call, block)`` is the one place that decides whether a
 step blocks in MPI (with ``block``, a blocking wait that the scheduler's
 rule lets block) or only tests. The scheduler (:mod:`mpigc._sched`, which
@@ -11,7 +11,7 @@ import time
 
 from mpi4py import MPI
 
-__all__ = ["Turn", "All", "all_ready", "Any", "Probe", "Job", "Calls", "Alone", "PAUSE",
+__all__ = ["Turn", "All", "all_ready", "Any", "Probe", "Received", "Job", "Calls", "Alone", "PAUSE",
            "test", "arrived"]
 
 # With ``block`` (a blocking wait on ``call``, which the queue lets block: see
@@ -92,6 +92,38 @@ class Probe:
             if msg is None:
                 return False, None
         return True, (msg, st.Get_count(MPI.BYTE))
+
+
+class Received:
+    """An effect: the message from ``source`` with ``tag`` on ``comm`` is
+    received into ``slot(count)`` (a buffer of its ``count`` bytes); the step
+    receives ``count``. Blocking, one matched probe and its blocking receive
+    (the short path's exchange, :mod:`mpigc._shortcall`: no request made);
+    otherwise a matched probe that tests, then the receive's request."""
+    __slots__ = ("comm", "source", "tag", "slot", "req", "count")
+
+    def __init__(self, comm, source, tag, slot):
+        self.comm, self.source, self.tag, self.slot = comm, source, tag, slot
+        self.req = None
+
+    def ready(self, call, block):
+        if self.req is None:
+            st = MPI.Status()
+            if block:
+                msg = self.comm.Mprobe(self.source, self.tag, st)
+                self.count = st.Get_count(MPI.BYTE)
+                msg.Recv([self.slot(self.count), self.count, MPI.BYTE])
+                return True, self.count
+            msg = self.comm.Improbe(self.source, self.tag, st)
+            if msg is None:
+                return False, None
+            self.count = st.Get_count(MPI.BYTE)
+            self.req = msg.Irecv([self.slot(self.count), self.count, MPI.BYTE])
+        if block:
+            self.req.Wait()
+        elif not self.req.Test():
+            return False, None
+        return True, self.count
 
 
 class Job:

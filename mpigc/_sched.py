@@ -34,11 +34,11 @@ from mpi4py import MPI
 from . import _cuda
 from . import _timeline
 # the effects, re-exported: calls build them as _sched.Probe(...) and the like
-from ._effects import (PAUSE, All, Alone, Any, Calls, Job, Probe, Turn,  # noqa: F401
+from ._effects import (PAUSE, All, Alone, Any, Calls, Job, Probe, Received, Turn,  # noqa: F401
                        all_ready, arrived, test)
 
-__all__ = ["lock", "Request", "PendingCall", "Turn", "All", "Any", "Probe", "Job", "Calls",
-           "Alone", "PAUSE", "test", "arrived", "complete", "in_order", "progress_all",
+__all__ = ["lock", "Request", "PendingCall", "Turn", "All", "Any", "Probe", "Received", "Job",
+           "Calls", "Alone", "PAUSE", "test", "arrived", "complete", "in_order", "progress_all",
            "enqueue", "dequeue", "earlier", "at", "idle", "pending", "wake",
            "note_caller", "several_threads", "may_block", "poll", "finish_pending",
            "in_progress_thread", "progress_thread_alive", "progress_thread_enabled",

@@ -23,8 +23,9 @@ A call the short path does not take (any other case, a setting that fails
 to validate, a timeline being recorded, ``$MPIGC_SHORT_PATH=0``) has sent
 nothing and takes the engine's path. ``short_calls`` of
 :func:`mpigc.diagnostics.counters` counts the calls it completed."""
+from functools import partial
+
 import numpy as np
-from mpi4py import MPI
 
 from . import _agree
 from . import _comm
@@ -46,9 +47,6 @@ _DTYPES = {np.dtype(t): _plan.DTYPE_CODE[np.dtype(t)] for t in (np.float32, np.f
 # counted in one pass (kernels.cpu.copy_count_nonfinite); below, a pass costs
 # less than the closure and the calls
 _FUSE_MIN_BYTES = 256 << 10
-# the status of the peer's message: one for every call (they run under the
-# engine lock, one user thread: _sched.alone)
-_STATUS = MPI.Status()
 
 
 class Done:
@@ -147,12 +145,9 @@ def _straight(buf, cs, st, code, limits):
     sendreqs = []
     rows = _agree.Rows(comm, rank, 2, tags[2], row, {peer: flat.view(np.uint8)}, nbytes,
                        sendreqs, pack=pack)
-    # the peer's message, matched by probe and received blocking in MPI (what
-    # _sched.wait_alone of a Probe, then of an All of its Irecv, does; without
-    # the effects and the request: issue 51, the per-call cost at 4 KiB)
-    msg = comm.Mprobe(peer, tags[2], _STATUS)
-    count = _STATUS.Get_count(MPI.BYTE)
-    msg.Recv([rows.slot(peer, count), count, MPI.BYTE])
+    # the peer's message, matched by probe and received blocking in MPI (one
+    # effect, no request: issue 51, the per-call cost at 4 KiB)
+    _sched.wait_alone(_sched.Received(comm, peer, tags[2], partial(rows.slot, peer)))
     rows.read()
     trace = _trace.CallTrace()
     trace.agreed()

@@ -27,7 +27,8 @@ import torch
 
 from .._errors import ConfigError, InvalidBufferError, MpigcError
 from ..feedback import ErrorFeedback
-from ._common import agreed_comm, check_same, torch_compressor
+from ._common import (Rendezvous, agreed_comm, check_same, resolve_timeout, resolve_warn_s,
+                      torch_compressor)
 from ._adam_steps import AdamSteps
 from ._residuals import Residuals
 
@@ -187,6 +188,11 @@ class CompressedAdamW(AdamSteps, torch.optim.Optimizer):
             exc = e
         # this optimizer's own small collectives, once the ranks agreed
         self._comm = agreed_comm(self.comm, exc, settings, "CompressedAdamW")
+        # every rank's arrival at a collective method (save_checkpoint,
+        # load_checkpoint), within $MPIGC_TORCH_TIMEOUT; the step's exchanges
+        # watch it (a method called inside `if rank == 0:` raises on every rank)
+        self._timeout = resolve_timeout(None)
+        self._arrive = Rendezvous(self._comm, resolve_warn_s())
         self.freeze_steps = freeze_steps if freeze_steps == "auto" else int(freeze_steps)
         self.warmup_op = warmup_op
         self.freeze_threshold = float(freeze_threshold)
@@ -364,10 +370,14 @@ class CompressedAdamW(AdamSteps, torch.optim.Optimizer):
 
     def save_checkpoint(self, path, step=None):
         """The residuals of the compressed exchange, with
-        :func:`mpigc.save_checkpoint` (collective; any world size on load)."""
+        :func:`mpigc.save_checkpoint` (collective: call it on every rank, not
+        inside ``if rank == 0:``; any world size on load)."""
+        self._arrive(self._timeout, "CompressedAdamW.save_checkpoint")
         return self._residuals.save_checkpoint(path, step)
 
     def load_checkpoint(self, path):
+        """The residuals saved by :meth:`save_checkpoint` (collective)."""
+        self._arrive(self._timeout, "CompressedAdamW.load_checkpoint")
         return self._residuals.load_checkpoint(path)
 
     def __repr__(self):

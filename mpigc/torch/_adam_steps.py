@@ -3,7 +3,17 @@ freeze, 0/1 Adam's refreshes), the update, and 0/1 Adam's local steps
 (``sync_every``: a window of local updates, then one compressed exchange)."""
 import torch
 
-from ..allreduce import allreduce
+from ..allreduce import iallreduce
+from ._common import STEP, wait_request
+
+
+def _settled(req):
+    """Whether engine request ``req`` is done or failed (its error stays
+    with it, for its ``wait()``)."""
+    try:
+        return req.test()
+    except Exception:  # noqa: BLE001 - raised again by its wait()
+        return True
 
 
 class AdamSteps:
@@ -16,9 +26,18 @@ class AdamSteps:
 
     def _exchange(self, buf, op, **kw):
         """Average ``buf`` over the ranks; True if the result is finite (the
-        same answer on every rank: the result is the same)."""
-        allreduce(self._wire(buf), op, comm=self.comm, average=True,
-                  gather=self.gather, nonfinite=self.nonfinite, **kw)
+        same answer on every rank: the result is the same). The wait watches
+        the rendezvous: :class:`MismatchError` on every rank when some rank
+        is in a collective method (``save_checkpoint``) instead of this step."""
+        req = iallreduce(self._wire(buf), op, comm=self.comm, average=True,
+                         gather=self.gather, nonfinite=self.nonfinite, **kw)
+        self._arrive.step_posted()
+        label = f"CompressedAdamW.step (rank {self.comm.rank} of {self.comm.size})"
+        # no timeout and no lines on stderr (as the blocking call before): the watch only
+        wait_request(lambda: _settled(req), label, STEP, timeout=None, warn_s=None,
+                     watch=self._arrive.watch("CompressedAdamW's exchange of step {step}",
+                                              label))
+        req.wait()
         return bool(torch.isfinite(buf).all())
 
     @property

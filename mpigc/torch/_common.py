@@ -360,7 +360,8 @@ HOOK_STEP = Wait("reach this step's gradient synchronisation",
 HOOK_STALE = Wait("reach the gradient synchronisation of the step that timed out here",
                   HOOK_STEP.likely, "Its calls stay posted")
 
-#: a collective method of GradientSync, CommHookState (their Rendezvous)
+#: a collective method of GradientSync, CommHookState, DiLoCo, the FSDP hooks and
+#: CompressedAdamW (their Rendezvous)
 RENDEZVOUS = Wait("call it",
                   "It is collective: call it on every rank, not only on the one that "
                   "writes the model's checkpoint (not inside `if rank == 0:` / `if "

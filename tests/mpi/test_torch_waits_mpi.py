@@ -60,12 +60,17 @@ def warn_soon(comm, monkeypatch):
                          ids=["groups", "in-place"])
 def test_a_checkpoint_saved_on_one_rank_is_reported_by_every_rank(comm, gloo, warn_soon,
                                                                   capfd, tmp_path_factory, op):
-    """The common mistake: rank 0 alone saves the residuals (inside `if rank
-    == 0:`) while the others go on training. Rank 0's save raises StateError
-    that says so; the others' backward() raises the hook's own StateError
-    (it read "RuntimeError: Unable to cast comm_hook (...) to Tensor"); each
-    rank said on stderr, before its timeout, what it waits for and why. Then
-    rank 0 takes the step the others are in, and the job goes on."""
+    """Waits that no other rank's announcement can end (the others outside
+    mpigc), so that the timeout ends them: rank 0 alone in save_checkpoint
+    (the others in a barrier) raises StateError that says to call it on
+    every rank; then the others alone in a step of the hook (rank 0 in a
+    barrier) raise the hook's own StateError from backward() (it read
+    "RuntimeError: Unable to cast comm_hook (...) to Tensor"); each rank
+    said on stderr, before its timeout, what it waits for and why. Then
+    rank 0 takes the step the others are in, and the job goes on. (The
+    mistake itself, save_checkpoint inside `if rank == 0:` while the others
+    step, is a MismatchError on every rank at once since fef79f9:
+    test_torch_mpi::test_a_collective_method_on_rank_0_only_raises_on_every_rank_at_once.)"""
     ddp = _ddp(make_model())
     state = mt.CommHookState(ddp, timeout=_TIMEOUT, **op)
     ddp.register_comm_hook(state, mt.comm_hook)
@@ -74,10 +79,14 @@ def test_a_checkpoint_saved_on_one_rank_is_reported_by_every_rank(comm, gloo, wa
     path = comm.bcast(str(tmp_path_factory.mktemp("res") / "r") if comm.rank == 0 else None)
     _lines(capfd)
     err = None
-    try:
+    try:  # rank 0 alone in the method; the others wait outside mpigc
         if comm.rank == 0:
             state.save_checkpoint(path)
-        else:
+    except Exception as e:  # noqa: BLE001 - checked below
+        err = e
+    comm.Barrier()  # outside mpigc: rank 0's wait has ended by its timeout
+    try:  # the others alone in a step; rank 0 waits outside mpigc
+        if comm.rank != 0:
             backward(ddp, comm.rank, 3)
     except Exception as e:  # noqa: BLE001 - checked below
         err = e
@@ -102,7 +111,7 @@ def test_a_checkpoint_saved_on_one_rank_is_reported_by_every_rank(comm, gloo, wa
     # hook completes the step that timed out first)
     for step in (3, 4) if comm.rank == 0 else (4,):
         backward(ddp, comm.rank, step)
-    state.save_checkpoint(path)  # every rank: rank 0's posted barrier completes too
+    state.save_checkpoint(path)  # every rank: rank 0's posted gather completes too
     again = mt.CommHookState(_ddp(make_model()), timeout=_TIMEOUT, **op)
     again.load_checkpoint(path)
     assert_all(set(again.state_dict()) == set(state.names))

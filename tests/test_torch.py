@@ -274,9 +274,18 @@ def test_a_long_wait_says_so_on_stderr_and_again_every_five_times_that(mt, monke
         wait(100, timeout=8, warn_s=1)
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 2 and "after 6 s" in lines[1] and "a StateError after 8 s" in lines[1]
-    # a wait of the same step that begins 3 s after it: the next line at 6 s of the step
+    # a wait of the same step that begins 0.5 s after it: the step's schedule
+    lines = wait(6.5, timeout=None, warn_s=1, since=clock.now - 0.5)
+    assert len(lines) == 2 and "after 1 s" in lines[0] and "after 6 s" in lines[1]
+    # one that begins 3 s after it (a slow backward): its first line warn_s
+    # after its own start (at 4 s of the step, not 6), then every 5 s
     lines = wait(9.5, timeout=None, warn_s=1, since=clock.now - 3)
-    assert len(lines) == 2 and "after 6 s" in lines[0] and "after 11 s" in lines[1]
+    assert len(lines) == 2 and "after 4 s" in lines[0] and "after 9 s" in lines[1]
+    # and so before a timeout that the schedule's next point would pass
+    with pytest.raises(mpigc.StateError, match="within 3 s"):
+        wait(100, timeout=3, warn_s=1, since=clock.now - 1.5)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "still waiting after 2 s" in lines[0]
 
 
 def test_the_first_line_of_a_wait_comes_from_the_environment(mt, monkeypatch):

@@ -395,7 +395,10 @@ def wait_request(test, what, wait, *, timeout, warn_s, progress=None, since=None
     again every ``WARN_REPEAT * warn_s`` seconds; after ``timeout`` seconds
     (None: never) :class:`StateError` on this rank. Both count from ``since``
     (a ``time.monotonic()``; default now), so that several waits of one step
-    share one timeout and one schedule of lines.
+    share one timeout and one schedule of lines; but a wait's first line
+    comes at the latest ``warn_s`` after the wait itself began (a step whose
+    first wait begins late, after a slow backward, still says why before
+    its timeout).
 
     ``watch``: a callable that a wait which lasts (past its first
     :data:`_QUICK_SPINS` polls) calls every :data:`_WATCH_EVERY` polls, and
@@ -410,7 +413,8 @@ def wait_request(test, what, wait, *, timeout, warn_s, progress=None, since=None
         repeat = WARN_REPEAT * warn_s
         warn_at = start + warn_s
         if began > warn_at:
-            warn_at += math.ceil((began - warn_at) / repeat) * repeat
+            warn_at = min(warn_at + math.ceil((began - warn_at) / repeat) * repeat,
+                          began + warn_s)
     spins = 0
     while not test():
         if progress is not None:

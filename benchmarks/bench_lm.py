@@ -8,9 +8,14 @@ and seeds, one table and one plot.
         --json h2.json -- --sync-every 2
     python benchmarks/bench_lm.py --merge none.json h2.json --plot both.png
     python benchmarks/bench_lm.py --ops none,none:diloco=50,2bit:diloco=50 --steps 1200
+    python benchmarks/bench_lm.py --ops bf16:diloco=50:streaming=5:overlap=2
 
+An entry of ``--ops`` is ``OP`` followed by ``:``-separated options:
+``OP:compressed-adamw`` runs ``--optimizer compressed-adamw --op OP``;
 ``OP:diloco=H`` runs ``--diloco H --op OP`` (``mpigc.torch.DiLoCo``: local AdamW, the
-outer exchange every H steps with OP; ``docs/lowcomm.md``).
+outer exchange every H steps with OP; ``docs/lowcomm.md``), and with ``:streaming=P``
+(and ``:overlap=TAU``) ``--streaming P --overlap TAU`` (``StreamingDiLoCo``, P
+fragments on a staggered schedule).
 
 Runs ``mpirun -n RANKS python examples/train_lm.py --op OP --seed S --steps STEPS``
 for every op and seed, one after the other (arguments after ``--`` go to every
@@ -37,7 +42,9 @@ def parse_args(argv=None):
     p.add_argument("--ops", default="none,fp16,2bit,1bit,terngrad",
                    help="comma-separated ops (default: all five); OP:compressed-adamw "
                         "runs OP with --optimizer compressed-adamw, OP:diloco=H with "
-                        "--diloco H (the outer exchange with OP)")
+                        "--diloco H (the outer exchange with OP), "
+                        "OP:diloco=H:streaming=P[:overlap=TAU] with --streaming P "
+                        "(--overlap TAU) as well")
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--ranks", type=int, default=4)
     p.add_argument("--steps", type=int, default=600)
@@ -56,6 +63,11 @@ def parse_args(argv=None):
                    help="after --: arguments for every train_lm.py run")
     args = p.parse_args(argv)
     args.ops = [o for o in args.ops.split(",") if o]
+    for o in args.ops:
+        try:
+            entry_args(o)
+        except ValueError as e:
+            p.error(str(e))
     args.seeds = [int(s) for s in args.seeds.split(",") if s]
     args.extra = args.extra[1:] if args.extra[:1] == ["--"] else args.extra
     if args.label and len(args.ops) != 1:
@@ -63,18 +75,46 @@ def parse_args(argv=None):
     return args
 
 
+OPTIONS = {"diloco": "--diloco", "streaming": "--streaming", "overlap": "--overlap"}
+
+
+def entry_args(entry):
+    """An entry of --ops, ``OP[:compressed-adamw|:diloco=H[:streaming=P[:overlap=TAU]]]``,
+    as (op, train_lm.py arguments); ValueError for anything else."""
+    op, *opts = entry.split(":")
+    out, seen = [], {}
+    for o in opts:
+        name, eq, value = o.partition("=")
+        if not eq and name in ("adamw", "compressed-adamw") and not seen:
+            out += ["--optimizer", name]
+            seen["optimizer"] = name
+            continue
+        if not eq or name not in OPTIONS or name in seen or not value.isdigit():
+            raise ValueError(f"--ops entry {entry!r}: expected OP, OP:compressed-adamw or "
+                             f"OP:diloco=H[:streaming=P[:overlap=TAU]] (H, P, TAU "
+                             f"integers), got {o!r}")
+        seen[name] = value
+        out += [OPTIONS[name], value]
+    if ("streaming" in seen or "overlap" in seen) and "diloco" not in seen:
+        raise ValueError(f"--ops entry {entry!r}: streaming= and overlap= need diloco=H")
+    if "overlap" in seen and "streaming" not in seen:
+        raise ValueError(f"--ops entry {entry!r}: overlap= needs streaming=P")
+    if "optimizer" in seen and "diloco" in seen:
+        raise ValueError(f"--ops entry {entry!r}: diloco= runs AdamW inside DiLoCo; "
+                         "drop the optimizer")
+    if not op:
+        raise ValueError(f"--ops entry {entry!r}: expected an op before ':'")
+    return op, out
+
+
 def variant(r):
     return r.get("variant", r["op"])
 
 
 def run_one(args, entry, seed):
-    op, _, optimizer = (args.entry if args.label else entry).partition(":")
+    op, more = entry_args(args.entry if args.label else entry)
     cmd = [args.mpirun, "--oversubscribe", "-n", str(args.ranks), sys.executable, EXAMPLE,
-           "--op", op, "--seed", str(seed), "--steps", str(args.steps), *args.extra]
-    if optimizer.startswith("diloco="):
-        cmd += ["--diloco", optimizer.partition("=")[2]]
-    elif optimizer:
-        cmd += ["--optimizer", optimizer]
+           "--op", op, "--seed", str(seed), "--steps", str(args.steps), *args.extra, *more]
     print("$", " ".join(cmd), flush=True)
     p = subprocess.run(cmd, capture_output=True, text=True)
     if p.returncode != 0:

@@ -4,6 +4,7 @@ from typing import Literal, Optional, Sequence, Union
 import numpy as np
 from mpi4py import MPI
 
+from . import _auto
 from ._sched import Request
 from ._route import start
 from ._threshold import observe_allreduce
@@ -24,7 +25,8 @@ def allreduce(buf: Buf, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = None
               gather: Literal["compressed", "exact"] = "compressed",
               feedback: Union[ErrorFeedback, bool, None] = None,
               nonfinite: Optional[str] = None,
-              hierarchy: Literal["auto", "flat", "node"] = "flat", **params) -> np.ndarray:
+              hierarchy: Literal["auto", "flat", "node"] = "flat", auto_op: Op = "2bit",
+              auto_pin: Optional[str] = None, **params) -> np.ndarray:
     """Sum ``buf`` over all ranks, in place, with a compressed exchange.
 
     Parameters
@@ -41,6 +43,10 @@ def allreduce(buf: Buf, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = None
         ``"none"``, ``"fp16"``, ``"bf16"``, ``"2bit"``, ``"1bit"``, ``"terngrad"``; an
         MXNet-style dict ``{"type": "2bit", "threshold": 0.5}``; or a
         compressor object. ``"none"`` is exactly ``MPI_Allreduce``.
+        ``"auto"``: per call ``"none"`` or ``auto_op``, whichever the
+        communicator's cost model, measured while the job runs, predicts
+        faster (host arrays, ``hierarchy="flat"``; ``docs/user-guide.md``,
+        "op='auto'"); ``**params`` are ``auto_op``'s.
     comm : mpi4py.MPI.Intracomm, optional
         Default ``MPI.COMM_WORLD``. mpigc communicates on a private
         duplicate of it.
@@ -80,6 +86,12 @@ def allreduce(buf: Buf, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = None
         links were slow (100 Mbit/s), not at 1 Gbit/s. Must be the
         same on every rank. Hierarchical calls keep their own residuals (keys
         ``"{key}@hier[...]"``).
+    auto_op : str, dict or Compressor
+        With ``op="auto"``: the compressor it may choose (default ``"2bit"``,
+        the relative mode). Ignored otherwise.
+    auto_pin : {"model", "none", "compressed"}, optional
+        With ``op="auto"``: ``"none"`` or ``"compressed"`` pins the decision
+        (the model still measures); default ``$MPIGC_AUTO_PIN`` or ``"model"``.
     **params
         Compressor parameters, e.g. ``threshold=0.5``.
 
@@ -93,6 +105,11 @@ def allreduce(buf: Buf, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = None
         On every rank, when any rank's input is bad or ranks disagree;
         no buffer and no residual is changed then.
     """
+    if isinstance(op, str) and op == "auto":
+        return _auto.start("allreduce", buf, params, auto_op=auto_op, auto_pin=auto_pin,
+                           comm=comm, key=key, average=average, gather=gather,
+                           feedback=feedback, nonfinite=nonfinite, hierarchy=hierarchy,
+                           blocking=True).wait()
     req = start("allreduce", buf, op, params, comm=comm, key=key, average=average,
                 gather=gather, feedback=feedback, nonfinite=nonfinite, hierarchy=hierarchy,
                 blocking=True)
@@ -107,7 +124,8 @@ def iallreduce(buf: Buf, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = Non
                gather: Literal["compressed", "exact"] = "compressed",
                feedback: Union[ErrorFeedback, bool, None] = None,
                nonfinite: Optional[str] = None,
-               hierarchy: Literal["auto", "flat", "node"] = "flat", **params) -> Request:
+               hierarchy: Literal["auto", "flat", "node"] = "flat", auto_op: Op = "2bit",
+               auto_pin: Optional[str] = None, **params) -> Request:
     """Nonblocking :func:`allreduce`: compresses now, returns a :class:`Request`.
 
     ``buf`` must not be touched until ``request.wait()`` returned. A
@@ -115,10 +133,17 @@ def iallreduce(buf: Buf, op: Op = "2bit", *, comm: Optional[MPI.Intracomm] = Non
     MPI grants ``MPI_THREAD_MULTIPLE``; ``MPIGC_PROGRESS_THREAD=0`` turns it
     off), and ``test()`` and ``wait()`` always do. Requests may be outstanding on
     several buffers at once (with distinct keys); every rank must start them
-    in the same order. A hierarchical call (``hierarchy=``) is nonblocking
+    in the same order. With ``op="auto"`` the request is an
+    ``AutoRequest``, whose ``decision`` says which op ran and why. A
+    hierarchical call (``hierarchy=``) is nonblocking
     too, except the first of a size larger than any before on its
     communicator, which grows the node's shared window when it starts.
     """
+    if isinstance(op, str) and op == "auto":
+        return _auto.start("allreduce", buf, params, auto_op=auto_op, auto_pin=auto_pin,
+                           comm=comm, key=key, average=average, gather=gather,
+                           feedback=feedback, nonfinite=nonfinite, hierarchy=hierarchy,
+                           blocking=False)
     return Request(start("allreduce", buf, op, params, comm=comm, key=key, average=average,
                          gather=gather, feedback=feedback, nonfinite=nonfinite,
                          hierarchy=hierarchy, blocking=False))

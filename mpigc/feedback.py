@@ -41,7 +41,8 @@ from ._residual_entry import Entry, Spares, host, on_gpu
 from ._residual_txn import GroupTransaction, Saved, Transaction, Txn
 from .compressors import get_compressor
 
-__all__ = ["ErrorFeedback", "get_default_feedback", "shard_bounds"]
+__all__ = ["ErrorFeedback", "get_default_feedback", "shard_bounds", "hold_for_plain",
+           "plain_done"]
 
 
 def shard_bounds(n, size):
@@ -412,6 +413,36 @@ def _host_array(a):
         return a
     from . import _cuda
     return _cuda.host_copy(a)
+
+
+
+def hold_for_plain(fb, key, n, dtype, world_size, rank):
+    """For ``op="auto"`` (:mod:`mpigc._auto`) when it runs a call as a plain
+    sum: hold ``key`` for the call, as a call's transaction does (StateError,
+    holding nothing, if it is in use or does not fit a host call of ``n``
+    values of ``dtype`` on ``world_size`` ranks), and return its entry, or
+    None if it has none. The caller adds the entry's residuals (``worker``,
+    and ``owner`` on this rank's shard) into the values the plain sum takes,
+    then ends the hold with :func:`plain_done`."""
+    entry, _ = fb.acquire(key, n, dtype, world_size, rank)
+    return entry
+
+
+def plain_done(fb, key, entry, delivered):
+    """End a hold of :func:`hold_for_plain`: with ``delivered`` (the plain
+    sum went ahead on every rank with the residuals added), ``entry``'s
+    residuals are delivered, so they are cleared (None: the next compressed
+    call starts from zero; the worker array becomes a spare); otherwise
+    (the call failed or was skipped) they stay as they were. Releases the
+    key; never raises."""
+    try:
+        if delivered and entry is not None:
+            with fb._lock:
+                old, entry.worker, entry.owner = entry.worker, None, None
+            if old is not None:
+                fb.spares.give(old, entry.gpu)
+    finally:
+        fb.release(key)
 
 
 _default = ErrorFeedback()

@@ -4,6 +4,7 @@ from typing import Literal, Optional, Sequence, Union
 import numpy as np
 from mpi4py import MPI
 
+from . import _auto
 from ._sched import Request
 from ._route import start
 from .compressors import Compressor
@@ -21,7 +22,8 @@ def reduce_scatter(buf: Buf, op: Op = "2bit", *,
                    key: Key = None, average: bool = False,
                    feedback: Union[ErrorFeedback, bool, None] = None,
                    nonfinite: Optional[str] = None,
-                   hierarchy: Literal["auto", "flat", "node"] = "flat", **params) -> np.ndarray:
+                   hierarchy: Literal["auto", "flat", "node"] = "flat", auto_op: Op = "2bit",
+                   auto_pin: Optional[str] = None, **params) -> np.ndarray:
     """Reduce ``buf`` over all ranks and return this rank's shard of the sum.
 
     Each rank compresses its ``buf`` once (with error feedback under ``key``),
@@ -41,7 +43,8 @@ def reduce_scatter(buf: Buf, op: Op = "2bit", *,
         Shard sizes per rank; default as ``numpy.array_split``.
     out : numpy.ndarray, optional
         Where to write this rank's shard (dtype of ``buf``).
-    Other parameters as in :func:`mpigc.allreduce`; hierarchically, the group
+    Other parameters (``op="auto"``, ``auto_op``, ``auto_pin`` too) as in
+    :func:`mpigc.allreduce`; hierarchically, the group
     owners' shards are moved to this layout after the inter-node step.
 
     Returns
@@ -49,6 +52,11 @@ def reduce_scatter(buf: Buf, op: Op = "2bit", *,
     numpy.ndarray
         This rank's reduced shard, dtype of ``buf``.
     """
+    if isinstance(op, str) and op == "auto":
+        return _auto.start("reduce_scatter", buf, params, auto_op=auto_op, auto_pin=auto_pin,
+                           comm=comm, key=key, average=average, gather="compressed",
+                           feedback=feedback, nonfinite=nonfinite, recvcounts=recvcounts,
+                           out=out, hierarchy=hierarchy, blocking=True).wait()
     req = start("reduce_scatter", buf, op, params, comm=comm, key=key, average=average,
                 gather="compressed", feedback=feedback, nonfinite=nonfinite,
                 recvcounts=recvcounts, out=out, hierarchy=hierarchy, blocking=True)
@@ -62,8 +70,14 @@ def ireduce_scatter(buf: Buf, op: Op = "2bit", *,
                     key: Key = None, average: bool = False,
                     feedback: Union[ErrorFeedback, bool, None] = None,
                     nonfinite: Optional[str] = None,
-                    hierarchy: Literal["auto", "flat", "node"] = "flat", **params) -> Request:
+                    hierarchy: Literal["auto", "flat", "node"] = "flat", auto_op: Op = "2bit",
+                    auto_pin: Optional[str] = None, **params) -> Request:
     """Nonblocking :func:`reduce_scatter`; ``request.wait()`` returns the shard."""
+    if isinstance(op, str) and op == "auto":
+        return _auto.start("reduce_scatter", buf, params, auto_op=auto_op, auto_pin=auto_pin,
+                           comm=comm, key=key, average=average, gather="compressed",
+                           feedback=feedback, nonfinite=nonfinite, recvcounts=recvcounts,
+                           out=out, hierarchy=hierarchy, blocking=False)
     return Request(start("reduce_scatter", buf, op, params, comm=comm, key=key,
                          average=average, gather="compressed", feedback=feedback,
                          nonfinite=nonfinite, recvcounts=recvcounts, out=out,

@@ -1,0 +1,543 @@
+"""``op="auto"``: per call, a plain sum (``"none"``) or the compressor the
+user names (``auto_op=``, default ``"2bit"``, the relative mode), whichever
+an online cost model of the communicator predicts faster.
+
+Resolved at the public entry points (:mod:`mpigc.allreduce`,
+:mod:`mpigc.reduce_scatter`) before the router: the engine below sees a
+concrete op.
+
+The model (:class:`Model`, one per user communicator, kept as an MPI
+attribute of it). Each op the calls run has a *slot* per kind of call
+(``allreduce``/``reduce_scatter``; the compressor's slot also per config and
+``gather``): the wall times of its completed calls (from the call's start
+to the end of its wait, this rank's clock) against their bytes, as integer
+sums (count, KiB, µs, KiB², KiB·µs), fitted as ``T = A + B * bytes`` by
+least squares (``A``: the exchange's latency, ``1/B``: its throughput in
+bytes/s, for a compressor's slot encoding and decoding included). A slot's
+first call is a warm-up (JIT compilation, buffers) and not counted. A
+nonblocking call counts only when its ``wait()`` found it not yet done (then
+the end of the wait is its end; otherwise its end is unknown).
+
+Every rank decides from the same numbers: the model decides only from
+*agreed* sums. Every :data:`SYNC_EVERY`-th ``op="auto"`` call on a
+communicator (the 1st, the 5th, ...; all ranks make the same sequence of
+calls) waits for the sums posted at the previous such call and posts this
+rank's new ones: a small nonblocking ``op="none"`` allreduce of float64
+integers on the same communicator (exact sums whatever the order, so the
+same on every rank), run by the engine like any call. The last
+:data:`WINDOW` agreed sums are kept (older ones dropped, so the model
+follows a changing machine). A rank's own figures never reach a decision
+until every rank has the same agreed sums.
+
+The decision (:meth:`Model.decide`), per call, from agreed data only:
+
+- pinned (``auto_pin=`` or ``$MPIGC_AUTO_PIN``: ``"none"`` or
+  ``"compressed"``): that op, always (its time is still measured);
+- below ``$MPIGC_MIN_COMPRESS_BYTES`` a compressed op would be a plain sum
+  anyway: ``"none"``;
+- *measuring*: until each of the two slots has :data:`MIN_SAMPLES` agreed
+  samples, the calls of a series (kind, gather, compressor) alternate,
+  compressor first (call 0, 2, 4, ... compressed, 1, 3, ... plain);
+- *model*: the op of the smaller predicted time at this call's bytes; the
+  previous decision of the series stays unless the other is predicted at
+  least :data:`HYSTERESIS` faster (each switch to ``"none"`` costs a copy
+  where residuals are folded, below);
+- *probe*: every ``$MPIGC_AUTO_PROBE``-th call of a series (default 100; 0:
+  never) runs the op the model did not choose, so that its fit stays fresh.
+
+Error feedback across switches: a call run as ``"none"`` adds each key's
+residuals into the values it sums (the worker residual over the whole
+array, the owner residual over this rank's shard), on a copy of the
+array(s) that hold residuals, and clears them once the sum went ahead on
+every rank (a failed or skipped call leaves them and the buffer as they
+were). So the sum delivered plus the residuals left equals the sum of the
+inputs at every step. Keys without residuals cost no copy.
+
+Errors: bad ``op="auto"`` settings (``auto_op``, ``auto_pin``, a device
+array, a hierarchical call) are found on the rank before anything
+communicates and carried into the call's agreement (the call runs with a
+compressor that fails its check with the message), so they raise
+:class:`ConfigError` on every rank, as a bad op does.
+"""
+import os
+import threading
+import zlib
+import time
+from collections import deque
+from typing import NamedTuple, Optional
+
+import numpy as np
+from mpi4py import MPI
+
+from . import _dispatch
+from . import _route
+from . import _timeline
+from ._errors import ConfigError, MpigcError
+from ._sched import Request
+from ._settings import min_compress_bytes
+from .compressors import Compressor, get_compressor
+from .feedback import ErrorFeedback, get_default_feedback, hold_for_plain, plain_done
+from .feedback import shard_bounds
+
+__all__ = ["PINS", "Decision", "AutoRequest", "Model", "start", "model_of", "last_decision",
+           "use_clock", "default_pin", "probe_every", "fit_row", "Fit"]
+
+PINS = ("model", "none", "compressed")
+SYNC_EVERY = 4     # op="auto" calls of a communicator between two agreements of the sums
+WINDOW = 16        # agreed sums kept
+MIN_SAMPLES = 2    # agreed samples of each op (per rank) before the model decides
+HYSTERESIS = 0.05  # the other op must be predicted this much faster to switch
+_NSTAT = 5         # count, KiB, µs, KiB², KiB·µs
+NSLOTS = 64        # slots of the agreed table: a label's is the CRC of its text
+
+_clock = time.perf_counter
+_last = threading.local()
+
+
+def use_clock(fn=None):
+    """For tests: the clock (seconds, as ``time.perf_counter``) that times
+    this process's ``op="auto"`` calls; None: the default. Returns the old."""
+    global _clock
+    old, _clock = _clock, (fn or time.perf_counter)
+    return old
+
+
+def default_pin():
+    """``$MPIGC_AUTO_PIN``: ``"model"`` (default), ``"none"`` or ``"compressed"``."""
+    return os.environ.get("MPIGC_AUTO_PIN", "model") or "model"
+
+
+def probe_every():
+    """``$MPIGC_AUTO_PROBE``: every this many calls of a series, the op the
+    model did not choose runs once (default 100; 0: never)."""
+    text = os.environ.get("MPIGC_AUTO_PROBE", "100")
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ConfigError(f"$MPIGC_AUTO_PROBE: expected an integer >= 0, got {text!r}")
+    return value
+
+
+class Fit(NamedTuple):
+    """A slot's fit ``T = latency + bytes / bandwidth`` (seconds, bytes/s;
+    ``bandwidth`` inf when the time does not grow with the bytes) from
+    ``count`` agreed samples."""
+    count: int
+    latency: float
+    bandwidth: float
+
+    def predict(self, nbytes):
+        return self.latency + (nbytes / self.bandwidth if self.bandwidth else 0.0)
+
+
+def fit_row(row):
+    """The :class:`Fit` of one slot's integer sums (count, KiB, µs, KiB²,
+    KiB·µs), or None without samples. Least squares where the sizes vary;
+    through the origin (latency 0) where every sample had one size; a
+    negative intercept or slope is clamped to 0 (the other refitted)."""
+    n, sx, sy, sxx, sxy = (float(v) for v in row)
+    if n < 1:
+        return None
+    den = n * sxx - sx * sx
+    if n >= 2 and den > 1e-9 * n * sxx:
+        b = (n * sxy - sx * sy) / den
+        a = (sy - b * sx) / n
+        if a < 0:
+            a, b = 0.0, sxy / sxx
+        if b < 0:
+            a, b = sy / n, 0.0
+    elif sx > 0:
+        a, b = 0.0, sy / sx
+    else:
+        a, b = sy / n, 0.0
+    # µs per KiB -> seconds per byte
+    per_byte = b * 1e-6 / 1024
+    return Fit(int(n), a * 1e-6, 1.0 / per_byte if per_byte > 0 else float("inf"))
+
+
+class Decision(NamedTuple):
+    """What an ``op="auto"`` call ran and why: ``op`` (``"none"`` or the
+    compressor's id), ``reason`` (``"pinned"``, ``"small"``, ``"measuring"``,
+    ``"model"``, ``"probe"``), the predicted seconds of each
+    (``predicted_none``, ``predicted_compressed``; None before the model has
+    data) and the call's bytes."""
+    op: str
+    reason: str
+    predicted_none: Optional[float]
+    predicted_compressed: Optional[float]
+    nbytes: int
+
+
+class Model:
+    """The online cost model of one communicator (see the module docstring)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()  # the sums and the window
+        self.order = threading.Lock()  # a call's agreement step and decision
+        self.slots = {}        # label -> its slot (the labels this rank has seen)
+        self.local = np.zeros((NSLOTS, _NSTAT))  # this rank's sums since the last post
+        self.warm = set()      # slots whose warm-up call is done
+        self.window = deque(maxlen=WINDOW)
+        self.agreed = np.zeros((NSLOTS, _NSTAT))
+        self.calls = 0
+        self.pending = None    # the request of the sums posted last
+        self.series = {}       # label -> [calls, last decision]
+        self.syncs = 0
+
+    def slot(self, label):
+        """The slot of ``label``: the same on every rank whatever the order
+        of first use (two labels of one CRC share a slot, on every rank)."""
+        i = self.slots.get(label)
+        if i is None:
+            i = self.slots[label] = zlib.crc32(repr(label).encode()) % NSLOTS
+        return i
+
+    def record(self, slot, nbytes, seconds):
+        """This rank's time of a completed call of ``slot`` (local only)."""
+        with self.lock:
+            if slot not in self.warm:
+                self.warm.add(slot)
+                return
+            x = float(nbytes // 1024)
+            y = float(max(0, round(seconds * 1e6)))
+            self.local[slot] += (1.0, x, y, x * x, x * y)
+
+    def fit(self, label):
+        return fit_row(self.agreed[self.slot(label)])
+
+    def sync(self, comm):
+        """At each op="auto" call, before it decides: every SYNC_EVERY-th
+        call waits for the sums posted last and posts this rank's new ones."""
+        c = self.calls
+        self.calls += 1
+        if c % SYNC_EVERY:
+            return
+        if self.pending is not None:
+            req, self.pending = self.pending, None
+            self.merge(req.wait())
+        with self.lock:
+            sums = self.local.ravel().copy()
+            self.local[...] = 0.0
+        req = _route.start("allreduce", sums, "none", {}, comm=comm, key="mpigc/auto-model",
+                           average=False, gather="compressed", feedback=False,
+                           nonfinite="raise", hierarchy="flat", blocking=False)
+        self.pending = Request(req)
+
+    def settle(self):
+        """Wait for the sums posted last and take them in (every rank at the
+        same point of its sequence of calls: ``mpigc-bench --model``, tests;
+        the next agreement step posts afresh)."""
+        with self.order:
+            if self.pending is not None:
+                req, self.pending = self.pending, None
+                self.merge(req.wait())
+
+    def merge(self, sums):
+        """Agreed sums in: the window's sum is the model."""
+        with self.lock:
+            self.syncs += 1
+            self.window.append(np.asarray(sums, dtype=np.float64).reshape(NSLOTS, _NSTAT))
+            self.agreed = np.sum(self.window, axis=0)
+
+    def decide(self, series, none_label, comp_label, nbytes, pin, small, op_id, size):
+        """The op of this call, from agreed data only (module docstring)."""
+        st = self.series.setdefault(series, [0, None])
+        i = st[0]
+        st[0] += 1
+        fn, fc = self.fit(none_label), self.fit(comp_label)
+        tn = None if fn is None else fn.predict(nbytes)
+        tc = None if fc is None else fc.predict(nbytes)
+        if pin != "model":
+            return Decision(op_id if pin == "compressed" else "none", "pinned", tn, tc,
+                            nbytes)
+        if small:
+            return Decision("none", "small", tn, tc, nbytes)
+        if fn is None or fc is None or min(fn.count, fc.count) < MIN_SAMPLES * size:
+            return (Decision(op_id if i % 2 == 0 else "none", "measuring", tn, tc, nbytes))
+        best = st[1]
+        if best is None:
+            best = "none" if tn <= tc else op_id
+        elif best == "none" and tc < tn * (1 - HYSTERESIS):
+            best = op_id
+        elif best != "none" and tn < tc * (1 - HYSTERESIS):
+            best = "none"
+        st[1] = best
+        p = probe_every()
+        if p and i % p == p - 1:
+            return Decision("none" if best != "none" else op_id, "probe", tn, tc,
+                            nbytes)
+        return Decision(best, "model", tn, tc, nbytes)
+
+    def describe(self):
+        """``{label: Fit}`` of every label this rank has seen with agreed samples."""
+        out = {}
+        for label in list(self.slots):
+            f = self.fit(label)
+            if f is not None:
+                out[label] = f
+        return out
+
+
+_keyval = None
+_keyval_lock = threading.Lock()
+
+
+def model_of(comm=None):
+    """The :class:`Model` of ``comm`` (default ``MPI.COMM_WORLD``), made on
+    first use (no MPI call but an attribute's)."""
+    global _keyval
+    if comm is None:
+        comm = MPI.COMM_WORLD
+    if _keyval is None:
+        with _keyval_lock:
+            if _keyval is None:
+                _keyval = MPI.Comm.Create_keyval()
+    m = comm.Get_attr(_keyval)
+    if m is None:
+        m = Model()
+        comm.Set_attr(_keyval, m)
+    return m
+
+
+def last_decision():
+    """The :class:`Decision` of this thread's last ``op="auto"`` call, or None."""
+    return getattr(_last, "decision", None)
+
+
+class _Refused(Compressor):
+    """Carries a bad ``op="auto"`` setting into the call's agreement: the
+    engine's check of the op raises it there, so every rank raises it."""
+    codec_id = "auto"
+
+    def __init__(self, message):  # noqa: super not called: never a real compressor
+        self._message = message
+
+    def get_config(self):
+        raise ConfigError(self._message)
+
+    def __getattribute__(self, name):
+        if name in ("_message", "get_config", "__class__", "__init__"):
+            return object.__getattribute__(self, name)
+        raise ConfigError(object.__getattribute__(self, "_message"))
+
+
+def _flat(b):
+    """A flat host view of one array of the call (as the engine adopts it)."""
+    try:
+        a = np.asarray(b)
+    except Exception as exc:  # noqa: BLE001 - reported on every rank
+        raise ConfigError(f"op='auto': cannot view the buffer as a host array "
+                          f"({type(b).__name__}: {exc})") from exc
+    return a.reshape(-1) if a.flags.c_contiguous else a
+
+
+def _member_keys(key, sizes, dtype, group):
+    """The residual keys of a call (as the engine names them: mpigc._group
+    for a group, mpigc._settings for one array)."""
+    if not group:
+        return [f"auto/{sizes[0]}/{dtype.name}" if key is None else str(key)]
+    if key is None:
+        return [f"auto/group/{i}/{m}/{dtype.name}" for i, m in enumerate(sizes)]
+    if isinstance(key, (list, tuple)):
+        return [str(k) for k in key]
+    return [f"{key}/{i}" for i in range(len(sizes))]
+
+
+class _Fold:
+    """A plain call's residuals added into the values it sums (module
+    docstring): the keys held, the copies made, and the arrays they replace."""
+
+    def __init__(self, fb):
+        self.fb = fb
+        self.held = []     # (key, entry)
+        self.copies = []   # (the caller's flat array, its copy summed)
+
+    def add(self, key, flat, size, rank):
+        """Hold ``key``; returns the array to sum in place of ``flat``."""
+        e = hold_for_plain(self.fb, key, flat.size, flat.dtype, size, rank)
+        self.held.append((key, e))
+        if e is None:
+            return flat
+        w, o = e.worker, e.owner
+        if w is None and o is None:
+            return flat
+        work = flat.copy()
+        if w is not None:
+            work += w
+        if o is not None:
+            lo, hi = shard_bounds(flat.size, size)[rank]
+            work[lo:hi] += o
+        self.copies.append((flat, work))
+        return work
+
+    def done(self, delivered, write_back):
+        """The call is over: ``write_back``, its results (a completed
+        allreduce's, skipped or not) into the caller's arrays; ``delivered``
+        (it went ahead), the residuals it added are cleared, else kept."""
+        for flat, work in self.copies if write_back else ():
+            flat[...] = work
+        for key, e in self.held:
+            plain_done(self.fb, key, e, delivered)
+        self.held, self.copies = [], []
+
+
+class AutoRequest(Request):
+    """The :class:`mpigc.Request` of an ``op="auto"`` call; ``decision``
+    says which op ran and why."""
+
+    def __init__(self, op, post):
+        Request.__init__(self, op)
+        self._post = post
+
+    @property
+    def decision(self):
+        return self._post.decision
+
+    def test(self):
+        try:
+            done = Request.test(self)
+        except BaseException:
+            self._post.fail()
+            raise
+        if done:
+            self._post.finish(self._op, None)
+        return done
+
+    def wait(self):
+        timed = self._post.blocking or not self.done
+        try:
+            Request.wait(self)
+        except BaseException:
+            self._post.fail()
+            raise
+        return self._post.finish(self._op, _clock() if timed else None)
+
+
+class _Post:
+    """What an ``op="auto"`` call does once it completed: the folded
+    residuals settled, the results copied back, its time recorded."""
+
+    def __init__(self, decision, fold, model, slot, nbytes, t0, result, blocking):
+        self.decision, self.fold, self.model, self.slot = decision, fold, model, slot
+        self.nbytes, self.t0, self.result, self.over = nbytes, t0, result, False
+        self.blocking = blocking
+
+    def fail(self):
+        if not self.over:
+            self.over = True
+            if self.fold is not None:
+                self.fold.done(False, False)
+
+    def finish(self, op, t1):
+        if not self.over:
+            self.over = True
+            if self.fold is not None:
+                # a skipped call (nonfinite="skip") never went ahead: its path is None
+                self.fold.done(op.trace.path is not None, self.result is not None)
+            if t1 is not None:
+                self.model.record(self.slot, self.nbytes, t1 - self.t0)
+        return op.result if self.result is None else self.result
+
+
+def _check(buf, auto_op, params, auto_pin, hierarchy, feedback):
+    """The compressor of an op="auto" call and its pin; raises ConfigError."""
+    if hierarchy != "flat":
+        raise ConfigError(f"op='auto' runs flat calls only (hierarchy='flat'), got "
+                          f"hierarchy={hierarchy!r}")
+    pin = default_pin() if auto_pin is None else auto_pin
+    if pin not in PINS:
+        raise ConfigError(f"auto_pin (or $MPIGC_AUTO_PIN) must be one of {PINS}, got "
+                          f"{pin!r}")
+    if isinstance(auto_op, str) and auto_op.lower() in ("auto", "none"):
+        raise ConfigError(f"auto_op must name a compressor (e.g. '2bit'), got {auto_op!r}")
+    comp = get_compressor(auto_op, **params)
+    if comp.codec_id == "none":
+        raise ConfigError(f"auto_op must name a compressor (e.g. '2bit'), got {auto_op!r}")
+    members = buf if isinstance(buf, (list, tuple)) else [buf]
+    if any(_dispatch.is_device_array(b) for b in members):
+        raise ConfigError("op='auto' takes host arrays only (device arrays: name the op)")
+    if not (feedback is None or feedback is False or isinstance(feedback, ErrorFeedback)):
+        raise ConfigError(f"feedback: expected an ErrorFeedback, False or None, got "
+                          f"{type(feedback).__name__}")
+    probe_every()
+    return comp, pin
+
+
+def _decide(model, kind, flats, comp, pin, gather, size):
+    """The call's decision, its slot and bytes."""
+    nbytes = sum(int(f.nbytes) for f in flats)
+    cfg = repr(sorted(comp.get_config().items()))
+    none_label = (kind, "none")
+    comp_label = (kind, gather if kind == "allreduce" else "", cfg)
+    dec = model.decide((kind, gather, cfg), none_label, comp_label, nbytes, pin,
+                       nbytes < min_compress_bytes(), comp.codec_id, size)
+    return dec, model.slot(none_label if dec.op == "none" else comp_label), nbytes
+
+
+def start(kind, buf, params, *, auto_op, auto_pin, comm, key, average, gather, feedback,
+          nonfinite, recvcounts=None, out=None, hierarchy="flat", blocking):
+    """Decide and start one ``op="auto"`` call: an :class:`AutoRequest`."""
+    group = isinstance(buf, (list, tuple))
+    cm = MPI.COMM_WORLD if comm is None else comm
+    try:
+        comp, pin = _check(buf, auto_op, params, auto_pin, hierarchy, feedback)
+        flats = [_flat(b) for b in (buf if group else [buf])]
+        problem = None
+    except MpigcError as exc:
+        problem = exc
+    model = model_of(cm)
+    with model.order:
+        model.sync(cm)
+        if problem is None:
+            dec, slot, nbytes = _decide(model, kind, flats, comp, pin, gather,
+                                        cm.Get_size())
+    if problem is not None:
+        # every rank raises it: it travels in the call's agreement
+        req = _route.start(kind, buf, _Refused(str(problem)), {}, comm=comm, key=key,
+                           average=average, gather=gather, feedback=False,
+                           nonfinite=nonfinite, recvcounts=recvcounts, out=out,
+                           hierarchy="flat", blocking=blocking)
+        return Request(req)
+    dtype = flats[0].dtype
+    _last.decision = dec
+    if _timeline.ON:
+        _timeline.span("auto", _timeline.now(), cat="auto", args=dec._asdict())
+    fold = None
+    call_buf, result = buf, None
+    if dec.op == "none" and feedback is not False:
+        fold = _Fold(get_default_feedback() if feedback is None else feedback)
+        size, rank = cm.Get_size(), cm.Get_rank()
+        keys = _member_keys(key, [f.size for f in flats], dtype, group)
+        try:
+            # what the engine refuses (on every rank) it gets as given
+            if len(keys) != len(flats) or not all(
+                    f.flags.c_contiguous and (f.flags.writeable or kind != "allreduce")
+                    for f in flats):
+                raise ConfigError("not folded")
+            works = [fold.add(k, f, size, rank) for k, f in zip(keys, flats)]
+        except MpigcError:
+            fold.done(False, False)
+            fold, works = None, flats
+        if fold is not None and fold.copies:
+            call_buf = works if group else works[0]
+            if kind == "allreduce":
+                result = buf
+    t0 = _clock()
+    try:
+        if dec.op == "none":
+            req = _route.start(kind, call_buf, "none", {}, comm=comm, key=key,
+                               average=average, gather=gather, feedback=feedback,
+                               nonfinite=nonfinite, recvcounts=recvcounts, out=out,
+                               hierarchy="flat", blocking=blocking)
+        else:
+            req = _route.start(kind, buf, auto_op, params, comm=comm, key=key,
+                               average=average, gather=gather, feedback=feedback,
+                               nonfinite=nonfinite, recvcounts=recvcounts, out=out,
+                               hierarchy="flat", blocking=blocking)
+    except BaseException:
+        if fold is not None:
+            fold.done(False, False)
+        raise
+    return AutoRequest(req, _Post(dec, fold, model, slot, nbytes, t0, result, blocking))

@@ -1,0 +1,257 @@
+"""op="auto" (issue 48, mpigc/_auto.py): the decision is the same on every
+rank even when one rank's clock says otherwise, error feedback is conserved
+across switches between "none" and the compressor, pins hold, the first
+calls measure before the model decides, and bad settings raise on every
+rank. Run as
+
+    mpirun -n K python -m pytest --with-mpi -q tests/mpi/test_auto_mpi.py
+"""
+import time
+
+import numpy as np
+import pytest
+
+import mpigc
+from mpigc import _auto
+
+from conftest import assert_all, grads, raises_everywhere
+
+# ranks: 1 (the model alone), 2 (pairs, the short path), 3 (uneven shards)
+pytestmark = pytest.mark.ranks(1, 2, 3)
+
+N = 1 << 13
+
+
+@pytest.fixture
+def dup(comm):
+    """A fresh communicator per test: a fresh model."""
+    c = comm.Dup()
+    yield c
+    _auto.model_of(c).settle()
+    c.Free()
+
+
+@pytest.fixture
+def skew():
+    """The clock of op="auto" calls, restored after the test."""
+    old = _auto.use_clock()
+    _auto.use_clock(old)
+    yield _auto.use_clock
+    _auto.use_clock(old)
+
+
+def _residuals(fb, key, n, comm):
+    """This rank's residuals of ``key`` placed on the whole array (float64)."""
+    out = np.zeros(n)
+    st = fb.state_dict().get(key)
+    if st is None:
+        return out
+    if st["worker"] is not None:
+        out += st["worker"]
+    if st["owner"] is not None:
+        lo, hi = mpigc.shard_bounds(n, comm.size)[comm.rank]
+        out[lo:hi] += st["owner"]
+    return out
+
+
+def _mpi_sum(x, comm):
+    """MPI_Allreduce's sum (op="none" is exactly it)."""
+    out = np.empty_like(x)
+    comm.Allreduce(x, out)
+    return out
+
+
+def _skewed_clock(rank):
+    """Rank 1, 3, ... measure their "none" calls 50 times slower, rank 0, 2,
+    ... their compressed calls: on their own figures they would decide
+    differently."""
+    def clock():
+        d = _auto.last_decision()
+        slow = d is not None and ((d.op == "none") == (rank % 2 == 1))
+        return time.perf_counter() * (50.0 if slow else 1.0)
+    return clock
+
+
+@pytest.mark.mpi
+def test_the_decision_is_the_same_on_every_rank_under_skewed_clocks(dup, skew, fb):
+    skew(_skewed_clock(dup.rank))
+    seen = []
+    for i in range(40):
+        x = grads(dup.rank, N, seed=i)
+        mpigc.allreduce(x, op="auto", key="w", comm=dup, feedback=fb)
+        d = _auto.last_decision()
+        seen.append((d.op, d.reason, d.predicted_none, d.predicted_compressed))
+    every = dup.allgather(seen)
+    assert_all(all(s == every[0] for s in every),
+               f"decisions differ between ranks: {[s[-5:] for s in every]}", dup)
+    reasons = {s[1] for s in seen}
+    assert_all("model" in reasons, f"the model never decided: {reasons}", dup)
+
+
+@pytest.mark.mpi
+def test_the_model_moves_only_with_agreed_sums(dup, fb):
+    """A rank's own samples reach no decision before an agreement step took
+    every rank's: the model after the first calls is the same everywhere."""
+    for i in range(12):
+        mpigc.allreduce(grads(dup.rank, N, seed=i), op="auto", key="w", comm=dup,
+                        feedback=fb)
+    m = _auto.model_of(dup)
+    table = m.agreed.tobytes()
+    every = dup.allgather(table)
+    assert_all(all(t == every[0] for t in every), "agreed sums differ", dup)
+    assert_all(m.local.any() or dup.size >= 1, "", dup)
+
+
+def _conserved(dup, fb, kind, pins, nonblocking=False, group=False):
+    """Run calls with the pins given (None: the model) and check after each
+    that what was delivered plus every rank's residuals is the sum of the
+    inputs (float64 reference)."""
+    sizes = [N, 3001] if group else [N]
+    keys = ["a", "b"] if group else ["w"]
+    total_in = [np.zeros(m) for m in sizes]
+    total_out = [np.zeros(m) for m in sizes]
+    worst = 0.0
+    ran = []
+    for i, pin in enumerate(pins):
+        xs = [grads(dup.rank, m, seed=100 * i + j) for j, m in enumerate(sizes)]
+        for j, x in enumerate(xs):
+            total_in[j] += dup.allreduce(x.astype(np.float64))
+        bufs = [x.copy() for x in xs]
+        arg = bufs if group else bufs[0]
+        key = keys if group else keys[0]
+        if kind == "allreduce":
+            if nonblocking:
+                req = mpigc.iallreduce(arg, op="auto", key=key, comm=dup, feedback=fb,
+                                       auto_pin=pin)
+                req.wait()
+                ran.append(req.decision.op)
+            else:
+                mpigc.allreduce(arg, op="auto", key=key, comm=dup, feedback=fb, auto_pin=pin)
+                ran.append(_auto.last_decision().op)
+            for j, b in enumerate(bufs):
+                total_out[j] += b
+        else:
+            got = mpigc.reduce_scatter(arg, op="auto", key=key, comm=dup, feedback=fb,
+                                       auto_pin=pin)
+            ran.append(_auto.last_decision().op)
+            got = got if group else [got]
+            for j, g in enumerate(got):
+                total_out[j] += np.concatenate(dup.allgather(g.astype(np.float64)))
+        for j, m in enumerate(sizes):
+            left = dup.allreduce(_residuals(fb, keys[j], m, dup))
+            worst = max(worst, float(np.abs(total_out[j] + left - total_in[j]).max()))
+    return worst, ran
+
+
+PINS = ["compressed", "compressed", "none", "compressed", "none", "none", "compressed",
+        None, None, None, None, None, None, None, None, None, None, None, "none"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("kind,nonblocking,group", [
+    ("allreduce", False, False), ("allreduce", True, False), ("allreduce", False, True),
+    ("reduce_scatter", False, False), ("reduce_scatter", False, True)])
+def test_error_feedback_is_conserved_across_switches(dup, fb, kind, nonblocking, group):
+    worst, ran = _conserved(dup, fb, kind, PINS, nonblocking, group)
+    assert_all(worst < 1e-4 * dup.size, f"conservation off by {worst} ({ran})", dup)
+    assert_all({"2bit", "none"} <= set(ran), f"no switch: {ran}", dup)
+
+
+@pytest.mark.mpi
+def test_a_plain_call_clears_the_residuals_it_delivered(dup, fb):
+    x = grads(dup.rank, N)
+    mpigc.allreduce(x.copy(), op="auto", key="w", comm=dup, feedback=fb,
+                    auto_pin="compressed")
+    had = fb.state_dict()["w"]["worker"] is not None
+    y = x.copy()
+    mpigc.allreduce(y, op="auto", key="w", comm=dup, feedback=fb, auto_pin="none")
+    st = fb.state_dict()["w"]
+    assert_all(had and st["worker"] is None and st["owner"] is None,
+               f"residuals after the plain call: {st['worker']}, {st['owner']}", dup)
+    # the next plain call has nothing to add: exactly the plain sum
+    z = x.copy()
+    mpigc.allreduce(z, op="auto", key="w", comm=dup, feedback=fb, auto_pin="none")
+    exact = _mpi_sum(x, dup)
+    assert_all(np.array_equal(z, exact), "a plain call without residuals is not the sum", dup)
+
+
+@pytest.mark.mpi
+def test_a_skipped_plain_call_leaves_residuals_and_conservation(dup, fb):
+    x = grads(dup.rank, N)
+    mpigc.allreduce(x.copy(), op="auto", key="w", comm=dup, feedback=fb,
+                    auto_pin="compressed")
+    before = fb.state_dict()["w"]
+    y = x.copy()
+    if dup.rank == 0:
+        y[5] = np.nan
+    mpigc.allreduce(y, op="auto", key="w", comm=dup, feedback=fb, auto_pin="none",
+                    nonfinite="skip")
+    after = fb.state_dict()["w"]
+    same = all(np.array_equal(before[p], after[p]) for p in ("worker", "owner")
+               if before[p] is not None)
+    assert_all(same and np.isnan(y).all(), "a skipped call changed the residuals", dup)
+    bad = mpigc.NonFiniteError
+    raises_everywhere(bad, lambda: mpigc.allreduce(
+        y, op="auto", key="w", comm=dup, feedback=fb, auto_pin="none"))
+    after = fb.state_dict()["w"]
+    same = all(np.array_equal(before[p], after[p]) for p in ("worker", "owner")
+               if before[p] is not None)
+    assert_all(same, "a failed call changed the residuals", dup)
+
+
+@pytest.mark.mpi
+def test_pinned_decisions(dup, fb, monkeypatch):
+    for _ in range(6):
+        mpigc.allreduce(grads(dup.rank, N), op="auto", key="w", comm=dup, feedback=fb,
+                        auto_pin="none")
+        d = _auto.last_decision()
+        path = mpigc.diagnostics.last_trace().path
+        assert_all((d.op, d.reason, path) == ("none", "pinned", "plain"), f"{d} {path}", dup)
+    monkeypatch.setenv("MPIGC_AUTO_PIN", "compressed")
+    for _ in range(6):
+        req = mpigc.iallreduce(grads(dup.rank, N), op="auto", key="w", comm=dup,
+                               feedback=fb)
+        req.wait()
+        d = req.decision
+        assert_all((d.op, d.reason, req.trace.path) == ("2bit", "pinned", "two-phase"),
+                   f"{d} {req.trace.path}", dup)
+
+
+@pytest.mark.mpi
+def test_the_first_calls_measure_both_before_the_model_decides(dup, fb):
+    seen = []
+    for i in range(2 * _auto.SYNC_EVERY):
+        mpigc.allreduce(grads(dup.rank, N, seed=i), op="auto", key="w", comm=dup,
+                        feedback=fb)
+        seen.append(_auto.last_decision())
+    want = [("2bit" if i % 2 == 0 else "none", "measuring", None, None)
+            for i in range(2 * _auto.SYNC_EVERY)]
+    got = [(d.op, d.reason, d.predicted_none, d.predicted_compressed) for d in seen]
+    assert_all(got == want, f"got {got}", dup)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("bad", [
+    {"auto_op": "3bit"}, {"auto_op": "none"}, {"auto_op": "auto"},
+    {"auto_pin": "sometimes"}, {"hierarchy": "node"}, {"rel_threshold": -1.0},
+    {"feedback": "yes"}])
+def test_bad_settings_raise_on_every_rank(dup, fb, bad):
+    """Given on rank 0 only (every rank at 1 rank): ConfigError everywhere,
+    then the next call works on every rank."""
+    args = dict(op="auto", key="w", comm=dup, feedback=fb)
+    if dup.rank == 0:
+        args.update(bad)
+    x = grads(dup.rank, N)
+    raises_everywhere(mpigc.ConfigError, lambda: mpigc.allreduce(x.copy(), **args))
+    y = x.copy()
+    mpigc.allreduce(y, op="auto", key="w", comm=dup, feedback=fb, auto_pin="none")
+    assert_all(np.array_equal(y, _mpi_sum(x, dup)), "the next call is wrong", dup)
+
+
+@pytest.mark.mpi
+def test_a_bad_probe_period_raises_on_every_rank(dup, fb, monkeypatch):
+    if dup.rank == 0:
+        monkeypatch.setenv("MPIGC_AUTO_PROBE", "often")
+    raises_everywhere(mpigc.ConfigError, lambda: mpigc.allreduce(
+        grads(dup.rank, N), op="auto", key="w", comm=dup, feedback=fb),
+        match="MPIGC_AUTO_PROBE")

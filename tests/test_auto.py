@@ -1,0 +1,151 @@
+"""op="auto"'s model and decision without mpirun (issue 48, mpigc/_auto.py):
+the fit, the decision from agreed sums only, the first calls, pins, probes,
+hysteresis. The MPI side (every rank alike, conservation, errors on every
+rank): tests/mpi/test_auto_mpi.py."""
+import math
+
+import numpy as np
+import pytest
+
+from mpigc import _auto
+from mpigc._errors import ConfigError
+
+NONE = ("allreduce", "none")
+COMP = ("allreduce", "compressed", "cfg")
+SERIES = ("allreduce", "compressed", "cfg")
+
+
+def _row(samples):
+    """Integer sums of (bytes, seconds) samples, as a slot holds them."""
+    r = np.zeros(5)
+    for b, t in samples:
+        x, y = b // 1024, round(t * 1e6)
+        r += (1, x, y, x * x, x * y)
+    return r
+
+
+def test_fit_recovers_latency_and_bandwidth():
+    # T = 100 µs + bytes / 1 GB/s
+    f = _auto.fit_row(_row([(b, 100e-6 + b / 1e9) for b in (1 << 20, 4 << 20, 16 << 20)]))
+    assert f.count == 3
+    assert f.latency == pytest.approx(100e-6, rel=0.05)
+    assert f.bandwidth == pytest.approx(1e9, rel=0.05)
+    assert f.predict(8 << 20) == pytest.approx(100e-6 + (8 << 20) / 1e9, rel=0.01)
+
+
+def test_fit_of_one_size_goes_through_the_origin_and_none_without_samples():
+    f = _auto.fit_row(_row([(1 << 20, 2e-3)] * 4))
+    assert f.latency == 0 and f.predict(1 << 20) == pytest.approx(2e-3)
+    assert _auto.fit_row(np.zeros(5)) is None
+    # a falling time with size: no negative slope
+    f = _auto.fit_row(_row([(1 << 20, 3e-3), (4 << 20, 1e-3)]))
+    assert f.bandwidth == math.inf and f.latency == pytest.approx(2e-3)
+
+
+def _model(none=None, comp=None):
+    m = _auto.Model()
+    table = np.zeros((_auto.NSLOTS, 5))
+    if none is not None:
+        table[m.slot(NONE)] += _row(none)
+    if comp is not None:
+        table[m.slot(COMP)] += _row(comp)
+    m.merge(table.ravel())
+    return m
+
+
+def _decide(m, nbytes=1 << 20, pin="model", small=False, size=1):
+    return m.decide(SERIES, NONE, COMP, nbytes, pin, small, "2bit", size)
+
+
+def test_the_first_calls_alternate_compressor_first_until_both_have_samples():
+    m = _auto.Model()
+    got = [_decide(m) for _ in range(6)]
+    assert [(d.op, d.reason) for d in got] == [("2bit", "measuring"), ("none", "measuring")] * 3
+    assert all(d.predicted_none is None and d.predicted_compressed is None for d in got)
+    # one op with enough samples is not enough; per rank: 2 samples x 3 ranks
+    m = _model(none=[(1 << 20, 1e-3)] * 6, comp=[(1 << 20, 5e-3)] * 5)
+    assert _decide(m, size=3).reason == "measuring"
+    assert _decide(m, size=2).reason == "model"
+
+
+def test_the_model_takes_the_faster_op_at_the_calls_size():
+    # plain: 50 µs + 1 GB/s; 2bit: 2 ms + 4 GB/s; crossover near 2.6 MB
+    none = [(b, 50e-6 + b / 1e9) for b in (1 << 20, 8 << 20)] * 2
+    comp = [(b, 2e-3 + b / 4e9) for b in (1 << 20, 8 << 20)] * 2
+    small = _decide(_model(none, comp), nbytes=1 << 20)
+    big = _decide(_model(none, comp), nbytes=32 << 20)
+    assert (small.op, small.reason) == ("none", "model")
+    assert (big.op, big.reason) == ("2bit", "model")
+    assert big.predicted_compressed < big.predicted_none
+
+
+def test_local_samples_reach_no_decision_before_they_are_agreed():
+    m = _model(none=[(1 << 20, 1e-3)] * 4, comp=[(1 << 20, 5e-3)] * 4)
+    before = _decide(m)
+    for _ in range(50):  # this rank alone finds the compressor 100x faster
+        m.record(m.slot(COMP), 1 << 20, 1e-5)
+    after = _decide(m)
+    assert (before.op, after.op) == ("none", "none")
+    assert after.predicted_compressed == before.predicted_compressed
+
+
+def test_hysteresis_keeps_the_last_decision_when_the_other_is_barely_faster():
+    m = _model(none=[(1 << 20, 1.00e-3)] * 4, comp=[(1 << 20, 1.02e-3)] * 4)
+    assert _decide(m).op == "none"
+    table = np.zeros((_auto.NSLOTS, 5))
+    table[m.slot(COMP)] = _row([(1 << 20, 0.95e-3)] * 400)  # 3% faster now
+    m.merge(table.ravel())
+    assert _decide(m).op == "none"
+    table[m.slot(COMP)] = _row([(1 << 20, 0.5e-3)] * 4000)
+    m.merge(table.ravel())
+    assert _decide(m).op == "2bit"
+
+
+def test_pins_small_calls_and_probes(monkeypatch):
+    m = _model(none=[(1 << 20, 1e-3)] * 4, comp=[(1 << 20, 5e-3)] * 4)
+    assert (_decide(m, pin="compressed").op, _decide(m, pin="compressed").reason) == (
+        "2bit", "pinned")
+    assert _decide(m, pin="none").op == "none"
+    assert (_decide(m, small=True).op, _decide(m, small=True).reason) == ("none", "small")
+    monkeypatch.setenv("MPIGC_AUTO_PROBE", "4")
+    m = _model(none=[(1 << 20, 1e-3)] * 4, comp=[(1 << 20, 5e-3)] * 4)
+    got = [(d.op, d.reason) for d in (_decide(m) for _ in range(8))]
+    assert got == [("none", "model")] * 3 + [("2bit", "probe")] + [("none", "model")] * 3 + [
+        ("2bit", "probe")]
+    monkeypatch.setenv("MPIGC_AUTO_PROBE", "0")
+    assert all(_decide(m).reason == "model" for _ in range(10))
+
+
+def test_slots_do_not_depend_on_the_order_of_first_use():
+    a, b = _auto.Model(), _auto.Model()
+    labels = [NONE, COMP, ("reduce_scatter", "none"), ("reduce_scatter", "", "x")]
+    first = [a.slot(x) for x in labels]
+    second = [b.slot(x) for x in reversed(labels)]
+    assert first == list(reversed(second))
+    assert all(0 <= s < _auto.NSLOTS for s in first)
+
+
+def test_the_window_forgets_old_sums():
+    m = _auto.Model()
+    for i in range(_auto.WINDOW + 3):
+        t = np.zeros((_auto.NSLOTS, 5))
+        t[m.slot(NONE)] = _row([(1 << 20, 1e-3 if i < 3 else 2e-3)])
+        m.merge(t.ravel())
+    assert m.fit(NONE).count == _auto.WINDOW
+    assert m.fit(NONE).predict(1 << 20) == pytest.approx(2e-3, rel=0.01)
+
+
+@pytest.mark.parametrize("env,value", [("MPIGC_AUTO_PROBE", "-1"),
+                                       ("MPIGC_AUTO_PROBE", "x")])
+def test_bad_environment_raises_config_error(monkeypatch, env, value):
+    monkeypatch.setenv(env, value)
+    with pytest.raises(ConfigError):
+        _auto.probe_every()
+
+
+def test_the_refused_op_raises_its_message_wherever_it_is_read():
+    r = _auto._Refused("auto_pin must be one of ...")
+    with pytest.raises(ConfigError, match="auto_pin"):
+        r.codec_id
+    with pytest.raises(ConfigError, match="auto_pin"):
+        r.get_config()

@@ -7,7 +7,11 @@
 #    single call on a 4 MiB buffer.
 # Prints each time and the ratios the issue names. With --device the mpigc
 # calls take Numba CUDA device arrays (comm.Allreduce stays on host memory)
-# and each timed call ends with cuda.synchronize().
+# and each timed call ends with cuda.synchronize(). With $MPIGC_OLD_TREE (a
+# directory holding another mpigc/ package, its kernels/ copied in, as for
+# benchmarks/percall.py's "both"), that package's grouped calls are timed too,
+# interleaved with this one's ("old group ..."): before and after in one run.
+import os
 import sys
 import time
 
@@ -16,6 +20,15 @@ from mpi4py import MPI
 
 import mpigc
 
+old_mpigc = None
+if os.environ.get("MPIGC_OLD_TREE"):
+    import importlib.util
+    _init = os.path.join(os.environ["MPIGC_OLD_TREE"], "mpigc", "__init__.py")
+    _spec = importlib.util.spec_from_file_location(
+        "mpigc_old", _init, submodule_search_locations=[os.path.dirname(_init)])
+    old_mpigc = importlib.util.module_from_spec(_spec)
+    sys.modules["mpigc_old"] = old_mpigc
+    _spec.loader.exec_module(old_mpigc)
 comm = MPI.COMM_WORLD
 args = [a for a in sys.argv[1:] if a != "--device"]
 DEVICE = "--device" in sys.argv[1:]
@@ -62,7 +75,9 @@ t = timed(floor + [("mpi 256K", lambda: comm.Allreduce(MPI.IN_PLACE, fused, op=M
            ("group none 64x4K", lambda: mpigc.allreduce(small, op="none")),
            ("one none 256K", lambda: mpigc.allreduce(fused_in, op="none")),
            ("64 none 4K", lambda: [mpigc.allreduce(a, op="none", key=f"s{i}")
-                                   for i, a in enumerate(small)])], ITERS)
+                                   for i, a in enumerate(small)])]
+          + ([("old group none 64x4K", lambda: old_mpigc.allreduce(small, op="none"))]
+             if old_mpigc is not None else []), ITERS)
 big = [rng.standard_normal(16384).astype(np.float32) for _ in range(64)]
 one = place(np.concatenate(big))
 big = [place(a) for a in big]
@@ -70,7 +85,10 @@ keys = [f"b{i}" for i in range(64)]
 t.update(timed([("group 2bit 64x64K", lambda: mpigc.allreduce(big, op="2bit", key=keys)),
                 ("one 2bit 4M", lambda: mpigc.allreduce(one, op="2bit", key="one")),
                 ("64 2bit 64K", lambda: [mpigc.allreduce(a, op="2bit", key=f"c{i}")
-                                         for i, a in enumerate(big)])],
+                                         for i, a in enumerate(big)])]
+               + ([("old group 2bit 64x64K",
+                    lambda: old_mpigc.allreduce(big, op="2bit", key=[k + "o" for k in keys]))]
+                  if old_mpigc is not None else []),
                max(ITERS // 20, 5)))
 if comm.rank == 0:
     print(f"{comm.size} ranks{', device arrays' if DEVICE else ''}, medians (us) over the"
@@ -87,3 +105,8 @@ if comm.rank == 0:
     print(f"64 single 2bit 64K / group 2bit 64x64K: "
           f"{t['64 2bit 64K'] / t['group 2bit 64x64K']:.1f}x (target >= 5)")
     print(f"group 2bit 64x64K / one 2bit 4M: {t['group 2bit 64x64K'] / t['one 2bit 4M']:.2f}x")
+    if old_mpigc is not None:
+        for k in ("group none 64x4K", "group 2bit 64x64K"):
+            print(f"{k}: old {t['old ' + k]:.1f} us, new {t[k]:.1f} us ({t[k] / t['old ' + k]:.2f}x)"
+                  + (f"; / floor 256K: old {t['old ' + k] / t['floor 256K']:.2f}x, new "
+                     f"{t[k] / t['floor 256K']:.2f}x" if "floor 256K" in t and "none" in k else ""))

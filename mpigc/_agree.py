@@ -99,7 +99,7 @@ class Rows:
         alone, by allgather, whatever the size (hierarchical calls).
         ``pack(j, dst)``, with ``inline``: writes peer ``j``'s data into
         ``dst`` (the message's bytes after the row) instead of a copy of
-        ``inline[j]``, and may set ``row``'s columns first (the short path
+        ``inline[j]`` (then an array or its size in bytes), and may set ``row``'s columns first (the short path
         copies its values and counts their non-finite ones in one pass,
         :func:`mpigc.kernels.cpu.copy_count_nonfinite`); every peer's data
         is packed before ``row`` is read."""
@@ -121,7 +121,7 @@ class Rows:
             msgs = []
             for j in peers:
                 p = inline[j]
-                msg = _pool.take(_HDR + p.size)
+                msg = _pool.take(_HDR + (p if type(p) is int else p.size))
                 if pack is None:
                     msg[_HDR:] = p
                 else:

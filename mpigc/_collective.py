@@ -515,7 +515,7 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
     """Create and start one collective call; returns its ``_Op`` (``fill``,
     host buffers only, ``keep_replaced``, ``group`` and ``limits``: see
     ``_Op.__init__``), or, where ``short`` (a blocking allreduce of one
-    buffer, as :mod:`mpigc._route` decides), what the short path of a
+    buffer or of a group, as :mod:`mpigc._route` decides), what the short path of a
     repeated small call returns when it completed the call."""
     # a communicator's first use is collective (Dup, a Sendrecv per peer),
     # outside the engine lock: the pending calls are completed first, as a
@@ -529,7 +529,10 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
         pre = None
         if short:
             # a repeated small call may run straight through (mpigc._shortcall)
-            pre = _shortcall.run(buf, op, params, cs, key, average, gather, nonfinite)
+            if group is None:
+                pre = _shortcall.run(buf, op, params, cs, key, average, gather, nonfinite)
+            else:
+                pre = _shortcall.run_group(group, op, params, cs, average, gather, nonfinite)
             if isinstance(pre, _shortcall.Done):
                 return pre
         o = _Op(kind, buf, op, params, cs, key=key, average=average, gather=gather,

@@ -127,10 +127,16 @@ class Group:
             self._arg_error = ConfigError("grouped calls are flat: hierarchy='node' takes "
                                           "one array per call ('auto' reduces a group flat)")
         self._key_arg = key
+        self._adopted = None  # adopt()'s answer, once it succeeded
 
     def adopt(self, cs):
         """Check every member as a single call would, and the keys:
-        ``(backend, dtype)``; raises on the first bad one."""
+        ``(backend, dtype)``; raises on the first bad one. Once it succeeded
+        it answers the same at once (the short path adopts a group first,
+        :func:`mpigc._shortcall.run_group`; an engine call made of it does
+        not check it again)."""
+        if self._adopted is not None:
+            return self._adopted
         if self._arg_error is not None:
             raise self._arg_error
         bufs = self.given
@@ -187,6 +193,7 @@ class Group:
                 _keys_cache[ck] = hit
         self.keys, self.key = hit
         self.sizes = sizes
+        self._adopted = be, dtype
         return be, dtype
 
     def _member_keys(self, sizes, dtype):

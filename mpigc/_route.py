@@ -3,7 +3,7 @@
 to one of four paths: a grouped call (one flat call on the members' fused
 buffer, :mod:`mpigc._group`), a hierarchical call (:mod:`mpigc._hiercall`),
 or a flat call (:mod:`mpigc._collective`), which a blocking allreduce of one
-buffer may finish on the short path of a repeated small call
+buffer or of a group may finish on the short path of a repeated small call
 (:mod:`mpigc._shortcall`)."""
 from . import _collective, _group, _hiercall, _sched
 from ._errors import ConfigError
@@ -31,9 +31,11 @@ def start(kind, buf, op, params, *, comm, key, average, gather, feedback, nonfin
         # reduces a group flat; "node" across nodes fails in that call, on
         # every rank
         group = _group.Group(kind, buf, key, recvcounts, out, flat or hierarchy == "auto")
+        # a blocking grouped allreduce may take the short path too
         return _collective.start(kind, buf, op, params, comm=comm, key=None, average=average,
                                  gather=gather, feedback=feedback, nonfinite=nonfinite,
-                                 blocking=blocking, group=group)
+                                 blocking=blocking, group=group,
+                                 short=blocking and kind == "allreduce")
     if flat:
         # a blocking allreduce of one buffer may take the short path
         return _collective.start(kind, buf, op, params, comm=comm, key=key, average=average,

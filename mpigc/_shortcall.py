@@ -22,7 +22,15 @@ so is a "go" whose sum MPI must make (non-finite values under
 A call the short path does not take (any other case, a setting that fails
 to validate, a timeline being recorded, ``$MPIGC_SHORT_PATH=0``) has sent
 nothing and takes the engine's path. ``short_calls`` of
-:func:`mpigc.diagnostics.counters` counts the calls it completed."""
+:func:`mpigc.diagnostics.counters` counts the calls it completed.
+
+A grouped call (:func:`run_group`) of host float32 or float64 members
+whose fused buffer the engine would sum as such a call (a plain allreduce,
+its members one after another: :class:`mpigc._group.Group`) takes it too,
+without the fused buffer: the members are copied straight into the
+agreement message, and the peer's values added straight into them; the
+same message, bits and verdicts as the engine's grouped call
+(``short_calls`` counts them too)."""
 from functools import partial
 
 import numpy as np
@@ -38,7 +46,7 @@ from . import _trace
 from . import _wire
 from .kernels import cpu as _cpu
 
-__all__ = ["run", "Done", "Handover"]
+__all__ = ["run", "run_group", "Done", "Handover"]
 
 _N, _DTYPE, _FP, _NBAD = _plan.N, _plan.DTYPE, _plan.FP, _plan.NBAD
 # native float32 and float64 (a byte-swapped dtype is another key)
@@ -119,6 +127,80 @@ def run(buf, op, params, cs, key, average, gather, nonfinite):
         # (MPIGC_ON_INTERNAL_ERROR=raise raises it instead)
         _comm.internal_error(exc, cs.comm, "mpigc allreduce")
         raise
+
+
+def run_group(group, op, params, cs, average, gather, nonfinite):
+    """:func:`run` for a blocking grouped allreduce (``group``: its
+    :class:`mpigc._group.Group`, which this adopts: an engine call made of
+    it does not adopt it again)."""
+    if cs.size != 2 or _timeline.ON or _wire.getenv("MPIGC_SHORT_PATH") == "0":
+        return None
+    try:
+        be, dtype = group.adopt(cs)
+        code = _DTYPES.get(dtype)
+        if be.device or code is None:
+            return None
+        n = sum(group.sizes)
+        # the engine's record of the group (mpigc._collective._Input.adopt)
+        rec = _prepared.prepare("allreduce", False, None, dtype, n, 2, cs.rank, op, params,
+                                group.key, average, gather, nonfinite, group.counts(2),
+                                _wire.read_limits())
+    except Exception:  # noqa: BLE001 - the engine reports it on every rank
+        return None
+    if n == 0 or rec.inline != "values" or _agree.P2P_MAX_RANKS < 2 or not _sched.alone():
+        return None
+    try:
+        return _straight_group(group, cs, rec, code)
+    except BaseException as exc:
+        _comm.internal_error(exc, cs.comm, "mpigc allreduce")  # as run()'s
+        raise
+
+
+def _straight_group(group, cs, rec, code):
+    """A grouped call, straight through (see :func:`run_group`): its
+    members' values, one after another, are the values of :func:`_straight`."""
+    st, dtype, n = rec.settings, rec.dtype, rec.n
+    flats = group.flats
+    nbytes = n * dtype.itemsize
+    nonfinite = st.nonfinite
+    rank, comm = cs.rank, cs.comm
+    peer = 1 - rank
+    seq = cs.seq
+    tags = cs.next_tags()
+    row = _plan.new_row()
+    row[_N], row[_DTYPE], row[_FP] = n, code, st.fp
+
+    def pack(j, dst):
+        # the members into the message (the engine's fused buffer), their
+        # non-finite values counted there
+        mine = dst.view(dtype)
+        np.concatenate(flats, out=mine)
+        if nonfinite != "ignore":
+            row[_NBAD] = _cpu.count_nonfinite(mine)
+    sendreqs = []
+    rows = _agree.Rows(comm, rank, 2, tags[2], row, {peer: nbytes}, nbytes, sendreqs,
+                       pack=pack)
+    _sched.wait_alone(_sched.Received(comm, peer, tags[2], partial(rows.slot, peer)))
+    rows.read()
+    trace = _trace.CallTrace()
+    trace.agreed()
+    theirs = rows.payload(peer).view(dtype)
+    if (_plan.verdict(rows.table, rank, nonfinite) is not _plan.GO
+            or nonfinite == "ignore" and not _plainsum.inline_commutes(
+                np.concatenate(flats), theirs)):
+        return Handover(seq, tags, rows, sendreqs, rec.limits)
+    trace.went("plain", True)
+    at = 0
+    for f in flats:  # NoCompression's decode of the fused buffer, a + b
+        m = f.size
+        np.add(f, theirs[at:at + m], out=f)
+        if st.average:
+            np.divide(f, 2, out=f)
+        at += m
+    _wire.add_traffic(nbytes, nbytes)
+    rows.release(sendreqs)
+    _wire.count("short_calls")
+    return Done(group.given, trace)
 
 
 def _straight(buf, cs, st, code, limits):

@@ -175,3 +175,115 @@ def test_switch_off_reads_the_environment(two, monkeypatch):
     monkeypatch.setenv("MPIGC_SHORT_PATH", "1")
     mpigc.allreduce(np.ones(10, np.float32), op="none", key="e")
     assert_all(_short_calls() == before + _alone(), "not taken while on")
+
+
+# -- grouped calls (mpigc._shortcall.run_group): the members straight into the
+# agreement message, the peer's values straight into the members
+
+def _group(rank, sizes, dtype, seed):
+    return [grads(rank, m, dtype, seed=seed + 7 * i) for i, m in enumerate(sizes)]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("average", [False, True])
+def test_a_group_has_the_bits_of_mpi_allreduce_on_either_path(two, paths, dtype, average,
+                                                             monkeypatch):
+    """Members of several shapes (one 2-d, one of one element), op="none" and
+    a 2bit group under the compression threshold: each member the bits of
+    comm.Allreduce of it, the engine's trace and traffic, and one short call
+    per grouped call where this rank may take it."""
+    monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "8192")  # conftest sets 0
+    sizes = (35, 1, 40, 300)
+    before = _short_calls()
+    sent0 = mpigc.traffic()["bytes_sent"]
+    for step, op in enumerate(["none", "2bit", "none"]):
+        xs = _group(two.rank, sizes, dtype, step)
+        xs[0] = xs[0].reshape(7, 5)
+        want = [x.copy() for x in xs]
+        for w in want:
+            two.Allreduce(MPI.IN_PLACE, w, op=MPI.SUM)
+            if average:
+                w /= 2
+        got = mpigc.allreduce(xs, op=op, key=f"g/{op}", average=average)
+        assert_all(got is xs and all(x.tobytes() == w.tobytes() for x, w in zip(xs, want)),
+                   f"step {step}: not MPI's bits")
+        t = diagnostics.last_trace()
+        assert_all((t.agreement_done, t.path, t.inline, t.sum_pieces) == (True, "plain", True, 0),
+                   f"trace {t}")
+    assert_all(_short_calls() - before == (3 if paths else 0), "short calls counted")
+    nbytes = sum(sizes) * np.dtype(dtype).itemsize
+    assert_all(mpigc.traffic()["bytes_sent"] - sent0 == 3 * nbytes, "traffic")
+
+
+@pytest.mark.mpi
+def test_groups_the_short_path_leaves_to_the_engine(two, monkeypatch):
+    """A compressed group, a float16 group, a group past the inline limit and
+    a nonblocking group: the engine's path, with the right sums."""
+    before = _short_calls()
+    monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "0")
+    xs = [np.ones(100, np.float32), np.ones(50, np.float32)]
+    mpigc.allreduce(xs, op="2bit", key="gc")
+    monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "8192")
+    h = [np.ones(10, np.float16), np.ones(3, np.float16)]
+    mpigc.allreduce(h, op="none")
+    big = [np.ones((1 << 19) // 4, np.float32), np.ones((1 << 19) // 4 + 1, np.float32)]
+    mpigc.allreduce(big, op="none")
+    nb = [np.ones(10, np.float32), np.ones(3, np.float32)]
+    mpigc.iallreduce(nb, op="none").wait()
+    assert_all(all(bool((a == 2).all()) for a in h + big + nb), "sums")
+    assert_all(_short_calls() == before, "a short call where none should be")
+
+
+@pytest.mark.mpi
+def test_group_mismatches_raise_everywhere_whichever_path(two, paths):
+    r = two.rank
+    cases = [
+        ("member size", [np.ones(10, np.float32), np.ones(4 + r, np.float32)], {}, "size"),
+        ("member count", [np.ones(6 - 2 * r, np.float32)] * (2 + r), {}, "settings"),
+        ("members cut otherwise", [np.ones(5 + r, np.float32), np.ones(5 - r, np.float32)],
+         {}, "settings"),
+        ("dtype", [np.ones(10, [np.float32, np.float64][r])] * 2, {}, "dtype"),
+        ("keys", [np.ones(10, np.float32)] * 2, {"key": ["a", ["b", "c"][r]]}, "settings"),
+        ("average", [np.ones(10, np.float32)] * 2, {"average": r == 1}, "settings"),
+    ]
+    for what, xs, kw, match in cases:
+        xs = [x.copy() for x in xs]
+        keep = [x.tobytes() for x in xs]
+        kw = dict({"op": "none", "key": "gm"}, **kw)
+        raises_everywhere(mpigc.MismatchError, lambda: mpigc.allreduce(xs, **kw), match=match)
+        assert_all([x.tobytes() for x in xs] == keep, f"{what}: a member changed")
+    ys = [np.full(10, 1.0 + r, np.float32), np.full(3, 2.0 - r, np.float32)]
+    mpigc.allreduce(ys, op="none", key="gm")
+    assert_all(bool((ys[0] == 3).all() and (ys[1] == 3).all()), "after the mismatches")
+
+
+@pytest.mark.mpi
+def test_a_bad_member_on_one_rank_fails_everywhere(two, paths):
+    xs = [np.ones(10, np.float32), np.ones(6, np.float32)]
+    if two.rank == 1:
+        xs[1].flags.writeable = False
+    raises_everywhere(mpigc.InvalidBufferError, lambda: mpigc.allreduce(xs, op="none"),
+                      match="group member 1.*read-only")
+    assert_all(all(bool((x == 1).all()) for x in xs), "changed")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("where", [0, 1])
+def test_a_nonfinite_member_raises_and_skips_everywhere(two, paths, where):
+    xs = [np.arange(10, dtype=np.float64), np.arange(5, dtype=np.float64)]
+    if two.rank == where:
+        xs[1][3] = np.nan
+    keep = [x.tobytes() for x in xs]
+    raises_everywhere(mpigc.NonFiniteError, lambda: mpigc.allreduce(xs, op="none", key="gf"),
+                      match=f"rank {where}")
+    assert_all([x.tobytes() for x in xs] == keep, "raise changed a member")
+    got = mpigc.allreduce(xs, op="none", key="gf", nonfinite="skip")
+    assert_all(all(bool(np.isnan(x).all()) for x in got), "skip: NaN everywhere")
+    ys = [np.arange(10, dtype=np.float64), np.arange(5, dtype=np.float64)]
+    ys[1][2] = np.inf if two.rank == where else 0
+    want = [y.copy() for y in ys]
+    for w in want:
+        two.Allreduce(MPI.IN_PLACE, w, op=MPI.SUM)
+    mpigc.allreduce(ys, op="none", key="gf", nonfinite="ignore")
+    assert_all(all(y.tobytes() == w.tobytes() for y, w in zip(ys, want)), "ignore: the sum")

@@ -173,13 +173,13 @@ class Decision(NamedTuple):
 class Model:
     """The online cost model of one communicator (see the module docstring)."""
 
-    def __init__(self):
+    def __init__(self, window=WINDOW):
         self.lock = threading.Lock()  # the sums and the window
         self.order = threading.Lock()  # a call's agreement step and decision
         self.slots = {}        # label -> its slot (the labels this rank has seen)
         self.local = np.zeros((NSLOTS, _NSTAT))  # this rank's sums since the last post
         self.warm = set()      # slots whose warm-up call is done
-        self.window = deque(maxlen=WINDOW)
+        self.window = deque(maxlen=window)
         self.agreed = np.zeros((NSLOTS, _NSTAT))
         self.calls = 0
         self.pending = None    # the request of the sums posted last
@@ -284,9 +284,10 @@ _keyval = None
 _keyval_lock = threading.Lock()
 
 
-def model_of(comm=None):
+def model_of(comm=None, window=WINDOW):
     """The :class:`Model` of ``comm`` (default ``MPI.COMM_WORLD``), made on
-    first use (no MPI call but an attribute's)."""
+    first use (no MPI call but an attribute's), keeping ``window`` agreed
+    sums (None: all, for ``mpigc-bench --model``)."""
     global _keyval
     if comm is None:
         comm = MPI.COMM_WORLD
@@ -296,7 +297,7 @@ def model_of(comm=None):
                 _keyval = MPI.Comm.Create_keyval()
     m = comm.Get_attr(_keyval)
     if m is None:
-        m = Model()
+        m = Model(window)
         comm.Set_attr(_keyval, m)
     return m
 

@@ -166,3 +166,27 @@ def test_wire_fraction():
     # speedup 12.8x of an ideal 16x: 80%
     assert abs(bench.wire_fraction(op, mpi) - 0.8) < 1e-12
     assert bench.wire_fraction(op, None) is None
+
+
+def test_model_prints_the_fit_kernels_and_crossover(capsys):
+    """--model (issue 48): op='auto''s fitted model of this job, one rank."""
+    assert bench.main(["--model", "--sizes", "16K,64K", "--iters", "2"]) == 0
+    text = capsys.readouterr().out
+    assert "T = latency + bytes / bandwidth" in text
+    lines = text.splitlines()
+    fitted = {ln.split()[0] for ln in lines if ln.strip().endswith(tuple("0123456789f"))
+              and "allreduce" in ln}
+    assert {"none", "2bit"} <= fitted, text
+    assert any(ln.split()[:2] == ["2bit", "encode"] for ln in lines), text
+    assert "# crossover" in text and any(ln.split()[:1] == ["2bit"] and "encode" not in ln
+                                         and "allreduce" not in ln for ln in lines), text
+
+
+def test_crossover_of_two_fits():
+    from mpigc._auto import Fit
+    none = Fit(4, 50e-6, 1e9)
+    assert bench.crossover(none, Fit(4, 2e-3, 4e9)) == pytest.approx(
+        (2e-3 - 50e-6) / (1e-9 - 0.25e-9))
+    assert bench.crossover(none, Fit(4, 2e-3, 0.5e9)) is None
+    assert bench.crossover(none, Fit(4, 10e-6, 0.5e9)) is None
+    assert bench.crossover(none, Fit(4, 10e-6, 1e9)) == 0

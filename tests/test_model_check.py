@@ -298,30 +298,39 @@ def _stop(seeds):
 
 
 # plant: (scenario, or None for the drawn ones; seeds searched; hierarchical;
-# threads, as model_check.run takes them). A drawn scenario's cause is searched
-# within the default seeds of the search of its kind (FLAT_SEEDS, HIER_SEEDS,
-# THREAD_SEEDS), at 3 ranks with two interleavings, as that search runs: found
-# here, that search finds it too. Found (2026-11-28) at seed 2, 4, 98, 8, 85, 39,
-# 0, 0 and 7 (the order below).
+# threads, as model_check.run takes them; the seed where the search found it,
+# 2026-11-28). A drawn scenario's cause is searched within the default seeds of the
+# search of its kind (FLAT_SEEDS, HIER_SEEDS, THREAD_SEEDS), at 3 ranks with two
+# interleavings, as that search runs: found here, that search finds it too.
 SEARCHES = {
-    "blocking-report": (None, _stop(FLAT_SEEDS), False, None),
-    "no-row-on-early-error": (None, _stop(FLAT_SEEDS), False, None),
-    "sends-waited-in-a-step": (None, _stop(FLAT_SEEDS), False, None),
-    "agreements-out-of-order": (REPORTS_AND_SUMS, 200, False, None),
-    "sum-in-a-step": (None, _stop(FLAT_SEEDS), False, None),
-    "rows-awaited-alone": (None, _stop(HIER_SEEDS), True, None),
-    "waits-block-with-two-threads": (None, _stop(THREAD_SEEDS), False, "two"),
-    "sum-handed-over-in-process-order": (TWO_THREAD_SUMS, 60, False, "two"),
-    "first-call-of-a-thread-unnoticed": (TWO_THREAD_SUMS, 60, False, "two"),
+    "blocking-report": (None, _stop(FLAT_SEEDS), False, None, 2),
+    "no-row-on-early-error": (None, _stop(FLAT_SEEDS), False, None, 4),
+    "sends-waited-in-a-step": (None, _stop(FLAT_SEEDS), False, None, 98),
+    "agreements-out-of-order": (REPORTS_AND_SUMS, 200, False, None, 8),
+    "sum-in-a-step": (None, _stop(FLAT_SEEDS), False, None, 85),
+    "rows-awaited-alone": (None, _stop(HIER_SEEDS), True, None, 39),
+    "waits-block-with-two-threads": (None, _stop(THREAD_SEEDS), False, "two", 0),
+    "sum-handed-over-in-process-order": (TWO_THREAD_SUMS, 60, False, "two", 0),
+    "first-call-of-a-thread-unnoticed": (TWO_THREAD_SUMS, 60, False, "two", 7),
 }
+
+
+def _found_first(seeds, found):
+    """``seeds`` with ``found`` first: the verdict is that of the whole range (a
+    seed replays its interleaving, so the order of the seeds changes nothing but
+    the time), and a cause still where it was found costs one seed, not all those
+    before it (2026-11-29: the nine searches 140 -> ~10 CPU s; a search that no
+    longer finds it there searches the rest of the range, in order)."""
+    return ([found] if found in seeds else []) + [s for s in seeds if s != found]
 
 
 @pytest.mark.parametrize("plant", sorted(SEARCHES))
 def test_search_finds_a_planted_cause(plant):
-    """3 ranks, two interleavings per scenario; the seed that finds it is
+    """3 ranks, two interleavings per scenario, over the seeds of the search of
+    its kind, the seed where it was found first; the seed that finds it is
     reported by the test's name in the log of a run with ``-s``."""
-    scenario, budget, hier, threads = SEARCHES[plant]
-    for seed in range(budget):
+    scenario, budget, hier, threads, found = SEARCHES[plant]
+    for seed in _found_first(range(budget), found):
         try:
             diffs = mc.check(seed, 3, schedules=2, plant=plant, scenario=scenario, hier=hier,
                              threads=threads)

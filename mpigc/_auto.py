@@ -9,25 +9,31 @@ concrete op.
 The model (:class:`Model`, one per user communicator, kept as an MPI
 attribute of it). Each op the calls run has a *slot* per kind of call
 (``allreduce``/``reduce_scatter``; the compressor's slot also per config and
-``gather``): the wall times of its completed calls (from the call's start
-to the end of its wait, this rank's clock) against their bytes, as integer
-sums (count, KiB, µs, KiB², KiB·µs), fitted as ``T = A + B * bytes`` by
-least squares (``A``: the exchange's latency, ``1/B``: its throughput in
-bytes/s, for a compressor's slot encoding and decoding included). A slot's
-first call is a warm-up (JIT compilation, buffers) and not counted. A
-nonblocking call counts only when its ``wait()`` found it not yet done (then
-the end of the wait is its end; otherwise its end is unknown).
+``gather``; a slot is the CRC of that label modulo :data:`NSLOTS`, the same
+on every rank). A call's time is its wall time on this rank, from its start
+to the end of its wait (``op="none"``: the plain sum; a compressor: encoding,
+exchange and decoding, all in one); a nonblocking call counts only when its
+``wait()`` found it not yet done (then the end of the wait is its end;
+otherwise its end is unknown). A slot's first call is a warm-up (JIT
+compilation, buffers) and not counted. Per slot and size bucket (factors of
+4 from 16 KiB) a rank keeps its count of calls, their KiB and its fastest
+time since the last agreement step.
 
 Every rank decides from the same numbers: the model decides only from
-*agreed* sums. Every :data:`SYNC_EVERY`-th ``op="auto"`` call on a
+*agreed* figures. Every :data:`SYNC_EVERY`-th ``op="auto"`` call on a
 communicator (the 1st, the 5th, ...; all ranks make the same sequence of
-calls) waits for the sums posted at the previous such call and posts this
-rank's new ones: a small nonblocking ``op="none"`` allreduce of float64
-integers on the same communicator (exact sums whatever the order, so the
-same on every rank), run by the engine like any call. The last
-:data:`WINDOW` agreed sums are kept (older ones dropped, so the model
-follows a changing machine). A rank's own figures never reach a decision
-until every rank has the same agreed sums.
+calls) waits for the table posted at the previous such call and posts this
+rank's new one: a nonblocking ``op="none"`` allreduce of
+:data:`NSLOTS` x :data:`NBUCKETS` x 4 float64 integers (24 KiB: count,
+ranks, KiB, fastest µs, summed over the ranks: exact whatever the order, so
+the same on every rank), run by the engine like any call. Of the last
+:data:`WINDOW` agreement steps, the model's point per slot and size is the
+fastest step's (the ranks' fastest times averaged) at its mean size: a call
+slowed by other load moves nothing, and old steps drop out so the model
+follows a changing machine. A slot's points are fitted as
+``T = A + B * bytes`` by least squares (``A``: its latency, ``1/B``: its
+throughput; one size only: through the origin). A rank's own figures never
+reach a decision until every rank has the same agreed table.
 
 The decision (:meth:`Model.decide`), per call, from agreed data only:
 
@@ -36,7 +42,7 @@ The decision (:meth:`Model.decide`), per call, from agreed data only:
 - below ``$MPIGC_MIN_COMPRESS_BYTES`` a compressed op would be a plain sum
   anyway: ``"none"``;
 - *measuring*: until each of the two slots has :data:`MIN_SAMPLES` agreed
-  samples, the calls of a series (kind, gather, compressor) alternate,
+  samples per rank, the calls of a series (kind, gather, compressor) alternate,
   compressor first (call 0, 2, 4, ... compressed, 1, 3, ... plain);
 - *model*: the op of the smaller predicted time at this call's bytes; the
   previous decision of the series stays unless the other is predicted at
@@ -49,8 +55,9 @@ Error feedback across switches: a call run as ``"none"`` adds each key's
 residuals into the values it sums (the worker residual over the whole
 array, the owner residual over this rank's shard), on a copy of the
 array(s) that hold residuals, and clears them once the sum went ahead on
-every rank (a failed or skipped call leaves them and the buffer as they
-were). So the sum delivered plus the residuals left equals the sum of the
+every rank (a failed call leaves them and the buffer as they were; a
+skipped one, ``nonfinite="skip"``, leaves them, its buffer NaN as any
+skipped call's). So the sum delivered plus the residuals left equals the sum of the
 inputs at every step. Keys without residuals cost no copy.
 
 Errors: bad ``op="auto"`` settings (``auto_op``, ``auto_pin``, a device
@@ -80,15 +87,16 @@ from .feedback import ErrorFeedback, get_default_feedback, hold_for_plain, plain
 from .feedback import shard_bounds
 
 __all__ = ["PINS", "Decision", "AutoRequest", "Model", "start", "model_of", "last_decision",
-           "use_clock", "default_pin", "probe_every", "fit_row", "Fit"]
+           "use_clock", "default_pin", "probe_every", "fit_points", "bucket", "Fit"]
 
 PINS = ("model", "none", "compressed")
 SYNC_EVERY = 4     # op="auto" calls of a communicator between two agreements of the sums
 WINDOW = 16        # agreed sums kept
 MIN_SAMPLES = 2    # agreed samples of each op (per rank) before the model decides
 HYSTERESIS = 0.05  # the other op must be predicted this much faster to switch
-_NSTAT = 5         # count, KiB, µs, KiB², KiB·µs
 NSLOTS = 64        # slots of the agreed table: a label's is the CRC of its text
+NBUCKETS = 12      # sizes per slot, by factors of 4 from 4 KiB (the last: all beyond)
+_NSTAT = 4         # posted per slot and size: count, ranks, KiB (sum), min µs (sum)
 
 _clock = time.perf_counter
 _last = threading.local()
@@ -132,14 +140,28 @@ class Fit(NamedTuple):
         return self.latency + (nbytes / self.bandwidth if self.bandwidth else 0.0)
 
 
-def fit_row(row):
-    """The :class:`Fit` of one slot's integer sums (count, KiB, µs, KiB²,
-    KiB·µs), or None without samples. Least squares where the sizes vary;
-    through the origin (latency 0) where every sample had one size; a
-    negative intercept or slope is clamped to 0 (the other refitted)."""
-    n, sx, sy, sxx, sxy = (float(v) for v in row)
-    if n < 1:
+def bucket(nbytes):
+    """The size bucket of a call of ``nbytes``: 0 below 16 KiB, then one per
+    factor of 4, the last one holding every larger call."""
+    b, lim = 0, 16 << 10
+    while nbytes >= lim and b < NBUCKETS - 1:
+        b, lim = b + 1, lim * 4
+    return b
+
+
+def fit_points(points, count):
+    """The :class:`Fit` of a slot's points ``[(KiB, µs)]`` (one per size
+    bucket: the fastest time seen lately there, averaged over the ranks)
+    from ``count`` samples, or None without points. Least squares where
+    the sizes vary; through the origin (latency 0) where all are one size;
+    a negative intercept or slope is clamped to 0 (the other refitted)."""
+    if not points:
         return None
+    n = float(len(points))
+    sx = sum(p[0] for p in points)
+    sy = sum(p[1] for p in points)
+    sxx = sum(p[0] * p[0] for p in points)
+    sxy = sum(p[0] * p[1] for p in points)
     den = n * sxx - sx * sx
     if n >= 2 and den > 1e-9 * n * sxx:
         b = (n * sxy - sx * sy) / den
@@ -154,7 +176,7 @@ def fit_row(row):
         a, b = sy / n, 0.0
     # µs per KiB -> seconds per byte
     per_byte = b * 1e-6 / 1024
-    return Fit(int(n), a * 1e-6, 1.0 / per_byte if per_byte > 0 else float("inf"))
+    return Fit(int(count), a * 1e-6, 1.0 / per_byte if per_byte > 0 else float("inf"))
 
 
 class Decision(NamedTuple):
@@ -177,10 +199,11 @@ class Model:
         self.lock = threading.Lock()  # the sums and the window
         self.order = threading.Lock()  # a call's agreement step and decision
         self.slots = {}        # label -> its slot (the labels this rank has seen)
-        self.local = np.zeros((NSLOTS, _NSTAT))  # this rank's sums since the last post
+        # this rank's count, KiB and fastest µs per slot and size since the last post
+        self.local = _empty_local()
         self.warm = set()      # slots whose warm-up call is done
         self.window = deque(maxlen=window)
-        self.agreed = np.zeros((NSLOTS, _NSTAT))
+        self.agreed = {}       # slot -> (count, [(KiB, µs)]): the window's points
         self.calls = 0
         self.pending = None    # the request of the sums posted last
         self.series = {}       # label -> [calls, last decision]
@@ -200,12 +223,14 @@ class Model:
             if slot not in self.warm:
                 self.warm.add(slot)
                 return
-            x = float(nbytes // 1024)
-            y = float(max(0, round(seconds * 1e6)))
-            self.local[slot] += (1.0, x, y, x * x, x * y)
+            row = self.local[slot, bucket(nbytes)]
+            row[0] += 1
+            row[1] += nbytes // 1024
+            row[2] = min(row[2], max(0, round(seconds * 1e6)))
 
     def fit(self, label):
-        return fit_row(self.agreed[self.slot(label)])
+        got = self.agreed.get(self.slot(label))
+        return None if got is None else fit_points(got[1], got[0])
 
     def sync(self, comm):
         """At each op="auto" call, before it decides: every SYNC_EVERY-th
@@ -218,8 +243,8 @@ class Model:
             req, self.pending = self.pending, None
             self.merge(req.wait())
         with self.lock:
-            sums = self.local.ravel().copy()
-            self.local[...] = 0.0
+            sums = post_table(self.local)
+            self.local = _empty_local()
         req = _route.start("allreduce", sums, "none", {}, comm=comm, key="mpigc/auto-model",
                            average=False, gather="compressed", feedback=False,
                            nonfinite="raise", hierarchy="flat", blocking=False)
@@ -235,11 +260,28 @@ class Model:
                 self.merge(req.wait())
 
     def merge(self, sums):
-        """Agreed sums in: the window's sum is the model."""
+        """Agreed sums in (every rank's, summed: integers, exact). Per slot
+        and size, the model's point is the fastest of the window's agreement
+        steps (each: the ranks' fastest times averaged), at its mean size:
+        robust to calls slowed by other load, as benchmarks take minima."""
+        t = np.asarray(sums, dtype=np.float64).reshape(NSLOTS, NBUCKETS, _NSTAT)
         with self.lock:
             self.syncs += 1
-            self.window.append(np.asarray(sums, dtype=np.float64).reshape(NSLOTS, _NSTAT))
-            self.agreed = np.sum(self.window, axis=0)
+            self.window.append(t)
+            w = np.stack(self.window)            # (syncs, slots, buckets, stats)
+            count = w[..., 0].sum(axis=0)
+            ranks = w[..., 1]
+            has = ranks > 0
+            y = np.where(has, w[..., 3] / np.where(has, ranks, 1), np.inf)
+            best = np.argmin(y, axis=0)          # the first fastest step, on every rank
+            agreed = {}
+            for slot in np.flatnonzero(has.any(axis=(0, 2))):
+                pts = []
+                for b in np.flatnonzero(has[:, slot].any(axis=0)):
+                    k = best[slot, b]
+                    pts.append((w[k, slot, b, 2] / w[k, slot, b, 0], y[k, slot, b]))
+                agreed[int(slot)] = (int(count[slot].sum()), pts)
+            self.agreed = agreed
 
     def decide(self, series, none_label, comp_label, nbytes, pin, small, op_id, size):
         """The op of this call, from agreed data only (module docstring)."""
@@ -282,6 +324,25 @@ class Model:
 
 _keyval = None
 _keyval_lock = threading.Lock()
+
+
+def _empty_local():
+    t = np.zeros((NSLOTS, NBUCKETS, 3))
+    t[..., 2] = np.inf
+    return t
+
+
+def post_table(local):
+    """What a rank posts of its ``local`` table (count, KiB, fastest µs per
+    slot and size): count, ranks (1 where it has samples), KiB, fastest µs,
+    all integers, so that their sum over the ranks is exact in any order."""
+    out = np.zeros((NSLOTS, NBUCKETS, _NSTAT))
+    has = local[..., 0] > 0
+    out[..., 0] = local[..., 0]
+    out[..., 1] = has
+    out[..., 2] = local[..., 1]
+    out[..., 3] = np.where(has, local[..., 2], 0.0)
+    return out.ravel()
 
 
 def model_of(comm=None, window=WINDOW):

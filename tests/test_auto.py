@@ -4,7 +4,6 @@ hysteresis. The MPI side (every rank alike, conservation, errors on every
 rank): tests/mpi/test_auto_mpi.py."""
 import math
 
-import numpy as np
 import pytest
 
 from mpigc import _auto
@@ -15,41 +14,51 @@ COMP = ("allreduce", "compressed", "cfg")
 SERIES = ("allreduce", "compressed", "cfg")
 
 
-def _row(samples):
-    """Integer sums of (bytes, seconds) samples, as a slot holds them."""
-    r = np.zeros(5)
-    for b, t in samples:
-        x, y = b // 1024, round(t * 1e6)
-        r += (1, x, y, x * x, x * y)
-    return r
+def _merge(m, label, samples, also=()):
+    """One agreement step of one rank whose calls of ``label`` took
+    ``samples`` [(bytes, seconds)] (and ``also``: more (label, samples))."""
+    r = _auto.Model()
+    r.warm.update(range(_auto.NSLOTS))  # no warm-up call to leave out
+    for lab, smp in ((label, samples),) + tuple(also):
+        for b, t in smp:
+            r.record(r.slot(lab), b, t)
+    m.merge(_auto.post_table(r.local))
 
 
 def test_fit_recovers_latency_and_bandwidth():
     # T = 100 µs + bytes / 1 GB/s
-    f = _auto.fit_row(_row([(b, 100e-6 + b / 1e9) for b in (1 << 20, 4 << 20, 16 << 20)]))
+    m = _auto.Model()
+    _merge(m, NONE, [(b, 100e-6 + b / 1e9) for b in (1 << 20, 4 << 20, 16 << 20)])
+    f = m.fit(NONE)
     assert f.count == 3
     assert f.latency == pytest.approx(100e-6, rel=0.05)
     assert f.bandwidth == pytest.approx(1e9, rel=0.05)
     assert f.predict(8 << 20) == pytest.approx(100e-6 + (8 << 20) / 1e9, rel=0.01)
 
 
+def test_a_point_is_the_fastest_time_seen_there():
+    """A call slowed by other load does not move the model: per size, the
+    fastest of the window (each step: the ranks' fastest, averaged)."""
+    m = _auto.Model()
+    _merge(m, NONE, [(1 << 20, 2e-3), (1 << 20, 9e-3), (1 << 20, 2.5e-3)])
+    _merge(m, NONE, [(1 << 20, 40e-3)])
+    f = m.fit(NONE)
+    assert f.count == 4 and f.predict(1 << 20) == pytest.approx(2e-3)
+
+
 def test_fit_of_one_size_goes_through_the_origin_and_none_without_samples():
-    f = _auto.fit_row(_row([(1 << 20, 2e-3)] * 4))
+    f = _auto.fit_points([(1024.0, 2000.0)], 4)
     assert f.latency == 0 and f.predict(1 << 20) == pytest.approx(2e-3)
-    assert _auto.fit_row(np.zeros(5)) is None
+    assert _auto.fit_points([], 0) is None
+    assert _auto.Model().fit(NONE) is None
     # a falling time with size: no negative slope
-    f = _auto.fit_row(_row([(1 << 20, 3e-3), (4 << 20, 1e-3)]))
+    f = _auto.fit_points([(1024.0, 3000.0), (4096.0, 1000.0)], 2)
     assert f.bandwidth == math.inf and f.latency == pytest.approx(2e-3)
 
 
 def _model(none=None, comp=None):
     m = _auto.Model()
-    table = np.zeros((_auto.NSLOTS, 5))
-    if none is not None:
-        table[m.slot(NONE)] += _row(none)
-    if comp is not None:
-        table[m.slot(COMP)] += _row(comp)
-    m.merge(table.ravel())
+    _merge(m, NONE, none or [], also=[(COMP, comp or [])])
     return m
 
 
@@ -64,6 +73,7 @@ def test_the_first_calls_alternate_compressor_first_until_both_have_samples():
     assert all(d.predicted_none is None and d.predicted_compressed is None for d in got)
     # one op with enough samples is not enough; per rank: 2 samples x 3 ranks
     m = _model(none=[(1 << 20, 1e-3)] * 6, comp=[(1 << 20, 5e-3)] * 5)
+    assert (m.fit(NONE).count, m.fit(COMP).count) == (6, 5)
     assert _decide(m, size=3).reason == "measuring"
     assert _decide(m, size=2).reason == "model"
 
@@ -84,6 +94,7 @@ def test_local_samples_reach_no_decision_before_they_are_agreed():
     before = _decide(m)
     for _ in range(50):  # this rank alone finds the compressor 100x faster
         m.record(m.slot(COMP), 1 << 20, 1e-5)
+    assert m.local.any()
     after = _decide(m)
     assert (before.op, after.op) == ("none", "none")
     assert after.predicted_compressed == before.predicted_compressed
@@ -92,12 +103,9 @@ def test_local_samples_reach_no_decision_before_they_are_agreed():
 def test_hysteresis_keeps_the_last_decision_when_the_other_is_barely_faster():
     m = _model(none=[(1 << 20, 1.00e-3)] * 4, comp=[(1 << 20, 1.02e-3)] * 4)
     assert _decide(m).op == "none"
-    table = np.zeros((_auto.NSLOTS, 5))
-    table[m.slot(COMP)] = _row([(1 << 20, 0.95e-3)] * 400)  # 3% faster now
-    m.merge(table.ravel())
+    _merge(m, COMP, [(1 << 20, 0.98e-3)])  # 2% faster now
     assert _decide(m).op == "none"
-    table[m.slot(COMP)] = _row([(1 << 20, 0.5e-3)] * 4000)
-    m.merge(table.ravel())
+    _merge(m, COMP, [(1 << 20, 0.5e-3)])
     assert _decide(m).op == "2bit"
 
 
@@ -125,12 +133,16 @@ def test_slots_do_not_depend_on_the_order_of_first_use():
     assert all(0 <= s < _auto.NSLOTS for s in first)
 
 
+def test_size_buckets():
+    assert [_auto.bucket(b) for b in (0, (16 << 10) - 1, 16 << 10, 64 << 10, 1 << 20)] == [
+        0, 0, 1, 2, 4]
+    assert _auto.bucket(1 << 60) == _auto.NBUCKETS - 1
+
+
 def test_the_window_forgets_old_sums():
     m = _auto.Model()
     for i in range(_auto.WINDOW + 3):
-        t = np.zeros((_auto.NSLOTS, 5))
-        t[m.slot(NONE)] = _row([(1 << 20, 1e-3 if i < 3 else 2e-3)])
-        m.merge(t.ravel())
+        _merge(m, NONE, [(1 << 20, 1e-3 if i < 3 else 2e-3)])
     assert m.fit(NONE).count == _auto.WINDOW
     assert m.fit(NONE).predict(1 << 20) == pytest.approx(2e-3, rel=0.01)
 

@@ -1,0 +1,93 @@
+"""op="auto" against "none" and "2bit" (issue 48), one run, ratios printed.
+
+    mpirun -n 4 python benchmarks/auto.py                  # 32 MiB, shared memory
+    flock /work/notes/fabric.lock benchmarks/fabric.sh --rate 1gbit -- \\
+        mpirun -n 4 python benchmarks/auto.py --rounds 10
+
+Every op reduces the same per-rank float32 buffer (its own key, its own
+residuals). First ``--warmup`` calls of each op, untimed: for ``auto`` these
+are its first calls, which alternate 2bit and none until its model has two
+agreed samples of each per rank, then decide (about 12 calls). Then
+``--rounds`` rounds, each one timed call of every op in turn (the order
+rotates each round; a barrier before every call; a call's time is the
+slowest rank's), so load that comes and goes hits every op alike. Printed:
+median and minimum per op, the ratios of auto's median to none's, to 2bit's
+and to the faster of the two, and what auto ran in the timed rounds (its
+probes, every ``$MPIGC_AUTO_PROBE`` calls, included). A benchmark, not a
+test: it asserts nothing.
+"""
+import argparse
+import collections
+import os
+import time
+
+import numpy as np
+from mpi4py import MPI
+
+import mpigc
+from mpigc import _auto
+
+
+def _call(op, x, comm):
+    if op == "auto":
+        mpigc.allreduce(x, op="auto", key="bench-auto", comm=comm)
+        return _auto.last_decision()
+    mpigc.allreduce(x, op=op, key=f"bench-{op}", comm=comm)
+    return None
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--size-mib", type=float, default=32.0)
+    p.add_argument("--rounds", type=int, default=15)
+    p.add_argument("--warmup", type=int, default=16)
+    args = p.parse_args()
+    comm = MPI.COMM_WORLD
+    n = int(args.size_mib * (1 << 20)) // 4
+    src = np.random.default_rng([7, comm.rank]).standard_normal(n).astype(np.float32)
+    x = np.empty_like(src)
+    ops = ["none", "2bit", "auto"]
+    for op in ops:
+        for _ in range(args.warmup):
+            x[...] = src
+            _call(op, x, comm)
+    times = {op: [] for op in ops}
+    ran = collections.Counter()
+    last = None
+    for r in range(args.rounds):
+        for k in range(len(ops)):
+            op = ops[(r + k) % len(ops)]
+            x[...] = src
+            comm.Barrier()
+            t0 = time.perf_counter()
+            d = _call(op, x, comm)
+            t = comm.allreduce(time.perf_counter() - t0, op=MPI.MAX)
+            times[op].append(t)
+            if d is not None:
+                ran[f"{d.op} ({d.reason})"] += 1
+                last = d
+    if comm.rank:
+        return
+    med = {op: float(np.median(v)) for op, v in times.items()}
+    fabric = os.environ.get("MPIGC_FABRIC", "none (shared memory)")
+    load = os.getloadavg()[0]
+    print(f"# benchmarks/auto.py: {comm.size} ranks, {args.size_mib:g} MiB float32, "
+          f"{args.rounds} rounds after {args.warmup} warm-up calls per op, fabric: {fabric}, "
+          f"load {load:.1f}, {os.cpu_count()} cores")
+    print(f"{'op':>6} {'median ms':>10} {'min ms':>8}")
+    for op in ops:
+        print(f"{op:>6} {med[op] * 1e3:>10.1f} {min(times[op]) * 1e3:>8.1f}")
+    best = min(med["none"], med["2bit"])
+    print(f"auto / none  = {med['auto'] / med['none']:.3f}")
+    print(f"auto / none  = {min(times['auto']) / min(times['none']):.3f} (minima)")
+    print(f"auto / 2bit  = {med['auto'] / med['2bit']:.3f}")
+    print(f"auto / best  = {med['auto'] / best:.3f}  (best: "
+          f"{'none' if med['none'] <= med['2bit'] else '2bit'})")
+    print("auto ran: " + ", ".join(f"{k} x{v}" for k, v in sorted(ran.items())))
+    if last is not None and last.predicted_none is not None:
+        print(f"auto's last prediction: none {last.predicted_none * 1e3:.1f} ms, "
+              f"2bit {last.predicted_compressed * 1e3:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

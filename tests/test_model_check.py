@@ -24,7 +24,9 @@ the seed that replays it.
   planted back into the engine (``model_check.PLANTS``), is found within a
   bounded search; a cause in drawn scenarios within the default seeds of the
   search above that runs its kind (flat, hierarchical, two threads), so that
-  search would find it too.
+  search would find it too. Each tries the seed where it found its cause first,
+  then the rest of its range: the same verdict, one seed's time while the cause
+  stays where it was found.
 
 The default seed ranges are what CI runs: each is the smallest round range
 that holds the seed at which its searches' planted causes are found (flat
@@ -33,7 +35,8 @@ that holds the seed at which its searches' planted causes are found (flat
 searches check. A wider search is opt-in: for example
 ``MPIGC_MODEL_SEEDS=0:1000 MPIGC_MODEL_HIER_SEEDS=0:300
 MPIGC_MODEL_THREAD_SEEDS=0:200`` (before 2026-11-28 CI ran ``0:150``, ``0:60``
-and ``0:40``: 238 CPU s for this file, against about 150 now).
+and ``0:40``: 238 CPU s for this file, against about 160 on 2026-11-28 and 120
+since the planted searches start at their seeds).
 - :func:`test_small_scenarios_with_one_preemption`: every interleaving with
   at most one preemption of a few small scenarios.
 """
@@ -319,8 +322,9 @@ def _found_first(seeds, found):
     """``seeds`` with ``found`` first: the verdict is that of the whole range (a
     seed replays its interleaving, so the order of the seeds changes nothing but
     the time), and a cause still where it was found costs one seed, not all those
-    before it (2026-11-29: the nine searches 140 -> ~10 CPU s; a search that no
-    longer finds it there searches the rest of the range, in order)."""
+    before it (2026-11-29, load ~20: the nine searches 199 -> 13 s wall, the file
+    162 -> 119 CPU s; a search that no longer finds it there searches the rest of
+    the range, in order)."""
     return ([found] if found in seeds else []) + [s for s in seeds if s != found]
 
 

@@ -218,6 +218,12 @@ class Group:
         raise ConfigError("key: expected a str or int (member i gets key/i) or a list of "
                           f"keys, got {type(k).__name__}")
 
+    def offsets(self):
+        """Where each member starts in a buffer of the members one after
+        another (a plain allreduce's fused buffer, the short path's
+        message)."""
+        return _layout(self.sizes, 1, True).place[1]
+
     def counts(self, world):
         """The fused shard sizes (the settings' recvcounts)."""
         return _layout(self.sizes, world, False).counts

@@ -170,6 +170,8 @@ def _straight_group(group, cs, rec, code):
     row = _plan.new_row()
     row[_N], row[_DTYPE], row[_FP] = n, code, st.fp
 
+    sent = []
+
     def pack(j, dst):
         # the members into the message (the engine's fused buffer), their
         # non-finite values counted there
@@ -177,6 +179,7 @@ def _straight_group(group, cs, rec, code):
         np.concatenate(flats, out=mine)
         if nonfinite != "ignore":
             row[_NBAD] = _cpu.count_nonfinite(mine)
+        sent.append(mine)
     sendreqs = []
     rows = _agree.Rows(comm, rank, 2, tags[2], row, {peer: nbytes}, nbytes, sendreqs,
                        pack=pack)
@@ -185,18 +188,20 @@ def _straight_group(group, cs, rec, code):
     trace = _trace.CallTrace()
     trace.agreed()
     theirs = rows.payload(peer).view(dtype)
+    mine = sent[0]  # read only: MPI may still be sending it
     if (_plan.verdict(rows.table, rank, nonfinite) is not _plan.GO
-            or nonfinite == "ignore" and not _plainsum.inline_commutes(
-                np.concatenate(flats), theirs)):
+            or nonfinite == "ignore" and not _plainsum.inline_commutes(mine, theirs)):
         return Handover(seq, tags, rows, sendreqs, rec.limits)
     trace.went("plain", True)
-    at = 0
-    for f in flats:  # NoCompression's decode of the fused buffer, a + b
-        m = f.size
-        np.add(f, theirs[at:at + m], out=f)
-        if st.average:
-            np.divide(f, 2, out=f)
-        at += m
+    # NoCompression's decode of the fused buffer (b + a is a + b: the values
+    # are finite, or commute), summed in the received message, then into
+    # the members (one sum and a copy per member: 64 members of 4 KiB, a
+    # quarter less time than a sum per member)
+    np.add(theirs, mine, out=theirs)
+    if st.average:
+        np.divide(theirs, 2, out=theirs)
+    for f, at in zip(flats, group.offsets()):
+        f[...] = theirs[at:at + f.size]
     _wire.add_traffic(nbytes, nbytes)
     rows.release(sendreqs)
     _wire.count("short_calls")

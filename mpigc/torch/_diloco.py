@@ -245,6 +245,7 @@ class DiLoCo:
         """Every replica's shard ``s`` has the same shapes (collective over
         all of ``comm``: :class:`MismatchError` on every rank)."""
         rows = self._comm.allgather(local_shapes)
+        self._shard_shapes = rows[:self.shards]   # replica 0's: every replica's
         bad = [i for i, r in enumerate(rows) if r != rows[i % self.shards]]
         if bad:
             i = bad[0]
@@ -488,6 +489,13 @@ class StreamingDiLoCo(DiLoCo):
     taken meanwhile). ``fragments=1, overlap=0, mix=0`` is :class:`DiLoCo`
     bit for bit. Other parameters as :class:`DiLoCo`.
 
+    With ``shards=S`` the fragments are cut at whole parameters by their
+    sizes summed over the shards (the same parameters in every shard's
+    fragment ``p``), and each fragment's exchange runs over
+    :attr:`replica_comm`; whether every shard's exchange started and ended
+    is agreed over all of ``comm``, and when one failed the others drop the
+    fragment too, their residuals of it put back as before the exchange.
+
     :attr:`fragment_syncs` counts each fragment's completed exchanges.
     :meth:`synchronize` completes the exchanges in flight and then
     synchronises every fragment at once (blocking): every rank holds the
@@ -501,23 +509,26 @@ class StreamingDiLoCo(DiLoCo):
         self._shards = kw.get("shards", 1)
         super().__init__(model, inner_optimizer, **kw)
         sizes = [p.numel() for p in self._params]
-        total, bounds, off, k = sum(sizes), [0], 0, 1
-        for i, s in enumerate(sizes):  # cut at whole parameters, near k * total / P
+        whole = sizes if self.shards == 1 else [   # the parameters' sizes, all shards
+            sum(int(np.prod(shapes[i])) for shapes in self._shard_shapes)
+            for i in range(len(sizes))]
+        total, cuts, off, k = sum(whole), [0], 0, 1
+        for i, s in enumerate(whole):  # cut at whole parameters, near k * total / P
             off += s
             if k < fragments and off * fragments >= k * total and off < total:
-                bounds.append(off)
+                cuts.append(i + 1)
                 k += 1
-        bounds.append(total)
-        self._bounds = list(zip(bounds[:-1], bounds[1:]))
-        self._pending = {}     # fragment -> (request, inner step at which it applies)
+        cuts.append(len(whole))
+        starts = np.concatenate([[0], np.cumsum(sizes, dtype=np.int64)]).tolist()
+        # this rank's values of fragment p (empty where its shard holds none)
+        self._bounds = [(starts[a], starts[b]) for a, b in zip(cuts[:-1], cuts[1:])]
+        # fragment -> (request or None, inner step at which it applies, transaction)
+        self._pending = {}
         self._t = 0            # inner steps taken
         self.fragment_syncs = [0] * len(self._bounds)
 
     def _more_settings(self, named):
         n_params = len(named)
-        if self._shards > 1:
-            raise ConfigError("StreamingDiLoCo: shards > 1 is not supported (fragments of "
-                              "sharded replicas: not yet); use DiLoCo")
         if not (isinstance(self.fragments, int) and 1 <= self.fragments <= n_params):
             raise ConfigError(f"fragments must be an integer from 1 to the number of "
                               f"parameters ({n_params}), got {self.fragments!r}")
@@ -543,7 +554,7 @@ class StreamingDiLoCo(DiLoCo):
         loss = self.inner.step() if closure is None else self.inner.step(closure)
         self._t += 1
         self.window += 1     # inner steps since the last synchronize() of every fragment
-        for p in sorted(p for p, (_, at) in self._pending.items() if at <= self._t):
+        for p in sorted(p for p, v in self._pending.items() if v[1] <= self._t):
             self._finish(p)
         for p in range(len(self._bounds)):
             if self._t % self.sync_every == self._start_of(p):
@@ -562,8 +573,10 @@ class StreamingDiLoCo(DiLoCo):
         row = (self._t, p, self.fragment_syncs[p], self._settings_crc(),
                zlib.crc32(self._wire(a).tobytes()) if a.device.type == "cpu" else 0)
         rows = self._comm.allgather((row, bool(torch.isfinite(d).all())))
-        exc = None
-        if any(r != rows[0][0] for r, _ in rows):
+        exc, req, txn = None, None, None
+        # the anchor's CRC is compared between the replicas of a shard
+        if any(r[:4] != rows[0][0][:4] or r[4] != rows[i % self.shards][0][4]
+               for i, (r, _) in enumerate(rows)):
             exc = MismatchError(f"StreamingDiLoCo fragment {p}: the ranks differ in (inner "
                                 "step, fragment, its syncs, settings, anchor): "
                                 + ", ".join(str(r) for r, _ in rows))
@@ -572,27 +585,57 @@ class StreamingDiLoCo(DiLoCo):
                                  f"finite on rank(s) {[i for i, (_, f) in enumerate(rows) if not f]}"
                                  "; the fragment's window is dropped on every rank")
         if exc is None:
+            if self.shards > 1:   # put back if another shard's exchange fails
+                txn = self.feedback.transaction()
+                txn.copy(f"{self.key}/{p}")
             try:
-                req = iallreduce(self._wire(d), self.compressor, comm=self.comm,
-                                 key=f"{self.key}/{p}", average=True, gather=self.gather,
-                                 feedback=self.feedback, nonfinite="raise")
+                if hi > lo:   # sharded: a shard may hold none of this fragment
+                    req = iallreduce(self._wire(d), self.compressor, comm=self.replica_comm,
+                                     key=f"{self.key}/{p}", average=True, gather=self.gather,
+                                     feedback=self.feedback, nonfinite="raise")
             except MpigcError as e:
                 exc = e
+            exc = self._shards_agree(exc, req, txn, p, "start")
         if exc is not None:
             self._drop_fragment(p)
             if isinstance(exc, NonFiniteError) and self.nonfinite == "skip":
                 return
             raise exc
-        self._pending[p] = (req, self._t + self.overlap)
+        self._pending[p] = (req, self._t + self.overlap, txn)
+
+    def _shards_agree(self, exc, req, txn, p, what):
+        """Sharded: whether every shard's exchange of fragment ``p`` could
+        ``what`` (collective over ``comm``). Where it did but another shard's
+        did not, its request is completed (its replicas all posted it) and its
+        residuals put back: :class:`StateError`, the fragment dropped."""
+        if self.shards == 1:
+            return exc
+        failed = [i for i, ok in enumerate(self._comm.allgather(exc is None)) if not ok]
+        if failed and exc is None:
+            try:
+                if req is not None:
+                    req.wait()
+            except MpigcError:
+                pass            # a failed call leaves the residuals; put back anyway
+            txn.restore()
+            exc = StateError(f"StreamingDiLoCo fragment {p}: the exchange failed to {what} "
+                             f"on rank(s) {failed} (another shard); the fragment is dropped "
+                             "on every rank, its residuals as before the exchange")
+        return exc
 
     def _finish(self, p):
-        req, _ = self._pending.pop(p)
+        req, _, txn = self._pending.pop(p)
         lo, hi = self._bounds[p]
+        exc = None
         try:
-            req.wait()
-        except MpigcError:
+            if req is not None:
+                req.wait()
+        except MpigcError as e:
+            exc = e
+        exc = self._shards_agree(exc, None, txn, p, "complete")
+        if exc is not None:
             self._drop_fragment(p)
-            raise
+            raise exc
         g, mu, lr = self._delta[lo:hi], self.outer_momentum, self.outer_lr
         m, a = self._m[lo:hi], self._anchor[lo:hi]
         m.mul_(mu).add_(g)

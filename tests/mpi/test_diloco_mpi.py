@@ -7,7 +7,9 @@ synchronisation reached by one rank only) raised on every rank with the
 window dropped; sharded replicas (``shards=S``, FSDP2 replicas over gloo):
 with ``op="none"`` each shard ends where the unsharded DiLoCo puts it, bit for
 bit, a compressed exchange conserves per shard, state_dict resumes bit for
-bit, layouts that do not fit raise on every rank."""
+bit, layouts that do not fit raise on every rank; StreamingDiLoCo over sharded
+replicas is the unsharded one shard for shard, and a shard's failed exchange
+leaves the other shards' residuals."""
 import copy
 import os
 import sys
@@ -673,13 +675,119 @@ def test_shards_that_do_not_divide_raise_everywhere(comm):
         match="divides the")
 
 
-def test_streaming_refuses_shards(comm):
-    if comm.size == 1:
-        pytest.skip("shards > 1 needs 2 ranks")
-    t = torch.zeros(8, requires_grad=True)
-    raises_everywhere(mpigc.ConfigError, lambda: mt.StreamingDiLoCo(
-        [("w", t)], Perturb([], 0, 1, 0), shards=comm.size, sync_every=2), comm,
-        match="shards > 1")
+def sharded_streaming(comm, S, **kw):
+    """This rank's shard tensors, their Perturb and the StreamingDiLoCo over them."""
+    s, r = comm.rank % S, comm.rank // S
+    tensors = trainable([shard_of(p, S, s) for p in full_params()])
+    inner = Perturb(tensors, r, S, s)
+    return tensors, inner, mt.StreamingDiLoCo([(f"p{i}", t) for i, t in enumerate(tensors)],
+                                              inner, shards=S, **kw)
+
+
+@pytest.mark.parametrize("lr,mu,overlap", [(1.0, 0.0, 0), (0.7, 0.9, 1), (0.7, 0.9, 3)])
+def test_streaming_sharded_is_unsharded_shard_for_shard(comm, lr, mu, overlap):
+    """op="none", 3 fragments (one parameter each): the sharded
+    StreamingDiLoCo's shard s is, bit for bit, shard s of the unsharded
+    StreamingDiLoCo over the same replicas after every inner step, and each
+    fragment is exchanged on the same steps on every rank, once per round.
+    At S=4 the (5, 41) parameter has no rows on shard 3: its fragment is
+    empty there (cut by the local sizes, shard 3 would have 2 fragments)."""
+    H, rounds = 4, 3
+    for S in layouts(comm):
+        s, r = comm.rank % S, comm.rank // S
+        tensors, inner, d = sharded_streaming(comm, S, sync_every=H, op="none",
+                                              outer_lr=lr, outer_momentum=mu, fragments=3,
+                                              overlap=overlap)
+        ref_comm = comm.Split(s, r)
+        full = trainable(full_params())
+        ref = mt.StreamingDiLoCo([(f"p{i}", t) for i, t in enumerate(full)],
+                                 Perturb(full, r, 1, 0), comm=ref_comm, sync_every=H,
+                                 op="none", outer_lr=lr, outer_momentum=mu, fragments=3,
+                                 overlap=overlap)
+        assert len(d._bounds) == len(ref._bounds) == 3
+        for step in range(rounds * H):
+            d.step()
+            ref.step()
+            want = flat_of([shard_of(t, S, s) for t in full])
+            assert_all(torch.equal(flat_of(tensors), want),
+                       f"S={S} step {step + 1}: shard {s} differs from the unsharded run's")
+            assert_all(d.fragment_syncs == ref.fragment_syncs, f"S={S} step {step + 1}")
+            assert_all(len(set(map(tuple, comm.allgather(d.fragment_syncs)))) == 1,
+                       f"S={S} step {step + 1}: the ranks' fragment syncs differ")
+        assert_all(all(rounds - 1 <= n <= rounds for n in d.fragment_syncs),
+                   f"S={S}: {d.fragment_syncs}")
+        d.synchronize()
+        ref.synchronize()
+        want = flat_of([shard_of(t, S, s) for t in full])
+        assert_all(torch.equal(flat_of(tensors), want) and not d._pending,
+                   f"S={S}: after synchronize")
+        ref_comm.Free()
+
+
+def test_streaming_nonfinite_shard_drops_the_fragment_everywhere(comm):
+    """A NaN in one rank's shard of fragment 0: NonFiniteError on every rank
+    (the ranks of the other shards too), fragment 0 back at its anchor."""
+    S = 2 if comm.size % 2 == 0 else 1
+    tensors, inner, d = sharded_streaming(comm, S, sync_every=4, op="2bit", key="snf",
+                                          fragments=2, overlap=1)
+    lo, hi = d._bounds[0]     # fragment 0 starts after step 2 of every round
+    d.step()
+    anchor = d.anchor
+    if comm.rank == comm.size - 1:
+        with torch.no_grad():
+            tensors[0].view(-1)[0] = float("nan")
+    raises_everywhere(mpigc.NonFiniteError, d.step, comm, match="fragment 0")
+    assert_all(torch.equal(flat_of(tensors)[lo:hi], anchor[lo:hi]) and not d._pending
+               and d.skipped_syncs == 1, "fragment 0 not back at its anchor")
+
+
+class FailingRequest:
+    def wait(self):
+        raise mpigc.MpigcError("planted: shard 1's exchange failed")
+
+
+@pytest.mark.parametrize("when", ["start", "complete"])
+def test_streaming_failed_shard_exchange_leaves_every_shards_residuals(comm, monkeypatch,
+                                                                        when):
+    """Shard 1's exchange of fragment 0 fails when it starts or when it
+    completes; shard 0's went through: StateError there, the fragment
+    dropped on every rank, and shard 0's residuals of it put back as they
+    were before the exchange."""
+    if comm.size % 2:
+        pytest.skip("2 shards need an even number of ranks")
+    from mpigc.torch import _diloco
+    tensors, inner, d = sharded_streaming(comm, 2, sync_every=4, op="2bit", key="sfx",
+                                          fragments=2, overlap=1)
+    lo, hi = d._bounds[0]
+    for _ in range(5):   # fragment 0 exchanged at steps 2-3, fragment 1 at 4-5
+        d.step()
+    assert d.fragment_syncs == [1, 1]
+    before = {k: np.copy(v) for k, v in d.feedback.state_dict()["sfx/0"].items()
+              if isinstance(v, np.ndarray)}
+    calls = d.feedback.state_dict()["sfx/0"]["calls"]
+    anchor = d.anchor
+    if comm.rank % 2 == 1:   # every rank of shard 1
+        def failing(*a, **kw):
+            if when == "start":
+                raise mpigc.MpigcError("planted: shard 1's exchange failed")
+            return FailingRequest()
+        monkeypatch.setattr(_diloco, "iallreduce", failing)
+    got = None
+    try:
+        d.step()   # step 6: fragment 0 starts
+        d.step()   # step 7: it completes
+    except mpigc.MpigcError as e:
+        got = e
+    want = mpigc.StateError if comm.rank % 2 == 0 else mpigc.MpigcError
+    assert_all(isinstance(got, want) and "planted" in str(got) if comm.rank % 2 else
+               isinstance(got, want) and when in str(got), f"rank {comm.rank}: {got!r}")
+    after = d.feedback.state_dict()["sfx/0"]
+    same = all(np.array_equal(after[k], v) for k, v in before.items())
+    assert_all(same and after["calls"] == calls,
+               f"rank {comm.rank}: the residuals changed by a dropped exchange")
+    assert_all(torch.equal(flat_of(tensors)[lo:hi], anchor[lo:hi]) and not d._pending
+               and d.fragment_syncs == [1, 1] and d.skipped_syncs == 1,
+               "fragment 0 was not dropped")
 
 
 def test_nonfinite_shard_drops_the_window_everywhere(comm):

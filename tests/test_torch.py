@@ -288,6 +288,35 @@ def test_a_long_wait_says_so_on_stderr_and_again_every_five_times_that(mt, monke
     assert len(lines) == 1 and "still waiting after 2 s" in lines[0]
 
 
+def test_a_wait_whose_polls_are_slow_says_why_on_time(mt, monkeypatch, capsys):
+    """Polls that a loaded machine makes slow (20 ms each here; under load
+    27 on 2 cores, GradientSync's first 200 polls took 1.4 s): the line
+    still comes at warn_s and the StateError at the timeout. Before, the
+    first 200 polls read no clock, so the first line came after 4 s, said
+    "after 4 s", past the 3 s timeout (test_torch_waits_mpi's uneven inputs
+    failed under load: no "still waiting after 1 s")."""
+    from mpigc.torch import _common
+    clock = _Clock(step=0.0002)
+    monkeypatch.setattr(_common, "time", clock)
+    start = clock.now
+
+    def slow_poll():
+        clock.now += 0.02
+        return False
+
+    with pytest.raises(mpigc.StateError, match="within 3 s"):
+        _common.wait_request(slow_poll, "GradientSync (rank 0 of 2)", _common.STEP,
+                             timeout=3, warn_s=1)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "still waiting after 1 s" in lines[0], lines
+    assert clock.now - start < 3.1
+    # a wait that ends soon stays quick: no sleep before its 200th poll
+    polls, before = [], clock.now
+    _common.wait_request(lambda: len(polls) > 150 or polls.append(1), "x", _common.STEP,
+                         timeout=3, warn_s=1)
+    assert clock.now == before and capsys.readouterr().err == ""
+
+
 def test_the_first_line_of_a_wait_comes_from_the_environment(mt, monkeypatch):
     from mpigc.torch import _common
     for env, warn_s in (("60", 60.0), ("0", None), ("2.5", 2.5)):

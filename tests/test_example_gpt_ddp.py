@@ -4,31 +4,25 @@ runs unchanged as plain DDP, and with ``--mpigc 1bit`` (CompressedAdamW under
 DDP with the local-gradients hook) a run stopped at rank 0's checkpoint and
 resumed with ``--init-from resume`` ends bit for bit where the uninterrupted
 run ends."""
-import json
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
+
+from support import examples
 
 pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun on PATH")
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_gpt_ddp.py")
+EXAMPLE = examples.example("train_gpt_ddp.py")
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--context", "32",
         "--batch-size", "4", "--corpus-mb", "0.5", "--eval-iters", "2", "--warmup-iters", "2",
         "--eval-interval", "2", "--freeze-steps", "2"]
 
 
 def run(*args):
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
-               GLOO_SOCKET_IFNAME="lo")
-    cmd = ["timeout", "300", "mpirun", "--oversubscribe", "-n", "2", sys.executable, "-m",
-           "mpigc.launch", EXAMPLE, *TINY, *args]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=360)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    """One run of the example under ``mpirun -n 2 python -m mpigc.launch``: its
+    JSON summary."""
+    return examples.run(EXAMPLE, *TINY, *args, launch=True)
 
 
 def test_plain_ddp_and_mpigc_resume_bit_identical(tmp_path):

@@ -3,7 +3,9 @@ it trains (torch AdamW behind GradientSync, mpigc.torch.CompressedAdamW, DiLoCo
 and StreamingDiLoCo),
 prints its JSON summary, and a run stopped at a checkpoint and
 resumed ends bit for bit where the uninterrupted run ends (model, AdamW state,
-scheduler, residuals and the data order all come back)."""
+scheduler, residuals and the data order all come back). The runs call the
+example's ``main(argv)`` one after another in two jobs (support/examples.py),
+the resumed runs in the second, so no run resumes in the process that saved."""
 import json
 import os
 import shutil
@@ -12,45 +14,71 @@ import sys
 
 import pytest
 
+from support import background
+from support import examples
+
 pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(shutil.which("mpirun") is None, reason="no mpirun on PATH")
 
-EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "examples", "train_lm.py")
+EXAMPLE = examples.example("train_lm.py")
 TINY = ["--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--context", "32",
         "--batch-size", "4", "--corpus-mb", "0.5", "--eval-batches", "2", "--warmup", "2",
         "--eval-every", "2"]
 
 
-def run(*args):
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = ["timeout", "300", "mpirun", "--oversubscribe", "-n", "2", sys.executable, EXAMPLE,
-           *TINY, *args]
-    p = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=360)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
-
-
 # GradientSync's resume through the example once (2bit): 1bit's residuals resume
 # bit for bit in mpi/test_torch_mpi.py (test_state_dict_survives_rebucketing_and_
 # resumes_bit_exact, test_gathered_state_in_a_rank_0_torch_save_resumes_bit_exact),
-# and the example's 1bit path runs in the CompressedAdamW cases (3 jobs of 2 ranks
-# a case, 3-7 CPU s of imports each: tests/README.md, where the time goes)
-@pytest.mark.parametrize("op,extra", [
-    ("2bit", []),
+# and the example's 1bit path runs in the CompressedAdamW cases (3 runs a case; all
+# cases' runs in two jobs of 2 ranks: tests/README.md, where the time goes)
+CASES = {
+    "2bit": ("2bit", []),
     # CompressedAdamW: the checkpoint at step 2 falls after the exact warm-up
-    ("1bit", ["--optimizer", "compressed-adamw", "--freeze-steps", "1"]),
+    "cadamw": ("1bit", ["--optimizer", "compressed-adamw", "--freeze-steps", "1"]),
     # with a bf16 warm-up, local steps (synchronised at each evaluation) and a refresh
-    ("1bit", ["--optimizer", "compressed-adamw", "--freeze-steps", "1", "--warmup-op",
-              "bf16", "--sync-every", "2", "--var-refresh", "1"]),
+    "cadamw-local": ("1bit", ["--optimizer", "compressed-adamw", "--freeze-steps", "1",
+                              "--warmup-op", "bf16", "--sync-every", "2", "--var-refresh",
+                              "1"]),
     # DiLoCo: local AdamW, the outer exchange (2bit, error feedback) every 2 steps;
     # each rank's own AdamW and outer state come back from the checkpoint
-    ("2bit", ["--diloco", "2"]),
+    "diloco": ("2bit", ["--diloco", "2"]),
     # Streaming DiLoCo: 2 fragments on a staggered schedule, each exchange overlapped
     # with the next inner step; the evaluations' synchronize() completes them
-    ("2bit", ["--diloco", "2", "--streaming", "2", "--overlap", "1"])],
-    ids=["2bit", "cadamw", "cadamw-local", "diloco", "streaming"])
-def test_resume_is_bit_identical(op, extra, tmp_path):
-    whole = run("--op", op, "--steps", "4", *extra)
+    "streaming": ("2bit", ["--diloco", "2", "--streaming", "2", "--overlap", "1"]),
+}
+
+
+def _runs(op, extra, ck):
+    """A case's three runs: uninterrupted to step 4, stopped at the checkpoint of
+    step 2, resumed from it to step 4."""
+    return [[*TINY, "--op", op, "--steps", "4", *extra],
+            [*TINY, "--op", op, "--steps", "2", "--checkpoint", ck, *extra],
+            [*TINY, "--op", op, "--steps", "4", "--checkpoint", ck, "--resume", *extra]]
+
+
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory):
+    """The runs of every selected case in two jobs of 2 ranks (support/examples.py:
+    a job's start and torch's import once, not once per run; 15 jobs before): the
+    uninterrupted and the stopped runs of every case, then in a fresh job the
+    resumed runs, so that no run resumes in the process that saved its checkpoint.
+    {case: ((job, index) of its uninterrupted, stopped and resumed runs)}."""
+    saving, resuming, where = [], [], {}
+    for case in background.selected(request, "test_resume_is_bit_identical", "case"):
+        whole, first, resumed = _runs(*CASES[case],
+                                      str(tmp_path_factory.mktemp(case) / "ck"))
+        where[case] = (len(saving), len(saving) + 1, len(resuming))
+        saving += [whole, first]
+        resuming.append(resumed)
+    a = examples.run_in_one_job(EXAMPLE, saving, timeout=300 + 60 * len(saving))
+    b = examples.run_in_one_job(EXAMPLE, resuming, timeout=300 + 60 * len(resuming))
+    return {case: ((a, i), (a, j), (b, k)) for case, (i, j, k) in where.items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_resume_is_bit_identical(case, jobs):
+    op, extra = CASES[case]
+    whole, first, resumed = (job.result(i) for job, i in jobs[case])
     assert whole["parameters_equal"] and whole["steps"] == 4
     if not extra:  # below a uniform guess over 256 bytes (5.55) + noise
         assert 0 < whole["val_loss"] < 6.0
@@ -64,10 +92,7 @@ def test_resume_is_bit_identical(op, extra, tmp_path):
         assert whole["params"]["fragments"] == 2 and whole["params"]["overlap"] == 1
     elif "--diloco" in extra:   # outer steps after steps 2 and 4
         assert whole["outer_syncs"] == 2
-    ck = str(tmp_path / "ck")
-    first = run("--op", op, "--steps", "2", "--checkpoint", ck, *extra)
-    assert first["val_loss"] != whole["val_loss"]
-    resumed = run("--op", op, "--steps", "4", "--checkpoint", ck, "--resume", *extra)
+    assert first["steps"] == 2 and first["val_loss"] != whole["val_loss"]
     assert resumed["val_loss"] == whole["val_loss"]
 
 

@@ -18,11 +18,13 @@ from .compressors import (BF16, FP16, Compressor, NoCompression, OneBit, TernGra
                           TwoBit, available_compressors, get_compressor, register_compressor)
 from .feedback import ErrorFeedback, get_default_feedback, shard_bounds
 from .reduce_scatter import ireduce_scatter, reduce_scatter
+from ._auto import AutoRequest, last_decision as last_auto_decision
 from . import diagnostics
 
 __all__ = [
     "__version__",
     "allreduce", "iallreduce", "reduce_scatter", "ireduce_scatter", "Request",
+    "AutoRequest", "last_auto_decision",
     "traffic", "reset_traffic", "diagnostics", "timeline",
     "cuda_aware_mpi", "CudaAwareness", "select_device",
     "get_compressor", "register_compressor", "available_compressors",

@@ -4,6 +4,7 @@ hysteresis. The MPI side (every rank alike, conservation, errors on every
 rank): tests/mpi/test_auto_mpi.py."""
 import math
 
+import numpy as np
 import pytest
 
 from mpigc import _auto
@@ -161,3 +162,25 @@ def test_the_refused_op_raises_its_message_wherever_it_is_read():
         r.codec_id
     with pytest.raises(ConfigError, match="auto_pin"):
         r.get_config()
+
+
+def test_the_timeline_says_what_ran_and_why(tmp_path):
+    """One rank: each op="auto" call has an 'auto' event with its decision."""
+    import json
+
+    import mpigc
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD.Dup()
+    mpigc.timeline.start(str(tmp_path / "t.json"))
+    try:
+        for _ in range(3):
+            mpigc.allreduce(np.ones(1 << 14, np.float32), op="auto", key="tl", comm=comm,
+                            feedback=mpigc.ErrorFeedback())
+    finally:
+        path = mpigc.timeline.stop()
+    events = json.load(open(path))["traceEvents"]
+    auto = [e["args"] for e in events if e.get("name") == "auto"]
+    assert [(a["op"], a["reason"]) for a in auto] == [
+        ("2bit", "measuring"), ("none", "measuring"), ("2bit", "measuring")]
+    _auto.model_of(comm).settle()
+    comm.Free()

@@ -9,8 +9,8 @@ concrete op.
 The model (:class:`Model`, one per user communicator, kept as an MPI
 attribute of it). Each op the calls run has a *slot* per kind of call
 (``allreduce``/``reduce_scatter``; the compressor's slot also per config and
-``gather``; a slot is the CRC of that label modulo :data:`NSLOTS`, the same
-on every rank). A call's time is its wall time on this rank, from its start
+``gather``; a slot is the CRC of that label modulo :data:`NSLOTS`, or the
+next free one where another label took it first: the same on every rank). A call's time is its wall time on this rank, from its start
 to the end of its wait (``op="none"``: the plain sum; a compressor: encoding,
 exchange and decoding, all in one); a nonblocking call counts only when its
 ``wait()`` found it not yet done (then the end of the wait is its end;
@@ -210,11 +210,19 @@ class Model:
         self.syncs = 0
 
     def slot(self, label):
-        """The slot of ``label``: the same on every rank whatever the order
-        of first use (two labels of one CRC share a slot, on every rank)."""
+        """The slot of ``label``: its CRC modulo :data:`NSLOTS`, the same on
+        every rank whatever the order of first use; where a label seen
+        before holds it, the next free one (the labels come in the order of
+        the calls, the same on every rank)."""
         i = self.slots.get(label)
         if i is None:
-            i = self.slots[label] = zlib.crc32(repr(label).encode()) % NSLOTS
+            taken = set(self.slots.values())
+            i = zlib.crc32(repr(label).encode()) % NSLOTS
+            for _ in range(NSLOTS):
+                if i not in taken:
+                    break
+                i = (i + 1) % NSLOTS
+            self.slots[label] = i
         return i
 
     def record(self, slot, nbytes, seconds):

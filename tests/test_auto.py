@@ -134,6 +134,20 @@ def test_slots_do_not_depend_on_the_order_of_first_use():
     assert all(0 <= s < _auto.NSLOTS for s in first)
 
 
+def test_labels_of_one_crc_get_slots_of_their_own():
+    """(allreduce, exact, 2bit) and (reduce_scatter, fp16) share a CRC slot."""
+    import mpigc
+    cfg = {op: repr(sorted(mpigc.get_compressor(op).get_config().items()))
+           for op in ("2bit", "1bit", "fp16")}
+    a, b = ("allreduce", "exact", cfg["2bit"]), ("reduce_scatter", "", cfg["fp16"])
+    m = _auto.Model()
+    assert m.slot(a) != m.slot(b)
+    assert m.slot(a) == m.slot(a)
+    labels = [(k, g, c) for k in ("allreduce", "reduce_scatter") for g in ("", "exact")
+              for c in cfg.values()] + [a, b, NONE, COMP]
+    assert len({m.slot(x) for x in labels}) == len(set(labels))
+
+
 def test_size_buckets():
     assert [_auto.bucket(b) for b in (0, (16 << 10) - 1, 16 << 10, 64 << 10, 1 << 20)] == [
         0, 0, 1, 2, 4]

@@ -130,10 +130,16 @@ def _conserved(dup, fb, kind, pins, nonblocking=False, group=False):
                 ran.append(_auto.last_decision().op)
             for j, b in enumerate(bufs):
                 total_out[j] += b
+        elif nonblocking:
+            req = mpigc.ireduce_scatter(arg, op="auto", key=key, comm=dup, feedback=fb,
+                                        auto_pin=pin)
+            got = req.wait()
+            ran.append(req.decision.op)
         else:
             got = mpigc.reduce_scatter(arg, op="auto", key=key, comm=dup, feedback=fb,
                                        auto_pin=pin)
             ran.append(_auto.last_decision().op)
+        if kind != "allreduce":
             got = got if group else [got]
             for j, g in enumerate(got):
                 total_out[j] += np.concatenate(dup.allgather(g.astype(np.float64)))
@@ -150,7 +156,8 @@ PINS = ["compressed", "compressed", "none", "compressed", "none", "none", "compr
 @pytest.mark.mpi
 @pytest.mark.parametrize("kind,nonblocking,group", [
     ("allreduce", False, False), ("allreduce", True, False), ("allreduce", False, True),
-    ("reduce_scatter", False, False), ("reduce_scatter", False, True)])
+    ("reduce_scatter", False, False), ("reduce_scatter", True, False),
+    ("reduce_scatter", False, True)])
 def test_error_feedback_is_conserved_across_switches(dup, fb, kind, nonblocking, group):
     worst, ran = _conserved(dup, fb, kind, PINS, nonblocking, group)
     assert_all(worst < 1e-4 * dup.size, f"conservation off by {worst} ({ran})", dup)

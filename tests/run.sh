@@ -44,12 +44,18 @@ PYTEST=(python -m pytest -p no:cacheprovider -q --color=no)
 
 # the plain files that are a run of their own, the longest first (seconds of each
 # as a run beside another on the 2-core VM, 2026-11-28: 367, 344 (one core: the
-# model checker), 315, 191, 120; then 95, 44, 27); the rest of the plain suite (149)
-# is one run, after the first five, and the 1-rank MPI tests (68) come after the
-# first light file
+# model checker; about 250 since its planted searches start at their seeds,
+# 2026-11-29), 315, 191; then 95, 44, and the examples' jobs of 2 ranks with torch,
+# about 12 CPU s a job: test_example_gpt_fsdp 5 jobs, test_example_lm 4 since its
+# 15 runs share 2 jobs (120 s before, 2026-11-29), test_example_gpt_ddp 4); the rest of
+# the plain suite (149 with test_example_gpt_fsdp, about 100 without) is one run,
+# after the first four, and the 1-rank MPI tests (68) come after the first light
+# file. On 2 cores the plain tests take about their CPU seconds over 2 (the runs are
+# balanced): only less CPU makes them shorter (tests/README.md, where the time goes)
 HEAVY=(tests/test_gpu_path_sim.py tests/test_model_check.py tests/test_cuda_sim.py
-       tests/test_torch.py tests/test_example_lm.py)
-LIGHT=(tests/test_launch_abort.py tests/test_docs.py tests/test_example_gpt_ddp.py)
+       tests/test_torch.py)
+LIGHT=(tests/test_launch_abort.py tests/test_docs.py tests/test_example_gpt_fsdp.py
+       tests/test_example_lm.py tests/test_example_gpt_ddp.py)
 
 passed=0; failed=0; status=0
 tally() {  # add up the counts of a pytest summary line in file $1; exit status $2

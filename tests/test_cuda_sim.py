@@ -1215,7 +1215,7 @@ def _engine_launches(np, cuda):
                     g = rng.standard_normal(37).astype(dtype)
                     mpigc.allreduce(cuda.to_device(g), gather=gather, **kw())
                 # reduce_scatter takes no gather: once (it ran once per gather before
-                # 2026-11-29, the same 38 signatures recorded; 20.6 -> 16.0 CPU s)
+                # 2026-11-29, the same 38 signatures recorded; 20.6 -> 16.8 CPU s)
                 mpigc.reduce_scatter(cuda.to_device(g), **kw())
             g = rng.standard_normal(37).astype(dtype)
             g[3] = np.nan

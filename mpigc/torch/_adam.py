@@ -192,7 +192,7 @@ class CompressedAdamW(AdamSteps, torch.optim.Optimizer):
         # load_checkpoint), within $MPIGC_TORCH_TIMEOUT; the step's exchanges
         # watch it (a method called inside `if rank == 0:` raises on every rank)
         self._timeout = resolve_timeout(None)
-        self._arrive = Rendezvous(self._comm, resolve_warn_s())
+        self._arrive = Rendezvous(self._comm, resolve_warn_s(), abandon=self._abandon)
         self.freeze_steps = freeze_steps if freeze_steps == "auto" else int(freeze_steps)
         self.warmup_op = warmup_op
         self.freeze_threshold = float(freeze_threshold)

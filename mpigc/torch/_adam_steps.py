@@ -3,17 +3,9 @@ freeze, 0/1 Adam's refreshes), the update, and 0/1 Adam's local steps
 (``sync_every``: a window of local updates, then one compressed exchange)."""
 import torch
 
+from .._errors import MismatchError, NonFiniteError
 from ..allreduce import iallreduce
-from ._common import STEP, wait_request
-
-
-def _settled(req):
-    """Whether engine request ``req`` is done or failed (its error stays
-    with it, for its ``wait()``)."""
-    try:
-        return req.test()
-    except Exception:  # noqa: BLE001 - raised again by its wait()
-        return True
+from ._common import STEP, settled, wait_request
 
 
 class AdamSteps:
@@ -28,17 +20,65 @@ class AdamSteps:
         """Average ``buf`` over the ranks; True if the result is finite (the
         same answer on every rank: the result is the same). The wait watches
         the rendezvous: :class:`MismatchError` on every rank when some rank
-        is in a collective method (``save_checkpoint``) instead of this step."""
+        is in a collective method (``save_checkpoint``) instead of this step;
+        that rank abandons the exchange as it raises (:meth:`_abandon`), so
+        that it ends on every rank and the next step works everywhere."""
         req = iallreduce(self._wire(buf), op, comm=self.comm, average=True,
                          gather=self.gather, nonfinite=self.nonfinite, **kw)
         self._arrive.step_posted()
+        doing = f"CompressedAdamW's exchange of step {self._arrive.posted}"
         label = f"CompressedAdamW.step (rank {self.comm.rank} of {self.comm.size})"
-        # no timeout and no lines on stderr (as the blocking call before): the watch only
-        wait_request(lambda: _settled(req), label, STEP, timeout=None, warn_s=None,
-                     watch=self._arrive.watch("CompressedAdamW's exchange of step {step}",
-                                              label))
-        req.wait()
-        return bool(torch.isfinite(buf).all())
+        found = None
+        try:  # no timeout and no lines on stderr (as the blocking call before): the watch only
+            wait_request(lambda: settled(req), label, STEP, timeout=None, warn_s=None,
+                         watch=self._arrive.watch(doing, label))
+        except MismatchError as e:  # the ranks in the method abandon it as they raise
+            found = e
+            wait_request(lambda: settled(req), label, STEP, timeout=self._timeout,
+                         warn_s=self._arrive.warn_s)
+        try:
+            req.wait()
+            if bool(torch.isfinite(buf).all()):
+                return True  # (after `found`: the method timed out there, then stepped)
+            error = None
+        except NonFiniteError as e:
+            error = e
+        # not finite on every rank: a rank's NaN/Inf, or an exchange abandoned
+        told = self._comm.allgather(None)
+        gone = [(q, t) for q, t in enumerate(told) if t is not None]
+        for q, (attempt, _) in gone:
+            self._arrive.forget(q, attempt)
+        if gone:
+            q, (_, text) = gone[0]
+            raise found or self._arrive.mismatch(q, text, doing, label)
+        if error is not None:
+            raise error
+        return False
+
+    def _abandon(self, what):
+        """The Rendezvous's ``abandon`` on a rank in the collective method
+        ``what`` while the others wait in the exchange this rank posts next:
+        this rank's side of it, all NaN, so that it ends on every rank with
+        no residual changed (``nonfinite``: a NaN result or NonFiniteError,
+        on every rank), and the others told that it was abandoned (the
+        gather of :meth:`_exchange`'s non-finite end), so they raise
+        MismatchError instead of skipping the step. The exchange is the
+        warm-up's before the freeze, else the compressed one (a window's
+        or a refresh's come after a step's first exchange, which the others
+        cannot have passed)."""
+        buf = torch.full_like(self._flat_g, float("nan"))
+        op, kw = ((self.compressor, dict(key=self.key, feedback=self.feedback))
+                  if self.frozen else (self.warmup_op, {}))
+        req = iallreduce(self._wire(buf), op, comm=self.comm, average=True,
+                         gather=self.gather, nonfinite=self.nonfinite, **kw)
+        self._arrive.step_posted()
+        label = f"{what} (rank {self.comm.rank} of {self.comm.size})"
+        wait_request(lambda: settled(req), label, STEP, timeout=None, warn_s=None)
+        try:
+            req.wait()
+        except NonFiniteError:
+            pass
+        self._comm.allgather((self._arrive.attempt, what))
 
     @property
     def frozen(self):
@@ -53,6 +93,12 @@ class AdamSteps:
         if self._window == 0:
             self._flatten_params(self._x0)
             self._m_local.copy_(self._m)
+        kept = None
+        if self._window + 1 == self.sync_every:  # ends in an exchange: kept for an abandon
+            params = torch.empty_like(self._x0)
+            self._flatten_params(params)
+            kept = (params, self._acc.clone(), self._m_local.clone(), list(self._lr_sum),
+                    list(self._decay), self._steps, self._window)
         for i, (group, (lo, hi)) in enumerate(zip(self.param_groups, self._slices)):
             b1 = group["betas"][0]
             g[lo:hi].mul_(1 - b1).add_(self._m_local[lo:hi] * b1)
@@ -65,7 +111,15 @@ class AdamSteps:
         self._steps = t
         self._window += 1
         if self._window == self.sync_every:
-            self._end_window(loss)
+            try:
+                self._end_window(loss)
+            except MismatchError:  # abandoned: as before this step (its parameters too)
+                params, acc, m_local, self._lr_sum, self._decay, self._steps, \
+                    self._window = kept
+                self._unflatten_params(params)
+                self._acc.copy_(acc)
+                self._m_local.copy_(m_local)
+                raise
             if refresh and self._window == 0 and self._steps == t:
                 self._refresh(t)
         return loss
@@ -86,7 +140,12 @@ class AdamSteps:
 
     def _end_window(self, loss):
         acc = self._acc
-        ok = self._exchange(acc, self.compressor, key=self.key, feedback=self.feedback)
+        kept = acc.clone()  # the exchange writes into it: back if it is abandoned
+        try:
+            ok = self._exchange(acc, self.compressor, key=self.key, feedback=self.feedback)
+        except MismatchError:
+            acc.copy_(kept)
+            raise
         if ok:
             for i, (group, (lo, hi)) in enumerate(zip(self.param_groups, self._slices)):
                 c2 = 1 - group["betas"][1] ** self.variance_updates

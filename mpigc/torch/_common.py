@@ -385,6 +385,16 @@ def _say(what, wait, elapsed, timeout, warn_s):
         pass
 
 
+def settled(req):
+    """Whether engine request ``req`` is done or failed (its error stays
+    with it, for its ``wait()``): the ``test`` of a :func:`wait_request`
+    for an engine call."""
+    try:
+        return req.test()
+    except Exception:  # noqa: BLE001 - raised again by its wait()
+        return True
+
+
 def wait_request(test, what, wait, *, timeout, warn_s, progress=None, since=None,
                  watch=None):
     """Poll ``test()`` until it is true, calling ``progress()`` meanwhile: the
@@ -482,13 +492,21 @@ class Rendezvous:
     timeout the announcement is withdrawn; after a mismatch it stays, so
     that every rank that waits in a step raises on it, until the method
     completes on every rank.
+
+    ``abandon``: the owner's way to end the others' step instead (None:
+    they stay in it). A rank in a method that raises on a mismatch found by
+    a rank in a step calls ``abandon(what)`` first (``what``: the method's
+    words): the owner posts its side of that step so that the step
+    completes on every rank in a way the others recognise as abandoned, and
+    they then :meth:`forget` its announcement (:class:`CompressedAdamW`).
     """
 
     _TAG = 0  # every message on the channel: (kind, ...), in order per sender
 
-    def __init__(self, comm, warn_s):
+    def __init__(self, comm, warn_s, abandon=None):
         self.comm = comm.Dup()  # the channel: gathers and announcements only
         self.warn_s = warn_s
+        self.abandon = abandon
         self.rank, self.size = self.comm.Get_rank(), self.comm.Get_size()
         self.req = None  # a gather posted by a call that raised
         self._method = None  # (method, text) of the posted gather
@@ -498,7 +516,21 @@ class Rendezvous:
         self._attempt = 0  # calls here (a withdrawal names the announcement it withdraws)
         self._announced = False
         self._peers = {}  # rank -> its last announcement (done, posted, method, text, attempt)
+        self._forgotten = {}  # rank -> its last attempt whose announcement is forgotten
         self._sends = []  # requests of messages sent, tested now and then
+
+    @property
+    def attempt(self):
+        """Calls of a method here so far (what an announcement names)."""
+        return self._attempt
+
+    def forget(self, rank, attempt):
+        """Drop ``rank``'s announcement of its call number ``attempt`` (and of
+        earlier ones), read or still to come: that call abandoned the step
+        this rank waited in (``abandon``), so it blocks no later step."""
+        self._forgotten[rank] = max(attempt, self._forgotten.get(rank, 0))
+        if rank in self._peers and self._peers[rank][4] <= attempt:
+            del self._peers[rank]
 
     def step_posted(self):
         """The owner posted the collective of one more step (every rank
@@ -554,7 +586,8 @@ class Rendezvous:
             q = status.Get_source()
             msg = self.comm.recv(None, q, self._TAG)
             if msg[0] == "A":
-                self._peers[q] = msg[1:]
+                if msg[5] > self._forgotten.get(q, 0):
+                    self._peers[q] = msg[1:]
             elif msg[0] == "W":
                 if q in self._peers and self._peers[q][4] == msg[1]:
                     del self._peers[q]
@@ -573,6 +606,8 @@ class Rendezvous:
         for q, done, posted, doing in self._read():
             if done != self.done or posted <= self.posted:
                 continue
+            if self.abandon is not None and posted == self.posted + 1:
+                self.abandon(self._method[1])  # the others' step ends, abandoned
             raise MismatchError(
                 f"{label}: rank {self.rank} is in {self._method[1]} ({_COLLECTIVE}); "
                 f"rank {q} is in {doing}, which it cannot leave until this rank "
@@ -596,10 +631,15 @@ class Rendezvous:
                 doing = doing.format(step=self.posted)
                 # every rank in a method learns it (not only those it announced)
                 self._send_all(("M", self.done, self.posted, doing))
-                raise MismatchError(
-                    f"{label}: rank {q} is in {text} ({_COLLECTIVE}); rank {self.rank} is "
-                    f"in {doing}, which rank {q} reaches only after that method, which waits "
-                    "for this rank. Call the method on every rank at the same point of the loop")
+                raise self.mismatch(q, text, doing, label)
+
+    def mismatch(self, rank, text, doing, label):
+        """The :class:`MismatchError` of this rank, in ``doing`` (its step's
+        words), while ``rank`` is in the method ``text``."""
+        return MismatchError(
+            f"{label}: rank {rank} is in {text} ({_COLLECTIVE}); rank {self.rank} is in "
+            f"{doing}, which rank {rank} reaches only after that method, which waits for "
+            "this rank. Call the method on every rank at the same point of the loop")
 
 # -- device buckets ------------------------------------------------------------
 def simulating():

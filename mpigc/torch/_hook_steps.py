@@ -14,17 +14,8 @@ from .._errors import MismatchError, MpigcError, StateError
 from ..allreduce import iallreduce
 
 from ._common import (HOOK_STALE, HOOK_STEP, engine_after_torch, engine_array, first_is_nan,
-                      profiled, simulating, torch_after_engine, wait_request,
+                      profiled, settled, simulating, torch_after_engine, wait_request,
                       warn_if_uncompressed)
-
-
-def _settled(req):
-    """Whether engine request ``req`` is done or failed (its error stays
-    with it, for its ``wait()``)."""
-    try:
-        return req.test()
-    except Exception:  # noqa: BLE001 - raised again by its wait()
-        return True
 
 
 def _raise_after_backward(error):
@@ -180,7 +171,7 @@ class HookSteps:
             if buf.is_cuda:
                 engine_after_torch(buf.device)
             # a timeout keeps the rest (unwatched: an older step than the one posted)
-            self._wait(lambda: _settled(req), HOOK_STALE, t0, watched=False)
+            self._wait(lambda: settled(req), HOOK_STALE, t0, watched=False)
             self._stale.pop(0)
             try:
                 req.wait()
@@ -218,10 +209,10 @@ class HookSteps:
             with profiled(f"mpigc: wait bucket {layout.key}"):
                 if late is None:
                     try:
-                        self._wait(lambda: _settled(req), HOOK_STEP, t0)
+                        self._wait(lambda: settled(req), HOOK_STEP, t0)
                     except (StateError, MismatchError) as e:
                         late = e
-                if late is not None and not _settled(req):
+                if late is not None and not settled(req):
                     self._stale.append((req, buf))
                     error = error or late
                     failed.append(True)

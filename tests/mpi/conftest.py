@@ -30,6 +30,7 @@ of its own, which wins over the file's (``@pytest.mark.ranks(2)`` above the
 test: a pair-only check skips at 3 and 4 while the rest of the file runs
 there); its counts must be among the file's.
 """
+import faulthandler
 import os
 import re
 import sys
@@ -138,6 +139,17 @@ def on_root(fn, comm=MPI.COMM_WORLD):
     if what is not None:
         raise RuntimeError(f"rank 0 failed: {what}")
     return result
+
+
+@pytest.fixture
+def watchdog():
+    """A hang of this test kills the rank, with its traceback on stderr,
+    after 120 s (for tests of waits whose default timeout is 1800 s, so that
+    a hang fails the test instead of stalling the run until the outer
+    ``timeout``); disarmed when the test ends."""
+    faulthandler.dump_traceback_later(120, exit=True)
+    yield
+    faulthandler.cancel_dump_traceback_later()
 
 
 # -- watchdog: a rank never leaves a test alone -----------------------------------

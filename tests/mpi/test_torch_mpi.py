@@ -1114,14 +1114,6 @@ def test_state_dict_on_one_rank_fails_there_within_the_timeout(comm, gloo, hook)
     assert_all(ok and isinstance(state, dict), f"{err!r} after {took} s")
 
 
-def _watchdog(seconds=120):
-    """A hang (the default timeout is 1800 s) kills this rank, with its
-    traceback on stderr, instead of the run."""
-    import faulthandler
-    faulthandler.dump_traceback_later(seconds, exit=True)
-    return faulthandler.cancel_dump_traceback_later
-
-
 class _Trainer:
     """One model trained by ``kind``: ``sync`` (GradientSync and wait()),
     ``optimizer`` (DistributedOptimizer: opt.step()) or ``hook``
@@ -1165,7 +1157,7 @@ class _Trainer:
 @pytest.mark.parametrize("method", ["state_dict", "save_checkpoint"])
 @pytest.mark.parametrize("kind", ["sync", "optimizer", "hook"])
 def test_a_collective_method_on_rank_0_only_raises_on_every_rank_at_once(
-        comm, gloo, monkeypatch, tmp_path_factory, kind, method):
+        comm, gloo, monkeypatch, tmp_path_factory, kind, method, watchdog):
     """The checkpoint of a DDP script saved inside `if rank == 0:` with the
     default timeout (1800 s): rank 0 waits in the method, the others in the
     next step; a MismatchError on every rank, promptly, that names the
@@ -1177,7 +1169,6 @@ def test_a_collective_method_on_rank_0_only_raises_on_every_rank_at_once(
     monkeypatch.delenv("MPIGC_TORCH_TIMEOUT", raising=False)
     path = comm.bcast(str(tmp_path_factory.mktemp("one")) if comm.rank == 0 else None)
     t = _Trainer(kind, comm)
-    cancel = _watchdog()
     err, took = None, None
     try:
         t0 = time.monotonic()
@@ -1206,7 +1197,6 @@ def test_a_collective_method_on_rank_0_only_raises_on_every_rank_at_once(
     else:
         t.holder.wait()
     state = t.call(method, path + "/b")
-    cancel()
     ok &= state is not None
     if kind != "hook":
         mine = t.params()
@@ -1217,7 +1207,7 @@ def test_a_collective_method_on_rank_0_only_raises_on_every_rank_at_once(
 @pytest.mark.mpi
 @pytest.mark.parametrize("kind", ["sync", "optimizer", "hook"])
 def test_collective_methods_on_every_rank_at_different_times_just_work(
-        comm, gloo, monkeypatch, tmp_path_factory, kind):
+        comm, gloo, monkeypatch, tmp_path_factory, kind, watchdog):
     """The methods on every rank, twice in a row at two steps, with the last
     rank late for them (the others wait long enough to tell it which method
     they are in) and rank 0 late for the step after (the others wait in it
@@ -1226,7 +1216,6 @@ def test_collective_methods_on_every_rank_at_different_times_just_work(
     monkeypatch.delenv("MPIGC_TORCH_TIMEOUT", raising=False)
     path = comm.bcast(str(tmp_path_factory.mktemp("all")) if comm.rank == 0 else None)
     t = _Trainer(kind, comm)
-    cancel = _watchdog()
     err = None
     try:
         for step in range(5):
@@ -1241,7 +1230,6 @@ def test_collective_methods_on_every_rank_at_different_times_just_work(
                 t.call("save_checkpoint", f"{path}/{step}b")
     except mpigc.MpigcError as e:
         err = e
-    cancel()
     ok = err is None
     if kind != "hook":
         mine = t.params()
@@ -1251,7 +1239,7 @@ def test_collective_methods_on_every_rank_at_different_times_just_work(
 
 @pytest.mark.mpi
 def test_a_collective_method_while_a_rank_shadows_in_join_raises_on_every_rank(
-        comm, monkeypatch):
+        comm, monkeypatch, watchdog):
     """Uneven inputs under join(), and state_dict in the loop: rank 0 ran out of
     batches and shadows the others' steps in join() while they call
     state_dict (default timeout): a MismatchError on every rank naming both
@@ -1265,7 +1253,6 @@ def test_a_collective_method_while_a_rank_shadows_in_join_raises_on_every_rank(
     model = make_model()
     opt = mt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model,
                                   op="2bit", bucket_mb=0.002, comm=sub)
-    cancel = _watchdog()
     err = None
     try:
         with opt.join():
@@ -1277,7 +1264,6 @@ def test_a_collective_method_while_a_rank_shadows_in_join_raises_on_every_rank(
                     opt.sync.state_dict()
     except mpigc.MpigcError as e:
         err = e
-    cancel()
     ok = (isinstance(err, mpigc.MismatchError)
           and "GradientSync.state_dict" in str(err) and "join()" in str(err))
     assert_all(ok, repr(err))
@@ -1286,22 +1272,19 @@ def test_a_collective_method_while_a_rank_shadows_in_join_raises_on_every_rank(
 @pytest.mark.mpi
 @pytest.mark.parametrize("hook", [False, True])
 def test_two_different_collective_methods_raise_on_every_rank(comm, gloo, tmp_path_factory,
-                                                              hook):
+                                                              hook, watchdog):
     """Rank 0 in load_checkpoint, the others in state_dict: a MismatchError on
     every rank naming both, instead of each going on into another collective."""
     path = comm.bcast(str(tmp_path_factory.mktemp("two")) if comm.rank == 0 else None)
     t = _Trainer("hook" if hook else "sync", comm)
     t.step(0)
     t.holder.save_checkpoint(path + "/a")
-    cancel = _watchdog()
     if comm.size == 1:
         t.holder.load_checkpoint(path + "/a")
-        cancel()
         return
     got = raises_everywhere(mpigc.MismatchError, lambda: (
         t.holder.load_checkpoint(path + "/a") if comm.rank == 0 else t.holder.state_dict()),
         comm, match="different collective methods")
-    cancel()
     assert_all("load_checkpoint" in str(got) and "state_dict" in str(got), str(got))
 
 

@@ -296,3 +296,223 @@ def test_doc_recipe_runs(comm, root, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert_all(re.search(rf"rank {comm.rank}: [1-9][0-9]* compressed allreduces, "
                          r"resumed from .*epoch=1", out), out[-500:])
+
+
+# -- CompressedAdamW: MpigcCompressedAdamW --------------------------------------------
+from mpigc.checkpoint import CheckpointError  # noqa: E402
+from mpigc.torch.lightning import ADAMW_CHECKPOINT_KEY, MpigcCompressedAdamW  # noqa: E402
+
+ADAM = {"lr": 0.01, "op": "2bit", "threshold": 2.0 ** -6, "freeze_steps": 2}
+
+
+class AdamNet(Net):
+    """The toy model with CompressedAdamW (a window of ``sync_every`` local steps)."""
+
+    def __init__(self, sync_every=1, **kw):
+        super().__init__()
+        self.sync_every, self.kw = sync_every, {**ADAM, **kw}
+
+    def configure_optimizers(self):
+        return mt.CompressedAdamW(self.parameters(), sync_every=self.sync_every, **self.kw)
+
+
+class Grads(L.Callback):
+    """The gradients each optimizer step is given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+        self.seen.append(torch.cat([p.grad.reshape(-1) for p in pl_module.parameters()]))
+
+
+def adam_state(opt):
+    """A CompressedAdamW's moments, window and residuals, as comparable bytes."""
+    own = opt.state_dict()["mpigc"]
+    out = {k: own[k].numpy().tobytes() for k in ("exp_avg", "exp_avg_sq")}
+    out["steps"] = (own["steps"], own["frozen_at"], own["skipped_steps"])
+    win = own["window"] or {}
+    out["window"] = {k: (v.numpy().tobytes() if torch.is_tensor(v) else v)
+                     for k, v in win.items()}
+    out["residuals"] = {k: (None if s["worker"] is None else s["worker"].tobytes(),
+                            None if s["owner"] is None else s["owner"].tobytes(), s["calls"])
+                        for k, s in opt.feedback.state_dict().items()}
+    return out
+
+
+def adam_by_hand(comm, steps, sync_every):
+    """CompressedAdamW under DDP with local_gradients_hook, driven by hand on
+    the batches Lightning gives: (parameters, optimizer, gradients, calls)."""
+    ref = Net()
+    ddp = torch.nn.parallel.DistributedDataParallel(ref)  # Lightning's process group
+    ddp.register_comm_hook(None, mt.local_gradients_hook)
+    opt = mt.CompressedAdamW(ddp.parameters(), sync_every=sync_every, **ADAM)
+    mpigc.reset_traffic()
+    grads = []
+    batches = [b for _ in range(steps) for b in loader(comm.rank)][:steps]
+    for x, y in batches:
+        opt.zero_grad()
+        ((ddp(x) - y) ** 2).mean().backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in ref.parameters()]))
+        opt.step()
+    return params(ref), opt, grads, mpigc.traffic()["calls"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_compressed_adamw_trains_as_by_hand_with_local_gradients(comm, root, sync_every):
+    """The callback makes DDP leave the gradients local (each optimizer step
+    sees this rank's own gradient, not DDP's average), so mpigc's exchange
+    of the momentum is the only one; parameters, moments, window and
+    residuals are those of CompressedAdamW under DDP with
+    local_gradients_hook driven by hand on the same batches."""
+    steps = 7
+    model, grads = AdamNet(sync_every), Grads()
+    mpigc.reset_traffic()
+    trainer(root, [MpigcCompressedAdamW(), grads], max_steps=steps).fit(model, loader(comm.rank))
+    calls = mpigc.traffic()["calls"]
+    opt = model.trainer.optimizers[0]
+    want, ref_opt, ref_grads, want_calls = adam_by_hand(comm, steps, sync_every)
+    # the by-hand run's gradients are local: without the hook DDP's average
+    # would reach the optimizer (and at 2+ ranks differ from them)
+    same_grads = len(grads.seen) == steps and all(
+        torch.equal(a, b) for a, b in zip(grads.seen, ref_grads))
+    assert_all(same_grads, "the optimizer's gradients are not this rank's own")
+    if comm.size > 1:
+        every = comm.allgather(grads.seen[0])
+        assert_all(not all(torch.equal(every[0], g) for g in every[1:]),
+                   "every rank saw the same gradient: DDP averaged them")
+    assert_all(calls == want_calls and calls >= 1,
+               f"{calls} mpigc calls under Lightning, {want_calls} by hand")
+    assert_all(same_params(params(model), want), "parameters differ from the run by hand")
+    assert_all(adam_state(opt) == adam_state(ref_opt), "optimizer state differs")
+    assert_all(any(np.any(s["worker"]) for s in opt.feedback.state_dict().values()),
+               "no residual: the test would not see them lost")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("sync_every", [1, 3])
+def test_compressed_adamw_resume_continues_bit_for_bit(comm, root, sync_every):
+    """ModelCheckpoint after epoch 2 (step 6: with sync_every=3 inside the
+    window after the first exchange, each rank's parameters its own); a new trainer resumed from it
+    ends where the uninterrupted run ends: parameters, moments, window and
+    residuals bit for bit on every rank."""
+    model = AdamNet(sync_every)
+    trainer(root, [MpigcCompressedAdamW(), checkpointing(root)], max_epochs=4,
+            enable_checkpointing=True).fit(model, loader(comm.rank))
+    want, want_state = params(model), adam_state(model.trainer.optimizers[0])
+
+    path = f"{root}/ckpt/epoch=2.ckpt"
+    record = torch.load(path, weights_only=True)[ADAMW_CHECKPOINT_KEY]  # as Lightning
+    part = record["optimizers"][0]
+    ok = record["world_size"] == comm.size and len(part["residuals"]["residuals"]) == comm.size
+    ok &= any(bool(s["worker"].any()) for s in part["residuals"]["residuals"][comm.rank].values())
+    ok &= all((w is not None) == (sync_every > 1) for w in part["windows"])
+    assert_all(ok, f"checkpoint record: {record['world_size']}, windows "
+               f"{[w is not None for w in part['windows']]}")
+
+    model2 = AdamNet(sync_every)  # a new trainer, as in a new job
+    trainer(root, [MpigcCompressedAdamW(), checkpointing(root)], max_epochs=4,
+            enable_checkpointing=True).fit(model2, loader(comm.rank), ckpt_path=path)
+    got = adam_state(model2.trainer.optimizers[0])
+    assert_all(same_params(want, params(model2)), "resumed parameters differ")
+    assert_all(got == want_state, "resumed moments, window or residuals differ: "
+               f"{[k for k in got if got[k] != want_state[k]]}")
+
+    # residuals of another compressor config are refused
+    t = trainer(root, [MpigcCompressedAdamW()], max_epochs=4)
+    raises_everywhere(mpigc.MismatchError,
+                      lambda: t.fit(AdamNet(sync_every, threshold=2.0 ** -5),
+                                    loader(comm.rank), ckpt_path=path),
+                      match="another compressor config")
+
+    # a checkpoint without them: a warning, and they start from zero
+    bare = f"{root}/bare.ckpt"
+    if comm.rank == 0:
+        c = torch.load(path, weights_only=True)
+        del c[ADAMW_CHECKPOINT_KEY]
+        torch.save(c, bare)
+    comm.Barrier()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        trainer(root, [MpigcCompressedAdamW()], max_epochs=4).fit(
+            AdamNet(sync_every), loader(comm.rank), ckpt_path=bare)
+    warned = any("holds no CompressedAdamW residuals" in str(w.message) for w in seen)
+    assert_all(warned == (comm.rank == 0), f"warned: {warned}")
+
+
+def _rewrite(comm, src, dst, edit):
+    """``src``'s checkpoint with ``edit(record)`` applied, saved to ``dst``."""
+    if comm.rank == 0:
+        c = torch.load(src, weights_only=True)
+        edit(c[ADAMW_CHECKPOINT_KEY])
+        torch.save(c, dst)
+    comm.Barrier()
+
+
+@pytest.mark.mpi
+def test_compressed_adamw_on_another_world_size(comm, root):
+    """Residuals saved on another world size are resharded as
+    mpigc.load_checkpoint does (state_for_rank); a window of local steps
+    saved on another world size is a CheckpointError on every rank."""
+    trainer(root, [MpigcCompressedAdamW(), checkpointing(root)], max_epochs=3,
+            enable_checkpointing=True).fit(AdamNet(3), loader(comm.rank))
+    path = f"{root}/ckpt/epoch=2.ckpt"
+    big = comm.size + 1
+
+    def more_ranks(record, windows):
+        part = record["optimizers"][0]
+        res = part["residuals"]
+        res["residuals"] = [res["residuals"][r % comm.size] for r in range(big)]
+        res["world_size"] = record["world_size"] = big
+        part["windows"] = [part["windows"][r % comm.size] if windows else None
+                           for r in range(big)]
+        part["params"] = [part["params"][r % comm.size] if windows else None
+                          for r in range(big)]
+
+    _rewrite(comm, path, f"{root}/nowin.ckpt", lambda r: more_ranks(r, False))
+    record = torch.load(f"{root}/nowin.ckpt", weights_only=True)[ADAMW_CHECKPOINT_KEY]
+    want = residuals_for_rank(record["optimizers"][0]["residuals"], comm.size, comm.rank)
+
+    class Peek(L.Callback):
+        def on_train_start(self, trainer, pl_module):  # after the callback's load
+            self.state = trainer.optimizers[0].feedback.state_dict()
+
+    peek = Peek()
+    trainer(root, [MpigcCompressedAdamW(), peek], max_epochs=4).fit(
+        AdamNet(3), loader(comm.rank), ckpt_path=f"{root}/nowin.ckpt")
+    assert_all(same_state(peek.state, want) and any(np.any(s["worker"]) for s in want.values()),
+               "residuals not resharded as load_checkpoint")
+
+    _rewrite(comm, path, f"{root}/win.ckpt", lambda r: more_ranks(r, True))
+    t = trainer(root, [MpigcCompressedAdamW()], max_epochs=4)
+    raises_everywhere(CheckpointError,
+                      lambda: t.fit(AdamNet(3), loader(comm.rank), ckpt_path=f"{root}/win.ckpt"),
+                      match=f"window of local steps.*on {big} rank")
+
+
+@pytest.mark.mpi
+def test_compressed_adamw_refusals(comm, root):
+    """What cannot work is a ConfigError from fit on every rank."""
+    raises_everywhere(mpigc.ConfigError, lambda: trainer(
+        root, [MpigcCompressedAdamW()], max_steps=1).fit(Net(), loader(comm.rank)),
+        match="CompressedAdamW optimizer.s. only, got SGD")
+    raises_everywhere(mpigc.ConfigError, lambda: trainer(
+        root, [MpigcCompressedAdamW(), MpigcCommHook(**OP)], max_steps=1).fit(
+            AdamNet(), loader(comm.rank)), match="MpigcCommHook is among the callbacks")
+    strategy = DDPStrategy(cluster_environment=MPIEnvironment(), ddp_comm_hook=mt.comm_hook)
+    raises_everywhere(mpigc.ConfigError, lambda: trainer(
+        root, [MpigcCompressedAdamW()], strategy=strategy, max_steps=1).fit(
+            AdamNet(), loader(comm.rank)), match="ddp_comm_hook of its own")
+    t = L.Trainer(accelerator="cpu", devices=1, strategy=SingleDeviceStrategy("cpu"),
+                  callbacks=[MpigcCompressedAdamW()], logger=False, enable_progress_bar=False,
+                  enable_model_summary=False, enable_checkpointing=False,
+                  default_root_dir=root, max_steps=1)
+    raises_everywhere(mpigc.ConfigError, lambda: t.fit(AdamNet(), loader(comm.rank)),
+                      match="expected a DDPStrategy.*SingleDeviceStrategy")
+    # a GradScaler ("16-mixed" on a GPU; on CPU Lightning makes none unless given)
+    from lightning.pytorch.plugins.precision import MixedPrecision
+    scaled = MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu"))
+    raises_everywhere(mpigc.ConfigError, lambda: trainer(
+        root, [MpigcCompressedAdamW()], max_steps=1, plugins=[scaled]).fit(
+            AdamNet(), loader(comm.rank)), match="GradScaler")

@@ -229,11 +229,27 @@ def _compare(c, cuda, kind, op, gather, dtype, n, steps, average=False, hierarch
     return fbh, fbd
 
 
+# full=True on more than one rank: float32 for every op, and float64 or float16
+# for these ops (indexes into OPS: both codecs of 2bit, 1bit, none's plain sum),
+# so that each dtype still meets uneven shards through a compressed and the
+# plain path; every dtype of every op runs at one rank (the conversions are
+# per value, the same at any rank count)
+_UNEVEN_DTYPES = {0: np.float64, 1: np.float16, 5: np.float64, 6: np.float16}
+
+
+def _dtypes(c, i, full):
+    if not full:
+        return [np.float32]
+    if c.comm.size == 1:
+        return DTYPES
+    return [np.float32] + ([_UNEVEN_DTYPES[i]] if i in _UNEVEN_DTYPES else [])
+
+
 def _matrix(c, cuda, full):
     N = c.comm.size
-    for op in OPS:
+    for i, op in enumerate(OPS):
         name = op if isinstance(op, str) else op["type"]
-        for dtype in (DTYPES if full else [np.float32]):
+        for dtype in _dtypes(c, i, full):
             _compare(c, cuda, "allreduce", op, "compressed", dtype, 101, 2,
                      average=dtype == np.float32)
         if name != "none":

@@ -21,8 +21,8 @@ time since the last agreement step.
 
 Every rank decides from the same numbers: the model decides only from
 *agreed* figures. Every :data:`SYNC_EVERY`-th ``op="auto"`` call on a
-communicator (the 1st, the 5th, ...; all ranks make the same sequence of
-calls) waits for the table posted at the previous such call and posts this
+communicator (the 1st, the 5th, ...; every :data:`SYNC_SLOW`-th from call
+:data:`SYNC_SETTLED` on; all ranks make the same sequence of calls) waits for the table posted at the previous such call and posts this
 rank's new one: a nonblocking ``op="none"`` allreduce of
 :data:`NSLOTS` x :data:`NBUCKETS` x 4 float64 integers (24 KiB: count,
 ranks, KiB, fastest µs, summed over the ranks: exact whatever the order, so
@@ -46,7 +46,8 @@ The decision (:meth:`Model.decide`), per call, from agreed data only:
   compressor first (call 0, 2, 4, ... compressed, 1, 3, ... plain);
 - *model*: the op of the smaller predicted time at this call's bytes; the
   previous decision of the series stays unless the other is predicted at
-  least :data:`HYSTERESIS` faster (each switch to ``"none"`` costs a copy
+  least :data:`HYSTERESIS` faster, or while the op not chosen has no figures
+  left in the window (the series does not measure again: its probes bring them) (each switch to ``"none"`` costs a copy
   where residuals are folded, below);
 - *probe*: every ``$MPIGC_AUTO_PROBE``-th call of a series (default 100; 0:
   never) runs the op the model did not choose, so that its fit stays fresh.
@@ -90,7 +91,9 @@ __all__ = ["PINS", "Decision", "AutoRequest", "Model", "start", "model_of", "las
            "use_clock", "default_pin", "probe_every", "fit_points", "bucket", "Fit"]
 
 PINS = ("model", "none", "compressed")
-SYNC_EVERY = 4     # op="auto" calls of a communicator between two agreements of the sums
+SYNC_EVERY = 4     # op="auto" calls of a communicator between two agreement steps ...
+SYNC_SLOW = 16     # ... and from call SYNC_SETTLED on (a model in steady state)
+SYNC_SETTLED = 64
 WINDOW = 16        # agreed sums kept
 MIN_SAMPLES = 2    # agreed samples of each op (per rank) before the model decides
 HYSTERESIS = 0.05  # the other op must be predicted this much faster to switch
@@ -204,6 +207,7 @@ class Model:
         self.warm = set()      # slots whose warm-up call is done
         self.window = deque(maxlen=window)
         self.agreed = {}       # slot -> (count, [(KiB, µs)]): the window's points
+        self.fits = {}         # slot -> its Fit, made at each merge
         self.calls = 0
         self.pending = None    # the request of the sums posted last
         self.series = {}       # label -> [calls, last decision]
@@ -237,15 +241,16 @@ class Model:
             row[2] = min(row[2], max(0, round(seconds * 1e6)))
 
     def fit(self, label):
-        got = self.agreed.get(self.slot(label))
-        return None if got is None else fit_points(got[1], got[0])
+        return self.fits.get(self.slot(label))
 
     def sync(self, comm):
         """At each op="auto" call, before it decides: every SYNC_EVERY-th
-        call waits for the sums posted last and posts this rank's new ones."""
+        call (every SYNC_SLOW-th from call SYNC_SETTLED on: fewer extra calls
+        once the model has its figures) waits for the sums posted last and
+        posts this rank's new ones."""
         c = self.calls
         self.calls += 1
-        if c % SYNC_EVERY:
+        if c % (SYNC_EVERY if c < SYNC_SETTLED else SYNC_SLOW):
             return
         if self.pending is not None:
             req, self.pending = self.pending, None
@@ -275,21 +280,20 @@ class Model:
         t = np.asarray(sums, dtype=np.float64).reshape(NSLOTS, NBUCKETS, _NSTAT)
         with self.lock:
             self.syncs += 1
-            self.window.append(t)
-            w = np.stack(self.window)            # (syncs, slots, buckets, stats)
-            count = w[..., 0].sum(axis=0)
-            ranks = w[..., 1]
-            has = ranks > 0
-            y = np.where(has, w[..., 3] / np.where(has, ranks, 1), np.inf)
-            best = np.argmin(y, axis=0)          # the first fastest step, on every rank
+            # the slots with figures in this step (a few): the window keeps those
+            self.window.append({int(k): t[k].copy()
+                                for k in np.flatnonzero(t[..., 1].any(axis=1))})
             agreed = {}
-            for slot in np.flatnonzero(has.any(axis=(0, 2))):
-                pts = []
-                for b in np.flatnonzero(has[:, slot].any(axis=0)):
-                    k = best[slot, b]
-                    pts.append((w[k, slot, b, 2] / w[k, slot, b, 0], y[k, slot, b]))
-                agreed[int(slot)] = (int(count[slot].sum()), pts)
+            for slot in sorted(set().union(*self.window)):
+                w = np.stack([step[slot] for step in self.window if slot in step])
+                has = w[..., 1] > 0                  # (steps, buckets)
+                y = np.where(has, w[..., 3] / np.where(has, w[..., 1], 1), np.inf)
+                best = np.argmin(y, axis=0)          # the first fastest step, on every rank
+                pts = [(w[best[b], b, 2] / w[best[b], b, 0], y[best[b], b])
+                       for b in np.flatnonzero(has.any(axis=0))]
+                agreed[slot] = (int(w[..., 0].sum()), pts)
             self.agreed = agreed
+            self.fits = {slot: fit_points(pts, n) for slot, (n, pts) in agreed.items()}
 
     def decide(self, series, none_label, comp_label, nbytes, pin, small, op_id, size):
         """The op of this call, from agreed data only (module docstring)."""
@@ -304,11 +308,13 @@ class Model:
                             nbytes)
         if small:
             return Decision("none", "small", tn, tc, nbytes)
-        if fn is None or fc is None or min(fn.count, fc.count) < MIN_SAMPLES * size:
-            return (Decision(op_id if i % 2 == 0 else "none", "measuring", tn, tc, nbytes))
         best = st[1]
         if best is None:
+            if fn is None or fc is None or min(fn.count, fc.count) < MIN_SAMPLES * size:
+                return Decision(op_id if i % 2 == 0 else "none", "measuring", tn, tc, nbytes)
             best = "none" if tn <= tc else op_id
+        elif fn is None or fc is None:
+            pass  # the op not chosen has no figures left in the window: its probes bring them
         elif best == "none" and tc < tn * (1 - HYSTERESIS):
             best = op_id
         elif best != "none" and tn < tc * (1 - HYSTERESIS):
@@ -511,8 +517,35 @@ class _Post:
         return op.result if self.result is None else self.result
 
 
+_comps = {}  # (auto_op, params) -> (compressor, label), for str ops of plain params
+
+
+def _compressor(auto_op, params):
+    """``auto_op``'s compressor and its label (cached for a str op with
+    parameters of plain values); raises ConfigError."""
+    key = None
+    if isinstance(auto_op, str) and all(
+            isinstance(v, (str, int, float, bool, type(None))) for v in params.values()):
+        key = (auto_op, tuple(sorted(params.items())))
+        hit = _comps.get(key)
+        if hit is not None:
+            return hit
+    if isinstance(auto_op, str) and auto_op.lower() in ("auto", "none"):
+        raise ConfigError(f"auto_op must name a compressor (e.g. '2bit'), got {auto_op!r}")
+    comp = get_compressor(auto_op, **params)
+    if comp.codec_id == "none":
+        raise ConfigError(f"auto_op must name a compressor (e.g. '2bit'), got {auto_op!r}")
+    hit = (comp, repr(sorted(comp.get_config().items())))
+    if key is not None:
+        if len(_comps) > 256:
+            _comps.clear()
+        _comps[key] = hit
+    return hit
+
+
 def _check(buf, auto_op, params, auto_pin, hierarchy, feedback):
-    """The compressor of an op="auto" call and its pin; raises ConfigError."""
+    """The compressor of an op="auto" call, its label and the pin; raises
+    ConfigError."""
     if hierarchy != "flat":
         raise ConfigError(f"op='auto' runs flat calls only (hierarchy='flat'), got "
                           f"hierarchy={hierarchy!r}")
@@ -520,11 +553,7 @@ def _check(buf, auto_op, params, auto_pin, hierarchy, feedback):
     if pin not in PINS:
         raise ConfigError(f"auto_pin (or $MPIGC_AUTO_PIN) must be one of {PINS}, got "
                           f"{pin!r}")
-    if isinstance(auto_op, str) and auto_op.lower() in ("auto", "none"):
-        raise ConfigError(f"auto_op must name a compressor (e.g. '2bit'), got {auto_op!r}")
-    comp = get_compressor(auto_op, **params)
-    if comp.codec_id == "none":
-        raise ConfigError(f"auto_op must name a compressor (e.g. '2bit'), got {auto_op!r}")
+    comp = _compressor(auto_op, params)
     members = buf if isinstance(buf, (list, tuple)) else [buf]
     if any(_dispatch.is_device_array(b) for b in members):
         raise ConfigError("op='auto' takes host arrays only (device arrays: name the op)")
@@ -535,10 +564,9 @@ def _check(buf, auto_op, params, auto_pin, hierarchy, feedback):
     return comp, pin
 
 
-def _decide(model, kind, flats, comp, pin, gather, size):
+def _decide(model, kind, flats, comp, cfg, pin, gather, size):
     """The call's decision, its slot and bytes."""
     nbytes = sum(int(f.nbytes) for f in flats)
-    cfg = repr(sorted(comp.get_config().items()))
     none_label = (kind, "none")
     comp_label = (kind, gather if kind == "allreduce" else "", cfg)
     dec = model.decide((kind, gather, cfg), none_label, comp_label, nbytes, pin,
@@ -552,7 +580,7 @@ def start(kind, buf, params, *, auto_op, auto_pin, comm, key, average, gather, f
     group = isinstance(buf, (list, tuple))
     cm = MPI.COMM_WORLD if comm is None else comm
     try:
-        comp, pin = _check(buf, auto_op, params, auto_pin, hierarchy, feedback)
+        (comp, cfg), pin = _check(buf, auto_op, params, auto_pin, hierarchy, feedback)
         flats = [_flat(b) for b in (buf if group else [buf])]
         problem = None
     except MpigcError as exc:
@@ -561,7 +589,7 @@ def start(kind, buf, params, *, auto_op, auto_pin, comm, key, average, gather, f
     with model.order:
         model.sync(cm)
         if problem is None:
-            dec, slot, nbytes = _decide(model, kind, flats, comp, pin, gather,
+            dec, slot, nbytes = _decide(model, kind, flats, comp, cfg, pin, gather,
                                         cm.Get_size())
     if problem is not None:
         # every rank raises it: it travels in the call's agreement

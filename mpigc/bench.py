@@ -550,7 +550,8 @@ def run_model(args, comm, argv=None):
                                     key=f"bench-model/{op}/{n}", comm=c,
                                     **_params(op, args))
     # the sums of the last calls: one more agreement step, then settle
-    for _ in range(_auto.SYNC_EVERY):
+    before = model.syncs  # the same count on every rank: a function of the calls made
+    while model.syncs == before:
         mpigc.allreduce(np.zeros(16, dtype), op="auto", auto_pin="none", comm=c)
     model.settle()
     fits = model.describe()

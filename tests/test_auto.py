@@ -101,6 +101,16 @@ def test_local_samples_reach_no_decision_before_they_are_agreed():
     assert after.predicted_compressed == before.predicted_compressed
 
 
+def test_a_decided_series_does_not_measure_again_when_the_other_op_ages_out():
+    m = _model(none=[(1 << 20, 1e-3)] * 4, comp=[(1 << 20, 5e-3)] * 4)
+    assert _decide(m).reason == "model"
+    for _ in range(_auto.WINDOW):  # only none runs: 2bit's figures leave the window
+        _merge(m, NONE, [(1 << 20, 1e-3)])
+    assert m.fit(COMP) is None
+    d = _decide(m)
+    assert (d.op, d.reason, d.predicted_compressed) == ("none", "model", None)
+
+
 def test_hysteresis_keeps_the_last_decision_when_the_other_is_barely_faster():
     m = _model(none=[(1 << 20, 1.00e-3)] * 4, comp=[(1 << 20, 1.02e-3)] * 4)
     assert _decide(m).op == "none"

@@ -340,39 +340,51 @@ def adam_state(opt):
     return out
 
 
-def adam_by_hand(comm, steps, sync_every):
+def adam_by_hand(comm, steps, sync_every, accumulate=1, clip=None):
     """CompressedAdamW under DDP with local_gradients_hook, driven by hand on
-    the batches Lightning gives: (parameters, optimizer, gradients, calls)."""
+    the batches Lightning gives (``accumulate`` batches a step, the loss
+    divided by it, and ``clip_grad_norm_(clip)`` as Lightning's
+    gradient_clip_val): (parameters, optimizer, gradients, calls)."""
     ref = Net()
     ddp = torch.nn.parallel.DistributedDataParallel(ref)  # Lightning's process group
     ddp.register_comm_hook(None, mt.local_gradients_hook)
     opt = mt.CompressedAdamW(ddp.parameters(), sync_every=sync_every, **ADAM)
     mpigc.reset_traffic()
     grads = []
-    batches = [b for _ in range(steps) for b in loader(comm.rank)][:steps]
-    for x, y in batches:
+    n = steps * accumulate
+    batches = [b for _ in range(n) for b in loader(comm.rank)][:n]
+    for i in range(steps):
         opt.zero_grad()
-        ((ddp(x) - y) ** 2).mean().backward()
+        for x, y in batches[i * accumulate:(i + 1) * accumulate]:
+            (((ddp(x) - y) ** 2).mean() / accumulate).backward()
         grads.append(torch.cat([p.grad.reshape(-1) for p in ref.parameters()]))
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)
         opt.step()
     return params(ref), opt, grads, mpigc.traffic()["calls"]
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("sync_every", [1, 3])
-def test_compressed_adamw_trains_as_by_hand_with_local_gradients(comm, root, sync_every):
+@pytest.mark.parametrize("sync_every, accumulate", [(1, 1), (3, 1), (1, 2)])
+def test_compressed_adamw_trains_as_by_hand_with_local_gradients(comm, root, sync_every,
+                                                                  accumulate):
     """The callback makes DDP leave the gradients local (each optimizer step
     sees this rank's own gradient, not DDP's average), so mpigc's exchange
     of the momentum is the only one; parameters, moments, window and
     residuals are those of CompressedAdamW under DDP with
-    local_gradients_hook driven by hand on the same batches."""
+    local_gradients_hook driven by hand on the same batches (also with
+    accumulate_grad_batches=2 and gradient_clip_val, as user scripts do)."""
     steps = 7
+    clip = 0.05 if accumulate > 1 else None
     model, grads = AdamNet(sync_every), Grads()
     mpigc.reset_traffic()
-    trainer(root, [MpigcCompressedAdamW(), grads], max_steps=steps).fit(model, loader(comm.rank))
+    trainer(root, [MpigcCompressedAdamW(), grads], max_steps=steps,
+            accumulate_grad_batches=accumulate, gradient_clip_val=clip).fit(
+                model, loader(comm.rank))
     calls = mpigc.traffic()["calls"]
     opt = model.trainer.optimizers[0]
-    want, ref_opt, ref_grads, want_calls = adam_by_hand(comm, steps, sync_every)
+    want, ref_opt, ref_grads, want_calls = adam_by_hand(comm, steps, sync_every,
+                                                        accumulate, clip)
     # the by-hand run's gradients are local: without the hook DDP's average
     # would reach the optimizer (and at 2+ ranks differ from them)
     same_grads = len(grads.seen) == steps and all(

@@ -41,6 +41,9 @@ def main():
     p.add_argument("--size-mib", type=float, default=32.0)
     p.add_argument("--rounds", type=int, default=15)
     p.add_argument("--warmup", type=int, default=16)
+    p.add_argument("--warmup-fixed", type=int, default=None,
+                   help="warm-up calls of none and 2bit (default: --warmup; auto needs "
+                        "about 12 to measure both)")
     args = p.parse_args()
     comm = MPI.COMM_WORLD
     n = int(args.size_mib * (1 << 20)) // 4
@@ -48,7 +51,8 @@ def main():
     x = np.empty_like(src)
     ops = ["none", "2bit", "auto"]
     for op in ops:
-        for _ in range(args.warmup):
+        fixed = args.warmup if args.warmup_fixed is None or op == "auto" else args.warmup_fixed
+        for _ in range(fixed):
             x[...] = src
             _call(op, x, comm)
     times = {op: [] for op in ops}
@@ -72,7 +76,9 @@ def main():
     fabric = os.environ.get("MPIGC_FABRIC", "none (shared memory)")
     load = os.getloadavg()[0]
     print(f"# benchmarks/auto.py: {comm.size} ranks, {args.size_mib:g} MiB float32, "
-          f"{args.rounds} rounds after {args.warmup} warm-up calls per op, fabric: {fabric}, "
+          f"{args.rounds} rounds after {args.warmup} warm-up calls of auto "
+          f"({args.warmup if args.warmup_fixed is None else args.warmup_fixed} of the others), "
+          f"fabric: {fabric}, "
           f"load {load:.1f}, {os.cpu_count()} cores")
     print(f"{'op':>6} {'median ms':>10} {'min ms':>8}")
     for op in ops:

@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from mpigc import _auto
+from mpigc import _auto, _auto_model
 from mpigc._errors import ConfigError
 
 NONE = ("allreduce", "none")
@@ -18,17 +18,17 @@ SERIES = ("allreduce", "compressed", "cfg")
 def _merge(m, label, samples, also=()):
     """One agreement step of one rank whose calls of ``label`` took
     ``samples`` [(bytes, seconds)] (and ``also``: more (label, samples))."""
-    r = _auto.Model()
-    r.warm.update(range(_auto.NSLOTS))  # no warm-up call to leave out
+    r = _auto_model.Model()
+    r.warm.update(range(_auto_model.NSLOTS))  # no warm-up call to leave out
     for lab, smp in ((label, samples),) + tuple(also):
         for b, t in smp:
             r.record(r.slot(lab), b, t)
-    m.merge(_auto.post_table(r.local))
+    m.merge(_auto_model.post_table(r.local))
 
 
 def test_fit_recovers_latency_and_bandwidth():
     # T = 100 µs + bytes / 1 GB/s
-    m = _auto.Model()
+    m = _auto_model.Model()
     _merge(m, NONE, [(b, 100e-6 + b / 1e9) for b in (1 << 20, 4 << 20, 16 << 20)])
     f = m.fit(NONE)
     assert f.count == 3
@@ -40,7 +40,7 @@ def test_fit_recovers_latency_and_bandwidth():
 def test_a_point_is_the_fastest_time_seen_there():
     """A call slowed by other load does not move the model: per size, the
     fastest of the window (each step: the ranks' fastest, averaged)."""
-    m = _auto.Model()
+    m = _auto_model.Model()
     _merge(m, NONE, [(1 << 20, 2e-3), (1 << 20, 9e-3), (1 << 20, 2.5e-3)])
     _merge(m, NONE, [(1 << 20, 40e-3)])
     f = m.fit(NONE)
@@ -48,17 +48,17 @@ def test_a_point_is_the_fastest_time_seen_there():
 
 
 def test_fit_of_one_size_goes_through_the_origin_and_none_without_samples():
-    f = _auto.fit_points([(1024.0, 2000.0)], 4)
+    f = _auto_model.fit_points([(1024.0, 2000.0)], 4)
     assert f.latency == 0 and f.predict(1 << 20) == pytest.approx(2e-3)
-    assert _auto.fit_points([], 0) is None
-    assert _auto.Model().fit(NONE) is None
+    assert _auto_model.fit_points([], 0) is None
+    assert _auto_model.Model().fit(NONE) is None
     # a falling time with size: no negative slope
-    f = _auto.fit_points([(1024.0, 3000.0), (4096.0, 1000.0)], 2)
+    f = _auto_model.fit_points([(1024.0, 3000.0), (4096.0, 1000.0)], 2)
     assert f.bandwidth == math.inf and f.latency == pytest.approx(2e-3)
 
 
 def _model(none=None, comp=None):
-    m = _auto.Model()
+    m = _auto_model.Model()
     _merge(m, NONE, none or [], also=[(COMP, comp or [])])
     return m
 
@@ -68,7 +68,7 @@ def _decide(m, nbytes=1 << 20, pin="model", small=False, size=1):
 
 
 def test_the_first_calls_alternate_compressor_first_until_both_have_samples():
-    m = _auto.Model()
+    m = _auto_model.Model()
     got = [_decide(m) for _ in range(6)]
     assert [(d.op, d.reason) for d in got] == [("2bit", "measuring"), ("none", "measuring")] * 3
     assert all(d.predicted_none is None and d.predicted_compressed is None for d in got)
@@ -104,7 +104,7 @@ def test_local_samples_reach_no_decision_before_they_are_agreed():
 def test_a_decided_series_does_not_measure_again_when_the_other_op_ages_out():
     m = _model(none=[(1 << 20, 1e-3)] * 4, comp=[(1 << 20, 5e-3)] * 4)
     assert _decide(m).reason == "model"
-    for _ in range(_auto.WINDOW):  # only none runs: 2bit's figures leave the window
+    for _ in range(_auto_model.WINDOW):  # only none runs: 2bit's figures leave the window
         _merge(m, NONE, [(1 << 20, 1e-3)])
     assert m.fit(COMP) is None
     d = _decide(m)
@@ -136,12 +136,12 @@ def test_pins_small_calls_and_probes(monkeypatch):
 
 
 def test_slots_do_not_depend_on_the_order_of_first_use():
-    a, b = _auto.Model(), _auto.Model()
+    a, b = _auto_model.Model(), _auto_model.Model()
     labels = [NONE, COMP, ("reduce_scatter", "none"), ("reduce_scatter", "", "x")]
     first = [a.slot(x) for x in labels]
     second = [b.slot(x) for x in reversed(labels)]
     assert first == list(reversed(second))
-    assert all(0 <= s < _auto.NSLOTS for s in first)
+    assert all(0 <= s < _auto_model.NSLOTS for s in first)
 
 
 def test_labels_of_one_crc_get_slots_of_their_own():
@@ -150,7 +150,7 @@ def test_labels_of_one_crc_get_slots_of_their_own():
     cfg = {op: repr(sorted(mpigc.get_compressor(op).get_config().items()))
            for op in ("2bit", "1bit", "fp16")}
     a, b = ("allreduce", "exact", cfg["2bit"]), ("reduce_scatter", "", cfg["fp16"])
-    m = _auto.Model()
+    m = _auto_model.Model()
     assert m.slot(a) != m.slot(b)
     assert m.slot(a) == m.slot(a)
     labels = [(k, g, c) for k in ("allreduce", "reduce_scatter") for g in ("", "exact")
@@ -159,16 +159,16 @@ def test_labels_of_one_crc_get_slots_of_their_own():
 
 
 def test_size_buckets():
-    assert [_auto.bucket(b) for b in (0, (16 << 10) - 1, 16 << 10, 64 << 10, 1 << 20)] == [
+    assert [_auto_model.bucket(b) for b in (0, (16 << 10) - 1, 16 << 10, 64 << 10, 1 << 20)] == [
         0, 0, 1, 2, 4]
-    assert _auto.bucket(1 << 60) == _auto.NBUCKETS - 1
+    assert _auto_model.bucket(1 << 60) == _auto_model.NBUCKETS - 1
 
 
 def test_the_window_forgets_old_sums():
-    m = _auto.Model()
-    for i in range(_auto.WINDOW + 3):
+    m = _auto_model.Model()
+    for i in range(_auto_model.WINDOW + 3):
         _merge(m, NONE, [(1 << 20, 1e-3 if i < 3 else 2e-3)])
-    assert m.fit(NONE).count == _auto.WINDOW
+    assert m.fit(NONE).count == _auto_model.WINDOW
     assert m.fit(NONE).predict(1 << 20) == pytest.approx(2e-3, rel=0.01)
 
 

@@ -183,10 +183,11 @@ def test_model_prints_the_fit_kernels_and_crossover(capsys):
 
 
 def test_crossover_of_two_fits():
-    from mpigc._auto import Fit
+    from mpigc import _bench_model
+    from mpigc._auto_model import Fit
     none = Fit(4, 50e-6, 1e9)
-    assert bench.crossover(none, Fit(4, 2e-3, 4e9)) == pytest.approx(
+    assert _bench_model.crossover(none, Fit(4, 2e-3, 4e9)) == pytest.approx(
         (2e-3 - 50e-6) / (1e-9 - 0.25e-9))
-    assert bench.crossover(none, Fit(4, 2e-3, 0.5e9)) is None
-    assert bench.crossover(none, Fit(4, 10e-6, 0.5e9)) is None
-    assert bench.crossover(none, Fit(4, 10e-6, 1e9)) == 0
+    assert _bench_model.crossover(none, Fit(4, 2e-3, 0.5e9)) is None
+    assert _bench_model.crossover(none, Fit(4, 10e-6, 0.5e9)) is None
+    assert _bench_model.crossover(none, Fit(4, 10e-6, 1e9)) == 0

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import mpigc
-from mpigc import _auto
+from mpigc import _auto, _auto_model
 
 from conftest import assert_all, grads, raises_everywhere
 
@@ -227,12 +227,12 @@ def test_pinned_decisions(dup, fb, monkeypatch):
 @pytest.mark.mpi
 def test_the_first_calls_measure_both_before_the_model_decides(dup, fb):
     seen = []
-    for i in range(2 * _auto.SYNC_EVERY):
+    for i in range(2 * _auto_model.SYNC_EVERY):
         mpigc.allreduce(grads(dup.rank, N, seed=i), op="auto", key="w", comm=dup,
                         feedback=fb)
         seen.append(_auto.last_decision())
     want = [("2bit" if i % 2 == 0 else "none", "measuring", None, None)
-            for i in range(2 * _auto.SYNC_EVERY)]
+            for i in range(2 * _auto_model.SYNC_EVERY)]
     got = [(d.op, d.reason, d.predicted_none, d.predicted_compressed) for d in seen]
     assert_all(got == want, f"got {got}", dup)
 

@@ -262,3 +262,23 @@ def test_a_bad_probe_period_raises_on_every_rank(dup, fb, monkeypatch):
     raises_everywhere(mpigc.ConfigError, lambda: mpigc.allreduce(
         grads(dup.rank, N), op="auto", key="w", comm=dup, feedback=fb),
         match="MPIGC_AUTO_PROBE")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pin", ["none", None])
+def test_outstanding_requests_across_agreement_steps_waited_in_reverse(dup, fb, pin):
+    """Ten nonblocking calls on ten keys (the agreement steps of calls 0, 4
+    and 8 among them), waited last first: no hang, the same decisions on
+    every rank, and pinned to none the exact sums."""
+    xs = [grads(dup.rank, N, seed=i) for i in range(10)]
+    bufs = [x.copy() for x in xs]
+    reqs = [mpigc.iallreduce(b, op="auto", key=f"k{i}", comm=dup, feedback=fb, auto_pin=pin)
+            for i, b in enumerate(bufs)]
+    for r in reversed(reqs):
+        r.wait()
+    ops = [(r.decision.op, r.decision.reason) for r in reqs]
+    every = dup.allgather(ops)
+    assert_all(all(o == every[0] for o in every), f"decisions differ: {every}", dup)
+    if pin == "none":
+        exact = all(np.array_equal(b, _mpi_sum(x, dup)) for b, x in zip(bufs, xs))
+        assert_all(exact, "a pinned plain call is not the MPI sum", dup)

@@ -71,6 +71,32 @@ def _ddp_strategy_types():
     return tuple(out)
 
 
+def _wrapped_ddp(trainer, what, comm):
+    """The DDP-wrapped model of a fit that is starting, and a check that the
+    job runs one process per rank of ``comm`` (the same outcome on every
+    rank: both facts are the job's)."""
+    from torch.nn.parallel import DistributedDataParallel
+    ddp = trainer.strategy.model
+    if not isinstance(ddp, DistributedDataParallel):
+        raise ConfigError(f"{what}: expected the model wrapped in DistributedDataParallel "
+                          f"at on_fit_start, got {type(ddp).__name__}")
+    if comm.size != trainer.world_size:
+        raise ConfigError(
+            f"{what}: comm has {comm.size} rank(s), the trainer {trainer.world_size}: run "
+            "one process per rank of an MPI job (mpirun, srun; not "
+            "strategy='ddp_spawn'), with comm holding all of them")
+    return ddp
+
+
+def _writing_rank(comm, trainer, what):
+    """The rank of ``comm`` that writes Lightning's checkpoints (collective)."""
+    roots = comm.allgather(bool(trainer.is_global_zero))
+    if roots.count(True) != 1:
+        raise ConfigError(f"{what}: expected Lightning's global rank 0 once among the "
+                          f"ranks of comm, found it {roots.count(True)} times")
+    return roots.index(True)
+
+
 class MpigcCommHook(Callback):
     """A Lightning callback that trains a ``DDPStrategy`` model through
     :func:`mpigc.torch.comm_hook`, on CPU or GPU, and keeps the residuals in
@@ -172,24 +198,10 @@ class MpigcCommHook(Callback):
         self._loaded = checkpoint.get(CHECKPOINT_KEY)
 
     def on_fit_start(self, trainer, pl_module):
-        from torch.nn.parallel import DistributedDataParallel
-        ddp = trainer.strategy.model
-        if not isinstance(ddp, DistributedDataParallel):
-            raise ConfigError(f"MpigcCommHook: expected the model wrapped in "
-                              f"DistributedDataParallel at on_fit_start, got "
-                              f"{type(ddp).__name__}")
-        if self.comm.size != trainer.world_size:
-            raise ConfigError(
-                f"MpigcCommHook: comm has {self.comm.size} rank(s), the trainer "
-                f"{trainer.world_size}: run one process per rank of an MPI job (mpirun, "
-                "srun; not strategy='ddp_spawn'), with comm holding all of them")
+        ddp = _wrapped_ddp(trainer, "MpigcCommHook", self.comm)
         if self._comm is None:
             self._comm = self.comm.Dup()
-        roots = self._comm.allgather(bool(trainer.is_global_zero))
-        if roots.count(True) != 1:
-            raise ConfigError(f"MpigcCommHook: expected Lightning's global rank 0 once "
-                              f"among the ranks of comm, found it {roots.count(True)} times")
-        self._root = roots.index(True)
+        self._root = _writing_rank(self._comm, trainer, "MpigcCommHook")
         previous, self.state = self.state, None
         state = CommHookState(ddp, op=self.op, comm=self.comm, **self.kwargs)
         ddp.register_comm_hook(state, comm_hook)
@@ -490,20 +502,9 @@ class MpigcCompressedAdamW(Callback):
         self._loaded = checkpoint.get(ADAMW_CHECKPOINT_KEY)
 
     def on_fit_start(self, trainer, pl_module):
-        from torch.nn.parallel import DistributedDataParallel
-
         from ._adam import CompressedAdamW, local_gradients_hook
         what = "MpigcCompressedAdamW"
-        ddp = trainer.strategy.model
-        if not isinstance(ddp, DistributedDataParallel):
-            raise ConfigError(f"{what}: expected the model wrapped in "
-                              f"DistributedDataParallel at on_fit_start, got "
-                              f"{type(ddp).__name__}")
-        if self.comm.size != trainer.world_size:
-            raise ConfigError(
-                f"{what}: comm has {self.comm.size} rank(s), the trainer "
-                f"{trainer.world_size}: run one process per rank of an MPI job (mpirun, "
-                "srun; not strategy='ddp_spawn'), with comm holding all of them")
+        ddp = _wrapped_ddp(trainer, what, self.comm)
         opts = list(trainer.optimizers)
         if not opts or not all(isinstance(o, CompressedAdamW) for o in opts):
             kinds = ", ".join(type(o).__name__ for o in opts) or "none"
@@ -517,11 +518,7 @@ class MpigcCompressedAdamW(Callback):
                                   f"rank(s), the trainer {trainer.world_size}")
         if self._comm is None:
             self._comm = self.comm.Dup()
-        roots = self._comm.allgather(bool(trainer.is_global_zero))
-        if roots.count(True) != 1:
-            raise ConfigError(f"{what}: expected Lightning's global rank 0 once among "
-                              f"the ranks of comm, found it {roots.count(True)} times")
-        self._root = roots.index(True)
+        self._root = _writing_rank(self._comm, trainer, what)
         ddp.register_comm_hook(None, local_gradients_hook)
         self.optimizers = list(enumerate(opts))
         self._ckpt_path = trainer.ckpt_path

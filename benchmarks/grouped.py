@@ -22,13 +22,8 @@ import mpigc
 
 old_mpigc = None
 if os.environ.get("MPIGC_OLD_TREE"):
-    import importlib.util
-    _init = os.path.join(os.environ["MPIGC_OLD_TREE"], "mpigc", "__init__.py")
-    _spec = importlib.util.spec_from_file_location(
-        "mpigc_old", _init, submodule_search_locations=[os.path.dirname(_init)])
-    old_mpigc = importlib.util.module_from_spec(_spec)
-    sys.modules["mpigc_old"] = old_mpigc
-    _spec.loader.exec_module(old_mpigc)
+    import oldtree
+    old_mpigc = oldtree.load(os.environ["MPIGC_OLD_TREE"])
 comm = MPI.COMM_WORLD
 args = [a for a in sys.argv[1:] if a != "--device"]
 DEVICE = "--device" in sys.argv[1:]

@@ -29,13 +29,8 @@ N = int(sys.argv[2])
 compressed = sys.argv[3:] == ["compressed"]
 old_mpigc = None
 if sys.argv[1] == "both":
-    import importlib.util
-    _init = os.path.join(os.environ["MPIGC_OLD_TREE"], "mpigc", "__init__.py")
-    _spec = importlib.util.spec_from_file_location(
-        "mpigc_old", _init, submodule_search_locations=[os.path.dirname(_init)])
-    old_mpigc = importlib.util.module_from_spec(_spec)
-    sys.modules["mpigc_old"] = old_mpigc
-    _spec.loader.exec_module(old_mpigc)
+    import oldtree
+    old_mpigc = oldtree.load(os.environ["MPIGC_OLD_TREE"])
 if comm.rank == 0:
     print(sys.argv[1], mpigc.__file__, "" if old_mpigc is None else old_mpigc.__file__)
 

@@ -17,6 +17,14 @@ skipped one, ``nonfinite="skip"``, leaves them, its buffer NaN as any
 skipped call's). So the sum delivered plus the residuals left equals the sum of the
 inputs at every step. Keys without residuals cost no copy.
 
+Agreement: an op="auto" call passes its mark (``auto_pin``, ``auto_op``'s
+config) to the engine (:data:`mpigc._settings.AUTO_MARK`), which puts it in
+the call's settings, compared by every rank's agreement row: op="auto"
+meeting a plain op, or other op="auto" settings, is a MismatchError on every
+rank at that call, whatever ops the decisions name. A communicator's first
+op="auto" call completes in :func:`start`; the model joins after it (its
+own communicator) or, if it failed, restarts as if it had not been made.
+
 Errors: bad ``op="auto"`` settings (``auto_op``, ``auto_pin``, a device
 array, a hierarchical call) are found on the rank before anything
 communicates and carried into the call's agreement (the call runs with a
@@ -36,7 +44,7 @@ from . import _timeline
 from ._auto_model import WINDOW, Model, probe_every
 from ._errors import ConfigError, MpigcError
 from ._sched import Request
-from ._settings import min_compress_bytes
+from ._settings import AUTO_MARK, min_compress_bytes
 from .compressors import Compressor, get_compressor
 from .feedback import ErrorFeedback, get_default_feedback, hold_for_plain, plain_done
 from .feedback import shard_bounds
@@ -282,9 +290,21 @@ def _decide(model, kind, flats, comp, cfg, pin, gather, size):
     return dec, model.slot(none_label if dec.op == "none" else comp_label), nbytes
 
 
+def _mark(pin, cfg):
+    """The mark of an op="auto" call's settings (:data:`mpigc._settings.AUTO_MARK`):
+    its agreement fails on every rank where another rank's call is plain or
+    has other op="auto" settings."""
+    return f"op='auto', auto_pin={pin!r}, auto_op={cfg}"
+
+
 def start(kind, buf, params, *, auto_op, auto_pin, comm, key, average, gather, feedback,
           nonfinite, recvcounts=None, out=None, hierarchy="flat", blocking):
-    """Decide and start one ``op="auto"`` call: an :class:`AutoRequest`."""
+    """Decide and start one ``op="auto"`` call: an :class:`AutoRequest`.
+
+    A communicator's first ``op="auto"`` call completes before it returns:
+    once it went through (on every rank: its agreement compares the mark),
+    the model joins (:meth:`Model.join`, collective); if it failed, the model
+    is as if it had not been made."""
     group = isinstance(buf, (list, tuple))
     cm = MPI.COMM_WORLD if comm is None else comm
     try:
@@ -295,17 +315,33 @@ def start(kind, buf, params, *, auto_op, auto_pin, comm, key, average, gather, f
         problem = exc
     model = model_of(cm)
     with model.order:
-        model.sync(cm)
+        first = model.sync()
         if problem is None:
             dec, slot, nbytes = _decide(model, kind, flats, comp, cfg, pin, gather,
                                         cm.Get_size())
+    run = dict(comm=comm, key=key, average=average, gather=gather, nonfinite=nonfinite,
+               recvcounts=recvcounts, out=out, hierarchy="flat", blocking=blocking)
     if problem is not None:
         # every rank raises it: it travels in the call's agreement
-        req = _route.start(kind, buf, _Refused(str(problem)), {}, comm=comm, key=key,
-                           average=average, gather=gather, feedback=False,
-                           nonfinite=nonfinite, recvcounts=recvcounts, out=out,
-                           hierarchy="flat", blocking=blocking)
-        return Request(req)
+        req = Request(_route.start(kind, buf, _Refused(str(problem)), {}, feedback=False,
+                                   **run))
+    else:
+        req = _launch(kind, buf, params, group, flats, dec, slot, nbytes, auto_op,
+                      _mark(pin, cfg), model, cm, feedback, run)
+    if first:
+        try:
+            req.wait()
+        except BaseException:
+            model.restart()  # on every rank for an MpigcError
+            raise
+        model.join(cm)
+    return req
+
+
+def _launch(kind, buf, params, group, flats, dec, slot, nbytes, auto_op, mark, model, cm,
+            feedback, run):
+    """Start the op of the decision ``dec``: an :class:`AutoRequest`."""
+    key = run["key"]
     dtype = flats[0].dtype
     _last.decision = dec
     if _timeline.ON:
@@ -333,17 +369,14 @@ def start(kind, buf, params, *, auto_op, auto_pin, comm, key, average, gather, f
     t0 = _clock()
     try:
         if dec.op == "none":
-            req = _route.start(kind, call_buf, "none", {}, comm=comm, key=key,
-                               average=average, gather=gather, feedback=feedback,
-                               nonfinite=nonfinite, recvcounts=recvcounts, out=out,
-                               hierarchy="flat", blocking=blocking)
+            req = _route.start(kind, call_buf, "none", {AUTO_MARK: mark},
+                               feedback=feedback, **run)
         else:
-            req = _route.start(kind, buf, auto_op, params, comm=comm, key=key,
-                               average=average, gather=gather, feedback=feedback,
-                               nonfinite=nonfinite, recvcounts=recvcounts, out=out,
-                               hierarchy="flat", blocking=blocking)
+            req = _route.start(kind, buf, auto_op, {**params, AUTO_MARK: mark},
+                               feedback=feedback, **run)
     except BaseException:
         if fold is not None:
             fold.done(False, False)
         raise
-    return AutoRequest(req, _Post(dec, fold, model, slot, nbytes, t0, result, blocking))
+    return AutoRequest(req, _Post(dec, fold, model, slot, nbytes, t0, result,
+                                  run["blocking"]))

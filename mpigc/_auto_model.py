@@ -16,9 +16,14 @@ time since the last agreement step.
 
 Every rank decides from the same numbers: the model decides only from
 *agreed* figures. Every :data:`SYNC_EVERY`-th ``op="auto"`` call on a
-communicator (the 1st, the 5th, ...; every :data:`SYNC_SLOW`-th from call
-:data:`SYNC_SETTLED` on; all ranks make the same sequence of calls) waits for the table posted at the previous such call and posts this
-rank's new one: a nonblocking ``op="none"`` allreduce of
+communicator (the 5th, the 9th, ...; every :data:`SYNC_SLOW`-th from call
+:data:`SYNC_SETTLED` on; all ranks make the same sequence of calls: each
+call's agreement compares its op="auto" settings, :mod:`mpigc._auto`) waits
+for the table posted at the previous such call and posts this rank's new
+one, on the model's own duplicate of the communicator (:meth:`Model.join`,
+made after the first ``op="auto"`` call went through, so that the tables
+never pair with a call of a rank without op="auto"): a nonblocking
+``op="none"`` allreduce of
 :data:`NSLOTS` x :data:`NBUCKETS` x 4 float64 integers (24 KiB: count,
 ranks, KiB, fastest µs, summed over the ranks: exact whatever the order, so
 the same on every rank), run by the engine like any call. Of the last
@@ -56,7 +61,9 @@ from typing import NamedTuple, Optional
 
 import numpy as np
 
+from . import _comm
 from . import _route
+from . import _sched
 from ._errors import ConfigError
 from ._sched import Request
 
@@ -168,6 +175,7 @@ class Model:
         self.pending = None    # the request of the sums posted last
         self.series = {}       # label -> [calls, last decision]
         self.syncs = 0
+        self.chan = None       # the model's own duplicate of the communicator (join)
 
     def slot(self, label):
         """The slot of ``label``: its CRC modulo :data:`NSLOTS`, the same on
@@ -199,25 +207,58 @@ class Model:
     def fit(self, label):
         return self.fits.get(self.slot(label))
 
-    def sync(self, comm):
-        """At each op="auto" call, before it decides: every SYNC_EVERY-th
+    def sync(self):
+        """At each op="auto" call, before it decides; returns whether this
+        is the communicator's first (see :meth:`join`). Every SYNC_EVERY-th
         call (every SYNC_SLOW-th from call SYNC_SETTLED on: fewer extra calls
         once the model has its figures) waits for the sums posted last and
-        posts this rank's new ones."""
+        posts this rank's new ones, on the model's own communicator."""
         c = self.calls
         self.calls += 1
+        if c == 0:
+            return True  # nothing to post yet (a warm-up); the model joins after it
         if c % (SYNC_EVERY if c < SYNC_SETTLED else SYNC_SLOW):
-            return
+            return False
         if self.pending is not None:
             req, self.pending = self.pending, None
             self.merge(req.wait())
+        self.post()
+        return False
+
+    def post(self):
+        """Post this rank's sums since the last post (an op="none" allreduce
+        on :attr:`chan`, waited at the next agreement step)."""
         with self.lock:
             sums = post_table(self.local)
             self.local = _empty_local()
-        req = _route.start("allreduce", sums, "none", {}, comm=comm, key="mpigc/auto-model",
-                           average=False, gather="compressed", feedback=False,
-                           nonfinite="raise", hierarchy="flat", blocking=False)
+        req = _route.start("allreduce", sums, "none", {}, comm=self.chan,
+                           key="mpigc/auto-model", average=False, gather="compressed",
+                           feedback=False, nonfinite="raise", hierarchy="flat",
+                           blocking=False)
         self.pending = Request(req)
+
+    def join(self, comm):
+        """After the communicator's first op="auto" call went through (its
+        agreement compares the op="auto" mark, so every rank made one): the
+        model's own duplicate of ``comm`` (collective; the pending calls
+        completed first, as the engine does before a communicator's first
+        use), where the agreement steps post their sums from the next
+        one on (the first call's own sums are empty: a warm-up). The sums
+        never travel on ``comm``, where a rank without op="auto" would pair
+        one of its calls with them."""
+        _sched.finish_pending()
+        with _comm.creation_lock(comm):
+            self.chan = comm.Dup()
+
+    def restart(self):
+        """The communicator's first op="auto" call failed (on every rank):
+        as if it had not been made (no rank joined)."""
+        with self.lock:
+            self.calls = 0
+            self.series = {}
+            self.slots = {}
+            self.warm = set()
+            self.local = _empty_local()
 
     def settle(self):
         """Wait for the sums posted last and take them in (every rank at the

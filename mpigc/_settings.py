@@ -18,9 +18,16 @@ from .compressors import SUPPORTED_DTYPES, get_compressor
 from .feedback import shard_bounds
 
 __all__ = ["NONFINITE_POLICIES", "GATHER_MODES", "default_nonfinite", "min_compress_bytes",
-           "chunk_bytes", "adopt_input", "Settings", "settings_for", "settings_key"]
+           "chunk_bytes", "adopt_input", "Settings", "settings_for", "settings_key",
+           "AUTO_MARK"]
 
 NONFINITE_POLICIES = ("raise", "skip", "ignore")
+# The parameter under which an op="auto" call (mpigc._auto) passes its mark:
+# not the compressor's (taken out before it is made, never in its config nor
+# in the residuals'), but in the settings and so in their fingerprint, which
+# every rank's agreement row compares: an op="auto" call meets a plain call,
+# or one with other auto settings, with a MismatchError on every rank.
+AUTO_MARK = "mpigc.auto"
 GATHER_MODES = ("compressed", "exact")
 
 
@@ -153,6 +160,9 @@ def settings_for(kind, dtype, size, op, params, key, average, gather, nonfinite,
 
 def _validate_settings(kind, dtype, size, op, params, key, average, gather, nonfinite, n,
                        recvcounts, max_count):
+    mark = params.get(AUTO_MARK)
+    if mark is not None:
+        params = {k: v for k, v in params.items() if k != AUTO_MARK}
     comp = get_compressor(op, **params)
     if gather not in GATHER_MODES:
         raise ConfigError(f"gather must be one of {GATHER_MODES}, got {gather!r}")
@@ -182,6 +192,8 @@ def _validate_settings(kind, dtype, size, op, params, key, average, gather, nonf
                 "average": average, "gather": gather, "nonfinite": nonfinite,
                 "bounds": None if recvcounts is None else bounds,
                 "fallback": fallback}
+    if mark is not None:
+        settings["auto"] = mark
     if plain and n > max_count:
         # MPI sums this many pieces, one collective each: ranks that cut
         # differently ($MPIGC_MAX_COUNT) would wait in different collectives

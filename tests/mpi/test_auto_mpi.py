@@ -282,3 +282,62 @@ def test_outstanding_requests_across_agreement_steps_waited_in_reverse(dup, fb, 
     if pin == "none":
         exact = all(np.array_equal(b, _mpi_sum(x, dup)) for b, x in zip(bufs, xs))
         assert_all(exact, "a pinned plain call is not the MPI sum", dup)
+
+
+@pytest.mark.mpi
+@pytest.mark.ranks(2, 3)
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("other", ["2bit", "none"])
+def test_auto_on_rank_0_only_raises_on_every_rank_then_the_calls_work(dup, fb, other,
+                                                                       blocking):
+    """op="auto" on rank 0, ``other`` on the rest: MismatchError on every
+    rank at that call (the mark in the settings; before, rank 0's agreement
+    step, a call on this communicator, paired with the others' call and
+    rank 0 hung in its own), then the same op on every rank works: ``other``,
+    then op="auto" (the model joins at its first call that went through)."""
+    x = grads(dup.rank, N)
+
+    def call(op, y):
+        kw = dict(op=op, key="w", comm=dup, feedback=fb)
+        if blocking:
+            return mpigc.allreduce(y, **kw)
+        return mpigc.iallreduce(y, **kw).wait()
+
+    raises_everywhere(mpigc.MismatchError, lambda: call(
+        "auto" if dup.rank == 0 else other, x.copy()), comm=dup, match="auto")
+    for _ in range(2):
+        y = x.copy()
+        call(other, y)
+        if other == "none":
+            assert_all(np.array_equal(y, _mpi_sum(x, dup)), "the next call is wrong", dup)
+        every = dup.allgather(y.tobytes())
+        assert_all(all(b == every[0] for b in every), "results differ", dup)
+    decisions = []
+    for i in range(2 * _auto_model.SYNC_EVERY + 1):
+        y = grads(dup.rank, N, seed=i)
+        call("auto", y)
+        decisions.append(tuple(_auto.last_decision()[:2]))
+    every = dup.allgather(decisions)
+    assert_all(all(d == every[0] for d in every), f"decisions differ: {every}", dup)
+
+
+@pytest.mark.mpi
+@pytest.mark.ranks(2, 3)
+@pytest.mark.parametrize("differ", [
+    {"auto_pin": "compressed"}, {"auto_pin": "none"},
+    {"auto_op": {"type": "2bit", "block_size": 512}}])
+def test_auto_settings_differing_between_ranks_raise_on_every_rank(dup, fb, differ):
+    """auto_pin or auto_op differing between ranks: MismatchError on every
+    rank at the first call (before: pins whose decisions happened to agree,
+    or two auto_op's while both ran "none", went through, and the models'
+    slots could differ), then the same settings on every rank work."""
+    kw = dict(op="auto", key="w", comm=dup, feedback=fb)
+    x = grads(dup.rank, N)
+    raises_everywhere(mpigc.MismatchError, lambda: mpigc.allreduce(
+        x.copy(), **kw, **(differ if dup.rank == 0 else {})), comm=dup,
+        match="auto_")
+    for i in range(_auto_model.SYNC_EVERY + 1):
+        y = grads(dup.rank, N, seed=i)
+        mpigc.allreduce(y, **kw, auto_pin="none")
+        assert_all(np.array_equal(y, _mpi_sum(grads(dup.rank, N, seed=i), dup)),
+                   "a pinned plain call is not the MPI sum", dup)

@@ -249,6 +249,10 @@ class Model:
         _sched.finish_pending()
         with _comm.creation_lock(comm):
             self.chan = comm.Dup()
+        # the engine's first use of it is collective too: here, where every
+        # rank is, not at the first post (a rank whose models went apart
+        # after a failed call would make it alone)
+        _comm.resolve(self.chan)
 
     def restart(self):
         """The communicator's first op="auto" call failed (on every rank):

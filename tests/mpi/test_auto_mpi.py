@@ -341,3 +341,31 @@ def test_auto_settings_differing_between_ranks_raise_on_every_rank(dup, fb, diff
         mpigc.allreduce(y, **kw, auto_pin="none")
         assert_all(np.array_equal(y, _mpi_sum(grads(dup.rank, N, seed=i), dup)),
                    "a pinned plain call is not the MPI sum", dup)
+
+
+@pytest.mark.mpi
+@pytest.mark.ranks(2, 3)
+def test_a_later_call_with_auto_on_rank_0_only_then_auto_everywhere_does_not_hang(dup, fb):
+    """After the model joined, a call with op="auto" on rank 0 only
+    (MismatchError everywhere; rank 0's model counted it), then op="auto"
+    on every rank: each call raises on every rank or works on every rank,
+    and none hangs (before, the engine's first use of the model's
+    communicator, collective, came at its first post, which rank 0 then made
+    a call ahead of the others: it waited there, the others in their call).
+    Four such calls or more still hang: docs/user-guide.md says to take a
+    new communicator."""
+    bad = 1
+    kw = dict(key="w", comm=dup, feedback=fb)
+    for i in range(3):
+        mpigc.allreduce(grads(dup.rank, N, seed=i), op="auto", **kw)
+    for _ in range(bad):
+        raises_everywhere(mpigc.MismatchError, lambda: mpigc.allreduce(
+            grads(dup.rank, N), op="auto" if dup.rank == 0 else "2bit", **kw), comm=dup)
+    for i in range(3 * _auto_model.SYNC_EVERY):
+        try:
+            mpigc.allreduce(grads(dup.rank, N, seed=i), op="auto", **kw)
+            got = "ok"
+        except mpigc.MismatchError:
+            got = "MismatchError"
+        every = dup.allgather(got)
+        assert_all(all(g == every[0] for g in every), f"call {i}: {every}", dup)

@@ -15,7 +15,7 @@ from ..reduce_scatter import ireduce_scatter
 
 from ._common import (NP_OF_TORCH, Rendezvous, Wait, agreed_comm, check_feedback, check_same,
                       describe, raise_everywhere, resolve_comm, resolve_timeout,
-                      resolve_warn_s, torch_compressor, torch_nonfinite, wait_request,
+                      resolve_warn_s, settled, torch_compressor, torch_nonfinite, wait_request,
                       warn_if_uncompressed)
 from ._residuals import Residuals
 
@@ -274,7 +274,7 @@ class FsdpHookState:
             req = start()
             self._arrive.step_posted()
             label = f"FSDP gradient reduction of {key} (rank {self.rank} of {self.size})"
-            wait_request(lambda: _settled(req), label, _STEP, timeout=self.timeout,
+            wait_request(lambda: settled(req), label, _STEP, timeout=self.timeout,
                          warn_s=self._warn_s, watch=self._arrive.watch(
                              f"the gradient reduction of {key} (call {{step}})", label))
             req.wait()
@@ -628,13 +628,6 @@ def _dcp_entries(st, state, what, layouts):
         entries[key] = new_entry(n, dtype, sub.size, sub.rank, st.compressor.get_config(),
                                  info["calls"], worker, owner)
     return entries
-
-
-def _settled(req):
-    try:
-        return req.test()
-    except Exception:  # noqa: BLE001 - raised again by its wait()
-        return True
 
 
 def register_fsdp_hooks(model, op="2bit", *, comm=None, nonfinite=None, feedback=None,

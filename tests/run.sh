@@ -72,11 +72,28 @@ tally() {  # add up the counts of a pytest summary line in file $1; exit status 
     passed=$((passed + ${p:-0})); failed=$((failed + ${f:-0} + ${e:-0}))
 }
 
-mpi_tests() {  # the MPI tests at $1 ranks: rank 0's output here, the others' in $LOGS
+mpi_launch() {  # the MPI tests at $1 ranks: rank 0's output here, the others' in $LOGS
     timeout "$TIMEOUT" mpirun --oversubscribe -n "$1" bash -c '
         r=${OMPI_COMM_WORLD_RANK:-${PMI_RANK:-0}}
         if [ "$r" = 0 ]; then exec "$@"; else exec "$@" >"'"$LOGS"'/mpi'"$1"'.rank$r.log" 2>&1; fi
     ' _ "${PYTEST[@]}" --with-mpi tests/mpi
+}
+
+# what mpirun prints when Open MPI's launcher failed before it started any rank
+# (tests/support/launcher.py: then nothing ran, and the launch is made once more)
+DID_NOT_START="The PMIx server's listener thread failed to start"
+
+mpi_tests() {  # mpi_launch $1, made once more if mpirun never started pytest
+    local rc
+    mpi_launch "$1" 2>&1 | tee "$LOGS/launch$1.log"
+    rc=${PIPESTATUS[0]}
+    if [ "$rc" -ne 0 ] && grep -qF "$DID_NOT_START" "$LOGS/launch$1.log" &&
+        ! grep -qaE '^[=]* ?[0-9]+ (passed|failed|skipped)' "$LOGS/launch$1.log"; then
+        echo "mpirun did not start (Open MPI's launcher, no rank ran): once more"
+        mpi_launch "$1" 2>&1
+        rc=$?
+    fi
+    return "$rc"
 }
 
 mpi_failed() {  # what to say when the MPI tests at $1 ranks exited with $2

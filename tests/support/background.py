@@ -20,6 +20,8 @@ import concurrent.futures
 import os
 import subprocess
 
+from support import launcher
+
 
 def workers():
     """Runs at a time: ``$MPIGC_TEST_JOBS``, else the cores this process may use."""
@@ -33,7 +35,8 @@ def workers():
 
 def _run(argv, env, timeout):
     try:
-        return subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
+        # made once more if mpirun itself did not start (tests/support/launcher.py)
+        return launcher.run(argv, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired as exc:
         return exc
 

@@ -16,8 +16,12 @@ example prints last on rank 0.
 """
 import json
 import os
-import subprocess
 import sys
+
+try:
+    from support import launcher
+except ImportError:  # this file as the job's script: tests/support is on the path
+    import launcher
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLES = os.path.join(os.path.dirname(os.path.dirname(HERE)), "examples")
@@ -44,7 +48,7 @@ def run(script, *args, launch=False, ranks=2, timeout=300):
     be 0; returns the JSON of the last line of its output."""
     cmd = _mpirun(ranks, timeout) + (["-m", "mpigc.launch"] if launch else []) + [script,
                                                                                 *args]
-    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout + 60)
+    p = launcher.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout + 60)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -86,7 +90,7 @@ def run_in_one_job(script, runs, ranks=2, timeout=1200):
     ``main(argv)``, one after another in one ``mpirun -n RANKS`` job: a
     :class:`Job`."""
     cmd = _mpirun(ranks, timeout) + [os.path.abspath(__file__), script, json.dumps(runs)]
-    p = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout + 60)
+    p = launcher.run(cmd, env=_env(), capture_output=True, text=True, timeout=timeout + 60)
     return Job(len(runs), p.returncode, p.stdout, p.stderr)
 
 

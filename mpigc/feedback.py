@@ -415,7 +415,6 @@ def _host_array(a):
     return _cuda.host_copy(a)
 
 
-
 def hold_for_plain(fb, key, n, dtype, world_size, rank):
     """For ``op="auto"`` (:mod:`mpigc._auto`) when it runs a call as a plain
     sum: hold ``key`` for the call, as a call's transaction does (StateError,

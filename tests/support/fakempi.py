@@ -70,10 +70,11 @@ class RunFailed(Exception):
 
 
 class _Thread:
-    __slots__ = ("name", "ready", "done", "ident", "error", "rank", "daemon")
+    __slots__ = ("name", "ready", "done", "ident", "error", "rank", "daemon", "cond")
 
-    def __init__(self, name, rank, daemon=False):
+    def __init__(self, name, rank, cond, daemon=False):
         self.name = name
+        self.cond = cond  # on the World's lock: notified when the turn is its own
         self.ready = None  # None: runnable; else a predicate
         self.done = False
         self.ident = None
@@ -114,7 +115,12 @@ class World:
         self.seed = seed
         self.rng = np.random.default_rng(seed)
         self.max_steps = max_steps
-        self.cv = threading.Condition()
+        # the World's lock; cv wakes the thread that starts a run or a thread (their
+        # ident), each simulated thread's own condition its turn (_Thread.cond): a
+        # hand-over wakes the one thread whose turn it is, not every thread (a run of
+        # 4 ranks: 5-10 context switches a step before, with notify_all)
+        self.lock = threading.RLock()
+        self.cv = threading.Condition(self.lock)
         self.threads = []
         self._joined = {}  # spawned thread: its OS thread
         self.turn = None
@@ -154,7 +160,7 @@ class World:
         if not any(not t.daemon for t in live):
             self.over = self.over or bool(live)  # the engine's daemon threads unwind
             self.turn = None
-            self.cv.notify_all()
+            self._wake_all()
             return
         ok = [t for t in live if t.ready is None or t.ready()]
         if not ok:
@@ -180,7 +186,14 @@ class World:
                 c = self.choices[k] if k < len(self.choices) else 0
                 self.decisions.append((len(ok), preempt))
             self.turn = ok[c]
+        if self.turn is not me:
+            self.turn.cond.notify()
+
+    def _wake_all(self):
+        """Under cv: wake every thread (the run failed or is over)."""
         self.cv.notify_all()
+        for t in self.threads:
+            t.cond.notify()
 
     def _fail(self, kind, why):
         if self.failed is None and not self.over:  # (over: a daemon's unwinding)
@@ -195,7 +208,7 @@ class World:
             self.failed = (kind, f"{why} (seed {self.seed}, step {self.steps})\n"
                            + "\n".join(stacks))
         self.turn = None
-        self.cv.notify_all()
+        self._wake_all()
 
     def point(self, ready=None):
         """A scheduling point of the running thread: it may go on once
@@ -207,7 +220,7 @@ class World:
             me.ready = ready
             self._pick(me)
             while self.turn is not me and not self.failed and not self.over:
-                self.cv.wait()
+                me.cond.wait()
             if self.failed or self.over:
                 raise Unwind()
             me.ready = None
@@ -222,7 +235,7 @@ class World:
         r's program runs in the same thread in every run (:func:`_worker`),
         as a rank's user thread would: the engine notes which threads call it."""
         results = [None] * len(programs)
-        self.threads = [_Thread(f"rank {r}", r) for r in range(len(programs))]
+        self.threads = [self._thread(f"rank {r}", r) for r in range(len(programs))]
         finished = threading.Semaphore(0)
 
         def main(r, t, fn):
@@ -258,7 +271,7 @@ class World:
             t.ident = threading.get_ident()
             self.cv.notify_all()
             while self.turn is not t and not self.failed and not self.over:
-                self.cv.wait()
+                t.cond.wait()
         try:
             if not self.failed and not self.over:
                 fn()
@@ -272,7 +285,6 @@ class World:
                 t.done = True
                 if self.turn is t or self.turn is None:
                     self._pick()
-                self.cv.notify_all()
 
     def spawn(self, fn, name, daemon=False):
         """Start ``fn`` as a new simulated thread of the running rank (an
@@ -280,7 +292,7 @@ class World:
         its :class:`_Thread`. A daemon does not keep the run going: once
         every non-daemon thread has ended, it unwinds at its next point."""
         me = self._me()
-        t = _Thread(f"{me.name.split('/')[0]}/{name}", me.rank, daemon)
+        t = self._thread(f"{me.name.split('/')[0]}/{name}", me.rank, daemon)
         with self.cv:
             self.threads.append(t)
         os_thread = threading.Thread(target=self._body, args=(t, fn), daemon=True,
@@ -292,6 +304,9 @@ class World:
                 self.cv.wait(0.01)
         self.point()  # the new thread may run first
         return t
+
+    def _thread(self, name, rank, daemon=False):
+        return _Thread(name, rank, threading.Condition(self.lock), daemon)
 
     def join(self, t):
         """The running thread waits until the simulated thread ``t`` ends."""

@@ -21,9 +21,13 @@ Agreement: an op="auto" call passes its mark (``auto_pin``, ``auto_op``'s
 config) to the engine (:data:`mpigc._settings.AUTO_MARK`), which puts it in
 the call's settings, compared by every rank's agreement row: op="auto"
 meeting a plain op, or other op="auto" settings, is a MismatchError on every
-rank at that call, whatever ops the decisions name. A communicator's first
-op="auto" call completes in :func:`start`; the model joins after it (its
-own communicator) or, if it failed, restarts as if it had not been made.
+rank at that call, whatever ops the decisions name; the mark also says
+whether the call is a model step (the first call, after which the model
+joins its own communicator, or an agreement step, after which it posts its
+sums), so no rank joins or posts where another does not. A step completes
+in :func:`start`. A call that failed is undone in the model
+(:meth:`Model.close`): the models stay alike on the ranks that made it as
+op="auto" and on those that did not.
 
 Errors: bad ``op="auto"`` settings (``auto_op``, ``auto_pin``, a device
 array, a hierarchical call) are found on the rank before anything
@@ -209,18 +213,20 @@ class AutoRequest(Request):
 
 class _Post:
     """What an ``op="auto"`` call does once it completed: the folded
-    residuals settled, the results copied back, its time recorded."""
+    residuals settled, the results copied back, its time recorded, the
+    model told whether it went through (a failed call is undone there)."""
 
-    def __init__(self, decision, fold, model, slot, nbytes, t0, result, blocking):
+    def __init__(self, decision, fold, model, entry, slot, nbytes, t0, result, blocking):
         self.decision, self.fold, self.model, self.slot = decision, fold, model, slot
         self.nbytes, self.t0, self.result, self.over = nbytes, t0, result, False
-        self.blocking = blocking
+        self.blocking, self.entry = blocking, entry
 
     def fail(self):
         if not self.over:
             self.over = True
             if self.fold is not None:
                 self.fold.done(False, False)
+            self.model.close(self.entry, False)
 
     def finish(self, op, t1):
         if not self.over:
@@ -230,6 +236,7 @@ class _Post:
                 self.fold.done(op.trace.path is not None, self.result is not None)
             if t1 is not None:
                 self.model.record(self.slot, self.nbytes, t1 - self.t0)
+            self.model.close(self.entry, True)  # skipped too: on every rank alike
         return op.result if self.result is None else self.result
 
 
@@ -290,56 +297,66 @@ def _decide(model, kind, flats, comp, cfg, pin, gather, size):
     return dec, model.slot(none_label if dec.op == "none" else comp_label), nbytes
 
 
-def _mark(pin, cfg):
+def _mark(pin, cfg, step):
     """The mark of an op="auto" call's settings (:data:`mpigc._settings.AUTO_MARK`):
-    its agreement fails on every rank where another rank's call is plain or
-    has other op="auto" settings."""
-    return f"op='auto', auto_pin={pin!r}, auto_op={cfg}"
+    its agreement fails on every rank where another rank's call is plain,
+    has other op="auto" settings, or is not a model step where this one is
+    (``step``: the model joins or posts its sums once it went through), or
+    the reverse."""
+    return f"op='auto', auto_pin={pin!r}, auto_op={cfg}" + (", model step" if step else "")
 
 
 def start(kind, buf, params, *, auto_op, auto_pin, comm, key, average, gather, feedback,
           nonfinite, recvcounts=None, out=None, hierarchy="flat", blocking):
     """Decide and start one ``op="auto"`` call: an :class:`AutoRequest`.
 
-    A communicator's first ``op="auto"`` call completes before it returns:
-    once it went through (on every rank: its agreement compares the mark),
-    the model joins (:meth:`Model.join`, collective); if it failed, the model
-    is as if it had not been made."""
+    A call at a model step (:meth:`Model.enter`: a communicator's first
+    ``op="auto"`` call, and its agreement steps) completes before it
+    returns, holding the model's order: once it went through (on every
+    rank: its agreement compares the mark, which says it is a step), the
+    model joins (the first, :meth:`Model.join`, collective) or posts its
+    sums (:meth:`Model.post`). A call that failed is undone in the model
+    (:meth:`Model.close`), as on the ranks that did not make it."""
     group = isinstance(buf, (list, tuple))
     cm = MPI.COMM_WORLD if comm is None else comm
+    run = dict(comm=comm, key=key, average=average, gather=gather, nonfinite=nonfinite,
+               recvcounts=recvcounts, out=out, hierarchy="flat", blocking=blocking)
     try:
         (comp, cfg), pin = _check(buf, auto_op, params, auto_pin, hierarchy, feedback)
         flats = [_flat(b) for b in (buf if group else [buf])]
-        problem = None
-    except MpigcError as exc:
-        problem = exc
+    except MpigcError as problem:
+        # every rank raises it: it travels in the call's agreement (the
+        # model is not entered: the call fails)
+        return Request(_route.start(kind, buf, _Refused(str(problem)), {}, feedback=False,
+                                    **run))
     model = model_of(cm)
     with model.order:
-        first = model.sync()
-        if problem is None:
+        entry = model.enter()
+        try:
             dec, slot, nbytes = _decide(model, kind, flats, comp, cfg, pin, gather,
                                         cm.Get_size())
-    run = dict(comm=comm, key=key, average=average, gather=gather, nonfinite=nonfinite,
-               recvcounts=recvcounts, out=out, hierarchy="flat", blocking=blocking)
-    if problem is not None:
-        # every rank raises it: it travels in the call's agreement
-        req = Request(_route.start(kind, buf, _Refused(str(problem)), {}, feedback=False,
-                                   **run))
-    else:
-        req = _launch(kind, buf, params, group, flats, dec, slot, nbytes, auto_op,
-                      _mark(pin, cfg), model, cm, feedback, run)
-    if first:
-        try:
-            req.wait()
         except BaseException:
-            model.restart()  # on every rank for an MpigcError
+            model.close(entry, False)
             raise
-        model.join(cm)
-    return req
+        finally:
+            model.decided()
+        if not entry.step:
+            return _launch(kind, buf, params, group, flats, dec, slot, nbytes, auto_op,
+                           _mark(pin, cfg, False), model, entry, cm, feedback, run)
+        # a model step: completed here, still in the model's order (a second
+        # thread's call waits), then the join or the post
+        req = _launch(kind, buf, params, group, flats, dec, slot, nbytes, auto_op,
+                      _mark(pin, cfg, True), model, entry, cm, feedback, run)
+        req.wait()  # a failure is undone in the model (AutoRequest.wait)
+        if entry.index == 0:
+            model.join(cm)
+        else:
+            model.post()
+        return req
 
 
-def _launch(kind, buf, params, group, flats, dec, slot, nbytes, auto_op, mark, model, cm,
-            feedback, run):
+def _launch(kind, buf, params, group, flats, dec, slot, nbytes, auto_op, mark, model, entry,
+            cm, feedback, run):
     """Start the op of the decision ``dec``: an :class:`AutoRequest`."""
     key = run["key"]
     dtype = flats[0].dtype
@@ -377,6 +394,7 @@ def _launch(kind, buf, params, group, flats, dec, slot, nbytes, auto_op, mark, m
     except BaseException:
         if fold is not None:
             fold.done(False, False)
+        model.close(entry, False)
         raise
-    return AutoRequest(req, _Post(dec, fold, model, slot, nbytes, t0, result,
+    return AutoRequest(req, _Post(dec, fold, model, entry, slot, nbytes, t0, result,
                                   run["blocking"]))

@@ -18,12 +18,14 @@ Every rank decides from the same numbers: the model decides only from
 *agreed* figures. Every :data:`SYNC_EVERY`-th ``op="auto"`` call on a
 communicator (the 5th, the 9th, ...; every :data:`SYNC_SLOW`-th from call
 :data:`SYNC_SETTLED` on; all ranks make the same sequence of calls: each
-call's agreement compares its op="auto" settings, :mod:`mpigc._auto`) waits
-for the table posted at the previous such call and posts this rank's new
-one, on the model's own duplicate of the communicator (:meth:`Model.join`,
-made after the first ``op="auto"`` call went through, so that the tables
-never pair with a call of a rank without op="auto"): a nonblocking
-``op="none"`` allreduce of
+call's agreement compares its op="auto" settings, :mod:`mpigc._auto`, and
+a call that failed is undone: :meth:`Model.close`) waits for the table
+posted at the previous such call and, once it went through (its agreement
+compared that it is such a call on every rank, and it completes before it
+returns), posts this rank's new one, on the model's own duplicate of the
+communicator (:meth:`Model.join`, made after the first ``op="auto"`` call
+went through, so that the tables never pair with a call of a rank without
+op="auto"): a nonblocking ``op="none"`` allreduce of
 :data:`NSLOTS` x :data:`NBUCKETS` x 4 float64 integers (24 KiB: count,
 ranks, KiB, fastest µs, summed over the ranks: exact whatever the order, so
 the same on every rank), run by the engine like any call. Of the last
@@ -163,7 +165,10 @@ class Model:
 
     def __init__(self, window=WINDOW):
         self.lock = threading.Lock()  # the sums and the window
-        self.order = threading.Lock()  # a call's agreement step and decision
+        # a call's agreement step and decision; a model step's call, from its
+        # start to its post or join (:meth:`enter`)
+        self.order = threading.RLock()
+        self.book = threading.RLock()  # the calls' bookkeeping: calls, series, slots, log
         self.slots = {}        # label -> its slot (the labels this rank has seen)
         # this rank's count, KiB and fastest µs per slot and size since the last post
         self.local = _empty_local()
@@ -171,8 +176,11 @@ class Model:
         self.window = deque(maxlen=window)
         self.agreed = {}       # slot -> (count, [(KiB, µs)]): the window's points
         self.fits = {}         # slot -> its Fit, made at each merge
-        self.calls = 0
-        self.pending = None    # the request of the sums posted last
+        self.calls = 0         # the index of the next call (calls that failed undone)
+        self.log = []          # the _Entry of each call since the last that went through
+        self.entry = None      # the _Entry of the call deciding now (under order)
+        self.pending = None    # the call of the sums posted last (its Request made at
+                               # the wait: the user's last_trace stays the user's call)
         self.series = {}       # label -> [calls, last decision]
         self.syncs = 0
         self.chan = None       # the model's own duplicate of the communicator (join)
@@ -182,15 +190,18 @@ class Model:
         every rank whatever the order of first use; where a label seen
         before holds it, the next free one (the labels come in the order of
         the calls, the same on every rank)."""
-        i = self.slots.get(label)
-        if i is None:
-            taken = set(self.slots.values())
-            i = zlib.crc32(repr(label).encode()) % NSLOTS
-            for _ in range(NSLOTS):
-                if i not in taken:
-                    break
-                i = (i + 1) % NSLOTS
-            self.slots[label] = i
+        with self.book:
+            i = self.slots.get(label)
+            if i is None:
+                taken = set(self.slots.values())
+                i = zlib.crc32(repr(label).encode()) % NSLOTS
+                for _ in range(NSLOTS):
+                    if i not in taken:
+                        break
+                    i = (i + 1) % NSLOTS
+                self.slots[label] = i
+                if self.entry is not None:
+                    self.entry.labels.append(label)  # undone with it
         return i
 
     def record(self, slot, nbytes, seconds):
@@ -207,27 +218,65 @@ class Model:
     def fit(self, label):
         return self.fits.get(self.slot(label))
 
-    def sync(self):
-        """At each op="auto" call, before it decides; returns whether this
-        is the communicator's first (see :meth:`join`). Every SYNC_EVERY-th
-        call (every SYNC_SLOW-th from call SYNC_SETTLED on: fewer extra calls
-        once the model has its figures) waits for the sums posted last and
-        posts this rank's new ones, on the model's own communicator."""
-        c = self.calls
-        self.calls += 1
-        if c == 0:
-            return True  # nothing to post yet (a warm-up); the model joins after it
-        if c % (SYNC_EVERY if c < SYNC_SETTLED else SYNC_SLOW):
-            return False
-        if self.pending is not None:
-            req, self.pending = self.pending, None
-            self.merge(req.wait())
-        self.post()
-        return False
+    def enter(self):
+        """At each op="auto" call, under :attr:`order`, before it decides:
+        its :class:`_Entry` (its index; whether it is a model step: the
+        first call, after which the model joins, and every SYNC_EVERY-th,
+        every SYNC_SLOW-th from call SYNC_SETTLED on, an agreement step).
+        An agreement step waits for the sums posted at the previous one
+        (every rank posted them: they are posted only once a step went
+        through, :meth:`post`) and takes them in. What the call changes
+        (the index, its series' counts, new slots) until :meth:`decided` is
+        undone if it fails (:meth:`close`)."""
+        with self.book:
+            c = self.calls
+            self.calls += 1
+            e = self.entry = _Entry(c, c == 0 or c % (
+                SYNC_EVERY if c < SYNC_SETTLED else SYNC_SLOW) == 0)
+            self.log.append(e)
+        if e.step and self.pending is not None:
+            op, self.pending = self.pending, None
+            self.merge(Request(op).wait())
+        return e
+
+    def decided(self):
+        """The call of :meth:`enter` decided: later changes are not its."""
+        with self.book:
+            self.entry = None
+
+    def close(self, entry, ok):
+        """The call of ``entry`` is over: it went through (``ok``, on every
+        rank) or failed (on every rank its call reached: a rank whose call
+        was not op="auto" never entered it). A failed call, and the failed
+        calls just before it, are undone once no later call of this rank is
+        in flight or went through: the model is as if they had not been
+        made, as on the ranks that did not make them."""
+        with self.book:
+            at = next((i for i, e in enumerate(self.log) if e is entry), None)
+            if at is None:
+                return  # a later call went through: nothing before it is undone
+            if ok:
+                del self.log[:at + 1]
+                return
+            entry.failed = True
+            while self.log and self.log[-1].failed:
+                e = self.log.pop()
+                self.calls = e.index
+                for label in reversed(e.labels):
+                    self.slots.pop(label, None)
+                for series, st in e.series.items():
+                    if st is None:
+                        self.series.pop(series, None)
+                    else:
+                        self.series[series] = st
 
     def post(self):
         """Post this rank's sums since the last post (an op="none" allreduce
-        on :attr:`chan`, waited at the next agreement step)."""
+        on :attr:`chan`, waited at the next agreement step), once an
+        agreement step's call went through (its agreement compared that it
+        is one on every rank, so every rank posts), before anything else
+        starts: a rank waiting for the sums never waits for a rank that
+        has not posted them."""
         with self.lock:
             sums = post_table(self.local)
             self.local = _empty_local()
@@ -235,11 +284,11 @@ class Model:
                            key="mpigc/auto-model", average=False, gather="compressed",
                            feedback=False, nonfinite="raise", hierarchy="flat",
                            blocking=False)
-        self.pending = Request(req)
+        self.pending = req
 
     def join(self, comm):
         """After the communicator's first op="auto" call went through (its
-        agreement compares the op="auto" mark, so every rank made one): the
+        agreement compared the op="auto" mark, a model step's on every rank): the
         model's own duplicate of ``comm`` (collective; the pending calls
         completed first, as the engine does before a communicator's first
         use), where the agreement steps post their sums from the next
@@ -254,24 +303,14 @@ class Model:
         # after a failed call would make it alone)
         _comm.resolve(self.chan)
 
-    def restart(self):
-        """The communicator's first op="auto" call failed (on every rank):
-        as if it had not been made (no rank joined)."""
-        with self.lock:
-            self.calls = 0
-            self.series = {}
-            self.slots = {}
-            self.warm = set()
-            self.local = _empty_local()
-
     def settle(self):
         """Wait for the sums posted last and take them in (every rank at the
         same point of its sequence of calls: ``mpigc-bench --model``, tests;
         the next agreement step posts afresh)."""
         with self.order:
             if self.pending is not None:
-                req, self.pending = self.pending, None
-                self.merge(req.wait())
+                op, self.pending = self.pending, None
+                self.merge(Request(op).wait())
 
     def merge(self, sums):
         """Agreed sums in (every rank's, summed: integers, exact). Per slot
@@ -298,6 +337,15 @@ class Model:
 
     def decide(self, series, none_label, comp_label, nbytes, pin, small, op_id, size):
         """The op of this call, from agreed data only (module docstring)."""
+        with self.book:
+            return self._decide(series, none_label, comp_label, nbytes, pin, small, op_id,
+                                size)
+
+    def _decide(self, series, none_label, comp_label, nbytes, pin, small, op_id, size):
+        e = self.entry
+        if e is not None and series not in e.series:
+            old = self.series.get(series)
+            e.series[series] = None if old is None else list(old)
         st = self.series.setdefault(series, [0, None])
         i = st[0]
         st[0] += 1
@@ -335,6 +383,17 @@ class Model:
             if f is not None:
                 out[label] = f
         return out
+
+class _Entry:
+    """One op="auto" call's changes to the model (:meth:`Model.enter`):
+    its index, whether it is a model step, the series it changed (their
+    state before it) and the labels it gave slots."""
+    __slots__ = ("index", "step", "series", "labels", "failed")
+
+    def __init__(self, index, step):
+        self.index, self.step = index, step
+        self.series, self.labels, self.failed = {}, [], False
+
 
 def _empty_local():
     t = np.zeros((NSLOTS, NBUCKETS, 3))

@@ -135,6 +135,60 @@ def test_pins_small_calls_and_probes(monkeypatch):
     assert all(_decide(m).reason == "model" for _ in range(10))
 
 
+def _call(m, label=SERIES):
+    """One op="auto" call's bookkeeping as mpigc._auto makes it: its entry
+    and decision."""
+    e = m.enter()
+    try:
+        d = m.decide(label, NONE, (label[0], label[1], label[2]), 1 << 20, "model", False,
+                     "2bit", 1)
+        m.slot(NONE if d.op == "none" else label)
+    finally:
+        m.decided()
+    return e, d
+
+
+def test_model_steps_are_the_first_call_and_the_agreement_steps():
+    m = _auto_model.Model()
+    steps = [i for i in range(100) if _call(m)[0].step]
+    assert steps == [0, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40, 44, 48, 52, 56, 60, 64, 80, 96]
+
+
+def test_a_failed_call_is_undone_in_the_model():
+    """Its index, its series' count and the slots it gave: the next call is
+    the one it would have been (as on a rank that did not make it)."""
+    m, ref = _auto_model.Model(), _auto_model.Model()
+    for _ in range(3):
+        m.close(_call(m)[0], True)
+        ref.close(_call(ref)[0], True)
+    e, _ = _call(m, ("reduce_scatter", "", "other"))  # a new series and label
+    m.close(e, False)
+    assert (m.calls, m.series, m.slots, m.log) == (ref.calls, ref.series, ref.slots, [])
+    got, want = _call(m), _call(ref)
+    assert (got[0].index, got[0].step, got[1]) == (want[0].index, want[0].step, want[1])
+
+
+def test_only_a_failed_suffix_of_calls_in_flight_is_undone():
+    m = _auto_model.Model()
+    a, _ = _call(m)
+    b, _ = _call(m)
+    m.close(b, False)            # a still in flight: b undone
+    assert m.calls == 1 and m.series[SERIES][0] == 1
+    c, _ = _call(m)
+    assert c.index == 1
+    m.close(a, False)            # c in flight: a stays counted
+    assert m.calls == 2
+    m.close(c, False)            # now a and c, the failed suffix
+    assert m.calls == 0 and SERIES not in m.series and m.log == []
+    a, _ = _call(m)
+    b, _ = _call(m)
+    m.close(a, False)
+    m.close(b, True)             # b went through: a can no longer be undone
+    assert m.calls == 2 and m.log == []
+    m.close(a, False)
+    assert m.calls == 2
+
+
 def test_slots_do_not_depend_on_the_order_of_first_use():
     a, b = _auto_model.Model(), _auto_model.Model()
     labels = [NONE, COMP, ("reduce_scatter", "none"), ("reduce_scatter", "", "x")]

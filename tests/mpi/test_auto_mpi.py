@@ -343,29 +343,75 @@ def test_auto_settings_differing_between_ranks_raise_on_every_rank(dup, fb, diff
                    "a pinned plain call is not the MPI sum", dup)
 
 
+def _one_sided(dup, fb, kind, blocking, x):
+    """One call whose op="auto" settings differ between ranks (``kind``
+    "op": op="auto" on rank 0, "2bit" on the rest; "pin": auto_pin
+    "compressed" on rank 0, "none" on the rest): MismatchError everywhere."""
+    kw = dict(op="auto", key="w", comm=dup, feedback=fb)
+    if kind == "op" and dup.rank != 0:
+        kw["op"] = "2bit"
+    elif kind == "pin":
+        kw["auto_pin"] = "compressed" if dup.rank == 0 else "none"
+
+    def call():
+        if blocking:
+            return mpigc.allreduce(x, **kw)
+        return mpigc.iallreduce(x, **kw).wait()
+    raises_everywhere(mpigc.MismatchError, call, comm=dup, match="auto")
+
+
 @pytest.mark.mpi
 @pytest.mark.ranks(2, 3)
-def test_a_later_call_with_auto_on_rank_0_only_then_auto_everywhere_does_not_hang(dup, fb):
-    """After the model joined, a call with op="auto" on rank 0 only
-    (MismatchError everywhere; rank 0's model counted it), then op="auto"
-    on every rank: each call raises on every rank or works on every rank,
-    and none hangs (before, the engine's first use of the model's
-    communicator, collective, came at its first post, which rank 0 then made
-    a call ahead of the others: it waited there, the others in their call).
-    Four such calls or more still hang: docs/user-guide.md says to take a
-    new communicator."""
-    bad = 1
-    kw = dict(key="w", comm=dup, feedback=fb)
-    for i in range(3):
-        mpigc.allreduce(grads(dup.rank, N, seed=i), op="auto", **kw)
-    for _ in range(bad):
-        raises_everywhere(mpigc.MismatchError, lambda: mpigc.allreduce(
-            grads(dup.rank, N), op="auto" if dup.rank == 0 else "2bit", **kw), comm=dup)
-    for i in range(3 * _auto_model.SYNC_EVERY):
+@pytest.mark.parametrize("blocking", [True, False])
+@pytest.mark.parametrize("kind", ["op", "pin"])
+@pytest.mark.parametrize("bad", [1, 5])
+def test_one_sided_auto_calls_after_the_join_leave_the_models_alike(dup, fb, kind, bad,
+                                                                    blocking, watchdog):
+    """After the model joined, ``bad`` calls whose op="auto" settings differ
+    between ranks (the first at an agreement step: call 4): MismatchError on
+    every rank each time, and every model is as it was before them, so
+    op="auto" calls on every rank then work on every rank (across agreement
+    steps, with the same decisions) and error feedback is conserved (the
+    failed calls changed no residual). Before, rank 0's model counted the
+    calls with op="auto" on rank 0 only and posted its table alone: every
+    later call raised MismatchError, and from 4 such calls on rank 0 waited
+    forever for a table the others never posted."""
+    total_in, total_out = np.zeros(N), np.zeros(N)
+    ran = []
+
+    def auto(seed):
+        x = grads(dup.rank, N, seed=seed)
+        total_in[:] += dup.allreduce(x.astype(np.float64))
+        if blocking:
+            mpigc.allreduce(x, op="auto", key="w", comm=dup, feedback=fb)
+            ran.append(tuple(_auto.last_decision()[:2]))
+        else:
+            req = mpigc.iallreduce(x, op="auto", key="w", comm=dup, feedback=fb)
+            req.wait()
+            ran.append(tuple(req.decision[:2]))
+        total_out[:] += x
+
+    for i in range(_auto_model.SYNC_EVERY - (bad > 1)):
+        auto(i)
+    for i in range(bad):
+        x = grads(dup.rank, N, seed=50 + i)
+        _one_sided(dup, fb, kind, blocking, x)
+        assert_all(np.array_equal(x, grads(dup.rank, N, seed=50 + i)),
+                   "a failed call changed its buffer", dup)
+    for i in range(4 * _auto_model.SYNC_EVERY):
         try:
-            mpigc.allreduce(grads(dup.rank, N, seed=i), op="auto", **kw)
+            auto(100 + i)
             got = "ok"
-        except mpigc.MismatchError:
-            got = "MismatchError"
+        except mpigc.MpigcError as exc:
+            got = f"{type(exc).__name__}: {exc}"
         every = dup.allgather(got)
-        assert_all(all(g == every[0] for g in every), f"call {i}: {every}", dup)
+        assert_all(all(g == "ok" for g in every), f"call {i} after: {every}", dup)
+    every = dup.allgather(ran)
+    assert_all(all(r == every[0] for r in every), f"decisions differ: {every}", dup)
+    assert_all({"2bit", "none"} <= {r[0] for r in ran}, f"no switch: {ran}", dup)
+    m = _auto.model_of(dup)
+    every = dup.allgather((m.calls, m.syncs))
+    assert_all(all(e == every[0] for e in every), f"models differ: {every}", dup)
+    left = dup.allreduce(_residuals(fb, "w", N, dup))
+    worst = float(np.abs(total_out + left - total_in).max())
+    assert_all(worst < 1e-4 * dup.size, f"conservation off by {worst}", dup)

@@ -115,6 +115,10 @@ class Bucket(Layout):
         bucket), or :attr:`tensor` itself (device bucket).
     started_at : float or None
         ``time.perf_counter()`` when this step's allreduce started, or None.
+    decision : mpigc.auto Decision or None
+        With ``op="auto"``: what the last completed step's call ran and why
+        (``op``, ``reason``, the predicted times; :attr:`mpigc.AutoRequest.decision`);
+        else None.
     """
 
     def __init__(self, index, entries, np_dtype, device, pin):
@@ -133,6 +137,7 @@ class Bucket(Layout):
         self.request = None
         self.error = None
         self.started_at = None
+        self.decision = None
 
     def __repr__(self):
         return (f"Bucket(index={self.index}, key={self.key!r}, params={len(self.names)}, "

@@ -15,12 +15,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
-from .. import _comm, _threshold
+from .. import _auto, _comm, _threshold
 from .._settings import GATHER_MODES, NONFINITE_POLICIES, min_compress_bytes
 from .._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError,
                        MpigcError, StateError)
 from ..compressors import get_compressor
-from ..feedback import ErrorFeedback
+from ..feedback import ErrorFeedback, new_entry
 
 
 
@@ -231,6 +231,59 @@ def torch_compressor(op, params):
     Horovod's (:data:`HOROVOD_KEYWORDS`) is refused with the mpigc way."""
     refuse_horovod_keywords(params)
     return get_compressor(op, **params)
+
+
+def torch_auto(op, auto_op, auto_pin, params):
+    """The compressor and the pin of the torch layer's ``op``:
+    ``(torch_compressor(op, params), None)``, or for ``op="auto"`` the
+    compressor ``auto_op`` names (default ``"2bit"``, the relative mode;
+    ``params`` are its) and the pin, ``auto_pin`` or ``$MPIGC_AUTO_PIN``
+    (read once, here). Raises ConfigError (``auto_op=``/``auto_pin=``
+    without ``op="auto"`` too: they would be ignored)."""
+    if not (isinstance(op, str) and op == "auto"):
+        if auto_op is not None or auto_pin is not None:
+            raise ConfigError(f"auto_op= and auto_pin= apply with op='auto' only, got "
+                              f"op={op!r}")
+        return torch_compressor(op, params), None
+    if isinstance(auto_op, str) and auto_op.lower() in ("auto", "none"):
+        raise ConfigError(f"auto_op must name a compressor (e.g. '2bit'), got {auto_op!r}")
+    comp = torch_compressor("2bit" if auto_op is None else auto_op, params)
+    if comp.codec_id == "none":
+        raise ConfigError(f"auto_op must name a compressor (e.g. '2bit'), got {auto_op!r}")
+    pin = _auto.default_pin() if auto_pin is None else auto_pin
+    if pin not in _auto.PINS:
+        raise ConfigError(f"auto_pin (or $MPIGC_AUTO_PIN) must be one of {_auto.PINS}, got "
+                          f"{pin!r}")
+    return comp, pin
+
+
+def check_auto_flat(hierarchy, on_device, what):
+    """op="auto" in the torch layer: flat calls of host buffers only, as the
+    engine's (ConfigError otherwise, before the first collective)."""
+    if hierarchy != "flat":
+        raise ConfigError(f"{what}: op='auto' runs flat calls only (hierarchy='flat'), "
+                          f"got hierarchy={hierarchy!r}")
+    if on_device:
+        raise ConfigError(f"{what}: op='auto' reduces host buffers only: " + on_device)
+
+
+def worker_for_fold_back(feedback, key, buf, spans, n, comm):
+    """Before :meth:`Residuals.fold_back` of a call that ran as ``"none"``
+    (``op="auto"``): the plain sum delivered its key's residuals and cleared
+    them (``worker`` None), so what the ``spans`` (``[(offset, numel)]``)
+    of ``buf`` delivered would have no worker residual to go back into and
+    be lost. A zero worker residual is put in place (through the store's
+    API) when any of those values is not zero; nothing otherwise (a key
+    without an entry had no residuals: every rank summed zeros there).
+    Only while no call uses ``key``."""
+    e = feedback.entry(key)
+    if e is None or e.worker is not None:
+        return
+    if not any(bool(torch.any(buf[off:off + m] != 0)) for off, m in spans):
+        return
+    dtype = NP_OF_TORCH[buf.dtype]
+    feedback.update_entries({key: new_entry(n, dtype, comm.size, comm.rank, dict(e.config),
+                                            e.calls, worker=np.zeros(n, dtype))})
 
 
 class ThresholdWatch(_threshold.ThresholdWatch):

@@ -12,9 +12,9 @@ from .._errors import ConfigError, DTypeError, MpigcError, StateError
 
 from ._buckets import Layout, own_dtype, plan_buckets
 from ._common import (NP_OF_TORCH, Rendezvous, ThresholdWatch, agreed_comm,
-                      check_feedback, check_gather, check_same, describe, positive,
-                      resolve_comm, resolve_timeout, resolve_warn_s, torch_compressor,
-                      torch_nonfinite)
+                      check_auto_flat, check_feedback, check_gather, check_same, describe,
+                      positive, resolve_comm, resolve_timeout, resolve_warn_s, simulating,
+                      torch_auto, torch_nonfinite)
 from ._hook_steps import HookSteps
 from ._residuals import Residuals
 from ._state import agree_hierarchy
@@ -93,8 +93,11 @@ class CommHookState(HookSteps):
     ----------
     module : torch.nn.Module or DistributedDataParallel
         The model (a DDP wrapper is unwrapped: names as ``ddp.module``'s).
-    op, comm, average, gather, feedback, hierarchy, **params
-        As for :class:`GradientSync`. With ``hierarchy="node"`` (or ``"auto"``
+    op, comm, average, gather, feedback, hierarchy, auto_op, auto_pin, **params
+        As for :class:`GradientSync`. ``op="auto"``: per call ``"none"`` or
+        ``auto_op`` (CPU parameters and ``hierarchy="flat"`` only); its
+        calls are DDP's buckets in place or the fixed groups as ``auto_op``'s
+        would be. With ``hierarchy="node"`` (or ``"auto"``
         on several nodes) each bucket is summed exactly inside the node and
         compressed only between nodes; the residuals of its slices are
         kept per parameter across DDP's rebucketing as for flat buckets.
@@ -150,11 +153,16 @@ class CommHookState(HookSteps):
         The residuals, keyed as the calls are.
     nonfinite_steps : int
         Steps skipped for NaN/Inf gradients (``nonfinite="skip"``).
+    decisions : dict
+        With ``op="auto"``: ``{key: Decision}`` of the last completed step's
+        calls (what each ran and why, :attr:`mpigc.AutoRequest.decision`);
+        else empty.
     """
 
     def __init__(self, module, op="2bit", *, comm=None, average=True, gather="compressed",
                  nonfinite=None, feedback=None, hierarchy="flat", timeout=None,
-                 bucket_mb=None, find_unused_parameters=None, **params):
+                 bucket_mb=None, find_unused_parameters=None, auto_op=None, auto_pin=None,
+                 **params):
         ddp = None
         if isinstance(module, torch.nn.parallel.DistributedDataParallel):
             ddp, module = module, module.module
@@ -169,8 +177,9 @@ class CommHookState(HookSteps):
         self.gather = gather
         self.find_unused_parameters = bool(find_unused_parameters)
         exc, settings, named = None, None, []
+        self.auto_pin = None  # op="auto": its pin; self.compressor is auto_op's
         try:  # agreed on at the first collective, as GradientSync's
-            self.compressor = torch_compressor(op, params)
+            self.compressor, self.auto_pin = torch_auto(op, auto_op, auto_pin, params)
             self.nonfinite = torch_nonfinite(nonfinite)
             self.timeout = resolve_timeout(timeout)
             self._warn_s = resolve_warn_s()
@@ -179,7 +188,13 @@ class CommHookState(HookSteps):
             if not positive(bucket_mb):
                 raise ConfigError(f"bucket_mb: expected a positive number, got {bucket_mb!r}")
             named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-            settings = {"op": self.compressor.get_config(), "average": self.average,
+            if self.auto_pin is not None:
+                check_auto_flat(hierarchy, (simulating() or any(p.is_cuda for _, p in named))
+                                and "its parameters must be on the CPU", "CommHookState")
+            config = self.compressor.get_config()
+            settings = {"op": "auto" if self.auto_pin else config,
+                        "auto_op": config if self.auto_pin else None,
+                        "auto_pin": self.auto_pin, "average": self.average,
                         "gather": gather, "nonfinite": self.nonfinite,
                         "hierarchy": str(hierarchy), "bucket_mb": float(bucket_mb),
                         "find_unused_parameters": self.find_unused_parameters}
@@ -212,6 +227,8 @@ class CommHookState(HookSteps):
         self._reset_step()
         #: steps whose gradients were non-finite on some rank (``nonfinite="skip"``)
         self.nonfinite_steps = 0
+        #: op="auto": {key: Decision} of the last completed step's calls
+        self.decisions = {}
         self.size, self.rank = self._comm.size, self._comm.rank
         self._used = np.zeros(len(named), np.int64)  # since the last step, this rank
         self._unfinished = []  # agreements of failed steps, posted, not waited for
@@ -226,7 +243,7 @@ class CommHookState(HookSteps):
         self._watch = ThresholdWatch(self.compressor, "CommHookState")
         # whether a step's calls are all under $MPIGC_MIN_COMPRESS_BYTES is
         # known at the first step (DDP's buckets): checked until it is decided
-        self._size_checked = self.compressor.codec_id == "none"
+        self._size_checked = self.compressor.codec_id == "none" or self.auto_pin is not None
         self._count_handle = (self._params[0].register_hook(_count_backward(ref))
                               if self._params else None)
 
@@ -344,7 +361,8 @@ class CommHookState(HookSteps):
             path, lambda state: self.load_state_dict(state, strict=strict))
 
     def __repr__(self):
-        return (f"CommHookState(op={self.compressor!r}, params={len(self.names)}, "
+        op = f"'auto', auto_op={self.compressor!r}" if self.auto_pin else repr(self.compressor)
+        return (f"CommHookState(op={op}, params={len(self.names)}, "
                 f"buckets={len(self._layouts)}, ranks={self.size})")
 
 

@@ -15,7 +15,7 @@ from ..allreduce import iallreduce
 
 from ._common import (HOOK_STALE, HOOK_STEP, engine_after_torch, engine_array, first_is_nan,
                       profiled, settled, simulating, torch_after_engine, wait_request,
-                      warn_if_uncompressed)
+                      warn_if_uncompressed, worker_for_fold_back)
 
 
 def _raise_after_backward(error):
@@ -78,12 +78,16 @@ class HookSteps:
         flat = buffer.detach()
         if flat.is_cuda:
             engine_after_torch(flat.device)
+        # op="auto": the engine decides per call (the same on every rank) and
+        # folds the residuals into a call it runs as "none"
+        op, auto = self.compressor, {}
+        if self.auto_pin is not None:
+            op, auto = "auto", {"auto_op": self.compressor, "auto_pin": self.auto_pin}
         with profiled(f"mpigc: start bucket {layout.key}"):
-            req = iallreduce(engine_array(flat, simulating()), op=self.compressor,
-                             comm=self.comm,
+            req = iallreduce(engine_array(flat, simulating()), op=op, comm=self.comm,
                              key=layout.key, average=self.average, gather=self.gather,
                              feedback=self.feedback, nonfinite=self.nonfinite,
-                             hierarchy=self.hierarchy)
+                             hierarchy=self.hierarchy, **auto)
         for _, r, _, _ in self._calls:
             try:
                 r.test()  # progress; errors come from wait()
@@ -239,6 +243,8 @@ class HookSteps:
         used, used_req = self._agree_used() if self.find_unused_parameters else (None, None)
         late, failed, t0 = self._settle(calls)
         error = error or late
+        decisions = {layout.key: req.decision for layout, req, _, _ in calls
+                     if getattr(req, "decision", None) is not None}
         if used_req is not None and error is None:
             try:
                 self._wait(used_req.Test, HOOK_STEP, t0)
@@ -268,12 +274,13 @@ class HookSteps:
             if snap is not None:
                 self._residuals.recycle(layout.key, snap)
         if error is None:
+            self.decisions = decisions
             unused = (set() if used is None else
                       {n for n, u in zip(self.names, used) if u == 0})
             with torch.no_grad():
                 if unused and not skipped:
                     for layout, _, buf, _ in calls:
-                        self._fold_back(layout, buf, unused)
+                        self._fold_back(layout, buf, unused, decisions.get(layout.key))
                 for _, tensor, layout in futures:
                     self._deliver(tensor, layout, result_at, unused)
             if not skipped:
@@ -300,11 +307,16 @@ class HookSteps:
                 buf, goff = result_at[n]
                 tensor[off:off + m].copy_(buf[goff:goff + m])
 
-    def _fold_back(self, layout, buf, unused):
+    def _fold_back(self, layout, buf, unused, decision=None):
         """What the elements of parameters that no rank used delivered goes
         back into the worker residuals of ``layout``'s call, as
-        :class:`GradientSync` does (:meth:`Residuals.fold_back`)."""
+        :class:`GradientSync` does (:meth:`Residuals.fold_back`);
+        ``decision``: the call's, with ``op="auto"``."""
         spans = [(off, m) for n, off, m in zip(layout.names, layout.offsets, layout.numels)
                  if n in unused]
         if spans:
+            if decision is not None and decision.op == "none":
+                # op="auto" ran it plain: its residuals went into the sum
+                worker_for_fold_back(self.feedback, layout.key, buf, spans, layout.n,
+                                     self._comm)
             self._residuals.fold_back(layout, buf, spans, self.average, self.size)

@@ -13,7 +13,8 @@ from ._buckets import Bucket, make_buckets  # noqa: F401 (Bucket: mpigc.torch.Bu
 from ._common import (BUCKET_DTYPES, Rendezvous, ThresholdWatch, agreed_comm,
                       check_feedback, check_gather, check_same, describe, positive,
                       raise_everywhere, resolve_comm, resolve_timeout, resolve_warn_s,
-                      torch_compressor, torch_nonfinite, warn_if_uncompressed)
+                      check_auto_flat, simulating, torch_auto, torch_nonfinite,
+                      warn_if_uncompressed)
 from ._launch import broadcast_parameters
 from ._residuals import Residuals
 from ._sync_steps import SyncSteps
@@ -46,7 +47,16 @@ class GradientSync(SyncSteps):
         are left out, as DDP does.
     op : str, dict or Compressor
         As for :func:`mpigc.allreduce`: ``"2bit"`` (default), ``"1bit"``,
-        ``"terngrad"``, ``"fp16"``, ``"bf16"``, ``"none"`` (exactly ``MPI_Allreduce``).
+        ``"terngrad"``, ``"fp16"``, ``"bf16"``, ``"none"`` (exactly ``MPI_Allreduce``),
+        or ``"auto"``: per bucket and step ``"none"`` or ``auto_op``, as the
+        engine's ``op="auto"`` decides (the same on every rank; host buckets
+        and ``hierarchy="flat"`` only; see docs/torch.md).
+    auto_op : str, dict or Compressor, optional
+        With ``op="auto"``: the compressor it may choose (default ``"2bit"``,
+        the relative mode); ``**params`` are its parameters.
+    auto_pin : {"model", "none", "compressed"}, optional
+        With ``op="auto"``: pins the decision (the engine still measures);
+        default ``$MPIGC_AUTO_PIN`` (read at construction) or ``"model"``.
     bucket_mb : float
         Bucket capacity in MiB of the bucket dtype (float32, or float64 for
         float64 parameters); DDP's default is 25. A larger parameter gets a
@@ -132,7 +142,7 @@ class GradientSync(SyncSteps):
                  gather="compressed", nonfinite=None, feedback=None,
                  find_unused_parameters=False, gradient_as_bucket_view=False,
                  timeout=None, sync_on_backward=False, device_buckets=True,
-                 hierarchy="flat", **params):
+                 hierarchy="flat", auto_op=None, auto_pin=None, **params):
         self.comm = resolve_comm(comm)
         self.device_buckets = bool(device_buckets)
         self.average = bool(average)
@@ -152,7 +162,8 @@ class GradientSync(SyncSteps):
         exc, settings, named = None, None, []
         try:
             named, settings = self._check_arguments(module, op, bucket_mb, gather, nonfinite,
-                                                    timeout, feedback, hierarchy, params)
+                                                    timeout, feedback, hierarchy, params,
+                                                    auto_op, auto_pin)
         except (MpigcError, TypeError, ValueError) as e:
             exc = e
         # this object's own small collectives, once the ranks agreed
@@ -178,15 +189,20 @@ class GradientSync(SyncSteps):
         self.size, self.rank = self._comm.size, self._comm.rank
         self.buckets = make_buckets(named, float(bucket_mb), self.device_buckets)
         # all buckets under $MPIGC_MIN_COMPRESS_BYTES: nothing would be compressed
-        warn_if_uncompressed("GradientSync", self.compressor,
-                             [b.tensor for b in self.buckets])
+        # (op="auto" runs such calls as "none" by design)
+        if self.auto_pin is None:
+            warn_if_uncompressed("GradientSync", self.compressor,
+                                 [b.tensor for b in self.buckets])
         self._init_steps()
 
     def _check_arguments(self, module, op, bucket_mb, gather, nonfinite, timeout, feedback,
-                         hierarchy, params):
+                         hierarchy, params, auto_op=None, auto_pin=None):
         """The constructor's checks, before its first collective (which
         agrees on them): ``(named parameters, settings)``."""
-        self.compressor = torch_compressor(op, params)
+        #: ``op="auto"``: the pin (``"model"``, ``"none"``, ``"compressed"``);
+        #: else None. :attr:`compressor` is then ``auto_op``'s.
+        self.auto_pin = None
+        self.compressor, self.auto_pin = torch_auto(op, auto_op, auto_pin, params)
         self.nonfinite = torch_nonfinite(nonfinite)
         self.timeout = resolve_timeout(timeout)
         self._warn_s = resolve_warn_s()
@@ -204,7 +220,15 @@ class GradientSync(SyncSteps):
             if p.requires_grad and p.dtype not in BUCKET_DTYPES:
                 raise DTypeError(f"parameter {n!r}: expected a float16, bfloat16, "
                                  f"float32 or float64 parameter, got {p.dtype}")
-        return named, {"op": self.compressor.get_config(), "bucket_mb": float(bucket_mb),
+        if self.auto_pin is not None:
+            check_auto_flat(hierarchy, self.device_buckets and (simulating() or any(
+                p.is_cuda for _, p in named if p.requires_grad)) and
+                "parameters on a GPU need device_buckets=False (host buckets)",
+                "GradientSync")
+        config = self.compressor.get_config()
+        return named, {"op": "auto" if self.auto_pin else config,
+                       "auto_op": config if self.auto_pin else None,
+                       "auto_pin": self.auto_pin, "bucket_mb": float(bucket_mb),
                        "average": self.average, "gather": gather,
                        "nonfinite": self.nonfinite,
                        "find_unused_parameters": self.find_unused_parameters,
@@ -342,5 +366,6 @@ class GradientSync(SyncSteps):
             path, lambda state: self.load_state_dict(state, strict=strict))
 
     def __repr__(self):
-        return (f"GradientSync(op={self.compressor!r}, params={len(self.names)}, "
+        op = f"'auto', auto_op={self.compressor!r}" if self.auto_pin else repr(self.compressor)
+        return (f"GradientSync(op={op}, params={len(self.names)}, "
                 f"buckets={len(self.buckets)}, ranks={self.size})")

@@ -14,7 +14,7 @@ from .._errors import StateError
 from ..allreduce import iallreduce
 
 from ._common import (JOIN, STEP, engine_after_torch, first_is_nan, profiled, torch_after_engine,
-                      wait_request)
+                      wait_request, worker_for_fold_back)
 
 
 def _accumulate_grad_hook(p, fn):
@@ -137,11 +137,16 @@ class SyncSteps:
         if self._keep_snapshots:
             self._snapshots[b.key] = self._residuals.snapshot(b)
         b.started_at = time.perf_counter()
+        # op="auto": the engine decides per call (the same on every rank) and
+        # folds the residuals into a call it runs as "none"
+        op, auto = self.compressor, {}
+        if self.auto_pin is not None:
+            op, auto = "auto", {"auto_op": self.compressor, "auto_pin": self.auto_pin}
         with profiled(f"mpigc: start bucket {b.key}"):
-            b.request = iallreduce(b.flat, op=self.compressor, comm=self.comm, key=b.key,
+            b.request = iallreduce(b.flat, op=op, comm=self.comm, key=b.key,
                                    average=self.average, gather=self.gather,
                                    feedback=self.feedback, nonfinite=self.nonfinite,
-                                   hierarchy=self.hierarchy)
+                                   hierarchy=self.hierarchy, **auto)
 
     def _launch_ready(self):
         # buckets start in index order on every rank, whatever order their
@@ -216,6 +221,7 @@ class SyncSteps:
                 b.error = e
             if b.error is not None:
                 errors.append(b.error)
+            b.decision = getattr(b.request, "decision", None)
         snapshots, self._snapshots = self._snapshots, {}
         changed, self._changed = self._changed, []
         failed = {b.key for b in self.buckets if b.error is not None}
@@ -308,4 +314,8 @@ class SyncSteps:
             spans = [(off, m) for i, off, m in zip(b.param_index, b.offsets, b.numels)
                      if unused[i]]
             if spans:
+                if b.decision is not None and b.decision.op == "none":
+                    # op="auto" ran it plain: its residuals went into the sum
+                    worker_for_fold_back(self.feedback, b.key, b.tensor, spans, b.n,
+                                         self._comm)
                 self._residuals.fold_back(b, b.tensor, spans, self.average, self.size)

@@ -415,3 +415,60 @@ def test_one_sided_auto_calls_after_the_join_leave_the_models_alike(dup, fb, kin
     left = dup.allreduce(_residuals(fb, "w", N, dup))
     worst = float(np.abs(total_out + left - total_in).max())
     assert_all(worst < 1e-4 * dup.size, f"conservation off by {worst}", dup)
+
+
+@pytest.mark.mpi
+def test_two_threads_making_the_first_auto_call_at_once(dup, monkeypatch, watchdog):
+    """Two threads start op="auto" calls on a new communicator at once (the
+    same values on both: however the threads' calls pair across ranks, every
+    sum is the same): one makes the first call and the model joins before
+    the other's call starts (it waits in the model's order), every call is
+    the MPI sum, and the models are alike. Before, the second thread's calls
+    ran while the first joined (the join slowed by 0.2 s so that it does,
+    every run), and an agreement step among them would post on a model
+    without its communicator."""
+    import threading
+    events, lock = [], threading.Lock()
+    join, launch = _auto_model.Model.join, _auto._launch
+
+    def slow_join(self, comm):
+        time.sleep(0.2)
+        with lock:
+            events.append("join")
+        join(self, comm)
+
+    def logged_launch(*args, **kwargs):
+        with lock:
+            events.append("launch")
+        return launch(*args, **kwargs)
+    monkeypatch.setattr(_auto_model.Model, "join", slow_join)
+    monkeypatch.setattr(_auto, "_launch", logged_launch)
+    x = grads(dup.rank, N)
+    want = _mpi_sum(x, dup)
+    out = [None, None]
+    go = threading.Barrier(2)
+
+    def run(t):
+        go.wait()
+        try:
+            ok = True
+            for _ in range(6):
+                y = x.copy()
+                mpigc.allreduce(y, op="auto", key="t", comm=dup, feedback=False,
+                                auto_pin="none")
+                ok = ok and np.array_equal(y, want)
+            out[t] = "ok" if ok else "a sum differs"
+        except Exception as exc:  # noqa: BLE001 - compared across ranks
+            out[t] = f"{type(exc).__name__}: {exc}"
+    threads = [threading.Thread(target=run, args=(t,), daemon=True) for t in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert_all(out == ["ok", "ok"], f"threads: {out}", dup)
+    assert_all(events[:2] == ["launch", "join"] and events.count("launch") == 12,
+               f"another call started before the join: {events}", dup)
+    m = _auto.model_of(dup)
+    every = dup.allgather((m.calls, m.syncs))
+    assert_all(m.chan is not None and all(e == every[0] for e in every),
+               f"models differ: {every}", dup)

@@ -54,6 +54,19 @@ def _fsdp_groups(model):
     return out
 
 
+def _with_grad(group):
+    """The indices in ``group.fsdp_params`` of the parameters that FSDP2's
+    ``post_backward`` is about to reduce (its own test, torch 2.13: an
+    accumulated or autograd gradient, or ``set_reduce_scatter_unused_params``
+    and trainable): the parameters of the flat input, in its order."""
+    return tuple(i for i, fp in enumerate(group.fsdp_params)
+                 if hasattr(fp, "_unsharded_param") and (
+                     fp.unsharded_accumulated_grad is not None
+                     or fp.unsharded_param.grad is not None
+                     or (group.reduce_scatter_unused_params
+                         and fp.unsharded_param.requires_grad)))
+
+
 def _shard_ranks(group):
     """The global ranks of FSDP group ``group``'s reduce-scatter, or raise
     for FSDP's native HSDP (a 2-D mesh), whose replica all-reduce FSDP2
@@ -198,6 +211,9 @@ class FsdpHookState:
         self.size, self.rank = self._comm.size, self._comm.rank
         self.keys = [f"fsdp:{fqn}" for fqn, _, _ in groups]
         self._layouts = {}  # key -> (numel, dtype) of its flat input
+        # key -> the parameters (indices in its FSDP group) of its flat input:
+        # the last post_backward's (_with_grad), and those of its layout
+        self._reducing, self._members = {}, {}
         self._first = {}  # key -> its first call's buffer, until every key has had one
         # a step (one call per key) changes the residuals of all its keys or of
         # none: each key's residuals by copy before its call (with several keys)
@@ -207,10 +223,13 @@ class FsdpHookState:
         self._step_put_back = set()  # keys of the dropped step put back (or left alone)
         self.calls = self.bytes_sent = self.logical_bytes = 0
         self._groups = groups
-        names = {id(p): n for n, p in model.named_parameters()}
-        #: key -> [(parameter name, full shape)] of its FSDP group, in its order
+        self._names = names = {id(p): n for n, p in model.named_parameters()}
+        #: key -> [(parameter name, full shape)] of its FSDP group's trainable
+        #: parameters, in its order: those FSDP2 reduce-scatters (it leaves
+        #: frozen ones out of the flat input, set_reduce_scatter_unused_params too)
         self._params = {key: [(names.get(id(fp.sharded_param), "?"), list(fp._orig_size))
-                              for fp in g.fsdp_params] for key, (_, _, g) in zip(self.keys, groups)}
+                              for fp in g.fsdp_params if fp.sharded_param.requires_grad]
+                        for key, (_, _, g) in zip(self.keys, groups)}
         self._row_dtype = {key: _row_dtype(g) for key, (_, _, g) in zip(self.keys, groups)}
         fmesh = groups[0][2].mesh_info.mesh if groups else None
         # the mesh of the checkpoint rows: FSDP's (HSDP: the 2-D mesh above it)
@@ -223,6 +242,8 @@ class FsdpHookState:
         #: ``size / replicas`` ranks), 1 for FSDP over every rank
         self.replicas = self.size // len(shard)
         self.reduce_scatters = {}
+        for key, (_, _, g) in zip(self.keys, groups):
+            self._watch_post_backward(key, g)
         if self.replicas == 1:
             self._replica_comm = None
             cls = _comm_class()
@@ -237,6 +258,18 @@ class FsdpHookState:
                 m.set_all_reduce_hook(self._all_reduce_hook(key, g))
 
     # -- in backward ---------------------------------------------------------------
+    def _watch_post_backward(self, key, group):
+        """Record, as FSDP2's ``post_backward`` of ``group`` starts, which of
+        its parameters the reduce-scatter it may run holds: two parameters
+        of one shape, one with a gradient in a step and the other in the
+        next, give flat inputs of one size but another meaning."""
+        post_backward = group.post_backward
+
+        def watched(*args, **kwargs):
+            self._reducing[key] = _with_grad(group)
+            return post_backward(*args, **kwargs)
+        group.post_backward = watched
+
     def _all_reduce_hook(self, key, group):
         """FSDP's all-reduce hook of ``group`` (run after its reduce-scatter
         in the replica, on the shard, before FSDP's post-division): the
@@ -326,7 +359,17 @@ class FsdpHookState:
             raise DTypeError(f"register_fsdp_hooks: {key}: CPU tensors only so far, got "
                              f"{inp.device}")
         layout = (inp.numel(), str(inp.dtype).replace("torch.", ""))
-        known = self._layouts.get(key)
+        known, members = self._layouts.get(key), self._reducing.get(key)
+        if (known is not None and known == layout and members is not None
+                and self._members.get(key, members) != members):
+            names = [n for n, _ in self._group_params(key)]
+            was, now = ([names[i] for i in m] for m in (self._members[key], members))
+            raise StateError(
+                f"register_fsdp_hooks: the flat reduce-scatter input of {key} holds other "
+                f"parameters than in its first call ({now} instead of {was}; the same size): "
+                "its residuals no longer line up (a parameter without a gradient in this "
+                "step, FSDP leaves it out: module.set_reduce_scatter_unused_params(True) "
+                "reduces every parameter each step)")
         if known is not None and known != layout:
             raise StateError(
                 f"register_fsdp_hooks: the flat reduce-scatter input of {key} changed from "
@@ -338,6 +381,15 @@ class FsdpHookState:
             raise DTypeError(f"register_fsdp_hooks: {key}: expected float16, bfloat16, "
                              f"float32 or float64 gradients, got {inp.dtype}")
         self._layouts[key] = layout
+        if members is not None:
+            self._members.setdefault(key, members)
+
+    def _group_params(self, key):
+        """``[(name, full shape)]`` of every parameter of ``key``'s FSDP group
+        (frozen ones too), in ``fsdp_params`` order."""
+        group = self._groups[self.keys.index(key)][2]
+        return [(self._names.get(id(fp.sharded_param), "?"), list(fp._orig_size))
+                for fp in group.fsdp_params]
 
     def _reduce_scatter(self, rs, output, inp, group, op):
         key = rs.key
@@ -526,8 +578,11 @@ def _dcp_state(st):
             if (w.size + o.size > row.size if st.replicas > 1
                     else w.size != row.size or o.size):
                 raise StateError(f"FsdpHookState.state_dict: {key}'s residuals ({w.size}, "
-                                 f"{o.size}) do not fit FSDP's layout ({row.size}): "
-                                 "parameters sharded on another dim than 0?")
+                                 f"{o.size}) do not fit the layout of its trainable "
+                                 f"parameters ({row.size}): FSDP left a trainable parameter "
+                                 "out of its reduce-scatters (no gradient in its first "
+                                 "step: module.set_reduce_scatter_unused_params(True)), or "
+                                 "requires_grad changed after register_fsdp_hooks")
             row[:w.size] = w
             row[w.size:w.size + o.size] = o
         rows[key] = _rows(st, st._mesh.shape, torch.from_numpy(row).reshape(
@@ -587,6 +642,7 @@ def _dcp_load(st, state):
     entries = st._residuals.load_keys(st.keys, lambda: _dcp_entries(st, state, what, layouts),
                                       what)
     for key in st.keys:
+        st._members.pop(key, None)  # the next call's parameters are the layout's
         if key not in entries:
             st._layouts.pop(key, None)
     st._layouts.update(layouts)

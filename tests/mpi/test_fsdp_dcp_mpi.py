@@ -50,10 +50,24 @@ def _world(comm, n):
     return (mesh, sub) if comm.rank < n else (None, None)
 
 
-def _setup(mesh, sub, name, extra=0):
-    """The model on ``mesh``, its hooks over ``sub`` (None: the world), SGD
-    with momentum (state that a checkpoint holds)."""
-    m = td.model(extra=extra, mesh=mesh)
+def _frozen_model(mesh):
+    """``td.model`` with the first layer's bias frozen (before fully_shard, as
+    a user freezes): FSDP2 never reduce-scatters it."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)]
+    layers[0].bias.requires_grad_(False)
+    m = torch.nn.Sequential(*layers)
+    for layer in layers[::2]:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(m, mesh=mesh)
+
+
+def _setup(mesh, sub, name, extra=0, frozen=False):
+    """The model on ``mesh`` (``frozen``: :func:`_frozen_model`), its hooks
+    over ``sub`` (None: the world), SGD with momentum (state that a
+    checkpoint holds)."""
+    m = _frozen_model(mesh) if frozen else td.model(extra=extra, mesh=mesh)
     hooks = mt.register_fsdp_hooks(m, comm=sub, **td.OPS[name])
     return m, hooks, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
 
@@ -76,11 +90,12 @@ def _load(m, opt, hooks, path, mesh, with_hooks=True):
 def _param_totals(m, hooks, comm):
     """Per FSDP group key: the sum over the ranks of ``comm`` of their worker
     residuals, per parameter element (float64), found through FSDP's own
-    layout (torch._chunk_cat of the parameters' element numbers)."""
+    layout (torch._chunk_cat of the trainable parameters' element numbers:
+    FSDP2 leaves frozen ones out)."""
     out = {}
     states = hooks.feedback.state_dict()
     for key, mod in td.hooked_modules(m, hooks.keys):
-        shapes = [p.shape for p in mod.parameters(recurse=False)]
+        shapes = [p.shape for p in mod.parameters(recurse=False) if p.requires_grad]
         numbers, off = [], 1
         for sh in shapes:
             k = int(np.prod(sh))
@@ -167,6 +182,49 @@ def test_other_world_size_keeps_the_residual_sum(comm, gloo, ckpt, name, pair):
         ok &= all(bool(torch.isfinite(t).all()) for t in after.values())
         msg = msg or f"no residuals ({kept}) or training did not go on ({hooks.calls})"
     assert_all(ok, msg)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("where", ["same", "other"])
+def test_frozen_parameter_saves_and_reshards(comm, gloo, ckpt, where):
+    """A frozen parameter in an FSDP group (FSDP2 leaves it out of the flat
+    reduce-scatter input): dcp.save works, the same world size resumes bit
+    for bit, another one keeps the residual sum per parameter element. Before,
+    the record counted the frozen parameter: state_dict raised StateError
+    ("do not fit FSDP's layout") on every save."""
+    if where == "same":
+        mesh, sub = _world(comm, comm.size)
+        m, hooks, opt = _setup(mesh, sub, "2bit-abs", frozen=True)
+        want = td.train(m, 6, comm.rank, 0, opt=opt)
+        m, hooks, opt = _setup(mesh, sub, "2bit-abs", frozen=True)
+        td.train(m, 3, comm.rank, 0, opt=opt)
+        _save(m, opt, hooks, ckpt, mesh)
+        m2, hooks2, opt2 = _setup(mesh, sub, "2bit-abs", frozen=True)
+        _load(m2, opt2, hooks2, ckpt, mesh)
+        got = td.train(m2, 3, comm.rank, 3, opt=opt2)
+        assert_all(td.compare(want, got, True, 0), "resumed run differs")
+        return
+    n_old, n_new = _pairs(comm.size)[0]
+    mesh, sub = _world(comm, n_old)
+    saved = None
+    if mesh is not None:
+        m, hooks, opt = _setup(mesh, sub, "2bit-rel", frozen=True)
+        td.train(m, 4, comm.rank, 0, opt=opt)
+        saved = _param_totals(m, hooks, sub)
+        _save(m, opt, hooks, ckpt, mesh)
+    saved = comm.bcast(saved)
+    mesh, sub = _world(comm, n_new)
+    ok = True
+    if mesh is not None:
+        m, hooks, opt = _setup(mesh, sub, "2bit-rel", frozen=True)
+        hooks.prepare_load(ckpt)
+        _load(m, opt, hooks, ckpt, mesh)
+        got = _param_totals(m, hooks, sub)
+        ok = all(np.allclose(got[k], v, rtol=1e-6, atol=1e-7) for k, v in saved.items())
+        ok &= max(float(np.abs(v).max()) for v in saved.values()) > 0
+        after = td.train(m, 2, comm.rank, 4, opt=opt)
+        ok &= all(bool(torch.isfinite(t).all()) for t in after.values())
+    assert_all(ok, f"residual sum not kept ({n_old} -> {n_new})")
 
 
 class _Caught(Exception):

@@ -365,6 +365,54 @@ def test_layout_change_raises_everywhere(comm, gloo):
                "residuals changed")
 
 
+class _Experts(torch.nn.Module):
+    """One FSDP group holding two experts of one shape; step k runs expert
+    k % 2 only (top-1 routing): the flat inputs of two steps have one size
+    and other parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(5, 6)
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(6, 3) for _ in range(2)])
+
+    def forward(self, x, k):
+        return self.experts[k](torch.tanh(self.inp(x)))
+
+
+def _expert_steps(m, rank, steps, first=0):
+    for step in range(first, first + steps):
+        g = torch.Generator().manual_seed(1000 * step + rank)
+        m(torch.randn(4, 5, generator=g), step % 2).pow(2).sum().backward()
+        for p in m.parameters():
+            p.grad = None
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("unused", [False, True])
+def test_other_parameters_of_the_same_size_raise_everywhere(comm, gloo, unused):
+    """Expert 0 in one step, expert 1 (the same shape) in the next: FSDP's
+    flat input has the same size and other parameters, so the residuals of
+    expert 0 would be added to expert 1's gradient. StateError on every rank,
+    residuals unchanged (before: no error, the residuals mixed silently);
+    with set_reduce_scatter_unused_params(True) every step holds both."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    m = fully_shard(_Experts())
+    m.set_reduce_scatter_unused_params(unused)
+    state = mt.register_fsdp_hooks(m, op="2bit", threshold=0.5)
+    _expert_steps(m, comm.rank, 1)
+    before = state.feedback.state_dict()
+    if unused:
+        _expert_steps(m, comm.rank, 3, 1)
+        assert_all(state.calls == 4, f"calls {state.calls}")
+        return
+    raises_everywhere(mpigc.StateError, lambda: _expert_steps(m, comm.rank, 1, 1),
+                      match="other parameters than in its first call")
+    after = state.feedback.state_dict()
+    assert_all(all(np.array_equal(before[k]["worker"], after[k]["worker"]) for k in before),
+               "residuals changed")
+
+
 @pytest.mark.mpi
 def test_load_bad_state_everywhere(comm, gloo):
     m = td.model()

@@ -12,9 +12,9 @@
 # the installed one. "both": the installed package and the one in $MPIGC_OLD_TREE (loaded as
 # the package "mpigc_old", its own engine and communicators) in one run, their op="none"
 # calls interleaved per iteration as "none" and "old-none" (and "old-none-engine", "old-2bit"):
-# before and after, under the same load. From 64 KiB, "none-mpisum": op="none" with the values
-# not in the agreement message ($MPIGC_INLINE_PLAIN_BYTES below the size: the rows alone, then
-# MPI's sum, on the engine's path).
+# before and after, under the same load. Since issue 51 the short path sends its row alone and
+# sums by MPI_Allreduce at every size ($MPIGC_INLINE_PLAIN_BYTES moves only the engine's path:
+# "none-engine").
 import os
 import sys
 if sys.argv[1] == "old":
@@ -115,11 +115,6 @@ for size in (4096, 65536, 1 << 20):
                 ("old-none-engine", with_env(old_none, MPIGC_SHORT_PATH="0"))]
         if size == 4096:
             fns.append(("old-2bit", lambda: old_mpigc.allreduce(buf, op="2bit", key="k2")))
-    if size > 4096:
-        # the values not in the agreement message: the rows alone, then MPI's
-        # sum (the engine's path; what issue 51 asks of 1 MiB)
-        fns.append(("none-mpisum", with_env(lambda: mpigc.allreduce(buf, op="none", key="k"),
-                                            MPIGC_INLINE_PLAIN_BYTES=str(size // 2))))
     if sys.argv[1] == "new":
         def none():
             mpigc.allreduce(buf, op="none", key="k")

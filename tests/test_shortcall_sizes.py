@@ -1,10 +1,12 @@
 """The short path (mpigc._shortcall) at the sizes where its passes over the
-values cost most (64 KiB to 1 MiB, the largest whose values travel in the
-agreement message): MPI's bits, and each rank's exact non-finite count in
-the same NonFiniteError on both ranks with nothing changed, "skip" filling
-NaN, as at small sizes (tests/mpi/test_shortcall_mpi.py). A guard for the
-per-call work of issue 51 (the values copied into the message and counted in
-one pass, kernels.cpu.copy_count_nonfinite). Run alone under ``mpirun -n 2``,
+values cost most (16 KiB to just over 1 MiB: the values in the agreement
+message from just over 16 KiB to 1 MiB, the row alone and MPI's sum
+outside that range): MPI's bits, the trace of the path taken, and each
+rank's exact non-finite count in the same NonFiniteError on both ranks with
+nothing changed, "skip" filling NaN, as at small sizes
+(tests/mpi/test_shortcall_mpi.py). A guard for the per-call work of issue 51
+(the values copied into the message and counted in one pass,
+kernels.cpu.copy_count_nonfinite; the row alone where that is faster). Run alone under ``mpirun -n 2``,
 as tests/test_shortcall.py runs its MPI file, so that the short path is
 taken (a process whose second thread called mpigc never takes it)."""
 import os
@@ -38,7 +40,8 @@ def short_calls():
 
 for dtype in (np.float32, np.float64):
     item = np.dtype(dtype).itemsize
-    for nbytes in ((64 << 10) - 4096, 64 << 10, (64 << 10) + 8, 256 << 10, 1 << 20):
+    for nbytes in (16 << 10, (16 << 10) + 8, (64 << 10) - 4096, 64 << 10, (64 << 10) + 8,
+                   256 << 10, 1 << 20, (1 << 20) + 8):
         n = nbytes // item
         what = f"{np.dtype(dtype).name} n={n}"
         rng = np.random.default_rng([n, rank])
@@ -49,6 +52,11 @@ for dtype in (np.float32, np.float64):
         mpigc.allreduce(x, op="none", key="sizes")
         check(x.tobytes() == want.tobytes(), what + ": not MPI's bits")
         check(short_calls() == before + 1, what + ": the short path not taken")
+        # the values in the agreement message from 16 KiB (exclusive) to the
+        # inline limit (1 MiB); else the row alone, then MPI's sum
+        t = diagnostics.last_trace()
+        inline = (16 << 10) < nbytes <= (1 << 20)
+        check((t.inline, t.sum_pieces) == (inline, 0 if inline else 1), f"{what}: trace {t}")
         for where in (0, 1):
             # this rank's own count of non-finite values, at both ends and
             # inside (NaN payloads, both infinities), in the error on both ranks

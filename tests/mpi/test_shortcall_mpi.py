@@ -1,10 +1,11 @@
 """The short path of a repeated small call (mpigc._shortcall): a blocking
-flat allreduce of a host float32/float64 array on 2 ranks that is a plain sum
-with its values in the agreement message, made while no call is pending.
+flat allreduce of a host float32/float64 array on 2 ranks that is a plain sum,
+made while no call is pending: its row alone, then MPI's sum.
 
 It must be invisible but for its speed: the bits of ``comm.Allreduce``, the
-trace and traffic of the engine's path, the same agreement messages (so a
-rank on the short path meets a peer on the engine's path, in both roles:
+trace and traffic of the engine's path (a call whose values did not travel
+with the rows once either rank took the short path), agreement messages
+that a peer on the engine's path matches (in both roles:
 ``$MPIGC_SHORT_PATH=0`` on one rank), and every error raised on every rank
 with nothing changed, whichever path each rank took. ``short_calls`` in
 :func:`mpigc.diagnostics.counters` says that the path was taken.
@@ -75,22 +76,29 @@ def test_bits_of_mpi_allreduce_on_either_path(two, paths, dtype, op, average, mo
         got = mpigc.allreduce(x, op=op, key=f"s/{op}", average=average)
         assert_all(got is x and x.tobytes() == want.tobytes(), f"step {step}: not MPI's bits")
         t = diagnostics.last_trace()
-        assert_all((t.agreement_done, t.path, t.inline, t.sum_pieces) == (True, "plain", True, 0),
-                   f"trace {t}")
+        # the values travel with the rows only where both ranks sent them
+        # (the engine's path on both): the short path sends its row alone
+        inline = not two.allreduce(paths, op=MPI.LOR)
+        assert_all((t.agreement_done, t.path, t.inline, t.sum_pieces)
+                   == (True, "plain", inline, 0 if inline else 1), f"trace {t}")
     assert_all(_short_calls() - before == (3 if paths else 0), "short calls counted")
     assert_all(mpigc.traffic()["bytes_sent"] - sent0 == 3 * x.nbytes, "traffic")
 
 
 @pytest.mark.mpi
 def test_other_calls_take_the_engine_path(two):
-    """float16, a size past the inline limit, a nonblocking call pending, a
-    read-only array's error, and a subclass of ndarray: not the short path."""
+    """float16, a nonblocking call pending, a read-only array's error, and a
+    subclass of ndarray: not the short path; a size past the inline limit
+    is (its values never travel with its row)."""
     before = _short_calls()
     x16 = grads(two.rank, 100, np.float16)
     mpigc.allreduce(x16, op="none")
+    assert_all(_short_calls() == before, "float16 on the short path")
     big = np.ones((1 << 20) // 4 + 1, np.float32)
     mpigc.allreduce(big, op="none")
     assert_all(bool((big == 2).all()), "big")
+    assert_all(_short_calls() == before + _alone(), "big not on the short path")
+    before = _short_calls()
     # the progress thread held: else it may finish the nonblocking call
     # before the blocking one starts, which then finds nothing pending
     # (seen: "a short call where none should be" on rank 1, 2 runs of 7)
@@ -164,6 +172,23 @@ def test_nonfinite_raise_and_skip_everywhere(two, paths, where):
     y[2] = np.inf if two.rank == where else 0
     mpigc.allreduce(y, op="none", key="f", nonfinite="ignore")
     assert_all(bool(np.isinf(y[2])), "ignore: the sum")
+
+
+@pytest.mark.mpi
+def test_nan_payloads_under_ignore_take_mpis_bits(two, paths):
+    """nonfinite="ignore" with NaNs of different payloads and signs on both
+    ranks at one index (where a + b and b + a differ): the bits of
+    comm.Allreduce on either path, the short path counting the call."""
+    x = np.arange(12, dtype=np.float32)
+    bits = x.view(np.uint32)
+    bits[4] = [0x7FC00001, 0xFFC00002][two.rank]
+    bits[7] = [0x7F800003, 0x7F800000][two.rank]  # a NaN against an inf
+    want = x.copy()
+    two.Allreduce(MPI.IN_PLACE, want, op=MPI.SUM)
+    before = _short_calls()
+    mpigc.allreduce(x, op="none", key="nan", nonfinite="ignore")
+    assert_all(x.tobytes() == want.tobytes(), "not MPI's bits")
+    assert_all(_short_calls() - before == int(paths), "short calls counted")
 
 
 @pytest.mark.mpi

@@ -92,8 +92,11 @@ def model_of(comm=None, window=WINDOW):
                 _keyval = MPI.Comm.Create_keyval()
     m = comm.Get_attr(_keyval)
     if m is None:
-        m = Model(window)
-        comm.Set_attr(_keyval, m)
+        with _keyval_lock:  # two threads' first calls on comm: one model
+            m = comm.Get_attr(_keyval)
+            if m is None:
+                m = Model(window)
+                comm.Set_attr(_keyval, m)
     return m
 
 

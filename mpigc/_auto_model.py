@@ -236,7 +236,11 @@ class Model:
             self.log.append(e)
         if e.step and self.pending is not None:
             op, self.pending = self.pending, None
-            self.merge(Request(op).wait())
+            try:
+                self.merge(Request(op).wait())
+            except BaseException:
+                self.close(e, False)
+                raise
         return e
 
     def decided(self):

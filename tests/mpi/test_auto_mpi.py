@@ -421,15 +421,21 @@ def test_one_sided_auto_calls_after_the_join_leave_the_models_alike(dup, fb, kin
 def test_two_threads_making_the_first_auto_call_at_once(dup, monkeypatch, watchdog):
     """Two threads start op="auto" calls on a new communicator at once (the
     same values on both: however the threads' calls pair across ranks, every
-    sum is the same): one makes the first call and the model joins before
-    the other's call starts (it waits in the model's order), every call is
-    the MPI sum, and the models are alike. Before, the second thread's calls
-    ran while the first joined (the join slowed by 0.2 s so that it does,
-    every run), and an agreement step among them would post on a model
-    without its communicator."""
+    sum is the same): both get one model, one makes the first call and the
+    model joins before the other's call starts (it waits in the model's
+    order), every call is the MPI sum, and the models are alike. Before,
+    each thread could make a model of its own (both joined: a hang, 1 run
+    in 5 at 3 ranks; the making of a model slowed by 0.2 s so that both
+    threads are in it, every run), and the second thread's calls ran while
+    the first joined (the join slowed by 0.2 s), an agreement step among
+    them posting on a model without its communicator."""
     import threading
     events, lock = [], threading.Lock()
-    join, launch = _auto_model.Model.join, _auto._launch
+    join, launch, init = _auto_model.Model.join, _auto._launch, _auto_model.Model.__init__
+
+    def slow_init(self, *args, **kwargs):
+        time.sleep(0.2)
+        init(self, *args, **kwargs)
 
     def slow_join(self, comm):
         time.sleep(0.2)
@@ -442,15 +448,17 @@ def test_two_threads_making_the_first_auto_call_at_once(dup, monkeypatch, watchd
             events.append("launch")
         return launch(*args, **kwargs)
     monkeypatch.setattr(_auto_model.Model, "join", slow_join)
+    monkeypatch.setattr(_auto_model.Model, "__init__", slow_init)
     monkeypatch.setattr(_auto, "_launch", logged_launch)
     x = grads(dup.rank, N)
     want = _mpi_sum(x, dup)
-    out = [None, None]
+    out, models = [None, None], [None, None]
     go = threading.Barrier(2)
 
     def run(t):
         go.wait()
         try:
+            models[t] = _auto.model_of(dup)
             ok = True
             for _ in range(6):
                 y = x.copy()
@@ -465,7 +473,8 @@ def test_two_threads_making_the_first_auto_call_at_once(dup, monkeypatch, watchd
         t.start()
     for t in threads:
         t.join()
-    assert_all(out == ["ok", "ok"], f"threads: {out}", dup)
+    assert_all(out == ["ok", "ok"] and models[0] is models[1],
+               f"threads: {out}, one model: {models[0] is models[1]}", dup)
     assert_all(events[:2] == ["launch", "join"] and events.count("launch") == 12,
                f"another call started before the join: {events}", dup)
     m = _auto.model_of(dup)

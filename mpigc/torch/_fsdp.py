@@ -297,7 +297,8 @@ class FsdpHookState:
         residuals of all its keys or of none (:meth:`_begin`)."""
         if self._first is not None:
             self._first.setdefault(key, torch.from_numpy(buf))
-            if len(self._first) == len(self.keys):
+            if len(self._first) == sum(1 for k in self.keys if self._params[k]):
+                # every group that calls (a group of frozen parameters never does)
                 warn_if_uncompressed("register_fsdp_hooks", self.compressor,
                                      list(self._first.values()))
                 self._first = None

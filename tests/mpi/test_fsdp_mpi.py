@@ -497,3 +497,16 @@ def test_warns_when_nothing_is_compressed(comm, gloo, monkeypatch):
         td.train(m, 2, comm.rank)
     assert_all(len([w for w in got if "none of its" in str(w.message)]) == 1,
                "warned more than once")
+
+
+@pytest.mark.mpi
+def test_warns_with_a_frozen_group(comm, gloo, monkeypatch):
+    """A group whose parameters are all frozen never calls: the warning
+    comes once the other groups have had their call (before: never)."""
+    monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", "8192")
+    m = td.model()
+    for p in m[0].parameters():
+        p.requires_grad_(False)
+    mt.register_fsdp_hooks(m, op="2bit", threshold=0.5)
+    with pytest.warns(UserWarning, match="none of its 1 bucket"):
+        td.train(m, 2, comm.rank)

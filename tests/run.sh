@@ -42,16 +42,19 @@ export PYTHONUNBUFFERED=1
 export OMPI_MCA_mpi_yield_when_idle=1
 PYTEST=(python -m pytest -p no:cacheprovider -q --color=no)
 
-# the plain files that are a run of their own, the longest first (seconds of each
-# as a run beside another on the 2-core VM, 2026-11-28: 367, 344 (one core: the
-# model checker; about 250 since its planted searches start at their seeds,
-# 2026-11-29), 315, 191; then 95, 44, and the examples' jobs of 2 ranks with torch,
-# about 12 CPU s a job: test_example_gpt_fsdp 5 jobs, test_example_lm 4 since its
-# 15 runs share 2 jobs (120 s before, 2026-11-29), test_example_gpt_ddp 4); the rest of
-# the plain suite (149 with test_example_gpt_fsdp, about 100 without) is one run,
-# after the first four, and the 1-rank MPI tests (68) come after the first light
-# file. On 2 cores the plain tests take about their CPU seconds over 2 (the runs are
-# balanced): only less CPU makes them shorter (tests/README.md, where the time goes)
+# the plain files that are a run of their own, the longest first. Seconds of each as
+# a run beside another in the last full CI (2026-11-29, quiet 2-core VM; the plain
+# lanes 794 s): test_gpu_path_sim 226, test_model_check 326 (one core: the model
+# checker, whose hand-overs cost 10% less CPU and 58% fewer context switches since),
+# test_cuda_sim 197, test_torch 94; then test_launch_abort 80, test_docs 55 and the
+# examples' jobs of 2 ranks with torch, about 12 CPU s a job: test_example_gpt_fsdp 63
+# (5 jobs), test_example_lm 60 (its 15 runs share 2 jobs), test_example_gpt_ddp 57 (4
+# jobs); the rest of the plain suite 317, one run, after the first four, and the 1-rank
+# MPI tests (about 89) after the first light file. Taken in this order by 2 lanes,
+# these runs end at 794 and 770 s, within 12 s of an even split (782); sorting all of
+# them longest first ends later (809), so the order stays. On 2 cores the plain tests
+# take about their CPU seconds over 2: only less CPU makes them shorter
+# (tests/README.md, where the time goes)
 HEAVY=(tests/test_gpu_path_sim.py tests/test_model_check.py tests/test_cuda_sim.py
        tests/test_torch.py)
 LIGHT=(tests/test_launch_abort.py tests/test_docs.py tests/test_example_gpt_fsdp.py

@@ -12,7 +12,8 @@
 # the installed one. "both": the installed package and the one in $MPIGC_OLD_TREE (loaded as
 # the package "mpigc_old", its own engine and communicators) in one run, their op="none"
 # calls interleaved per iteration as "none" and "old-none" (and "old-none-engine", "old-2bit"):
-# before and after, under the same load. Since issue 51 the short path sends its row alone and
+# before and after, under the same load. At 4 KiB, "none-x64" (and "old-none-x64"): 64 calls
+# back to back on 64 keys without a barrier between them, per call. Since issue 51 the short path sends its row alone and
 # sums by MPI_Allreduce at every size ($MPIGC_INLINE_PLAIN_BYTES moves only the engine's path:
 # "none-engine").
 import os
@@ -126,7 +127,22 @@ for size in (4096, 65536, 1 << 20):
                                             MPIGC_PLAN_CACHE="0"))]
     if size == 4096:  # below the default cutoff (8192 bytes): the plain fallback
         fns.append(("2bit", lambda: mpigc.allreduce(buf, op="2bit", key="k2")))
+        # 64 calls back to back on 64 keys, as a training step's small layers
+        # (no barrier between them), timed per call (the total / 64)
+        bufs = [np.zeros(size // 4, np.float32) for _ in range(64)]
+
+        def x64(m):
+            def run():
+                for i, b in enumerate(bufs):
+                    m.allreduce(b, op="none", key=f"x{i}")
+            return run
+        fns.append(("none-x64", x64(mpigc)))
+        if old_mpigc is not None:
+            fns.append(("old-none-x64", x64(old_mpigc)))
     ts = timed(fns, N, 20)
+    for k in ts:
+        if k.endswith("-x64"):
+            ts[k] = [t / 64 for t in ts[k]]
     med = {k: comm.allreduce(np.median(v) * 1e6, op=MPI.MAX) for k, v in ts.items()}
     mn = {k: comm.allreduce(np.min(v) * 1e6, op=MPI.MAX) for k, v in ts.items()}
     if comm.rank == 0:

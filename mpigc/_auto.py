@@ -10,8 +10,9 @@ The model and the decision: :mod:`mpigc._auto_model`.
 
 Error feedback across switches: a call run as ``"none"`` adds each key's
 residuals into the values it sums (the worker residual over the whole
-array, the owner residual over this rank's shard), on a copy of the
-array(s) that hold residuals, and clears them once the sum went ahead on
+array, the owner residual over this rank's shard, with ``average=True``
+times the size: the engine keeps it in units of the average), on a copy
+of the array(s) that hold residuals, and clears them once the sum went ahead on
 every rank (a failed call leaves them and the buffer as they were; a
 skipped one, ``nonfinite="skip"``, leaves them, its buffer NaN as any
 skipped call's). So the sum delivered plus the residuals left equals the sum of the
@@ -146,10 +147,15 @@ def _member_keys(key, sizes, dtype, group):
 
 class _Fold:
     """A plain call's residuals added into the values it sums (module
-    docstring): the keys held, the copies made, and the arrays they replace."""
+    docstring): the keys held, the copies made, and the arrays they replace.
+    ``owner_scale``: what the owner residual is multiplied by to be in the
+    units of the values summed (with ``average=True`` the engine keeps it in
+    units of the average: the size; else 1; the worker residual is in units
+    of the sum either way, that of fp16 and bf16 too)."""
 
-    def __init__(self, fb):
+    def __init__(self, fb, owner_scale=1):
         self.fb = fb
+        self.owner_scale = owner_scale
         self.held = []     # (key, entry)
         self.copies = []   # (the caller's flat array, its copy summed)
 
@@ -167,7 +173,7 @@ class _Fold:
             work += w
         if o is not None:
             lo, hi = shard_bounds(flat.size, size)[rank]
-            work[lo:hi] += o
+            work[lo:hi] += o if self.owner_scale == 1 else o * self.owner_scale
         self.copies.append((flat, work))
         return work
 
@@ -369,8 +375,9 @@ def _launch(kind, buf, params, group, flats, dec, slot, nbytes, auto_op, mark, m
     fold = None
     call_buf, result = buf, None
     if dec.op == "none" and feedback is not False:
-        fold = _Fold(get_default_feedback() if feedback is None else feedback)
         size, rank = cm.Get_size(), cm.Get_rank()
+        fold = _Fold(get_default_feedback() if feedback is None else feedback,
+                     size if run["average"] else 1)
         keys = _member_keys(key, [f.size for f in flats], dtype, group)
         try:
             # what the engine refuses (on every rank) it gets as given

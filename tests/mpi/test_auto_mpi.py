@@ -40,8 +40,10 @@ def skew():
     _auto.use_clock(old)
 
 
-def _residuals(fb, key, n, comm):
-    """This rank's residuals of ``key`` placed on the whole array (float64)."""
+def _residuals(fb, key, n, comm, owner_scale=1):
+    """This rank's residuals of ``key`` placed on the whole array (float64;
+    the owner residual times ``owner_scale``: the size where the engine keeps
+    it in units of the average)."""
     out = np.zeros(n)
     st = fb.state_dict().get(key)
     if st is None:
@@ -50,7 +52,7 @@ def _residuals(fb, key, n, comm):
         out += st["worker"]
     if st["owner"] is not None:
         lo, hi = mpigc.shard_bounds(n, comm.size)[comm.rank]
-        out[lo:hi] += st["owner"]
+        out[lo:hi] += st["owner"] * owner_scale
     return out
 
 
@@ -102,10 +104,13 @@ def test_the_model_moves_only_with_agreed_sums(dup, fb):
                f"agreed points differ: {every}", dup)
 
 
-def _conserved(dup, fb, kind, pins, nonblocking=False, group=False):
+def _conserved(dup, fb, kind, pins, nonblocking=False, group=False, average=False,
+               auto_op="2bit"):
     """Run calls with the pins given (None: the model) and check after each
     that what was delivered plus every rank's residuals is the sum of the
-    inputs (float64 reference)."""
+    inputs (float64 reference; with ``average``, the average delivered times
+    the size, and the owner residuals, kept in units of the average, too)."""
+    times = dup.size if average else 1
     sizes = [N, 3001] if group else [N]
     keys = ["a", "b"] if group else ["w"]
     total_in = [np.zeros(m) for m in sizes]
@@ -122,29 +127,30 @@ def _conserved(dup, fb, kind, pins, nonblocking=False, group=False):
         if kind == "allreduce":
             if nonblocking:
                 req = mpigc.iallreduce(arg, op="auto", key=key, comm=dup, feedback=fb,
-                                       auto_pin=pin)
+                                       auto_pin=pin, average=average, auto_op=auto_op)
                 req.wait()
                 ran.append(req.decision.op)
             else:
-                mpigc.allreduce(arg, op="auto", key=key, comm=dup, feedback=fb, auto_pin=pin)
+                mpigc.allreduce(arg, op="auto", key=key, comm=dup, feedback=fb, auto_pin=pin,
+                                average=average, auto_op=auto_op)
                 ran.append(_auto.last_decision().op)
             for j, b in enumerate(bufs):
-                total_out[j] += b
+                total_out[j] += b * times
         elif nonblocking:
             req = mpigc.ireduce_scatter(arg, op="auto", key=key, comm=dup, feedback=fb,
-                                        auto_pin=pin)
+                                        auto_pin=pin, average=average, auto_op=auto_op)
             got = req.wait()
             ran.append(req.decision.op)
         else:
             got = mpigc.reduce_scatter(arg, op="auto", key=key, comm=dup, feedback=fb,
-                                       auto_pin=pin)
+                                       auto_pin=pin, average=average, auto_op=auto_op)
             ran.append(_auto.last_decision().op)
         if kind != "allreduce":
             got = got if group else [got]
             for j, g in enumerate(got):
-                total_out[j] += np.concatenate(dup.allgather(g.astype(np.float64)))
+                total_out[j] += np.concatenate(dup.allgather(g.astype(np.float64))) * times
         for j, m in enumerate(sizes):
-            left = dup.allreduce(_residuals(fb, keys[j], m, dup))
+            left = dup.allreduce(_residuals(fb, keys[j], m, dup, times))
             worst = max(worst, float(np.abs(total_out[j] + left - total_in[j]).max()))
     return worst, ran
 
@@ -154,14 +160,31 @@ PINS = ["compressed", "compressed", "none", "compressed", "none", "none", "compr
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("kind,nonblocking,group", [
-    ("allreduce", False, False), ("allreduce", True, False), ("allreduce", False, True),
-    ("reduce_scatter", False, False), ("reduce_scatter", True, False),
-    ("reduce_scatter", False, True)])
-def test_error_feedback_is_conserved_across_switches(dup, fb, kind, nonblocking, group):
-    worst, ran = _conserved(dup, fb, kind, PINS, nonblocking, group)
+@pytest.mark.parametrize("kind,nonblocking,group,average", [
+    ("allreduce", False, False, False), ("allreduce", True, False, False),
+    ("allreduce", False, True, False), ("reduce_scatter", False, False, False),
+    ("reduce_scatter", True, False, False), ("reduce_scatter", False, True, False),
+    ("allreduce", False, False, True), ("allreduce", True, True, True),
+    ("reduce_scatter", False, False, True), ("reduce_scatter", True, True, True)])
+def test_error_feedback_is_conserved_across_switches(dup, fb, kind, nonblocking, group,
+                                                     average):
+    """With ``average=True`` too: a call run as "none" adds the owner
+    residual (kept in units of the average) times the size (before, as it
+    was: only 1/size of it was delivered, and all of it cleared)."""
+    worst, ran = _conserved(dup, fb, kind, PINS, nonblocking, group, average)
     assert_all(worst < 1e-4 * dup.size, f"conservation off by {worst} ({ran})", dup)
     assert_all({"2bit", "none"} <= set(ran), f"no switch: {ran}", dup)
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("average", [False, True])
+def test_error_feedback_of_fp16_is_conserved_across_switches(dup, fb, average):
+    """fp16 divides its inputs by the size before it encodes them with
+    ``average=True``; its worker residual is still in units of the sum."""
+    worst, ran = _conserved(dup, fb, "allreduce", PINS, average=average,
+                            auto_op={"type": "fp16", "error_feedback": True})
+    assert_all(worst < 1e-4 * dup.size, f"conservation off by {worst} ({ran})", dup)
+    assert_all({"fp16", "none"} <= set(ran), f"no switch: {ran}", dup)
 
 
 @pytest.mark.mpi

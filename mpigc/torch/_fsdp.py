@@ -214,6 +214,7 @@ class FsdpHookState:
         # key -> the parameters (indices in its FSDP group) of its flat input:
         # the last post_backward's (_with_grad), and those of its layout
         self._reducing, self._members = {}, {}
+        self._partial = {}  # HSDP, set_requires_all_reduce(False): key -> its kept shard
         self._first = {}  # key -> its first call's buffer, until every key has had one
         # a step (one call per key) changes the residuals of all its keys or of
         # none: each key's residuals by copy before its call (with several keys)
@@ -277,6 +278,22 @@ class FsdpHookState:
         (a sum when ``set_gradient_divide_factor`` set the whole division)."""
         def hook(reduce_output):
             self._check_input(key, reduce_output)
+            if not group.all_reduce_grads:
+                # set_requires_all_reduce(False): as native HSDP, the shard
+                # is kept (summed) here and all-reduced with the next call's;
+                # FSDP adds the zeros left in its place to the gradient
+                with torch.no_grad():
+                    part = self._partial.get(key)
+                    if part is None:
+                        self._partial[key] = reduce_output.detach().clone()
+                    else:
+                        part += reduce_output
+                    reduce_output.zero_()
+                return
+            part = self._partial.pop(key, None)
+            if part is not None:
+                with torch.no_grad():
+                    reduce_output += part
             x = reduce_output.detach()
             xs = (x.float() if x.dtype == torch.bfloat16 else x).numpy()
             self._run(key, xs, xs, lambda: iallreduce(

@@ -562,6 +562,9 @@ def _meta(st, states):
             entries[key] = {"n": e["n"], "dtype": e["dtype"], "calls": e["calls"],
                             "owner": e["owner"] is not None,
                             "input": list(st._layouts.get(key, (e["n"], e["dtype"])))}
+            if key in st._members:  # the parameters of that layout, by name
+                names = st._group_params(key)
+                entries[key]["members"] = [names[i][0] for i in st._members[key]]
     return {"format": _FORMAT, "version": 1, "mesh": list(st._mesh.shape),
             "replicas": st.replicas, "op": st.compressor.get_config(), "keys": list(st.keys),
             "params": {k: [[n, list(sh)] for n, sh in v] for k, v in st._params.items()},
@@ -656,20 +659,22 @@ def _dcp_prepare(st, checkpoint_id, name, reader, group):
 
 
 def _dcp_load(st, state):
-    what, layouts = "FsdpHookState.load_state_dict", {}
-    entries = st._residuals.load_keys(st.keys, lambda: _dcp_entries(st, state, what, layouts),
-                                      what)
+    what, layouts, members = "FsdpHookState.load_state_dict", {}, {}
+    entries = st._residuals.load_keys(
+        st.keys, lambda: _dcp_entries(st, state, what, layouts, members), what)
     for key in st.keys:
-        st._members.pop(key, None)  # the next call's parameters are the layout's
+        st._members.pop(key, None)
         if key not in entries:
             st._layouts.pop(key, None)
     st._layouts.update(layouts)
+    st._members.update(members)  # else the next call's parameters are the layout's
     st._saved = None
 
 
-def _dcp_entries(st, state, what, layouts):
+def _dcp_entries(st, state, what, layouts, members):
     """The residual entries ``{key: entry}`` of the DCP record ``state`` (its
-    keys' flat input layouts into ``layouts``), or raise; nothing installed."""
+    keys' flat input layouts into ``layouts``, their parameters into
+    ``members``), or raise; nothing installed."""
     entries = {}
     if not isinstance(state, dict) or set(state) != {"meta", "rows"}:
         raise StateError(f"{what}: expected the output of FsdpHookState.state_dict() "
@@ -691,6 +696,9 @@ def _dcp_entries(st, state, what, layouts):
                 lo, hi = shard_bounds(n, sub.size)[sub.rank]
                 owner = rows[0, n:n + hi - lo].astype(dtype)
             layouts[key] = tuple(info["input"])
+            names = [name for name, _ in st._group_params(key)]
+            if all(name in names for name in info.get("members", [None])):
+                members[key] = tuple(names.index(name) for name in info["members"])
         else:
             shapes, old = [sh for _, sh in st._params[key]], meta["mesh"][0]
             total = [np.zeros(int(np.prod(sh))) for sh in shapes]
@@ -699,6 +707,9 @@ def _dcp_entries(st, state, what, layouts):
             worker = _from_params(total, shapes, st.size, dtype)
             n = worker.size
             layouts[key] = (n, info["input"][1])
+            group = st._groups[st.keys.index(key)][2]  # every trainable parameter
+            members[key] = tuple(i for i, fp in enumerate(group.fsdp_params)
+                                 if fp.sharded_param.requires_grad)
         entries[key] = new_entry(n, dtype, sub.size, sub.rank, st.compressor.get_config(),
                                  info["calls"], worker, owner)
     return entries

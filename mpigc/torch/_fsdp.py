@@ -742,10 +742,14 @@ def register_fsdp_hooks(model, op="2bit", *, comm=None, nonfinite=None, feedback
     in float32 and rounded once), ``set_requires_gradient_sync(False)``
     (no call) and ``reshard_after_forward``.
 
-    A group's flat layout is fixed from its first call: a later call of
-    another size or dtype (a parameter without a gradient, which FSDP leaves
-    out) raises :class:`mpigc.StateError` on every rank, residuals unchanged
-    (``set_reduce_scatter_unused_params(True)`` keeps the layout).
+    A group's flat layout is fixed from its first call (its trainable
+    parameters with a gradient; frozen ones are never in it): a later call of
+    another size or dtype, or of the same size with other parameters (a
+    parameter without a gradient, which FSDP leaves out), raises
+    :class:`mpigc.StateError` on every rank, residuals unchanged
+    (``set_reduce_scatter_unused_params(True)`` keeps the layout). Under
+    HSDP, ``set_requires_all_reduce(False)`` keeps the shard and all-reduces
+    the sum with the next call, as native HSDP does.
 
     Parameters
     ----------

@@ -206,18 +206,17 @@ class AutoRequest(Request):
         except BaseException:
             self._post.fail()
             raise
-        if done:
-            self._post.finish(self._op, None)
+        if done:  # timed when its completion is first seen, by test() or wait()
+            self._post.finish(self._op, _clock())
         return done
 
     def wait(self):
-        timed = self._post.blocking or not self.done
         try:
             Request.wait(self)
         except BaseException:
             self._post.fail()
             raise
-        return self._post.finish(self._op, _clock() if timed else None)
+        return self._post.finish(self._op, _clock())
 
 
 class _Post:
@@ -225,10 +224,10 @@ class _Post:
     residuals settled, the results copied back, its time recorded, the
     model told whether it went through (a failed call is undone there)."""
 
-    def __init__(self, decision, fold, model, entry, slot, nbytes, t0, result, blocking):
+    def __init__(self, decision, fold, model, entry, slot, nbytes, t0, result):
         self.decision, self.fold, self.model, self.slot = decision, fold, model, slot
         self.nbytes, self.t0, self.result, self.over = nbytes, t0, result, False
-        self.blocking, self.entry = blocking, entry
+        self.entry = entry
 
     def fail(self):
         if not self.over:
@@ -406,5 +405,4 @@ def _launch(kind, buf, params, group, flats, dec, slot, nbytes, auto_op, mark, m
             fold.done(False, False)
         model.close(entry, False)
         raise
-    return AutoRequest(req, _Post(dec, fold, model, entry, slot, nbytes, t0, result,
-                                  run["blocking"]))
+    return AutoRequest(req, _Post(dec, fold, model, entry, slot, nbytes, t0, result))

@@ -6,10 +6,15 @@ attribute of it). Each op the calls run has a *slot* per kind of call
 (``allreduce``/``reduce_scatter``; the compressor's slot also per config and
 ``gather``; a slot is the CRC of that label modulo :data:`NSLOTS`, or the
 next free one where another label took it first: the same on every rank). A call's time is its wall time on this rank, from its start
-to the end of its wait (``op="none"``: the plain sum; a compressor: encoding,
-exchange and decoding, all in one); a nonblocking call counts only when its
-``wait()`` found it not yet done (then the end of the wait is its end;
-otherwise its end is unknown). A slot's first call is a warm-up (JIT
+to the moment its completion is first seen, by its ``test()`` or its
+``wait()`` (``op="none"``: the plain sum; a compressor: encoding, exchange
+and decoding, all in one). A nonblocking call seen done late (it completed
+while the caller computed, or while another call's wait drove it) counts
+longer than it took; as a slot keeps its fastest time, a late sighting
+only adds to the count. Before, only a ``wait()`` that found the call
+unfinished timed it: callers that poll ``test()`` first (the DDP hook, for
+its timeout and watch) were never timed, and the model measured for ever.
+A slot's first call is a warm-up (JIT
 compilation, buffers) and not counted. Per slot and size bucket (factors of
 4 from 16 KiB) a rank keeps its count of calls, their KiB and its fastest
 time since the last agreement step.

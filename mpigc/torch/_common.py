@@ -300,12 +300,13 @@ class ThresholdWatch(_threshold.ThresholdWatch):
                             sum(t.numel() for t in tensors), stacklevel=3)
 
 
-def warn_if_uncompressed(who, compressor, buffers):
+def warn_if_uncompressed(who, compressor, buffers, larger="make the buckets larger (bucket_mb="):
     """Warn (``UserWarning``, at the first line outside mpigc.torch) when
     every one of ``buffers`` (the 1-D tensors that the calls reduce) is
     under ``$MPIGC_MIN_COMPRESS_BYTES``, so that a compressor other than
     ``none`` compresses nothing: the engine sums such calls exactly with
-    plain MPI. Returns whether it warned."""
+    plain MPI. ``larger``: how the caller's user makes its calls larger
+    (the advice opens the parenthesis). Returns whether it warned."""
     if compressor.codec_id == "none" or not buffers:
         return False
     cutoff = min_compress_bytes()
@@ -313,7 +314,7 @@ def warn_if_uncompressed(who, compressor, buffers):
     if max(sizes) >= cutoff:
         return False
     total = sum(sizes)
-    how = (f"make the buckets larger (bucket_mb=; all {len(sizes)} hold {total} bytes "
+    how = (f"{larger}; all {len(sizes)} hold {total} bytes "
            "together) or set MPIGC_MIN_COMPRESS_BYTES to a smaller cutoff on every rank"
            if total >= cutoff else
            f"the model's gradients are {total} bytes in all, so set "

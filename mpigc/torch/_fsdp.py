@@ -317,7 +317,9 @@ class FsdpHookState:
             if len(self._first) == sum(1 for k in self.keys if self._params[k]):
                 # every group that calls (a group of frozen parameters never does)
                 warn_if_uncompressed("register_fsdp_hooks", self.compressor,
-                                     list(self._first.values()))
+                                     list(self._first.values()),
+                                     larger="fully_shard fewer, larger modules (one call "
+                                            "per group: under HSDP one shard of it")
                 self._first = None
         self._begin(key)
         before = _wire.traffic()

@@ -3,9 +3,11 @@
 compressors conserve per shard, accumulation, uneven shards, resume, and
 errors on every rank."""
 import os
+import re
 import sys
 
 import numpy as np
+
 import pytest
 from mpi4py import MPI
 
@@ -527,6 +529,18 @@ def test_warns_when_nothing_is_compressed(comm, gloo, monkeypatch):
         td.train(m, 2, comm.rank)
     assert_all(len([w for w in got if "none of its" in str(w.message)]) == 1,
                "warned more than once")
+    # a cutoff the groups reach together: the advice is FSDP's (fewer, larger
+    # fully_shard modules), not the DDP hook's bucket_mb=, which the hooks lack
+    text = next(str(w.message) for w in got if "none of its" in str(w.message))
+    total = int(re.search(r"gradients are (\d+) bytes in all", text).group(1))
+    monkeypatch.setenv("MPIGC_MIN_COMPRESS_BYTES", str(total))
+    m = td.model()
+    mt.register_fsdp_hooks(m, op="2bit", threshold=0.5)
+    with pytest.warns(UserWarning, match="none of its 2 bucket") as got:
+        td.train(m, 2, comm.rank)
+    text = next(str(w.message) for w in got if "none of its" in str(w.message))
+    assert_all("fully_shard fewer, larger modules" in text and "bucket_mb" not in text,
+               text)
 
 
 @pytest.mark.mpi

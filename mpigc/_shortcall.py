@@ -242,26 +242,15 @@ def _straight(buf, cs, st, code, limits, pieces):
     plain sum of a call whose values did not travel with the rows
     (:meth:`mpigc._plainsum.PlainSum.start`: the same communicator, pieces
     and bits)."""
-    n, nbytes = buf.size, buf.nbytes
-    nonfinite = st.nonfinite
-    rank, comm = cs.rank, cs.comm
-    peer = 1 - rank
-    seq = cs.seq
-    tags = cs.next_tags()
-    flat = buf if buf.ndim == 1 else buf.reshape(n)  # a reshape costs 0.3 us
-    row = _plan.new_row()
-    row[_N], row[_DTYPE], row[_FP] = n, code, st.fp
+    nonfinite, rank = st.nonfinite, cs.rank
+    flat, row, seq, tags, peer = _begin(buf, cs, st, code)
     if nonfinite != "ignore":
         row[_NBAD] = _cpu.count_nonfinite(flat)
     sendreqs = []
-    rows = _agree.Rows(comm, rank, 2, tags[2], row, None, 0, sendreqs)
-    # the peer's row, matched by probe and received blocking in MPI (one
-    # effect, no request: issue 51, the per-call cost at 4 KiB); a peer on
-    # the engine's path may have sent its values after it (then unused)
-    _sched.wait_alone(_sched.Received(comm, peer, tags[2], partial(rows.slot, peer)))
-    rows.read()
-    trace = _trace.CallTrace()
-    trace.agreed()
+    rows = _agree.Rows(cs.comm, rank, 2, tags[2], row, None, 0, sendreqs)
+    # a peer on the engine's path may have sent its values after its row
+    # (then unused)
+    trace = _received(cs.comm, peer, tags, rows)
     if _plan.verdict(rows.table, rank, nonfinite) is not _plan.GO:
         return Handover(seq, tags, rows, sendreqs, limits)
     trace.went("plain", False)
@@ -270,15 +259,10 @@ def _straight(buf, cs, st, code, limits, pieces):
     if pieces == 1:
         post.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
     else:  # $MPIGC_MAX_COUNT: as PlainSum's pieces
-        for a, b in shard_bounds(n, pieces):
+        for a, b in shard_bounds(flat.size, pieces):
             post.Allreduce(MPI.IN_PLACE, flat[a:b], op=MPI.SUM)
     trace.summed(pieces)
-    if st.average:
-        np.divide(flat, 2, out=flat)
-    _wire.add_traffic(nbytes, nbytes)
-    rows.release(sendreqs)
-    _wire.count("short_calls")
-    return Done(buf, trace)
+    return _end(buf, flat, st, rows, sendreqs, trace)
 
 
 def _straight_inline(buf, cs, st, code, limits):
@@ -288,15 +272,8 @@ def _straight_inline(buf, cs, st, code, limits):
     as the engine's inline plain sum; a "go" whose values are not all finite
     under ``nonfinite="ignore"`` is handed over (MPI sums it:
     :func:`mpigc._plainsum.inline_commutes`)."""
-    n, nbytes = buf.size, buf.nbytes
-    nonfinite = st.nonfinite
-    rank, comm = cs.rank, cs.comm
-    peer = 1 - rank
-    seq = cs.seq
-    tags = cs.next_tags()
-    flat = buf if buf.ndim == 1 else buf.reshape(n)  # a reshape costs 0.3 us
-    row = _plan.new_row()
-    row[_N], row[_DTYPE], row[_FP] = n, code, st.fp
+    nbytes, nonfinite, rank = buf.nbytes, st.nonfinite, cs.rank
+    flat, row, seq, tags, peer = _begin(buf, cs, st, code)
     pack = None
     if nonfinite != "ignore":
         if nbytes < _FUSE_MIN_BYTES:
@@ -307,14 +284,9 @@ def _straight_inline(buf, cs, st, code, limits):
                 # the row in one pass (issue 51: a pass fewer at 1 MiB)
                 row[_NBAD] = _cpu.copy_count_nonfinite(flat, dst)
     sendreqs = []
-    rows = _agree.Rows(comm, rank, 2, tags[2], row, {peer: flat.view(np.uint8)}, nbytes,
+    rows = _agree.Rows(cs.comm, rank, 2, tags[2], row, {peer: flat.view(np.uint8)}, nbytes,
                        sendreqs, pack=pack)
-    # the peer's message, matched by probe and received blocking in MPI (one
-    # effect, no request: issue 51, the per-call cost at 4 KiB)
-    _sched.wait_alone(_sched.Received(comm, peer, tags[2], partial(rows.slot, peer)))
-    rows.read()
-    trace = _trace.CallTrace()
-    trace.agreed()
+    trace = _received(cs.comm, peer, tags, rows)
     theirs = rows.payload(peer)
     if (_plan.verdict(rows.table, rank, nonfinite) is not _plan.GO
             or nonfinite == "ignore" and not _plainsum.inline_commutes(
@@ -322,9 +294,39 @@ def _straight_inline(buf, cs, st, code, limits):
         return Handover(seq, tags, rows, sendreqs, limits)
     trace.went("plain", True)
     np.add(flat, theirs.view(flat.dtype), out=flat)  # NoCompression's decode, a + b
+    return _end(buf, flat, st, rows, sendreqs, trace)
+
+
+def _begin(buf, cs, st, code):
+    """What a straight call starts with: ``buf`` flat, this rank's row
+    (size, dtype code, settings fingerprint), the call's sequence number and
+    tags, the peer."""
+    n = buf.size
+    flat = buf if buf.ndim == 1 else buf.reshape(n)  # a reshape costs 0.3 us
+    row = _plan.new_row()
+    row[_N], row[_DTYPE], row[_FP] = n, code, st.fp
+    seq = cs.seq
+    return flat, row, seq, cs.next_tags(), 1 - cs.rank
+
+
+def _received(comm, peer, tags, rows):
+    """The peer's message (its row, and the values that travel with it),
+    matched by probe and received blocking in MPI (one effect, no request:
+    issue 51, the per-call cost at 4 KiB), read into ``rows``: the call's
+    trace, agreed."""
+    _sched.wait_alone(_sched.Received(comm, peer, tags[2], partial(rows.slot, peer)))
+    rows.read()
+    trace = _trace.CallTrace()
+    trace.agreed()
+    return trace
+
+
+def _end(buf, flat, st, rows, sendreqs, trace):
+    """What a straight call that went ends with: the average, the traffic,
+    the sends released: :class:`Done`."""
     if st.average:
         np.divide(flat, 2, out=flat)
-    _wire.add_traffic(nbytes, nbytes)
+    _wire.add_traffic(buf.nbytes, buf.nbytes)
     rows.release(sendreqs)
     _wire.count("short_calls")
     return Done(buf, trace)

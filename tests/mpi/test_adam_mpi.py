@@ -573,7 +573,9 @@ def test_a_collective_method_on_rank_0_only_raises_on_every_rank_at_once(
 
     err, took, mine = run("mistake")
     _, _, clean = run("")
-    ok = (isinstance(err, mpigc.MismatchError) and took < 60
+    # promptly: a MismatchError, not the StateError of the 1800 s timeout (the
+    # time it took is in the message only: no timing assert)
+    ok = (isinstance(err, mpigc.MismatchError)
           and f"rank 0 is in CompressedAdamW.{method}" in str(err)
           and "not inside `if rank == 0:`" in str(err)
           and (comm.rank == 0 or f"rank {comm.rank} is in CompressedAdamW's exchange "

@@ -182,8 +182,8 @@ class Model:
         self.agreed = {}       # slot -> (count, [(KiB, µs)]): the window's points
         self.fits = {}         # slot -> its Fit, made at each merge
         self.calls = 0         # the index of the next call (calls that failed undone)
-        self.log = []          # the _Entry of each call since the last that went through
-        self.entry = None      # the _Entry of the call deciding now (under order)
+        self.log = []          # the _Call of each call since the last that went through
+        self.entry = None      # the _Call of the call deciding now (under order)
         self.pending = None    # the call of the sums posted last (its Request made at
                                # the wait: the user's last_trace stays the user's call)
         self.series = {}       # label -> [calls, last decision]
@@ -225,7 +225,7 @@ class Model:
 
     def enter(self):
         """At each op="auto" call, under :attr:`order`, before it decides:
-        its :class:`_Entry` (its index; whether it is a model step: the
+        its :class:`_Call` (its index; whether it is a model step: the
         first call, after which the model joins, and every SYNC_EVERY-th,
         every SYNC_SLOW-th from call SYNC_SETTLED on, an agreement step).
         An agreement step waits for the sums posted at the previous one
@@ -236,7 +236,7 @@ class Model:
         with self.book:
             c = self.calls
             self.calls += 1
-            e = self.entry = _Entry(c, c == 0 or c % (
+            e = self.entry = _Call(c, c == 0 or c % (
                 SYNC_EVERY if c < SYNC_SETTLED else SYNC_SLOW) == 0)
             self.log.append(e)
         if e.step and self.pending is not None:
@@ -393,7 +393,7 @@ class Model:
                 out[label] = f
         return out
 
-class _Entry:
+class _Call:
     """One op="auto" call's changes to the model (:meth:`Model.enter`):
     its index, whether it is a model step, the series it changed (their
     state before it) and the labels it gave slots."""

@@ -15,7 +15,7 @@ from ..reduce_scatter import ireduce_scatter
 
 from ._common import (NP_OF_TORCH, Rendezvous, Wait, agreed_comm, check_feedback, check_same,
                       describe, raise_everywhere, resolve_comm, resolve_timeout,
-                      resolve_warn_s, settled, torch_compressor, torch_nonfinite, wait_request,
+                      resolve_warn_s, settled, torch_auto, torch_nonfinite, wait_request,
                       warn_if_uncompressed)
 from ._residuals import Residuals
 
@@ -161,16 +161,25 @@ class FsdpHookState:
         This rank's reduce-scatter calls, the payload bytes it handed to MPI
         and the bytes of the inputs they reduced (:func:`mpigc.traffic`'s
         counters, for these calls only).
+    auto_pin : str or None
+        ``op="auto"``: its pin (``"model"``, ``"none"``, ``"compressed"``);
+        else None. :attr:`compressor` is then ``auto_op``'s.
+    decisions : dict
+        ``op="auto"``: key -> the decision of its last call
+        (:attr:`mpigc.AutoRequest.decision`: which op ran and why; the
+        same on every rank).
     """
 
-    def __init__(self, model, op, comm, nonfinite, feedback, timeout, params):
+    def __init__(self, model, op, comm, nonfinite, feedback, timeout, params, auto_op=None,
+                 auto_pin=None):
         self.comm = resolve_comm(comm)
         exc, settings, named, groups = None, None, [], []
         self.timeout = self._warn_s = None  # a bad timeout: the agreement says so
+        self.auto_pin = None
         try:
             self.timeout = resolve_timeout(timeout)
             self._warn_s = resolve_warn_s()
-            self.compressor = torch_compressor(op, params)
+            self.compressor, self.auto_pin = torch_auto(op, auto_op, auto_pin, params)
             self.nonfinite = torch_nonfinite(nonfinite)
             self.feedback = check_feedback(feedback)
             if not isinstance(model, torch.nn.Module):
@@ -196,7 +205,10 @@ class FsdpHookState:
                 raise ConfigError("register_fsdp_hooks: the FSDP group's ranks must be in "
                                   "the communicator's order")
             named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-            settings = {"op": self.compressor.get_config(), "nonfinite": self.nonfinite,
+            config = self.compressor.get_config()
+            settings = {"op": "auto" if self.auto_pin else config,
+                        "auto_op": config if self.auto_pin else None,
+                        "auto_pin": self.auto_pin, "nonfinite": self.nonfinite,
                         "groups": [fqn for fqn, _, _ in groups], "shards": len(shard)}
         except (MpigcError, TypeError, ValueError, AttributeError) as e:
             exc = e
@@ -215,7 +227,10 @@ class FsdpHookState:
         # the last post_backward's (_with_grad), and those of its layout
         self._reducing, self._members = {}, {}
         self._partial = {}  # HSDP, set_requires_all_reduce(False): key -> its kept shard
-        self._first = {}  # key -> its first call's buffer, until every key has had one
+        # key -> its first call's buffer, until every key has had one (op="auto"
+        # runs calls under $MPIGC_MIN_COMPRESS_BYTES as "none" by design: no warning)
+        self._first = {} if self.auto_pin is None else None
+        self.decisions = {}  # op="auto": key -> the Decision of its last call
         # a step (one call per key) changes the residuals of all its keys or of
         # none: each key's residuals by copy before its call (with several keys)
         self._step = {}      # key -> the record taken before its call in this step
@@ -296,14 +311,24 @@ class FsdpHookState:
                     reduce_output += part
             x = reduce_output.detach()
             xs = (x.float() if x.dtype == torch.bfloat16 else x).numpy()
+            op, auto = self._op()
             self._run(key, xs, xs, lambda: iallreduce(
-                xs, op=self.compressor, comm=self._replica_comm, key=key,
+                xs, op=op, comm=self._replica_comm, key=key,
                 average=group.gradient_divide_factor is None, feedback=self.feedback,
-                nonfinite=self.nonfinite))
+                nonfinite=self.nonfinite, **auto))
             if x.dtype == torch.bfloat16:
                 with torch.no_grad():
                     reduce_output.copy_(torch.from_numpy(xs))
         return hook
+
+    def _op(self):
+        """``(op, keywords)`` of a call: the compressor, or with ``op="auto"``
+        the engine's ``"auto"`` with ``auto_op`` and the pin (the engine
+        decides per call, the same on every rank, and adds the residuals
+        into a call it runs as ``"none"``, clearing them once delivered)."""
+        if self.auto_pin is None:
+            return self.compressor, {}
+        return "auto", {"auto_op": self.compressor, "auto_pin": self.auto_pin}
 
     def _run(self, key, buf, result, start):
         """Start a call on ``buf`` whose result is ``result`` (``start()``:
@@ -331,6 +356,8 @@ class FsdpHookState:
                          warn_s=self._warn_s, watch=self._arrive.watch(
                              f"the gradient reduction of {key} (call {{step}})", label))
             req.wait()
+            if getattr(req, "decision", None) is not None:  # op="auto"
+                self.decisions[key] = req.decision
         except MpigcError:  # this call changed no residual (or is still running:
             self._drop_step(but=key)  # its key is left alone); the others go back
             raise
@@ -435,9 +462,10 @@ class FsdpHookState:
         out = (output.detach().numpy() if output.dtype == x.dtype
                else np.empty(output.numel(), xs.dtype))
         m = output.numel()
+        op, auto = self._op()
         self._run(key, xs, out, lambda: ireduce_scatter(
-            xs, op=self.compressor, recvcounts=[m] * self.size, out=out, comm=self._comm,
-            key=key, average=average, feedback=self.feedback, nonfinite=self.nonfinite))
+            xs, op=op, recvcounts=[m] * self.size, out=out, comm=self._comm, key=key,
+            average=average, feedback=self.feedback, nonfinite=self.nonfinite, **auto))
         if output.dtype != x.dtype:
             with torch.no_grad():
                 output.copy_(torch.from_numpy(out))
@@ -476,8 +504,8 @@ class FsdpHookState:
         _dcp_prepare(self, checkpoint_id, name, storage_reader, process_group)
 
     def __repr__(self):
-        return (f"FsdpHookState(op={self.compressor!r}, groups={len(self.keys)}, "
-                f"ranks={self.size})")
+        op = f"'auto', auto_op={self.compressor!r}" if self.auto_pin else repr(self.compressor)
+        return f"FsdpHookState(op={op}, groups={len(self.keys)}, ranks={self.size})"
 
 
 # -- torch.distributed.checkpoint ----------------------------------------------------
@@ -718,7 +746,7 @@ def _dcp_entries(st, state, what, layouts, members):
 
 
 def register_fsdp_hooks(model, op="2bit", *, comm=None, nonfinite=None, feedback=None,
-                        timeout=None, **params):
+                        timeout=None, auto_op=None, auto_pin=None, **params):
     """Make every FSDP2 module of ``model`` reduce-scatter its gradients with
     mpigc's compressed :func:`mpigc.reduce_scatter` over MPI, with error
     feedback per FSDP parameter group (collective over ``comm``).
@@ -757,7 +785,16 @@ def register_fsdp_hooks(model, op="2bit", *, comm=None, nonfinite=None, feedback
     ----------
     op, **params
         The compressor (as :class:`GradientSync`'s: ``"2bit"`` without a
-        threshold is the relative mode).
+        threshold is the relative mode), or ``"auto"``: per call (each
+        group's reduce-scatter; under HSDP its replica allreduce)
+        ``"none"`` or ``auto_op``, whichever the model of the communicator
+        predicts faster (the engine's ``op="auto"``, the same on every rank;
+        ``**params`` are then ``auto_op``'s).
+    auto_op, auto_pin
+        With ``op="auto"``, as for :class:`GradientSync`: the compressor it
+        may choose (default ``"2bit"``, the relative mode) and the pin
+        (``"model"``, ``"none"``, ``"compressed"``; default
+        ``$MPIGC_AUTO_PIN`` or ``"model"``), agreed at registration.
     comm, nonfinite, feedback, timeout
         As for :class:`GradientSync`. ``timeout`` also bounds the wait in
         this function (registered on some ranks only: :class:`StateError`
@@ -769,4 +806,5 @@ def register_fsdp_hooks(model, op="2bit", *, comm=None, nonfinite=None, feedback
         The residuals (``state_dict()``/``load_state_dict()``) and the
         traffic counters.
     """
-    return FsdpHookState(model, op, comm, nonfinite, feedback, timeout, params)
+    return FsdpHookState(model, op, comm, nonfinite, feedback, timeout, params, auto_op,
+                         auto_pin)

@@ -227,19 +227,6 @@ def test_frozen_parameter_saves_and_reshards(comm, gloo, ckpt, where):
     assert_all(ok, f"residual sum not kept ({n_old} -> {n_new})")
 
 
-class _Experts(torch.nn.Module):
-    """Two experts of one shape in one FSDP group; ``forward(x, k)`` runs
-    expert ``k`` only."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = torch.nn.Linear(5, 6)
-        self.experts = torch.nn.ModuleList([torch.nn.Linear(6, 3) for _ in range(2)])
-
-    def forward(self, x, k):
-        return self.experts[k](torch.tanh(self.inp(x)))
-
-
 @pytest.mark.mpi
 def test_parameters_of_the_layout_survive_a_resume(comm, gloo, ckpt):
     """HSDP 2 x 2 (whose record holds a layout of fewer parameters than the
@@ -248,24 +235,18 @@ def test_parameters_of_the_layout_survive_a_resume(comm, gloo, ckpt):
     layout, so the resumed run raises StateError on every rank, as the
     uninterrupted one does (before: after a load the first call set them,
     and expert 0's residuals were added to expert 1's gradient silently)."""
-    from torch.distributed.fsdp import fully_shard
     mesh = td.mesh_2x2(comm)["shard"]
 
     def setup():
-        torch.manual_seed(0)
-        m = fully_shard(_Experts(), mesh=mesh)
+        m = td.experts(mesh)
         return m, mt.register_fsdp_hooks(m, **td.OPS["2bit-abs"])
 
-    def step(m, k):
-        g = torch.Generator().manual_seed(1000 * k + comm.rank)
-        m(torch.randn(4, 5, generator=g), k).pow(2).sum().backward()
-
     m, hooks = setup()
-    step(m, 0)
+    td.expert_step(m, comm.rank, 0)
     dcp.save({"mpigc": hooks}, checkpoint_id=ckpt)
     m2, hooks2 = setup()
     dcp.load({"mpigc": hooks2}, checkpoint_id=ckpt)
-    raises_everywhere(mpigc.StateError, lambda: step(m2, 1),
+    raises_everywhere(mpigc.StateError, lambda: td.expert_step(m2, comm.rank, 1),
                       match="other parameters than in its first call")
 
 

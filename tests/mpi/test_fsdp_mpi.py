@@ -95,20 +95,28 @@ def _residual_state(state):
 @pytest.mark.mpi
 @pytest.mark.parametrize("nonfinite", ["skip", "raise"])
 @pytest.mark.parametrize("hsdp", [False, True])
-def test_a_step_with_a_nonfinite_group_changes_no_residual(comm, gloo, nonfinite, hsdp):
+@pytest.mark.parametrize("auto", [False, True])
+def test_a_step_with_a_nonfinite_group_changes_no_residual(comm, gloo, nonfinite, hsdp,
+                                                           auto):
     """Rank 0's batch holds an Inf: the first layer's gradient is NaN (0 x
     Inf), the last layer's finite, so in backward the last layer's group is
     exchanged first and the first layer's is skipped (``"skip"``: a step that
     a loss scaler skips) or fails (``"raise"``: NonFiniteError from backward
     on every rank). Either way no group's residual changes: the step is
     dropped, and a residual that kept the exchanged group's update would
-    count as delivered a gradient the optimizer never applied."""
+    count as delivered a gradient the optimizer never applied. ``auto``:
+    op="auto" pinned to 2bit, then to "none" for that step (the exchanged
+    group's call delivers its residuals and clears them: they come back)."""
     if hsdp and comm.size != 4:
         pytest.skip("HSDP 2 x 2 needs 4 ranks")
     mesh = td.mesh_2x2(comm)["shard"] if hsdp else None
     m = td.model(mesh=mesh)
-    state = mt.register_fsdp_hooks(m, op="2bit", threshold=0.01, nonfinite=nonfinite)
+    op = ({"op": "auto", "auto_op": "2bit", "auto_pin": "compressed"} if auto
+          else {"op": "2bit"})
+    state = mt.register_fsdp_hooks(m, **op, threshold=0.01, nonfinite=nonfinite)
     td.train(m, 3, comm.rank)
+    if auto:
+        state.auto_pin = "none"  # on every rank
     before = _residual_state(state)
     assert_all(len(before) == 2, f"keys {sorted(before)}")
     x = torch.randn(4, 5, generator=torch.Generator().manual_seed(comm.rank))
@@ -202,7 +210,7 @@ def test_none_keeps_fsdp_division(comm, gloo, setting):
 class _Recorder:
     """Delegates to mpigc's reduce-scatter of one group and records, per
     call, the input, this rank's delivered shard and the worker residual
-    after the call (all float64)."""
+    after the call (all float64), and with ``op="auto"`` the op it ran."""
 
     def __init__(self, state, key):
         self.inner, self.state, self.key, self.rows = state.reduce_scatters[key], state, key, []
@@ -213,9 +221,12 @@ class _Recorder:
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
         x = input_tensor.double().numpy().copy()
         self.inner(output_tensor, input_tensor, group, op)
-        res = self.state.feedback.state_dict()[self.key]["worker"]
+        # no entry, or a worker residual cleared by a call op="auto" ran as "none": zeros
+        res = self.state.feedback.state_dict().get(self.key, {}).get("worker")
+        d = self.state.decisions.get(self.key)
         self.rows.append((x, output_tensor.double().numpy().copy(),
-                          np.zeros_like(x) if res is None else res.astype(np.float64)))
+                          np.zeros_like(x) if res is None else res.astype(np.float64),
+                          None if d is None else d.op))
 
 
 def _record(m, state):
@@ -226,18 +237,11 @@ def _record(m, state):
     return recs
 
 
-@pytest.mark.mpi
-@pytest.mark.parametrize("name", list(td.OPS))
-@pytest.mark.parametrize("accumulate", [False, True])
-def test_conservation_per_shard(comm, gloo, name, accumulate):
-    """Per group and shard, over the steps: what the ranks put in (their
-    inputs) = N x what the owner delivered (the average) + the change of
-    the ranks' residuals; the residuals are not all zero (the compressor
-    kept something back)."""
-    m = td.model()
-    state = mt.register_fsdp_hooks(m, **td.OPS[name])
-    recs = _record(m, state)
-    td.train(m, 6, comm.rank, accumulate=accumulate)
+def _conserved(comm, recs):
+    """Per group and shard, over the recorded steps: what the ranks put in
+    (their inputs) = N x what the owner delivered (the average) + the change
+    of the ranks' worker residuals. Returns ``(ok, worst error in units of
+    the tolerance, largest residual left)``."""
     ok, worst, kept = True, 0.0, 0.0
     for key, rec in recs.items():
         rows = comm.allgather(rec.rows)
@@ -255,6 +259,22 @@ def test_conservation_per_shard(comm, gloo, name, accumulate):
             ok &= bool(err.max() <= scale)
             prev = res
         kept = max(kept, float(np.abs(prev).max()))
+    return ok, worst, kept
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("name", list(td.OPS))
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_conservation_per_shard(comm, gloo, name, accumulate):
+    """Per group and shard, over the steps: what the ranks put in (their
+    inputs) = N x what the owner delivered (the average) + the change of
+    the ranks' residuals; the residuals are not all zero (the compressor
+    kept something back)."""
+    m = td.model()
+    state = mt.register_fsdp_hooks(m, **td.OPS[name])
+    recs = _record(m, state)
+    td.train(m, 6, comm.rank, accumulate=accumulate)
+    ok, worst, kept = _conserved(comm, recs)
     assert_all(ok and kept > 0, f"{name}: conservation off by {worst:g} x tolerance, "
                                 f"largest residual {kept:g}")
 
@@ -367,24 +387,9 @@ def test_layout_change_raises_everywhere(comm, gloo):
                "residuals changed")
 
 
-class _Experts(torch.nn.Module):
-    """One FSDP group holding two experts of one shape; step k runs expert
-    k % 2 only (top-1 routing): the flat inputs of two steps have one size
-    and other parameters."""
-
-    def __init__(self):
-        super().__init__()
-        self.inp = torch.nn.Linear(5, 6)
-        self.experts = torch.nn.ModuleList([torch.nn.Linear(6, 3) for _ in range(2)])
-
-    def forward(self, x, k):
-        return self.experts[k](torch.tanh(self.inp(x)))
-
-
 def _expert_steps(m, rank, steps, first=0):
     for step in range(first, first + steps):
-        g = torch.Generator().manual_seed(1000 * step + rank)
-        m(torch.randn(4, 5, generator=g), step % 2).pow(2).sum().backward()
+        td.expert_step(m, rank, step)
         for p in m.parameters():
             p.grad = None
 
@@ -397,9 +402,7 @@ def test_other_parameters_of_the_same_size_raise_everywhere(comm, gloo, unused):
     expert 0 would be added to expert 1's gradient. StateError on every rank,
     residuals unchanged (before: no error, the residuals mixed silently);
     with set_reduce_scatter_unused_params(True) every step holds both."""
-    from torch.distributed.fsdp import fully_shard
-    torch.manual_seed(0)
-    m = fully_shard(_Experts())
+    m = td.experts()
     m.set_reduce_scatter_unused_params(unused)
     state = mt.register_fsdp_hooks(m, op="2bit", threshold=0.5)
     _expert_steps(m, comm.rank, 1)
@@ -554,3 +557,169 @@ def test_warns_with_a_frozen_group(comm, gloo, monkeypatch):
     mt.register_fsdp_hooks(m, op="2bit", threshold=0.5)
     with pytest.warns(UserWarning, match="none of its 1 bucket"):
         td.train(m, 2, comm.rank)
+
+
+# -- op="auto" (issue 48, item 2) -----------------------------------------------------
+def _decided(state):
+    """``{key: (op, reason)}`` of each key's last op="auto" call."""
+    return {k: (d.op, d.reason) for k, d in sorted(state.decisions.items())}
+
+
+def _one_group():
+    """``td.model``'s layers in one FSDP group (the root only): one call a
+    step, so op="auto"'s first calls alternate the compressor and none on
+    that group (with two groups each would keep its op)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)]
+    return td.fully_shard_layers(torch.nn.Sequential(*layers), [],
+                                 mp_policy=MixedPrecisionPolicy(reduce_dtype=torch.float32))
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("pin", ["none", "compressed", "env"])
+@pytest.mark.parametrize("hsdp", [False, True])
+def test_auto_pinned_is_that_op_bit_for_bit(comm, gloo, monkeypatch, pin, hsdp):
+    """op="auto" pinned to "none" is op="none" bit for bit, pinned to the
+    compressor (auto_pin= with auto_op="1bit", or $MPIGC_AUTO_PIN with the
+    default relative 2bit) op=auto_op's, residuals included: FSDP's
+    reduce-scatter and, under HSDP 2 x 2, the replicas' allreduce."""
+    mesh = td.mesh_2x2(comm)["shard"] if hsdp else None
+    if pin == "env":
+        monkeypatch.setenv("MPIGC_AUTO_PIN", "compressed")
+    auto, plain, want = {
+        "none": ({"auto_pin": "none"}, {"op": "none"}, "none"),
+        "compressed": ({"auto_op": "1bit", "auto_pin": "compressed"}, {"op": "1bit"}, "1bit"),
+        "env": ({}, {"op": "2bit"}, "2bit")}[pin]
+    runs = []
+    for kw in ({"op": "auto", **auto}, plain):
+        m = td.model(mesh=mesh)
+        state = mt.register_fsdp_hooks(m, **kw)
+        runs.append((td.train(m, 5, comm.rank), _residual_state(state), _decided(state),
+                     state.calls))
+    (pa, ra, da, ca), (pb, rb, _, cb) = runs
+    same_res = sorted(ra) == sorted(rb) and all(
+        sorted(ra[k]) == sorted(rb[k]) and all(ra[k][n].tobytes() == rb[k][n].tobytes()
+                                               for n in rb[k]) for k in rb)
+    ok = td.same(pa, pb) and same_res and (want == "none" or bool(rb))
+    ok &= sorted(da) == sorted(ra or rb or da) and len(da) == 2
+    # the model's agreement tables (an op="none" allreduce posted at calls 4
+    # and 8 of 10) count in mpigc.traffic() when they complete in a call
+    ok &= all(d == (want, "pinned") for d in da.values()) and cb <= ca <= cb + 2
+    assert_all(ok, f"op='auto' pinned to {want} differs from op={want!r} (params "
+                   f"{td.same(pa, pb)}, residuals {same_res}, decisions {da}, calls {ca} {cb})")
+
+
+_SWITCHES = ["compressed", "compressed", "none", "compressed", "none", "none", "compressed",
+             "none"]
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("how", ["measuring", "pinned"])
+def test_auto_conserves_error_feedback_across_switches(comm, gloo, how):
+    """8 steps that switch between the compressor and "none" on every group:
+    the model's first calls (one group: they alternate), or the pin changed
+    between steps on every rank (two groups, :data:`_SWITCHES`). Per group
+    and shard, the inputs = N x delivered + the change of the residuals at
+    every step (a call run as "none" adds the residuals into its exact sum
+    and clears them: none left after it); both ops ran on every group; the
+    decisions are the same on every rank."""
+    m = _one_group() if how == "measuring" else td.model()
+    state = mt.register_fsdp_hooks(m, op="auto", auto_op="2bit", threshold=0.01,
+                                   auto_pin=None if how == "measuring" else "compressed")
+    recs = _record(m, state)
+    for step in range(8):
+        if how == "pinned":
+            state.auto_pin = _SWITCHES[step]  # on every rank: the calls' marks agree
+        td.train(m, 1, comm.rank, first=step)
+    ok, worst, _ = _conserved(comm, recs)
+    # the compressed calls kept residuals back (the last call ran "none")
+    kept = max(float(np.abs(row[2]).max()) for rec in recs.values() for row in rec.rows)
+    ran = {k: [row[3] for row in rec.rows] for k, rec in recs.items()}
+    cleared = all(not np.any(row[2]) for rec in recs.values() for row in rec.rows
+                  if row[3] == "none")
+    ok &= cleared and kept > 0 and all({"2bit", "none"} == set(ops) for ops in ran.values())
+    if how == "pinned":
+        ok &= all(ops == [p if p == "none" else "2bit" for p in _SWITCHES]
+                  for ops in ran.values())
+    every = comm.allgather(ran)
+    alike = all(e == ran for e in every)
+    assert_all(ok and alike, f"conservation off by {worst:g} x tolerance (residual "
+                             f"{kept:g}, cleared after none {cleared}); ops {ran}, alike "
+                             f"on every rank {alike}")
+
+
+@pytest.mark.mpi
+def test_auto_decisions_alike_with_a_skewed_clock(comm, gloo):
+    """Rank 0 times its op="auto" calls with a clock 50 times too fast (a
+    slow rank): 20 steps of one group leave the first, alternating calls
+    for the model's decisions, and every decision (op and reason) is the
+    same on every rank (a decision of one rank alone would be a hang or
+    another sum)."""
+    import time
+    from mpigc import _auto
+    old = _auto.use_clock((lambda: 50 * time.perf_counter()) if comm.rank == 0 else None)
+    try:
+        m = _one_group()
+        state = mt.register_fsdp_hooks(m, op="auto")
+        seen = []
+        for step in range(20):
+            td.train(m, 1, comm.rank, first=step)
+            seen.append(_decided(state))
+    finally:
+        _auto.use_clock(old)
+    every = comm.allgather(seen)
+    reasons = {r for d in seen for _, r in d.values()}
+    ok = all(e == seen for e in every) and "model" in reasons
+    assert_all(ok, f"decisions differ between ranks or the model never decided "
+                   f"({sorted(reasons)})")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("bad,err,match", [
+    ({"op": "auto", "auto_pin": "sometimes"}, mpigc.ConfigError, "auto_pin"),
+    ({"op": "auto", "auto_op": "none"}, mpigc.ConfigError, "auto_op must name a compressor"),
+    ({"op": "2bit", "auto_pin": "none"}, mpigc.ConfigError, "op='auto' only"),
+    ("env on rank 0", mpigc.ConfigError, "MPIGC_AUTO_PIN"),
+    ("auto on rank 0", mpigc.MismatchError, "different settings"),
+    ("auto_op on rank 0", mpigc.MismatchError, "different settings")])
+def test_bad_auto_settings_raise_on_every_rank(comm, gloo, monkeypatch, bad, err, match):
+    """Bad op="auto" settings, on every rank or on rank 0 only: the same
+    error on every rank at registration, nothing installed (FSDP's own
+    reduce-scatter runs the next step)."""
+    kw = bad if isinstance(bad, dict) else {"op": "auto"}
+    if comm.rank == 0 and bad == "env on rank 0":
+        monkeypatch.setenv("MPIGC_AUTO_PIN", "sometimes")
+    if bad == "auto on rank 0" and comm.rank:
+        kw = {"op": "2bit"}
+    if bad == "auto_op on rank 0":
+        kw = {"op": "auto", "auto_op": "1bit" if comm.rank == 0 else "2bit"}
+    m = td.model()
+    raises_everywhere(err, lambda: mt.register_fsdp_hooks(m, **kw), match=match)
+    td.train(m, 1, comm.rank)
+
+
+@pytest.mark.mpi
+def test_hsdp_auto_switches(comm, gloo):
+    """HSDP 2 x 2, op="auto" with the pin changed between steps on every
+    rank: the replicas' allreduce runs the op of each step, a "none" step
+    delivers and clears the worker and owner residuals, and the replicas'
+    parameters stay identical."""
+    mesh = td.mesh_2x2(comm)
+    m = td.model(mesh=mesh["shard"])
+    state = mt.register_fsdp_hooks(m, op="auto", auto_op="1bit", auto_pin="compressed")
+    ok, ran = True, []
+    for step, pin in enumerate(_SWITCHES):
+        state.auto_pin = pin
+        got = td.train(m, 1, comm.rank, first=step)
+        ran.append(sorted({d.op for d in state.decisions.values()}))
+        left = state.feedback.state_dict()
+        if pin == "none":
+            ok &= all(e["worker"] is None and e["owner"] is None for e in left.values())
+        else:
+            ok &= len(left) == 2 and all(e["worker"] is not None for e in left.values())
+    flat = np.concatenate([t.numpy().ravel() for t in got.values()])
+    twin = comm.allgather(flat)[comm.rank ^ 2]  # the same shard in the other replica
+    ok &= np.array_equal(flat, twin) and bool(np.isfinite(flat).all())
+    ok &= ran == [[p if p == "none" else "1bit"] for p in _SWITCHES]
+    assert_all(ok, f"ops {ran}, replicas alike {np.array_equal(flat, twin)}")

@@ -133,6 +133,35 @@ def hooked_modules(m, keys):
             if isinstance(mod, FSDPModule) and f"fsdp:{fqn}" in keys]
 
 
+class Experts(torch.nn.Module):
+    """One FSDP group holding two experts of one shape; ``forward(x, k)``
+    runs expert ``k`` only (top-1 routing): the flat inputs of two steps that
+    run other experts have one size and other parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(5, 6)
+        self.experts = torch.nn.ModuleList([torch.nn.Linear(6, 3) for _ in range(2)])
+
+    def forward(self, x, k):
+        return self.experts[k](torch.tanh(self.inp(x)))
+
+
+def experts(mesh=None):
+    """:class:`Experts` built alike on every rank, ``fully_shard``ed (one
+    FSDP group) over ``mesh`` (default: every rank)."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    return fully_shard(Experts(), mesh=mesh)
+
+
+def expert_step(m, rank, step):
+    """The backward pass of ``rank``'s batch of ``step`` through expert
+    ``step % 2``."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    m(torch.randn(4, 5, generator=g), step % 2).pow(2).sum().backward()
+
+
 def mesh_2x2(comm):
     """HSDP's 2 x 2 mesh (``"replicate"``, ``"shard"``); skips unless 4 ranks."""
     if comm.size != 4:

@@ -65,10 +65,12 @@ def _frozen_model(mesh):
 
 def _setup(mesh, sub, name, extra=0, frozen=False):
     """The model on ``mesh`` (``frozen``: :func:`_frozen_model`), its hooks
-    over ``sub`` (None: the world), SGD with momentum (state that a
-    checkpoint holds)."""
+    over ``sub`` (None: the world) with op ``name`` (of ``td.OPS``, or the
+    keywords themselves), SGD with momentum (state that a checkpoint
+    holds)."""
     m = _frozen_model(mesh) if frozen else td.model(extra=extra, mesh=mesh)
-    hooks = mt.register_fsdp_hooks(m, comm=sub, **td.OPS[name])
+    hooks = mt.register_fsdp_hooks(m, comm=sub, **(name if isinstance(name, dict)
+                                                   else td.OPS[name]))
     return m, hooks, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9)
 
 
@@ -395,3 +397,70 @@ def test_lightning_record_reshards(comm, gloo, pair):
         ok &= max(float(np.abs(v).max()) for v in saved.values()) > 0
         td.train(m, 2, comm.rank, 4, opt=opt)
     assert_all(ok, f"{n_old} -> {n_new}: the residual sum differs (or none kept)")
+
+
+# -- op="auto" (issue 48, item 2) -----------------------------------------------------
+_AUTO = {"op": "auto", "auto_op": "2bit", "threshold": 0.5, "auto_pin": "compressed"}
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("direction", ["auto->op", "op->auto"])
+def test_auto_record_loads_into_auto_op_and_back(comm, gloo, ckpt, direction):
+    """The residuals of op="auto" carry auto_op's config: 5 steps pinned to
+    the compressor, dcp.save, dcp.load into op=auto_op's hooks, 5 steps = 10
+    steps of op=auto_op bit for bit; and the other way round."""
+    mesh, sub = _world(comm, comm.size)
+    first, then = ((_AUTO, "2bit-abs") if direction == "auto->op" else ("2bit-abs", _AUTO))
+    m, hooks, opt = _setup(mesh, sub, "2bit-abs")
+    want = td.train(m, 10, comm.rank, 0, opt=opt)
+    m, hooks, opt = _setup(mesh, sub, first)
+    td.train(m, 5, comm.rank, 0, opt=opt)
+    _save(m, opt, hooks, ckpt, mesh)
+    m2, hooks2, opt2 = _setup(mesh, sub, then)
+    _load(m2, opt2, hooks2, ckpt, mesh)
+    got = td.train(m2, 5, comm.rank, 5, opt=opt2)
+    kept = any(np.abs(e["worker"]).max() > 0 for e in hooks.feedback.state_dict().values())
+    assert_all(kept and td.compare(want, got, True, 0),
+               f"{direction}: resumed run differs (residuals kept {kept})")
+
+
+@pytest.mark.mpi
+@pytest.mark.parametrize("where", ["same", "other"])
+def test_auto_after_a_none_call_saves_and_loads(comm, gloo, ckpt, where):
+    """op="auto", 3 steps pinned to 2bit, then one pinned to "none" (each
+    group's residuals delivered and cleared: entries without residuals),
+    dcp.save: on the same world size the load resumes bit for bit (3 more
+    compressed steps); on another (prepare_load) the loaded residuals are
+    zero and training goes on."""
+    n_old, n_new = (comm.size, comm.size) if where == "same" else _pairs(comm.size)[0]
+
+    def steps(m, hooks, opt, first, pins):
+        for i, pin in enumerate(pins):
+            hooks.auto_pin = pin  # on every rank
+            td.train(m, 1, comm.rank, first + i, opt=opt)
+        return td.local_params(m)
+
+    mesh, sub = _world(comm, n_old)
+    want, cleared = None, True
+    if mesh is not None:
+        m, hooks, opt = _setup(mesh, sub, _AUTO)
+        want = steps(m, hooks, opt, 0, ["compressed"] * 3 + ["none"] + ["compressed"] * 3)
+        m, hooks, opt = _setup(mesh, sub, _AUTO)
+        steps(m, hooks, opt, 0, ["compressed"] * 3 + ["none"])
+        left = hooks.feedback.state_dict()
+        cleared = len(left) == 2 and all(e["worker"] is None for e in left.values())
+        _save(m, opt, hooks, ckpt, mesh)
+    comm.Barrier()
+    mesh, sub = _world(comm, n_new)
+    ok = zero = True
+    if mesh is not None:
+        m2, hooks2, opt2 = _setup(mesh, sub, _AUTO)
+        if where == "other":
+            hooks2.prepare_load(ckpt)
+        _load(m2, opt2, hooks2, ckpt, mesh)
+        zero = all(not np.any(v) for v in _param_totals(m2, hooks2, sub).values())
+        got = steps(m2, hooks2, opt2, 4, ["compressed"] * 3)
+        ok = (td.compare(want, got, True, 0) if where == "same"
+              else all(bool(torch.isfinite(t).all()) for t in got.values()))
+    assert_all(ok and zero and cleared, f"{where}: the load after a none call differs or "
+                                        f"fails (loaded zeros {zero}, cleared {cleared})")

@@ -25,10 +25,12 @@ meeting a plain op, or other op="auto" settings, is a MismatchError on every
 rank at that call, whatever ops the decisions name; the mark also says
 whether the call is a model step (the first call, after which the model
 joins its own communicator, or an agreement step, after which it posts its
-sums), so no rank joins or posts where another does not. A step completes
-in :func:`start`. A call that failed is undone in the model
+sums), so no rank joins or posts where another does not, and its index in
+the model (modulo a few), so that a call numbered differently on some ranks
+(started while a call of those ranks only was in flight) fails everywhere.
+A step completes in :func:`start`. A call that failed is undone in the model
 (:meth:`Model.close`): the models stay alike on the ranks that made it as
-op="auto" and on those that did not.
+op="auto" and on those that did not, once no call of the rank is in flight.
 
 Errors: bad ``op="auto"`` settings (``auto_op``, ``auto_pin``, a device
 array, a hierarchical call) are found on the rank before anything
@@ -46,7 +48,7 @@ from mpi4py import MPI
 from . import _dispatch
 from . import _route
 from . import _timeline
-from ._auto_model import WINDOW, Model, probe_every
+from ._auto_model import INDEX_MOD, WINDOW, Model, probe_every
 from ._errors import ConfigError, MpigcError
 from ._sched import Request
 from ._settings import AUTO_MARK, min_compress_bytes
@@ -305,13 +307,19 @@ def _decide(model, kind, flats, comp, cfg, pin, gather, size):
     return dec, model.slot(none_label if dec.op == "none" else comp_label), nbytes
 
 
-def _mark(pin, cfg, step):
+def _mark(pin, cfg, entry):
     """The mark of an op="auto" call's settings (:data:`mpigc._settings.AUTO_MARK`):
     its agreement fails on every rank where another rank's call is plain,
-    has other op="auto" settings, or is not a model step where this one is
-    (``step``: the model joins or posts its sums once it went through), or
-    the reverse."""
-    return f"op='auto', auto_pin={pin!r}, auto_op={cfg}" + (", model step" if step else "")
+    has other op="auto" settings, is not a model step where this one is
+    (the model joins or posts its sums once it went through), or the
+    reverse, or has another index in its model (modulo
+    :data:`~mpigc._auto_model.INDEX_MOD`): a call started while a call of
+    some ranks only was in flight (it failed later) never goes through
+    where the models count it differently (:meth:`Model.close`). The index
+    is modulo a few so that a signature has a few settings, not one per
+    call."""
+    return (f"op='auto', auto_pin={pin!r}, auto_op={cfg}, model call "
+            f"{entry.index % INDEX_MOD} mod {INDEX_MOD}" + (", model step" if entry.step else ""))
 
 
 def start(kind, buf, params, *, auto_op, auto_pin, comm, key, average, gather, feedback,
@@ -350,11 +358,11 @@ def start(kind, buf, params, *, auto_op, auto_pin, comm, key, average, gather, f
             model.decided()
         if not entry.step:
             return _launch(kind, buf, params, group, flats, dec, slot, nbytes, auto_op,
-                           _mark(pin, cfg, False), model, entry, cm, feedback, run)
+                           _mark(pin, cfg, entry), model, entry, cm, feedback, run)
         # a model step: completed here, still in the model's order (a second
         # thread's call waits), then the join or the post
         req = _launch(kind, buf, params, group, flats, dec, slot, nbytes, auto_op,
-                      _mark(pin, cfg, True), model, entry, cm, feedback, run)
+                      _mark(pin, cfg, entry), model, entry, cm, feedback, run)
         req.wait()  # a failure is undone in the model (AutoRequest.wait)
         if entry.index == 0:
             model.join(cm)

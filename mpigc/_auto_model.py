@@ -75,7 +75,7 @@ from ._errors import ConfigError
 from ._sched import Request
 
 __all__ = ["SYNC_EVERY", "SYNC_SLOW", "SYNC_SETTLED", "WINDOW", "MIN_SAMPLES", "HYSTERESIS",
-           "NSLOTS", "NBUCKETS", "Fit", "Decision", "Model", "bucket", "fit_points",
+           "NSLOTS", "NBUCKETS", "INDEX_MOD", "Fit", "Decision", "Model", "bucket", "fit_points",
            "post_table", "probe_every"]
 
 SYNC_EVERY = 4     # op="auto" calls of a communicator between two agreement steps ...
@@ -86,6 +86,7 @@ MIN_SAMPLES = 2    # agreed samples of each op (per rank) before the model decid
 HYSTERESIS = 0.05  # the other op must be predicted this much faster to switch
 NSLOTS = 64        # slots of the agreed table: a label's is the CRC of its text
 NBUCKETS = 12      # sizes per slot, by factors of 4 from 4 KiB (the last: all beyond)
+INDEX_MOD = 8      # a call's agreement compares its index modulo this (mpigc._auto)
 _NSTAT = 4         # posted per slot and size: count, ranks, KiB (sum), min µs (sum)
 
 
@@ -185,7 +186,8 @@ class Model:
         self.log = []          # the _Call of each call since the last that went through
         self.entry = None      # the _Call of the call deciding now (under order)
         self.pending = None    # the call of the sums posted last (its Request made at
-                               # the wait: the user's last_trace stays the user's call)
+                               # the wait: the user's last_trace stays the user's call),
+                               # or the sums, given back by a step that failed
         self.series = {}       # label -> [calls, last decision]
         self.syncs = 0
         self.chan = None       # the model's own duplicate of the communicator (join)
@@ -231,8 +233,8 @@ class Model:
         An agreement step waits for the sums posted at the previous one
         (every rank posted them: they are posted only once a step went
         through, :meth:`post`) and takes them in. What the call changes
-        (the index, its series' counts, new slots) until :meth:`decided` is
-        undone if it fails (:meth:`close`)."""
+        (the index, its series' counts, new slots until :meth:`decided`,
+        the sums a step took in) is undone if it fails (:meth:`close`)."""
         with self.book:
             c = self.calls
             self.calls += 1
@@ -240,13 +242,21 @@ class Model:
                 SYNC_EVERY if c < SYNC_SETTLED else SYNC_SLOW) == 0)
             self.log.append(e)
         if e.step and self.pending is not None:
-            op, self.pending = self.pending, None
             try:
-                self.merge(Request(op).wait())
+                sums = self._received()
             except BaseException:
                 self.close(e, False)
                 raise
+            with self.lock:
+                e.merged = (list(self.window), self.agreed, self.fits, self.syncs, sums)
+            self.merge(sums)
         return e
+
+    def _received(self):
+        """The sums posted last (waited for here, or taken back from a step
+        that failed: :meth:`close`); :attr:`pending` is None after."""
+        got, self.pending = self.pending, None
+        return got if isinstance(got, np.ndarray) else Request(got).wait()
 
     def decided(self):
         """The call of :meth:`enter` decided: later changes are not its."""
@@ -259,7 +269,11 @@ class Model:
         was not op="auto" never entered it). A failed call, and the failed
         calls just before it, are undone once no later call of this rank is
         in flight or went through: the model is as if they had not been
-        made, as on the ranks that did not make them."""
+        made, as on the ranks that did not make them (a step's sums wait
+        for the next step again). A call started while such a call was in
+        flight is numbered differently on the ranks that made it, and its
+        agreement compares the number (:func:`mpigc._auto._mark`): it fails
+        on every rank, and is undone with it."""
         with self.book:
             at = next((i for i, e in enumerate(self.log) if e is entry), None)
             if at is None:
@@ -271,6 +285,16 @@ class Model:
             while self.log and self.log[-1].failed:
                 e = self.log.pop()
                 self.calls = e.index
+                if e.merged is not None:
+                    # its step took in the sums posted last: they wait for
+                    # the next step again, as on the ranks whose call there
+                    # was not a step (nothing was posted since: a step that
+                    # went through after it would have kept it)
+                    window, agreed, fits, syncs, self.pending = e.merged
+                    with self.lock:
+                        self.window.clear()
+                        self.window.extend(window)
+                        self.agreed, self.fits, self.syncs = agreed, fits, syncs
                 for label in reversed(e.labels):
                     self.slots.pop(label, None)
                 for series, st in e.series.items():
@@ -318,8 +342,7 @@ class Model:
         the next agreement step posts afresh)."""
         with self.order:
             if self.pending is not None:
-                op, self.pending = self.pending, None
-                self.merge(Request(op).wait())
+                self.merge(self._received())
 
     def merge(self, sums):
         """Agreed sums in (every rank's, summed: integers, exact). Per slot
@@ -396,12 +419,14 @@ class Model:
 class _Call:
     """One op="auto" call's changes to the model (:meth:`Model.enter`):
     its index, whether it is a model step, the series it changed (their
-    state before it) and the labels it gave slots."""
-    __slots__ = ("index", "step", "series", "labels", "failed")
+    state before it), the labels it gave slots, and a step's sums taken in
+    (the model before them)."""
+    __slots__ = ("index", "step", "series", "labels", "failed", "merged")
 
     def __init__(self, index, step):
         self.index, self.step = index, step
         self.series, self.labels, self.failed = {}, [], False
+        self.merged = None  # a step's model before the sums it took in, and the sums
 
 
 def _empty_local():

@@ -189,6 +189,46 @@ def test_only_a_failed_suffix_of_calls_in_flight_is_undone():
     assert m.calls == 2
 
 
+def test_a_failed_agreement_step_gives_back_the_sums_it_took_in():
+    """A step that failed (on a rank that counted a call the others did
+    not, it paired with their call that is no step) is undone with the sums
+    it merged: the window, the fits and the step count as before it, the
+    sums waiting for the next step, which takes them in as the ranks that
+    did not count the call do."""
+    r = _auto_model.Model()
+    r.warm.update(range(_auto_model.NSLOTS))
+    r.record(r.slot(NONE), 1 << 20, 1e-3)
+    sums = _auto_model.post_table(r.local)
+    m, ref = _auto_model.Model(), _auto_model.Model()
+    for x in (m, ref):
+        for _ in range(3):
+            x.close(_call(x)[0], True)
+        x.pending = sums
+    extra, _ = _call(m)              # a call of this rank only: m's next is the step
+    step, _ = _call(m)
+    assert step.step and m.syncs == 1 and m.pending is None and m.fit(NONE) is not None
+    m.close(step, False)
+    m.close(extra, False)
+    assert (m.calls, m.syncs, m.agreed, m.fits, list(m.window)) == (3, 0, {}, {}, [])
+    assert m.pending is sums
+    for _ in range(2):               # calls 3, then 4: the step
+        got, want = _call(m), _call(ref)
+        assert (got[0].index, got[0].step, got[1]) == (want[0].index, want[0].step, want[1])
+    assert (m.syncs, m.agreed, m.fit(NONE)) == (1, ref.agreed, ref.fit(NONE))
+    assert m.fit(NONE) is not None
+
+
+def test_the_mark_compares_the_calls_index_modulo_a_few():
+    """A call started while a call of some ranks only was in flight has
+    another index there: its agreement fails (MismatchError everywhere)
+    instead of letting the models part."""
+    m = _auto_model.Model()
+    marks = [_auto._mark("model", "cfg", _call(m)[0]) for _ in range(20)]
+    assert len(set(marks[1:_auto_model.INDEX_MOD + 1])) == _auto_model.INDEX_MOD
+    assert "model step" in marks[0] and "model step" in marks[4]
+    assert marks[1] == marks[1 + _auto_model.INDEX_MOD] and marks[1] != marks[2]
+
+
 def test_slots_do_not_depend_on_the_order_of_first_use():
     a, b = _auto_model.Model(), _auto_model.Model()
     labels = [NONE, COMP, ("reduce_scatter", "none"), ("reduce_scatter", "", "x")]

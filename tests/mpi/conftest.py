@@ -84,6 +84,22 @@ def fb():
     return mpigc.ErrorFeedback()
 
 
+def fresh_comm(comm):
+    """A duplicate of ``comm``, hence a fresh op="auto" model (yielded; then
+    the model's last posted sums waited for and the duplicate freed)."""
+    from mpigc import _auto
+    c = comm.Dup()
+    yield c
+    _auto.model_of(c).settle()
+    c.Free()
+
+
+@pytest.fixture
+def dup(comm):
+    """A fresh communicator per test: a fresh op="auto" model (:func:`fresh_comm`)."""
+    yield from fresh_comm(comm)
+
+
 def all_ok(cond, comm=MPI.COMM_WORLD):
     """True on every rank iff ``cond`` is true on every rank."""
     return bool(comm.allreduce(bool(cond), op=MPI.LAND))

@@ -16,19 +16,11 @@ from mpigc import _auto, _auto_model
 
 from conftest import assert_all, grads, raises_everywhere
 
-# ranks: 1 (the model alone), 2 (pairs, the short path), 3 (uneven shards)
-pytestmark = pytest.mark.ranks(1, 2, 3)
+# ranks: 1 (the model alone), 2 (pairs, the short path), 3 (uneven shards), 4 (the
+# one-sided calls with later calls in flight: more ranks on each side)
+pytestmark = pytest.mark.ranks(1, 2, 3, 4)
 
 N = 1 << 13
-
-
-@pytest.fixture
-def dup(comm):
-    """A fresh communicator per test: a fresh model."""
-    c = comm.Dup()
-    yield c
-    _auto.model_of(c).settle()
-    c.Free()
 
 
 @pytest.fixture
@@ -524,3 +516,233 @@ def test_two_threads_making_the_first_auto_call_at_once(dup, monkeypatch, watchd
     every = dup.allgather((m.calls, m.syncs))
     assert_all(m.chan is not None and all(e == every[0] for e in every),
                f"models differ: {every}", dup)
+
+
+def _model_state(m):
+    """What a model's next decisions depend on, as text (the same on every
+    rank where the models are alike)."""
+    with m.book:
+        return repr((m.calls, m.syncs, sorted(m.series.items()), sorted(m.slots.items()),
+                     sorted((k, v) for k, v in m.agreed.items()), m.pending is None))
+
+
+class _Ledger:
+    """Per key, the inputs of the calls that went through (summed over the
+    ranks, float64) and what they delivered: with every rank's residuals
+    left, conservation."""
+
+    def __init__(self, comm, fb):
+        self.comm, self.fb, self.ins, self.outs = comm, fb, {}, {}
+
+    def went(self, key, x, delivered):
+        n = x.size
+        self.ins.setdefault(key, np.zeros(n))
+        self.outs.setdefault(key, np.zeros(n))
+        self.ins[key] += self.comm.allreduce(x.astype(np.float64))
+        self.outs[key] += delivered
+
+    def worst(self):
+        worst = 0.0
+        for key in sorted(self.ins):
+            left = self.comm.allreduce(_residuals(self.fb, key, self.ins[key].size, self.comm))
+            worst = max(worst, float(np.abs(self.outs[key] + left - self.ins[key]).max()))
+        return worst
+
+
+def _outcome(fn):
+    """"ok" or the exception's type name."""
+    try:
+        fn()
+        return "ok"
+    except mpigc.MpigcError as exc:
+        return type(exc).__name__
+
+
+@pytest.mark.mpi
+@pytest.mark.ranks(2, 3, 4)
+@pytest.mark.parametrize("pin", ["none", None])
+@pytest.mark.parametrize("who", ["rank 0", "all but rank 0"])
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("before", [_auto_model.SYNC_EVERY - 1, _auto_model.SYNC_EVERY + 1])
+def test_a_one_sided_call_failing_while_later_auto_calls_are_in_flight(dup, fb, before, k,
+                                                                         who, pin, watchdog):
+    """A nonblocking call, op="auto" on some ranks and "2bit" on the others
+    (MismatchError everywhere), then ``k`` nonblocking op="auto" calls
+    started before any is waited (after ``before`` calls: the agreement
+    step of call 4 among them, which completes in its start, or none),
+    then waited in order: every call's outcome
+    is the same on every rank, the models are alike after them, 16 more
+    op="auto" calls work on every rank with the same decisions, and error
+    feedback is conserved. Before, with ``auto_pin="none"`` (the decisions
+    of the calls in flight agree whatever the models), a call in flight
+    that paired with another rank's call of another number went through:
+    the ranks that made the one-sided call as op="auto" kept it counted,
+    and later op="auto" calls raised MismatchError on every rank."""
+    led = _Ledger(dup, fb)
+    for i in range(before):
+        x = grads(dup.rank, N, seed=i)
+        y = x.copy()
+        mpigc.allreduce(y, op="auto", key="w", comm=dup, feedback=fb)
+        led.went("w", x, y)
+    auto_here = (dup.rank == 0) == (who == "rank 0")
+    x0 = grads(dup.rank, N, seed=40)
+    bad = mpigc.iallreduce(x0.copy(), op="auto" if auto_here else "2bit", key="x", comm=dup,
+                           feedback=fb)
+    xs = [grads(dup.rank, N, seed=50 + j) for j in range(k)]
+    bufs = [x.copy() for x in xs]
+    reqs, outs = [], []
+    for j in range(k):
+        try:
+            reqs.append(mpigc.iallreduce(bufs[j], op="auto", key=f"b{j}", comm=dup,
+                                         feedback=fb, auto_pin=pin))
+            outs.append(None)
+        except mpigc.MpigcError as exc:  # an agreement step completes in its start
+            reqs.append(None)
+            outs.append(type(exc).__name__)
+    first = _outcome(bad.wait)
+    for j, r in enumerate(reqs):
+        if r is not None:
+            outs[j] = _outcome(r.wait)
+        if outs[j] == "ok":
+            led.went(f"b{j}", xs[j], bufs[j])
+    every = dup.allgather((first, outs))
+    assert_all(all(e == every[0] for e in every) and first == "MismatchError",
+               f"outcomes differ: {every}", dup)
+    m = _auto.model_of(dup)
+    every = dup.allgather(_model_state(m))
+    assert_all(all(e == every[0] for e in every), f"models differ: {every}", dup)
+    ran = []
+    for i in range(16):
+        x = grads(dup.rank, N, seed=100 + i)
+        y = x.copy()
+        got = _outcome(lambda: mpigc.allreduce(y, op="auto", key="w", comm=dup, feedback=fb))
+        every = dup.allgather(got)
+        assert_all(all(g == "ok" for g in every), f"call {i} after: {every}", dup)
+        led.went("w", x, y)
+        ran.append(tuple(_auto.last_decision()[:2]))
+    every = dup.allgather((ran, _model_state(m)))
+    assert_all(all(e == every[0] for e in every), f"decisions or models differ: {every}", dup)
+    worst = led.worst()
+    assert_all(worst < 1e-4 * dup.size, f"conservation off by {worst}", dup)
+
+
+def _script(seed, size, steps=40):
+    """A random sequence of calls, the same on every rank (``seed``): op="auto"
+    calls (blocking or not, pinned or not, on a few keys) and one-sided ones
+    (op="auto" on some ranks, another op or another pin on the rest), and
+    the waits of the calls in flight, in a random order."""
+    rng = np.random.default_rng(seed)
+    ops, flying = [], []
+    for i in range(steps):
+        what = rng.choice(["auto", "auto", "auto", "one-sided", "wait"])
+        if what == "wait" or len(flying) >= 6:
+            if flying:
+                ops.append(("wait", flying.pop(int(rng.integers(len(flying))))))
+            continue
+        blocking = bool(rng.random() < 0.3)
+        pin = [None, None, "none", "compressed"][int(rng.integers(4))]
+        key = f"k{int(rng.integers(3))}"
+        if what == "one-sided":
+            ranks = set(rng.choice(size, int(rng.integers(1, size)), replace=False).tolist())
+            other = ["2bit", "none", "pin"][int(rng.integers(3))]
+            ops.append(("one-sided", i, blocking, key, (ranks, other)))
+        else:
+            ops.append(("auto", i, blocking, key, pin))
+        if not blocking:
+            flying.append(i)
+    order = rng.permutation(len(flying)).tolist()
+    ops += [("wait", flying[j]) for j in order]
+    return ops
+
+
+@pytest.mark.mpi
+@pytest.mark.ranks(2, 3, 4)
+@pytest.mark.parametrize("seed", range(6))
+def test_random_mixes_of_auto_and_one_sided_calls_leave_the_models_alike(dup, fb, seed,
+                                                                           watchdog):
+    """Random sequences (:func:`_script`) of op="auto" calls, blocking and
+    nonblocking, pinned or not, and one-sided calls that fail with
+    MismatchError, with up to 6 calls in flight, waited in a random order:
+    every call's outcome is the same on every rank, nothing hangs (the
+    watchdog), the models are alike once no call is in flight, 16 more
+    op="auto" calls then work on every rank with the same decisions, and
+    error feedback is conserved over the calls that went through."""
+    ins, outs = {}, {}
+    reqs, got = {}, {}
+
+    def went(key, x, y):
+        ins.setdefault(key, np.zeros(N))
+        outs.setdefault(key, np.zeros(N))
+        ins[key] += x
+        outs[key] += y
+
+    busy = {}  # key -> the call in flight on it (a key is reused once it is waited)
+
+    def settle(i):
+        if i not in reqs:
+            return  # waited before its key was reused
+        r, key, x, y = reqs.pop(i)
+        if r is not None:
+            got[i] = _outcome(r.wait)
+        if got[i] == "ok":
+            went(key, x, y)
+        busy.pop(key, None)
+
+    for op in _script(seed, dup.size):
+        if op[0] == "wait":
+            settle(op[1])
+            continue
+        what, i, blocking, key, arg = op
+        if key in busy:
+            settle(busy[key])
+        x = grads(dup.rank, N, seed=1000 * seed + i)
+        y = x.copy()
+        kw = dict(op="auto", key=key, comm=dup, feedback=fb)
+        if what == "one-sided":
+            ranks, other = arg
+            if dup.rank not in ranks:
+                if other == "pin":
+                    kw["auto_pin"] = "compressed"
+                else:
+                    kw["op"] = other
+            else:
+                kw["auto_pin"] = "none"
+        else:
+            kw["auto_pin"] = arg
+        if blocking:
+            got[i] = _outcome(lambda: mpigc.allreduce(y, **kw))
+            if got[i] == "ok":
+                went(key, x, y)
+            continue
+        try:
+            reqs[i] = (mpigc.iallreduce(y, **kw), key, x, y)
+        except mpigc.MpigcError as exc:  # an agreement step completes in its start
+            reqs[i] = (None, key, x, y)
+            got[i] = type(exc).__name__
+        busy[key] = i
+    assert not reqs
+    outcome = sorted(got.items())
+    every = dup.allgather(outcome)
+    assert_all(all(e == every[0] for e in every), f"outcomes differ: {every}", dup)
+    m = _auto.model_of(dup)
+    every = dup.allgather(_model_state(m))
+    assert_all(all(e == every[0] for e in every), f"models differ: {every}", dup)
+    ran = []
+    for i in range(16):
+        x = grads(dup.rank, N, seed=100 + i)
+        y = x.copy()
+        res = _outcome(lambda: mpigc.allreduce(y, op="auto", key="w", comm=dup, feedback=fb))
+        every = dup.allgather(res)
+        assert_all(all(g == "ok" for g in every), f"call {i} after: {every}", dup)
+        went("w", x, y)
+        ran.append(tuple(_auto.last_decision()[:2]))
+    every = dup.allgather((ran, _model_state(m)))
+    assert_all(all(e == every[0] for e in every), f"decisions or models differ: {every}", dup)
+    worst = 0.0
+    for key in sorted(ins):
+        total_in = dup.allreduce(ins[key].astype(np.float64))
+        left = dup.allreduce(_residuals(fb, key, N, dup))
+        worst = max(worst, float(np.abs(outs[key] + left - total_in).max()))
+    assert_all(worst < 1e-4 * dup.size, f"conservation off by {worst}", dup)
+    failed = sum(g != "ok" for _, g in outcome)
+    assert_all(0 < failed < len(outcome), f"outcomes: {outcome}", dup)

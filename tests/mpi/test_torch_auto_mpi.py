@@ -4,8 +4,8 @@ hook with ``op="auto"``, per bucket the engine's decision (``none`` or
 ``op="none"``'s bit for bit, pinned to the compressor ``auto_op``'s; unpinned
 (the first calls alternate between the two) error feedback is conserved
 across the switches, the fold-back of parameters no rank used included; the
-residuals' state_dict works with auto buckets; the FSDP hooks still refuse
-it. Run as
+residuals' state_dict works with auto buckets (the FSDP hooks' op="auto":
+test_fsdp_mpi.py, test_fsdp_dcp_mpi.py). Run as
 
     mpirun -n K python -m pytest --with-mpi -q tests/mpi/test_torch_auto_mpi.py
 """
@@ -16,9 +16,8 @@ import numpy as np
 import pytest
 
 import mpigc
-from mpigc import _auto
 
-from conftest import assert_all, raises_everywhere
+from conftest import assert_all, fresh_comm, raises_everywhere
 
 torch = pytest.importorskip("torch")
 import mpigc.torch as mt  # noqa: E402
@@ -36,23 +35,11 @@ gloo = torch_dist.gloo  # its module-scoped fixture: torch.distributed over gloo
 WHO = ["sync", "hook"]
 
 
-def _fresh(comm):
-    c = comm.Dup()
-    yield c
-    _auto.model_of(c).settle()
-    c.Free()
-
-
-@pytest.fixture
-def dup(comm):
-    """A fresh communicator per test: a fresh op="auto" model."""
-    yield from _fresh(comm)
-
-
 @pytest.fixture
 def dup2(comm):
-    """Another one: calls on it leave ``dup``'s series of decisions alone."""
-    yield from _fresh(comm)
+    """Another fresh communicator beside ``dup`` (conftest's): calls on it
+    leave ``dup``'s series of decisions alone."""
+    yield from fresh_comm(comm)
 
 
 class Net(torch.nn.Module):
@@ -307,12 +294,3 @@ def test_auto_on_some_ranks_only_raises_on_every_rank(dup, gloo, who):
     kw = {"op": "auto"} if dup.rank == 0 else {"op": "2bit"}
     raises_everywhere(mpigc.MismatchError, lambda: Run(who, dup, **kw), dup,
                       match="different settings")
-
-
-@pytest.mark.mpi
-def test_fsdp_hooks_still_refuse_auto(dup, gloo):
-    """The FSDP hooks do not take op="auto" (docs/torch.md): ConfigError on
-    every rank."""
-    m = torch_dist.model()
-    raises_everywhere(mpigc.ConfigError, lambda: mt.register_fsdp_hooks(m, op="auto"),
-                      dup)

@@ -1,17 +1,17 @@
 #!/usr/bin/env bash
-# The whole mpigc test suite: the plain tests, with the MPI tests at 1 rank beside
-# them, then the MPI tests under mpirun with 2, 3 and 4 ranks (3 gives uneven
-# shards), then the emulated cluster. Every launch runs under `timeout`, so a hang
-# fails instead of stalling. Rank 0's output is shown; the other ranks' output goes
-# to $MPIGC_TEST_LOGS and is shown on failure.
+# The whole mpigc test suite: the plain tests, the MPI tests under mpirun with 1, 2, 3
+# and 4 ranks (3 gives uneven shards), then the emulated cluster. Every launch runs
+# under `timeout`, so a hang fails instead of stalling. Rank 0's output is shown; the
+# other ranks' output goes to $MPIGC_TEST_LOGS and is shown on failure.
 #
-# The plain tests run as a few pytest runs side by side ($MPIGC_TEST_LANES at a
-# time, default the cores this shell may use): the heaviest files one run each,
-# the heaviest first, then the rest of the plain suite in one run; the 1-rank MPI
-# tests are one more such run. Most plain tests keep one core busy (a simulator
-# run, the model checker, a job of two ranks that mostly wait), so one pytest
-# after another left the other core idle for much of the suite. Each run's output
-# is shown whole when it ends. MPIGC_TEST_LANES=1 runs them one after another.
+# Everything runs as pytest runs side by side, $MPIGC_TEST_LANES at a time (default
+# the cores this shell may use), the longest first: the heaviest plain files one run
+# each, the rest of the plain suite one run, and the MPI tests one run per rank count.
+# The MPI runs wait on each other's ranks much of the time (at 3 ranks 343 CPU s in 571
+# s wall, the schedule search 42 CPU s in 215 s), so after the plain runs, one at a
+# time, they left a core idle for most of their ~600 s; beside the plain runs they fill
+# it. Each run's output is shown whole when it ends. MPIGC_TEST_LANES=1 runs them one
+# after another.
 #
 #   bash tests/run.sh            # everything
 #   RANKS="2 3" bash tests/run.sh
@@ -42,19 +42,25 @@ export PYTHONUNBUFFERED=1
 export OMPI_MCA_mpi_yield_when_idle=1
 PYTEST=(python -m pytest -p no:cacheprovider -q --color=no)
 
-# the plain files that are a run of their own, the longest first. Seconds of each as
-# a run beside another in the last full CI (2026-11-29, quiet 2-core VM; the plain
-# lanes 794 s): test_gpu_path_sim 226, test_model_check 326 (one core: the model
-# checker, whose hand-overs cost 10% less CPU and 58% fewer context switches since),
-# test_cuda_sim 197, test_torch 94; then test_launch_abort 80, test_docs 55 and the
-# examples' jobs of 2 ranks with torch, about 12 CPU s a job: test_example_gpt_fsdp 63
-# (5 jobs), test_example_lm 60 (its 15 runs share 2 jobs), test_example_gpt_ddp 57 (4
-# jobs); the rest of the plain suite 317, one run, after the first four, and the 1-rank
-# MPI tests (about 89) after the first light file. Taken in this order by 2 lanes,
-# these runs end at 794 and 770 s, within 12 s of an even split (782); sorting all of
-# them longest first ends later (809), so the order stays. On 2 cores the plain tests
-# take about their CPU seconds over 2: only less CPU makes them shorter
-# (tests/README.md, where the time goes)
+# the runs, the longest first (with 2 lanes, the next run starts where one ends). Seconds
+# of each in the last full CI (2026-11-29, quiet 2-core VM, the plain runs two at a time
+# and the MPI runs after them, one at a time): the MPI tests at 3 ranks 257, 2 ranks 172
+# and 4 ranks 171; of the plain runs (the lanes 794 s before the cuts of 2026-11-29,
+# ~540 since) test_gpu_path_sim 226, test_model_check 326 before its cuts (~120 CPU s
+# since: one core, the model checker), test_cuda_sim 197, the rest of the plain suite
+# 317, test_torch 94, the MPI tests at 1 rank 89, test_launch_abort 80, test_docs 55,
+# and the examples' jobs of 2 ranks with torch, about 12 CPU s a job:
+# test_example_gpt_fsdp 63 (5 jobs), test_example_lm 60 (its 15 runs share 2 jobs),
+# test_example_gpt_ddp 57 (4 jobs). On 2 cores the plain tests take about their CPU
+# seconds over 2; the MPI runs wait much of their time (tests/README.md, where the time
+# goes)
+# test_kernels first, in a lane of its own: it compiles every CPU kernel signature
+# (166) into the kernel cache, which starts empty in a fresh clone (a folder per
+# source path: mpigc/_jitcache.py), so that the runs after it load them instead: alone
+# it took 146 CPU s with the cache empty, 17.5 with it full (load 25-40). The MPI runs
+# start after it: each rank of a job compiles what the cache lacks, the same
+# signatures at once
+WARM=tests/test_kernels.py
 HEAVY=(tests/test_gpu_path_sim.py tests/test_model_check.py tests/test_cuda_sim.py
        tests/test_torch.py)
 LIGHT=(tests/test_launch_abort.py tests/test_docs.py tests/test_example_gpt_fsdp.py
@@ -106,7 +112,7 @@ mpi_failed() {  # what to say when the MPI tests at $1 ranks exited with $2
     done
 }
 
-# -- the plain tests (and the MPI tests at 1 rank), side by side -----------------------
+# -- every pytest run, side by side ---------------------------------------------------
 names=(); cmds=(); rest=(--ignore=tests/mpi)
 own() {  # each file of "$@" that exists: a run of its own, left out of the rest
     for f in "$@"; do
@@ -114,11 +120,17 @@ own() {  # each file of "$@" that exists: a run of its own, left out of the rest
         names+=("$f"); cmds+=("plain $f"); rest+=("--ignore=$f")
     done
 }
-own "${HEAVY[@]}"
+mpi_run() {  # the MPI tests at $1 ranks, when RANKS has $1
+    [[ " $RANKS " == *" $1 "* ]] || return 0
+    names+=("MPI tests, $1 rank(s)"); cmds+=("mpi $1")
+}
+own "$WARM"; own "${HEAVY[0]}"; mpi_run 3
 names+=("the other plain tests"); cmds+=("rest")
-own "${LIGHT[0]}"
-if [[ " $RANKS " == *" 1 "* ]]; then names+=("MPI tests, 1 rank"); cmds+=("mpi 1"); fi
-own "${LIGHT[@]:1}"
+mpi_run 2; mpi_run 4; own "${HEAVY[@]:1:2}"
+own "${HEAVY[3]}"; mpi_run 1; own "${LIGHT[@]}"
+for k in $RANKS; do  # other counts, after the rest
+    case " 1 2 3 4 " in *" $k "*) ;; *) mpi_run "$k" ;; esac
+done
 
 run_item() {  # item $1: its command in $LOGS/item$1.log, its exit status and seconds in .rc
     local i=$1 t0=$SECONDS rc
@@ -137,36 +149,26 @@ run_item() {  # item $1: its command in $LOGS/item$1.log, its exit status and se
     } 9>"$LOGS/print.lock"
 }
 
-with=""; [[ " $RANKS " == *" 1 "* ]] && with=", and the MPI tests at 1 rank"
-echo "== plain tests$with: ${#names[@]} pytest runs, $LANES at a time"
+echo "== the plain tests and the MPI tests at ${RANKS// /, } rank(s): ${#names[@]} pytest runs, $LANES at a time"
 t0=$SECONDS
 for i in "${!names[@]}"; do
     while [ "$(jobs -rp | wc -l)" -ge "$LANES" ]; do wait -n; done
     run_item "$i" &
 done
 wait
-echo "== plain tests done in $((SECONDS - t0)) s"
+echo "== the pytest runs done in $((SECONDS - t0)) s"
 : >"$LOGS/plain.log"
 for i in "${!names[@]}"; do
     read -r rc secs <"$LOGS/item$i.rc" 2>/dev/null || rc=1
+    echo "   ${names[$i]}: exit $rc, ${secs:-?} s"
     tally "$LOGS/item$i.log" "$rc"
     if [[ ${cmds[$i]} == mpi* ]]; then
-        cp "$LOGS/item$i.log" "$LOGS/mpi1.log"
-        [ "$rc" -eq 0 ] || { status=1; mpi_failed 1 "$rc"; }
+        k=${cmds[$i]#mpi }
+        cp "$LOGS/item$i.log" "$LOGS/mpi$k.log"
+        [ "$rc" -eq 0 ] || { status=1; mpi_failed "$k" "$rc"; }
     else
         cat "$LOGS/item$i.log" >>"$LOGS/plain.log"
         [ "$rc" -eq 0 ] || { echo "plain tests, ${names[$i]}: exit $rc"; status=1; }
-    fi
-done
-
-for k in $RANKS; do
-    [ "$k" = 1 ] && continue  # beside the plain tests, above
-    echo "== MPI tests, $k rank(s)"
-    mpi_tests "$k" 2>&1 | tee "$LOGS/mpi$k.log"
-    rc=${PIPESTATUS[0]}; tally "$LOGS/mpi$k.log" "$rc"
-    if [ "$rc" -ne 0 ]; then
-        status=1
-        mpi_failed "$k" "$rc"
     fi
 done
 

@@ -640,8 +640,8 @@ def _script(seed, size, steps=40):
                 ops.append(("wait", flying.pop(int(rng.integers(len(flying))))))
             continue
         blocking = bool(rng.random() < 0.3)
-        pin = [None, None, "none", "compressed"][int(rng.integers(4))]
-        key = f"k{int(rng.integers(3))}"
+        pin = [None, "none", "none", "compressed"][int(rng.integers(4))]
+        key = f"k{int(rng.integers(4))}"
         if what == "one-sided":
             ranks = set(rng.choice(size, int(rng.integers(1, size)), replace=False).tolist())
             other = ["2bit", "none", "pin"][int(rng.integers(3))]
@@ -657,7 +657,7 @@ def _script(seed, size, steps=40):
 
 @pytest.mark.mpi
 @pytest.mark.ranks(2, 3, 4)
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(16))
 def test_random_mixes_of_auto_and_one_sided_calls_leave_the_models_alike(dup, fb, seed,
                                                                            watchdog):
     """Random sequences (:func:`_script`) of op="auto" calls, blocking and
@@ -666,7 +666,9 @@ def test_random_mixes_of_auto_and_one_sided_calls_leave_the_models_alike(dup, fb
     every call's outcome is the same on every rank, nothing hangs (the
     watchdog), the models are alike once no call is in flight, 16 more
     op="auto" calls then work on every rank with the same decisions, and
-    error feedback is conserved over the calls that went through."""
+    error feedback is conserved over the calls that went through. With the
+    index out of the mark (before), seeds 7 (2 ranks), 11 (3 ranks) and 8
+    (4 ranks) among others fail: models differ."""
     ins, outs = {}, {}
     reqs, got = {}, {}
 

@@ -57,6 +57,7 @@ def timed(fns, n, warmup=5):
 
 
 mins = {}  # the minima over the slowest rank, as timed() leaves them
+load = [os.getloadavg()[0]]  # the 1-minute load at the start and at the end
 
 
 small = [place(np.zeros(1024, np.float32)) for _ in range(64)]
@@ -93,9 +94,10 @@ t.update(timed([("group 2bit 64x64K", lambda: mpigc.allreduce(big, op="2bit", ke
                                                 key=[k + "o" for k in keys]))]
                   if old_mpigc is not None else []),
                max(ITERS // 20, 5)))
+load.append(os.getloadavg()[0])
 if comm.rank == 0:
     print(f"{comm.size} ranks{', device arrays' if DEVICE else ''}, medians (us) over the"
-          " slowest rank")
+          f" slowest rank; load {load[0]:.1f} -> {load[1]:.1f}")
     for k, v in t.items():
         print(f"  {k:20s} {v:10.1f}")
     print(f"group none 64x4K / comm.Allreduce 256K: {t['group none 64x4K'] / t['mpi 256K']:.2f}x"

@@ -109,6 +109,26 @@ class Entry:
                 "(load_state_dict(state_dict()) places them on the next call's GPU)")
         self.place(device, gpu)
 
+    def add_to_worker(self, lo, hi, add):
+        """:meth:`ErrorFeedback.add_to_worker <mpigc.feedback.ErrorFeedback.add_to_worker>`:
+        ``add(view)`` of ``[lo, hi)`` of the worker residual (a fused
+        member's own again first), with its GPU current; False if it has none."""
+        with on_gpu(self.gpu):
+            w = self.worker
+            if w is None:
+                return False
+            add(w[lo:hi])
+        return True
+
+    def ensure_worker(self):
+        """:meth:`ErrorFeedback.ensure_worker <mpigc.feedback.ErrorFeedback.ensure_worker>`:
+        zeros of its size and dtype, on its side (its GPU current), as the
+        worker residual if it has none. Returns True."""
+        with on_gpu(self.gpu):
+            if self.worker is None:
+                self.worker = zeros(self.n, self.dtype, bool(self.on_device))
+        return True
+
     def host_copy(self):
         """An entry with host copies of the residuals (the same one if they
         are on the host already), copied on the entry's GPU."""
@@ -284,6 +304,15 @@ def empty(n, dtype, device):
         from . import _cuda
         return _cuda.empty(n, dtype)
     return np.empty(n, dtype)
+
+
+def zeros(n, dtype, device):
+    """``n`` zeros of ``dtype``, in device memory if ``device`` (of the GPU
+    current now)."""
+    if device:
+        from . import _cuda
+        return _cuda.zeros(n, dtype)
+    return np.zeros(n, dtype)
 
 
 

@@ -50,11 +50,19 @@ class Saved(NamedTuple):
     entry: object
     copied: bool
 
-    def copied_into(self, e):
-        """Copies of the recorded residuals ``(worker, owner)``, written into
-        entry ``e``'s arrays where they fit, made on ``e``'s GPU."""
-        with on_gpu(e.gpu):
-            return copy_of(self.worker, e.worker), copy_of(self.owner, e.owner)
+    def put_back(self):
+        """Its entry with what it recorded put back (for
+        :meth:`ErrorFeedback.put_back`, under the store's lock): the arrays
+        themselves, or copies written into the entry's arrays where they fit,
+        made on its GPU; the call count and config."""
+        e = self.entry
+        if not self.copied:
+            e.worker, e.owner = self.worker, self.owner
+        else:
+            with on_gpu(e.gpu):
+                e.worker, e.owner = copy_of(self.worker, e.worker), copy_of(self.owner, e.owner)
+        e.calls, e.config = self.calls, self.config
+        return e
 
 
 class Txn:
@@ -91,8 +99,7 @@ class Txn:
 
     def _release(self):
         self.held = False
-        for k in self.keys:
-            self.fb.release(k)
+        self.fb.release(*self.keys)
 
     def settle(self):
         """The caller saw the call done: release the keys :meth:`end` deferred."""
@@ -288,17 +295,9 @@ class GroupTransaction(Transaction):
 
     def __init__(self, fb, keys, sizes, place, owner_place, shard_n, dtype, world_size,
                  rank, device, device_id=None):
-        entries = []
-        try:
-            for k, m in zip(keys, sizes):
-                e, device_id = fb.acquire(k, m, dtype, world_size, rank, device, device_id)
-                entries.append(e)
-        except BaseException:
-            for k in keys[:len(entries)]:
-                fb.release(k)
-            raise
+        entries, self.gpu, fused = fb.acquire_group(keys, sizes, dtype, world_size, rank,
+                                                    device, device_id, place, owner_place)
         Txn.__init__(self, fb)
-        self.gpu = device_id
         self.keys, self.sizes, self.entries = list(keys), sizes, entries
         self.key = None  # its keys are self.keys
         self.place, self.owner_place = place, owner_place
@@ -308,13 +307,12 @@ class GroupTransaction(Transaction):
         self.keep_replaced = False
         self.held, self.committed = True, False
         self.entry = None
-        fused = self.fused = fb.fused_of(keys)
-        if fused is not None and fused.serves(entries, place, owner_place):
+        self.fused = fused
+        if fused is not None:
             f = self.entry = Entry(n, dtype, world_size, rank, None, bool(device), self.gpu)
-            f.calls = max(e.calls for e in entries)
+            f.calls = entries[0].calls  # the members' (Fused.adopt), as long as fused
             f.worker, f.owner = fused.worker, fused.owner  # resident: no copies
             return
-        self.fused = None
         for e in entries:  # members' own arrays again, on the call's GPU (no ask)
             if e is not None and e.fused is not None:
                 e.fused.evict(self.gpu)
@@ -362,9 +360,13 @@ class GroupTransaction(Transaction):
         as its worker residual (the members get theirs at :meth:`end`).
         Returns the fused entry."""
         n, dtype, size, rank, device = self._shape
-        for i, (k, m) in enumerate(zip(self.keys, self.sizes)):
-            self.entries[i] = self.fb.commit(k, self.entries[i], m, dtype, size, rank, config,
-                                             device, self.gpu)
+        entries = self.entries
+        for i, e in enumerate(entries):
+            if e is None:  # a first call: the store makes its entry
+                entries[i] = self.fb.commit(self.keys[i], None, self.sizes[i], dtype, size,
+                                            rank, config, device, self.gpu)
+            else:  # a key this transaction holds: no other reader
+                e.config = config
         f = self.entry
         if f is None:
             f = self.entry = Entry(n, dtype, size, rank, config, device, self.gpu)

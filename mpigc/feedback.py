@@ -58,6 +58,28 @@ def shard_bounds(n, size):
     return bounds
 
 
+def _refuse(busy, tail):
+    """StateError if any key of ``busy`` is used by a pending call."""
+    if busy:
+        raise StateError(f"key(s) {sorted(busy)} in use by a pending collective; wait "
+                         + tail)
+
+
+def _refuse_in_use(key, busy):
+    if key in busy:
+        raise StateError(f"key {key!r} is already used by a pending collective; "
+                         "wait for it, or use distinct keys")
+
+
+def _call_gpu(device, device_id):
+    """The id of a call's GPU: ``device_id``, or for a device call without
+    one the GPU current now (asked once); None for a host call."""
+    if device and device_id is None:
+        from . import _cuda
+        device_id = _cuda.current_device_id()
+    return device_id if device else None
+
+
 def _entry_state(e):
     """One entry as :meth:`ErrorFeedback.state_dict` gives it (host copies,
     made on the entry's GPU)."""
@@ -132,10 +154,7 @@ class ErrorFeedback:
         """
         out = {}
         with self._lock:
-            busy = sorted(self._busy - self._first)
-            if busy:
-                raise StateError(f"key(s) {busy} in use by a pending collective; wait "
-                                 "for it before taking the state")
+            _refuse(self._busy - self._first, "for it before taking the state")
             for key, e in self._entries.items():
                 if key not in self._first:
                     out[key] = _entry_state(e)
@@ -170,28 +189,18 @@ class ErrorFeedback:
             else:
                 self._entries.pop(str(key), None)
 
-    # -- residual transaction API (mpigc's own modules, not the user's) -------
-    # mpigc's modules reach the residuals through these methods only; the
-    # store's bookkeeping stays private. What a method does "under the lock"
-    # it does in one hold of the store's lock (never across an MPI call).
+    # -- residual transaction API (mpigc's own modules only; "under the lock":
+    # in one hold of the store's lock, never across an MPI call) --------------
 
     def acquire(self, key, n, dtype, world_size, rank, device=False, device_id=None):
-        """For mpigc's own modules: mark ``key`` busy for a call and return
-        ``(entry, gpu)``: its entry (or None if the key is new, which is then
-        a pending first call: :meth:`state_dict` leaves it out) and the id of
-        the call's GPU (None for a host call). Raises StateError, changing
-        nothing, if it is in use already or does not fit the call (size,
-        layout, or side: ``device``, the call's buffer is a device array on
-        GPU ``device_id``, the call's backend's; None: the GPU current now,
-        asked once). Under the lock: checks, placing and marking are one step."""
-        if device and device_id is None:
-            from . import _cuda
-            device_id = _cuda.current_device_id()
-        gpu = device_id if device else None
+        """For mpigc's own modules: mark ``key`` busy for a call; returns its
+        entry (None: a new key, then a pending first call, which
+        :meth:`state_dict` leaves out) and the call's GPU (:func:`_call_gpu`).
+        StateError, nothing changed, if it is in use or does not fit the call
+        (size, layout, side, GPU). Under the lock: checks, placing, marking."""
+        gpu = _call_gpu(device, device_id)
         with self._lock:
-            if key in self._busy:
-                raise StateError(f"key {key!r} is already used by a pending collective; "
-                                 "wait for it, or use distinct keys")
+            _refuse_in_use(key, self._busy)
             e = self._entries.get(key)
             if e is None:
                 self._first.add(key)
@@ -200,20 +209,47 @@ class ErrorFeedback:
             self._busy.add(key)
             return e, gpu
 
-    def release(self, key):
-        """For mpigc's own modules: ``key`` (marked by :meth:`acquire`) is no
-        longer in use, nor a pending first call. Under the lock; never
-        raises (releasing a key not in use does nothing)."""
+    def acquire_group(self, keys, sizes, dtype, world_size, rank, device, device_id, place,
+                      owner_place):
+        """For :class:`GroupTransaction`: :meth:`acquire` of each of ``keys`` (of
+        ``sizes``) in one hold of the lock: ``(entries, gpu, fused)``, ``fused``
+        their fused residuals if they serve the call (fit where the first fits)."""
+        gpu, keys, held = _call_gpu(device, device_id), tuple(keys), 0
         with self._lock:
-            self._busy.discard(key)
-            self._first.discard(key)
+            entries = [self._entries.get(k) for k in keys]
+            fused = self._fused.get(keys)
+            if fused is not None and fused.serves(entries, place, owner_place) \
+                    and self._busy.isdisjoint(keys):  # no key is new, none in use
+                entries[0].fit(keys[0], sizes[0], dtype, world_size, rank, device, gpu)
+                self._busy.update(keys)
+                return entries, gpu, fused
+            try:  # one by one: StateError, nothing held, as the first acquire() failing
+                for k, m, e in zip(keys, sizes, entries):
+                    _refuse_in_use(k, self._busy)
+                    if e is None:
+                        self._first.add(k)
+                    else:
+                        e.fit(k, m, dtype, world_size, rank, device, gpu)
+                    self._busy.add(k)
+                    held += 1
+            except BaseException:
+                self._busy.difference_update(keys[:held])
+                self._first.difference_update(keys[:held])
+                raise
+            return entries, gpu, None
+
+    def release(self, *keys):
+        """For mpigc's own modules: ``keys`` (marked by :meth:`acquire`) are no
+        longer in use, nor pending first calls. Under the lock; never raises."""
+        with self._lock:
+            self._busy.difference_update(keys)
+            self._first.difference_update(keys)
 
     def commit(self, key, entry, n, dtype, world_size, rank, config, device=False,
                gpu=None):
-        """For mpigc's own modules: the call on ``key`` (held) goes ahead: a
-        new entry for ``key`` if ``entry`` is None (a first call; on the
-        device if ``device``, GPU ``gpu``), given ``config``; returns the
-        entry. Under the lock (the key stays held)."""
+        """For mpigc's own modules: the call on ``key`` (held) goes ahead: a new
+        entry if ``entry`` is None (a first call; on GPU ``gpu`` if ``device``),
+        given ``config``; returns it. Under the lock (the key stays held)."""
         with self._lock:
             if entry is None:
                 entry = Entry(n, dtype, world_size, rank, config, bool(device), gpu)
@@ -223,16 +259,11 @@ class ErrorFeedback:
 
     def hold_entries(self):
         """For :meth:`Txn.hold_all`: mark every key busy and return
-        ``{key: entry}`` (the live entries, except host copies of residuals
-        kept on a GPU). Raises StateError if a key (or a hierarchical call's
-        name) is in use; then nothing is marked, as when a copy fails (no
-        device memory): the copies are made before the keys are marked. Under
-        the lock."""
+        ``{key: entry}`` (host copies of residuals kept on a GPU). StateError,
+        nothing marked, if a key (or a hierarchical call's name) is in use;
+        nothing either where a copy fails: they are made first. Under the lock."""
         with self._lock:
-            busy = sorted(self._busy)
-            if busy:
-                raise StateError(f"key(s) {busy} in use by a pending collective; wait "
-                                 "for them before saving")
+            _refuse(self._busy, "for them before saving")
             held = {k: e.host_copy() for k, e in self._entries.items()}
             self._busy.update(held)
             return held
@@ -244,10 +275,7 @@ class ErrorFeedback:
         :meth:`Txn.install`). StateError, nothing changed, if a key is in
         use. Returns ``(entries, skipped_steps)`` replaced and the keys marked."""
         with self._lock:
-            busy = sorted(self._busy)
-            if busy:
-                raise StateError(f"key(s) {busy} in use by a pending collective; wait "
-                                 "for them before loading")
+            _refuse(self._busy, "for them before loading")
             old = (self._entries, self.skipped_steps)
             self._entries = dict(entries)
             self._fused.clear()
@@ -258,21 +286,28 @@ class ErrorFeedback:
             return old, keys
 
     def count_skipped_step(self):
-        """For mpigc's own modules: one more call was skipped on every rank
-        because of non-finite values (``skipped_steps``). Under the lock."""
+        """For mpigc's own modules: one more call skipped on every rank for
+        non-finite values (``skipped_steps``). Under the lock."""
         with self._lock:
             self.skipped_steps += 1
 
     def add_to_worker(self, key, lo, hi, add):
-        """For mpigc's own modules (mpigc.torch's fold-back): add to the
-        worker residual of ``key`` in ``[lo, hi)``: ``add(view)`` adds in
-        place to that range (a view on its side). Returns False, doing
-        nothing, if the key has no worker residual. Only while no call uses it."""
+        """For mpigc's own modules (mpigc.torch's fold-back): ``add(view)``
+        adds in place to ``key``'s worker residual in ``[lo, hi)`` (a view on
+        its side, called with a device residual's GPU current). Returns False,
+        doing nothing, if the key has no worker residual. Only while no call uses it."""
         e = self._entries.get(key)
-        if e is None or e.worker is None or hi <= lo:
-            return False
-        add(e.worker[lo:hi])
-        return True
+        return e is not None and hi > lo and e.add_to_worker(lo, hi, add)
+
+    def ensure_worker(self, key):
+        """For mpigc's own modules (mpigc.torch's fold-back after a plain sum
+        of ``op="auto"`` cleared the residuals, :func:`plain_done`): zeros on
+        the entry's side as ``key``'s worker residual if it has none. Returns
+        whether it has one now (False: no entry). Under the lock; only while
+        no call uses it."""
+        with self._lock:
+            e = self._entries.get(key)
+            return e is not None and e.ensure_worker()
 
     def update_entries(self, entries):
         """For mpigc's own modules: ``{key: entry}`` (not copied) in place of
@@ -286,8 +321,7 @@ class ErrorFeedback:
         return self._entries.get(key)
 
     def entries(self):
-        """For mpigc's own modules: a new dict of the live entries (pending
-        first calls included), taken under the lock."""
+        """For mpigc's own modules: a new dict of the live entries (pending first calls too)."""
         with self._lock:
             return dict(self._entries)
 
@@ -305,10 +339,6 @@ class ErrorFeedback:
         :class:`GroupTransaction` holding every key of ``keys`` (or StateError)."""
         return GroupTransaction(self, keys, sizes, place, owner_place, shard_n, dtype,
                                 world_size, rank, device, device_id)
-
-    def fused_of(self, keys):
-        """The fused residuals of a grouped call on ``keys``, or None."""
-        return self._fused.get(tuple(keys))
 
     def keep_fused(self, keys, fused):
         """``fused`` holds the residuals of a grouped call's ``keys`` now."""
@@ -338,24 +368,16 @@ class ErrorFeedback:
         :meth:`reset` does: the call's residuals are not overwritten under it."""
         with self._lock:
             busy = self._busy.difference(held)
-            clash = sorted(busy if whole is not None else busy.intersection(saved))
-            if clash:
-                raise StateError(f"key(s) {clash} in use by a pending collective; wait "
-                                 "for it before putting their residuals back")
+            _refuse(busy if whole is not None else busy.intersection(saved),
+                    "for it before putting their residuals back")
             if whole is not None:
                 self._entries, self.skipped_steps = dict(whole[0]), whole[1]
                 self._fused.clear()
             for key, s in saved.items():
                 if s is None:
                     self._entries.pop(key, None)
-                    continue
-                e = s.entry
-                if not s.copied:
-                    e.worker, e.owner = s.worker, s.owner
-                else:  # into the entry's arrays where they fit, on its GPU
-                    e.worker, e.owner = s.copied_into(e)
-                e.calls, e.config = s.calls, s.config
-                self._entries[key] = e
+                else:
+                    self._entries[key] = s.put_back()
 
     def hold_name(self, prefix, make_name):
         """For mpigc's own modules (hierarchical calls): mark a name busy, so

@@ -15,7 +15,10 @@ import mpigc
 from mpigc import feedback
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "mpigc")
-FIELDS = {"worker", "owner", "calls", "skipped_steps", "on_device", "config"}
+FIELDS = {"worker", "owner", "calls", "skipped_steps", "on_device", "config", "_worker",
+          "_owner", "fused"}
+# the residual arrays: ``x.worker[lo:hi] = ...`` writes an entry's residual too
+ARRAYS = {"worker", "owner", "_worker", "_owner"}
 # writes still to move onto the API: (file, field); none left
 PENDING = set()
 # not an entry: a Numba memory object's owner (mpigc/_cuda.py)
@@ -41,6 +44,11 @@ def _writes(path):
                         and isinstance(sub.ctx, ast.Store)
                         and not (isinstance(sub.value, ast.Name) and sub.value.id == "self")):
                     out.append((sub.lineno, sub.attr))
+                if (isinstance(sub, ast.Subscript) and isinstance(sub.ctx, ast.Store)
+                        and isinstance(sub.value, ast.Attribute) and sub.value.attr in ARRAYS
+                        and not (isinstance(sub.value.value, ast.Name)
+                                 and sub.value.value.id == "self")):
+                    out.append((sub.lineno, sub.value.attr + "[]"))
         if isinstance(node, (ast.Name, ast.Attribute, ast.alias)):
             name = getattr(node, "id", None) or getattr(node, "attr", None) or node.name
             if name in ("_Entry", "Entry"):
@@ -60,6 +68,35 @@ def test_no_module_but_feedback_writes_an_entry():
     assert not bad, "written outside the store's modules: " + ", ".join(bad)
 
 
+def _rebuilds(path):
+    """``(line, function)`` of every function that makes an entry
+    (``new_entry``) and reads a live one of a store (``.entry(...)``,
+    ``.entries()``): an entry rebuilt from a live one's fields is a write of
+    them by another name (``worker_for_fold_back`` in mpigc/torch/_common.py
+    gave a plain-summed key a worker residual so). ``new_entry`` is for
+    entries made from records (states, checkpoints)."""
+    out = []
+    for fn in ast.walk(ast.parse(open(path).read())):
+        if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        called = {getattr(c.func, "attr", None) or getattr(c.func, "id", None)
+                  for c in ast.walk(fn) if isinstance(c, ast.Call)}
+        if "new_entry" in called and called & {"entry", "entries"}:
+            out.append((fn.lineno, fn.name))
+    return out
+
+
+def test_no_module_but_feedback_rebuilds_a_live_entry():
+    bad = []
+    for d, _, files in os.walk(ROOT):
+        for f in files:
+            if not f.endswith(".py") or f in STORE and os.path.samefile(d, ROOT):
+                continue
+            bad += [f"{os.path.relpath(os.path.join(d, f), ROOT)}:{line} {name}()"
+                    for line, name in _rebuilds(os.path.join(d, f))]
+    assert not bad, "a live entry rebuilt outside the store's modules: " + ", ".join(bad)
+
+
 def test_the_api_writes_what_callers_wrote():
     fb = mpigc.ErrorFeedback()
     w = np.arange(6, dtype=np.float32)
@@ -74,6 +111,16 @@ def test_the_api_writes_what_callers_wrote():
     assert fb.add_to_worker("k", 2, 4, add)
     assert fb.state_dict()["k"]["worker"].tolist() == [0, 1, 3, 4, 4, 5]
     assert not fb.add_to_worker("k", 4, 4, add) and not fb.add_to_worker("x", 0, 1, add)
+    # op="auto"'s plain sum cleared the residuals: the fold-back ensures a worker
+    e, _ = fb.acquire("k", 6, np.float32, 1, 0)
+    feedback.plain_done(fb, "k", e, True)
+    assert fb.state_dict()["k"]["worker"] is None and not fb.add_to_worker("k", 0, 1, add)
+    assert fb.ensure_worker("k") and not fb.ensure_worker("x") and "x" not in fb
+    s = fb.state_dict()["k"]
+    assert s["worker"].tolist() == [0] * 6 and s["worker"].dtype == np.float32
+    assert s["calls"] == 3 and s["config"] == {"type": "2bit"}
+    assert fb.add_to_worker("k", 1, 2, add) and fb.ensure_worker("k")  # kept, not zeroed
+    assert fb.state_dict()["k"]["worker"].tolist() == [0, 1, 0, 0, 0, 0]
     fb.replace_entries({})
     assert fb.skipped_steps == 5 and len(fb) == 0
 
@@ -114,6 +161,42 @@ def test_a_fused_member_is_its_own_once_read(field):
     assert again.entry.worker.tolist() == [1, 2, 3]  # gathered anew
     again.end()
     assert p.worker.tolist() == [1, 2]  # a call that did not commit changed nothing
+
+
+def test_a_group_takes_its_keys_at_once_and_refuses_as_one_by_one():
+    """A grouped call takes its members' keys in one hold of the store's
+    lock (ErrorFeedback.acquire_group) and, where their fused residuals
+    serve it, checks their fit on the first member only; a key in use or a
+    call that does not fit raises what the first failing member's acquire()
+    raises, and holds no key."""
+    fb = mpigc.ErrorFeedback()
+    place = ([(0, 0, 2, 0), (1, 0, 1, 2)], (0, 2), 1)
+
+    def group(world=1, where=place):
+        return fb.begin_group(["p", "q"], [2, 1], where, None, 3, np.float32, world, 0)
+    g = group()
+    assert g.fused is None and g.entry is None  # first call: new keys
+    g.take_scratch()[:] = [1, 2, 3]
+    g.commit({"type": "2bit"})
+    g.count_call()
+    g.end()
+    g = group()
+    assert g.fused is not None and g.entry.worker.tolist() == [1, 2, 3]  # resident
+    assert g.calls() == 1
+    with pytest.raises(mpigc.StateError, match="key 'p' is already used"):
+        group()
+    g.end()
+    fb.acquire("q", 1, np.float32, 1, 0)  # held, its residuals still fused
+    with pytest.raises(mpigc.StateError, match="key 'q' is already used"):
+        group()
+    fb.release("q")
+    with pytest.raises(mpigc.StateError, match=r"key 'p' holds residuals of 2 values"):
+        group(world=2)
+    assert sorted(fb.state_dict()) == ["p", "q"]  # no key held, not even 'p'
+    other = ([(1, 0, 1, 0), (0, 0, 2, 1)], (1, 0), 1)  # another placement: gathered
+    g = group(where=other)
+    assert g.fused is None and g.entry.worker.tolist() == [3, 1, 2]
+    g.end()
 
 
 def _one(fb, key, values, calls=2):

@@ -246,6 +246,17 @@ fb.begin("a", 3, np.float32, 1, 0, device=True, device_id=1).end()
 _cuda.current_device_id = ask
 assert not asked, "a call's eviction asked for the current GPU"
 assert fb.entry("a").fused is None and fb.entry("a").worker.copy_to_host().tolist() == [5] * 3
+# the torch layer's fold-back: its add to a device worker range runs on the
+# key's GPU, as do the zeros the store puts in place after op="auto"'s plain
+# sum cleared the residuals (ensure_worker)
+on(1, "add_to_worker", lambda: fb.add_to_worker(
+    "a", 0, 2, lambda v: _cuda.copy(v, np.full(2, 7, np.float32))))
+assert fb.entry("a").worker.copy_to_host().tolist() == [7, 7, 5]
+from mpigc.feedback import plain_done
+now[0] = 1
+plain_done(fb, "a", fb.acquire("a", 3, np.float32, 1, 0, True, 1)[0], True)
+assert on(1, "ensure_worker", lambda: fb.ensure_worker("a"))
+assert fb.entry("a").worker.copy_to_host().tolist() == [0] * 3
 # a loaded state's foreign device arrays (a CUDA torch tensor on GPU 1):
 # copied to the host with their GPU current
 import os, sys

@@ -20,7 +20,7 @@ from .._settings import GATHER_MODES, NONFINITE_POLICIES, min_compress_bytes
 from .._errors import (ConfigError, DTypeError, InvalidBufferError, MismatchError,
                        MpigcError, StateError)
 from ..compressors import get_compressor
-from ..feedback import ErrorFeedback, new_entry
+from ..feedback import ErrorFeedback
 
 
 
@@ -267,23 +267,17 @@ def check_auto_flat(hierarchy, on_device, what):
         raise ConfigError(f"{what}: op='auto' reduces host buffers only: " + on_device)
 
 
-def worker_for_fold_back(feedback, key, buf, spans, n, comm):
+def fold_back_needs_worker(feedback, key, buf, spans):
     """Before :meth:`Residuals.fold_back` of a call that ran as ``"none"``
     (``op="auto"``): the plain sum delivered its key's residuals and cleared
     them (``worker`` None), so what the ``spans`` (``[(offset, numel)]``)
     of ``buf`` delivered would have no worker residual to go back into and
-    be lost. A zero worker residual is put in place (through the store's
-    API) when any of those values is not zero; nothing otherwise (a key
-    without an entry had no residuals: every rank summed zeros there).
-    Only while no call uses ``key``."""
-    e = feedback.entry(key)
-    if e is None or e.worker is not None:
-        return
-    if not any(bool(torch.any(buf[off:off + m] != 0)) for off, m in spans):
-        return
-    dtype = NP_OF_TORCH[buf.dtype]
-    feedback.update_entries({key: new_entry(n, dtype, comm.size, comm.rank, dict(e.config),
-                                            e.calls, worker=np.zeros(n, dtype))})
+    be lost. The store puts a zero worker residual in place
+    (:meth:`ErrorFeedback.ensure_worker`) when any of those values is not
+    zero; nothing otherwise (a key without an entry had no residuals: every
+    rank summed zeros there). Only while no call uses ``key``."""
+    if any(bool(torch.any(buf[off:off + m] != 0)) for off, m in spans):
+        feedback.ensure_worker(key)
 
 
 class ThresholdWatch(_threshold.ThresholdWatch):

@@ -14,8 +14,8 @@ from .._errors import MismatchError, MpigcError, StateError
 from ..allreduce import iallreduce
 
 from ._common import (HOOK_STALE, HOOK_STEP, engine_after_torch, engine_array, first_is_nan,
-                      profiled, settled, simulating, torch_after_engine, wait_request,
-                      warn_if_uncompressed, worker_for_fold_back)
+                      fold_back_needs_worker, profiled, settled, simulating,
+                      torch_after_engine, wait_request, warn_if_uncompressed)
 
 
 def _raise_after_backward(error):
@@ -317,6 +317,5 @@ class HookSteps:
         if spans:
             if decision is not None and decision.op == "none":
                 # op="auto" ran it plain: its residuals went into the sum
-                worker_for_fold_back(self.feedback, layout.key, buf, spans, layout.n,
-                                     self._comm)
+                fold_back_needs_worker(self.feedback, layout.key, buf, spans)
             self._residuals.fold_back(layout, buf, spans, self.average, self.size)

@@ -13,8 +13,8 @@ from mpi4py import MPI
 from .._errors import StateError
 from ..allreduce import iallreduce
 
-from ._common import (JOIN, STEP, engine_after_torch, first_is_nan, profiled, torch_after_engine,
-                      wait_request, worker_for_fold_back)
+from ._common import (JOIN, STEP, engine_after_torch, first_is_nan, fold_back_needs_worker,
+                      profiled, torch_after_engine, wait_request)
 
 
 def _accumulate_grad_hook(p, fn):
@@ -316,6 +316,5 @@ class SyncSteps:
             if spans:
                 if b.decision is not None and b.decision.op == "none":
                     # op="auto" ran it plain: its residuals went into the sum
-                    worker_for_fold_back(self.feedback, b.key, b.tensor, spans, b.n,
-                                         self._comm)
+                    fold_back_needs_worker(self.feedback, b.key, b.tensor, spans)
                 self._residuals.fold_back(b, b.tensor, spans, self.average, self.size)

@@ -577,7 +577,11 @@ def test_a_one_sided_call_failing_while_later_auto_calls_are_in_flight(dup, fb, 
     of the calls in flight agree whatever the models), a call in flight
     that paired with another rank's call of another number went through:
     the ranks that made the one-sided call as op="auto" kept it counted,
-    and later op="auto" calls raised MismatchError on every rank."""
+    and later op="auto" calls raised MismatchError on every rank (the cases
+    after 5 calls; with the index planted out of the mark, those fail).
+    Unpinned, after 5 calls with 3 in flight, an agreement step that failed
+    on some ranks kept the sums it took in (models differ: 1 step against
+    0; they fail with the step's undo planted out)."""
     led = _Ledger(dup, fb)
     for i in range(before):
         x = grads(dup.rank, N, seed=i)

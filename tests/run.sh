@@ -8,9 +8,9 @@
 # the cores this shell may use), the longest first: the heaviest plain files one run
 # each, the rest of the plain suite one run, and the MPI tests one run per rank count.
 # The MPI runs wait on each other's ranks much of the time (at 3 ranks 343 CPU s in 571
-# s wall, the schedule search 42 CPU s in 215 s), so after the plain runs, one at a
-# time, they left a core idle for most of their ~600 s; beside the plain runs they fill
-# it. Each run's output is shown whole when it ends. MPIGC_TEST_LANES=1 runs them one
+# s wall at load 28; the schedule search's first 40 seeds 42 CPU s in 215 s), so after
+# the plain runs, one at a time, they left a core idle for much of their ~600 s; beside
+# the plain runs they fill it. Each run's output is shown whole when it ends. MPIGC_TEST_LANES=1 runs them one
 # after another.
 #
 #   bash tests/run.sh            # everything
@@ -54,12 +54,14 @@ PYTEST=(python -m pytest -p no:cacheprovider -q --color=no)
 # test_example_gpt_ddp 57 (4 jobs). On 2 cores the plain tests take about their CPU
 # seconds over 2; the MPI runs wait much of their time (tests/README.md, where the time
 # goes)
-# test_kernels first, in a lane of its own: it compiles every CPU kernel signature
-# (166) into the kernel cache, which starts empty in a fresh clone (a folder per
-# source path: mpigc/_jitcache.py), so that the runs after it load them instead: alone
-# it took 146 CPU s with the cache empty, 17.5 with it full (load 25-40). The MPI runs
-# start after it: each rank of a job compiles what the cache lacks, the same
-# signatures at once
+# test_kernels is the first run (beside test_gpu_path_sim): it compiles every CPU
+# kernel signature (166) into the kernel cache, which starts empty in a fresh clone (a
+# folder per source path: mpigc/_jitcache.py), so that the runs after it load them: it
+# took 146 CPU s with the cache empty, 17.5 with it full (load 25-40). The MPI runs
+# start after it; before, they ran after the whole plain suite. Each rank of a job
+# compiles what the cache lacks, the same signatures at once: test_allreduce_mpi and
+# test_faults_mpi at 3 ranks, started together, took 83 CPU s and 523 s wall with an
+# empty cache, 14 CPU s and 150 s with the cache test_kernels filled (load 17-31)
 WARM=tests/test_kernels.py
 HEAVY=(tests/test_gpu_path_sim.py tests/test_model_check.py tests/test_cuda_sim.py
        tests/test_torch.py)

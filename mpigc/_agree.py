@@ -179,13 +179,17 @@ class Rows:
     def release(self, sendreqs):
         """The call is over: the receive buffer goes back to the pool, the
         send buffers once MPI is done with ``sendreqs`` (the call's sends,
-        these rows' among them). The sends are not tested here: the
-        rows of the call after next do (:func:`_drain`), when they are
-        done."""
+        these rows' among them). The sends of a call whose data travelled
+        with its rows (pooled messages, over the eager limit from 4 KiB)
+        are not tested here: the rows of the call after next do
+        (:func:`_drain`), when they are done. A row alone (80 bytes, sent
+        eagerly: done at once) is tested now, which costs less than
+        keeping it (4 KiB calls back to back, 4-6% slower medians when it
+        waited too)."""
         if self.buf is not None:
             _pool.give(self.buf)
             self.buf = None
-        if sendreqs:
+        if sendreqs and (self.held or not _sched.test(sendreqs)):
             _draining.append((sendreqs, self.held))
         else:
             for a in self.held:

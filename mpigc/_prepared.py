@@ -274,8 +274,12 @@ def prepare(kind, device, device_id, dtype, n, size, rank, op, params, key, aver
     if ck is not None:
         # the working buffers depend on everything but the key: one pool for
         # every key of this geometry (a model's many layers of one size hold
-        # one set, not one per layer)
-        gk = (_settings.settings_key(kind, op, params, None, average, gather, nonfinite, n,
+        # one set, not one per layer); nor on an op="auto" call's mark (its
+        # index in the model changes from call to call, no buffer's size)
+        geo = params
+        if params and _settings.AUTO_MARK in params:
+            geo = {k: v for k, v in params.items() if k != _settings.AUTO_MARK}
+        gk = (_settings.settings_key(kind, op, geo, None, average, gather, nonfinite, n,
                                      dtype, recvcounts, size, limits.max_count),) + ck[1:]
         if len(_pools) >= _CACHE_MAX:
             _pools.clear()

@@ -1021,8 +1021,26 @@ def _mismatches(meta, fb, configs):
     return out
 
 
+def _check_step(meta, step):
+    """ConfigError for a ``step`` that is not an int; MismatchError where the
+    checkpoint (its manifest ``meta``) was not saved with ``step``."""
+    if step is None:
+        return
+    if isinstance(step, bool) or not isinstance(step, (int, np.integer)):
+        raise ConfigError(f"load_checkpoint: step: expected an int or None, got {step!r}")
+    saved = meta["attrs"].get("step")
+    if saved is None:
+        raise MismatchError(f"load_checkpoint: {meta.get('path')}: step={int(step)} expected, "
+                            "but the checkpoint records no step (save it with "
+                            "save_checkpoint(..., step=)); nothing loaded")
+    if int(saved) != int(step):
+        raise MismatchError(f"load_checkpoint: {meta.get('path')}: saved at step {int(saved)}, "
+                            f"step={int(step)} expected (residuals of another save than the "
+                            "model's, e.g. a job killed between its two saves); nothing loaded")
+
+
 def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None,
-                    hierarchy=None):
+                    hierarchy=None, step=None):
     """Load the checkpoint ``path`` into ``feedback`` (collective).
 
     The store's content is replaced by the checkpoint's. On the world size
@@ -1078,6 +1096,14 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
         hierarchical, flat ones otherwise. The totals are kept either way.
         Keys used with other modes, or in grouped calls (which
         ``"auto"`` reduces flat), are loaded without ``hierarchy=``.
+    step : int, optional
+        The step the caller resumes from (e.g. the one recorded in its
+        model file): the checkpoint must have been saved with
+        ``save_checkpoint(..., step=step)``, otherwise (another step, or
+        none recorded) :class:`MismatchError` on every rank, before
+        anything is installed. This catches residuals of an earlier save
+        paired with a later model (a job killed between its two saves).
+        Default (None): no check.
 
     Returns
     -------
@@ -1095,10 +1121,12 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
         checkpoint, or a key whose flat and hierarchical rows this load
         would install in one form; the store is unchanged.
     MismatchError
-        On every rank, for a config mismatch with ``strict=True``, or when
-        the ranks pass different ``hierarchy=``.
+        On every rank, for a config mismatch with ``strict=True``, when
+        the ranks pass different ``hierarchy=``, or for a ``step`` the
+        checkpoint was not saved with; the store is unchanged.
     ConfigError
-        On every rank, for a ``hierarchy`` that is not a mode, or none given
+        On every rank, for a ``step`` that is not an int, for a
+        ``hierarchy`` that is not a mode, or none given
         where the checkpoint cannot say which (see ``hierarchy``).
     StateError
         On every rank, when a key of the store is in use by a pending
@@ -1114,6 +1142,7 @@ def load_checkpoint(path, feedback=None, comm=None, strict=True, *, configs=None
                          classes=_CLASSES, default=CheckpointError)
     exc, mism = None, {}
     try:
+        _check_step(meta, step)
         mism = _mismatches(meta, fb, configs)
     except Exception as e:  # noqa: BLE001
         exc = e

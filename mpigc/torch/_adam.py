@@ -375,10 +375,11 @@ class CompressedAdamW(AdamSteps, torch.optim.Optimizer):
         self._arrive(self._timeout, "CompressedAdamW.save_checkpoint")
         return self._residuals.save_checkpoint(path, step)
 
-    def load_checkpoint(self, path):
-        """The residuals saved by :meth:`save_checkpoint` (collective)."""
+    def load_checkpoint(self, path, step=None):
+        """The residuals saved by :meth:`save_checkpoint` (collective);
+        ``step`` as in :func:`mpigc.load_checkpoint`."""
         self._arrive(self._timeout, "CompressedAdamW.load_checkpoint")
-        return self._residuals.load_checkpoint(path)
+        return self._residuals.load_checkpoint(path, step=step)
 
     def __repr__(self):
         return (f"CompressedAdamW(op={self.compressor!r}, freeze_steps={self.freeze_steps!r}, "

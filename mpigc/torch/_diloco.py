@@ -452,11 +452,13 @@ class DiLoCo:
         self._rendezvous(self.timeout, "DiLoCo.save_checkpoint")
         return mpigc.save_checkpoint(path, self.feedback, comm=self.comm, step=step)
 
-    def load_checkpoint(self, path):
+    def load_checkpoint(self, path, step=None):
+        """The residuals saved by :meth:`save_checkpoint` (collective);
+        ``step`` as in :func:`mpigc.load_checkpoint`."""
         import mpigc
         self._unsharded("load_checkpoint")
         self._rendezvous(self.timeout, "DiLoCo.load_checkpoint")
-        return mpigc.load_checkpoint(path, self.feedback, comm=self.comm)
+        return mpigc.load_checkpoint(path, self.feedback, comm=self.comm, step=step)
 
     def _unsharded(self, what):
         if self.shards > 1:  # the same on every rank: raised on every rank

@@ -353,12 +353,14 @@ class CommHookState(HookSteps):
         self._arrive(self.timeout, "CommHookState.save_checkpoint")
         return self._residuals.save_checkpoint(path, step, self.state_dict())
 
-    def load_checkpoint(self, path, strict=True):
+    def load_checkpoint(self, path, strict=True, step=None):
         """Load a checkpoint of :meth:`save_checkpoint` or
-        :meth:`GradientSync.save_checkpoint`, of any world size (collective)."""
+        :meth:`GradientSync.save_checkpoint`, of any world size (collective).
+        ``step``: :class:`mpigc.MismatchError` on every rank, nothing loaded,
+        unless the checkpoint was saved with this ``step``."""
         self._arrive(self.timeout, "CommHookState.load_checkpoint")
         return self._residuals.load_checkpoint(
-            path, lambda state: self.load_state_dict(state, strict=strict))
+            path, lambda state: self.load_state_dict(state, strict=strict), step=step)
 
     def __repr__(self):
         op = f"'auto', auto_op={self.compressor!r}" if self.auto_pin else repr(self.compressor)

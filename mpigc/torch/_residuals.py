@@ -215,15 +215,15 @@ class Residuals:
             fb.load_state_dict(state)
         return mpigc.save_checkpoint(path, fb, comm=self.comm, step=step)
 
-    def load_checkpoint(self, path, load=None):
+    def load_checkpoint(self, path, load=None, step=None):
         """:func:`mpigc.load_checkpoint` (collective) into the store, or,
         with ``load``, into a new store whose state ``load(state)`` takes;
-        returns its info."""
+        returns its info. ``step`` as there (checked before ``load``)."""
         import mpigc
         if load is None:
-            return mpigc.load_checkpoint(path, self.feedback, comm=self.comm)
+            return mpigc.load_checkpoint(path, self.feedback, comm=self.comm, step=step)
         fb = ErrorFeedback()
-        info = mpigc.load_checkpoint(path, fb, comm=self.comm)
+        info = mpigc.load_checkpoint(path, fb, comm=self.comm, step=step)
         load(fb.state_dict())
         return info
 

@@ -358,12 +358,14 @@ class GradientSync(SyncSteps):
         self._arrive(self.timeout, "GradientSync.save_checkpoint")
         return self._residuals.save_checkpoint(path, step, self.state_dict())
 
-    def load_checkpoint(self, path, strict=True):
+    def load_checkpoint(self, path, strict=True, step=None):
         """Load residuals saved by :meth:`save_checkpoint` (collective), on any
-        world size and bucketing; returns :func:`mpigc.load_checkpoint`'s info."""
+        world size and bucketing; returns :func:`mpigc.load_checkpoint`'s info.
+        ``step``: :class:`mpigc.MismatchError` on every rank, nothing loaded,
+        unless the checkpoint was saved with this ``step``."""
         self._arrive(self.timeout, "GradientSync.load_checkpoint")
         return self._residuals.load_checkpoint(
-            path, lambda state: self.load_state_dict(state, strict=strict))
+            path, lambda state: self.load_state_dict(state, strict=strict), step=step)
 
     def __repr__(self):
         op = f"'auto', auto_op={self.compressor!r}" if self.auto_pin else repr(self.compressor)

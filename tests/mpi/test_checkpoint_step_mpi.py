@@ -1,0 +1,136 @@
+"""load_checkpoint(..., step=): residuals of another save than the model's
+(a job killed between its model save and its residual save) raise
+MismatchError on every rank before anything is installed; the matching step
+loads bit for bit. mpigc.load_checkpoint and the torch classes."""
+import copy
+import os
+import shutil
+import sys
+import tempfile
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+import mpigc
+
+from conftest import assert_all, on_root, raises_everywhere
+
+pytestmark = [pytest.mark.mpi, pytest.mark.ranks(1, 2, 3)]
+
+try:
+    import torch
+except ImportError:  # the mpigc-level test runs without torch
+    torch = None
+else:
+    import mpigc.torch as mt
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from support import torch_dist
+    gloo = torch_dist.gloo  # its module-scoped fixture: torch.distributed over gloo
+
+WORLD = MPI.COMM_WORLD
+RANK, SIZE = WORLD.Get_rank(), WORLD.Get_size()
+
+
+@pytest.fixture
+def shared_dir():
+    d = on_root(lambda: tempfile.mkdtemp(prefix="mpigc-ckstep-"), WORLD)
+    yield d
+    WORLD.Barrier()
+    if RANK == 0:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _run(fb, steps, salt=0):
+    for s in steps:
+        for key, n in (("a", 1001), ("b", 65)):
+            g = np.random.default_rng([RANK, s, n, salt]).standard_normal(n).astype(np.float32)
+            mpigc.allreduce(g, "2bit", key=key, feedback=fb, comm=WORLD)
+
+
+def _bytes(state):
+    """A per-key state as comparable bytes (None stays None)."""
+    return {k: tuple(None if v[f] is None else np.asarray(v[f]).tobytes()
+                     for f in ("worker", "owner")) + (v.get("calls"),)
+            for k, v in state.items()}
+
+
+def test_step_is_checked_before_anything_is_installed(shared_dir):
+    ck, nostep = os.path.join(shared_dir, "ck"), os.path.join(shared_dir, "nostep")
+    fb = mpigc.ErrorFeedback()
+    _run(fb, range(3))
+    mpigc.save_checkpoint(ck, feedback=fb, step=3)
+    mpigc.save_checkpoint(nostep, feedback=fb)
+    saved = _bytes(fb.state_dict())
+
+    live = mpigc.ErrorFeedback()  # a store with other residuals: must stay as it is
+    _run(live, range(2), salt=7)
+    before = _bytes(live.state_dict())
+    raises_everywhere(mpigc.MismatchError, lambda: mpigc.load_checkpoint(
+        ck, feedback=live, step=4), WORLD, match="saved at step 3, step=4 expected")
+    assert_all(_bytes(live.state_dict()) == before, "a wrong step leaves the store unchanged")
+    raises_everywhere(mpigc.MismatchError, lambda: mpigc.load_checkpoint(
+        nostep, feedback=live, step=3), WORLD, match="records no step")
+    assert_all(_bytes(live.state_dict()) == before, "no recorded step: store unchanged")
+    # one rank expecting another step is enough: every rank raises
+    raises_everywhere(mpigc.MismatchError, lambda: mpigc.load_checkpoint(
+        ck, feedback=live, step=3 if RANK else 2), WORLD)
+    raises_everywhere(mpigc.ConfigError, lambda: mpigc.load_checkpoint(
+        ck, feedback=live, step="3"), WORLD, match="step")
+    assert_all(_bytes(live.state_dict()) == before, "store unchanged after every refusal")
+
+    info = mpigc.load_checkpoint(ck, feedback=live, step=3)
+    assert_all(info["step"] == 3 and _bytes(live.state_dict()) == saved,
+               "the matching step loads bit for bit")
+    mpigc.load_checkpoint(nostep, feedback=live)  # step=None: no check, as before
+    mpigc.load_checkpoint(ck, feedback=live, step=np.int64(3))
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(12, 24), torch.nn.Tanh(), torch.nn.Linear(24, 3))
+
+
+def _backward(model, step):
+    g = torch.Generator().manual_seed(1000 * step + RANK)
+    x, y = torch.randn(16, 12, generator=g), torch.randn(16, 3, generator=g)
+    ((model(x) - y) ** 2).mean().backward()
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch")
+@pytest.mark.parametrize("kind", ["sync", "hook"])
+def test_torch_classes_check_the_step(shared_dir, kind, request):
+    torch.set_num_threads(1)
+    path = os.path.join(shared_dir, "res")
+
+    def make(model):
+        if kind == "sync":
+            return model, mt.GradientSync(model, op="2bit", bucket_mb=0.002)
+        request.getfixturevalue("gloo")
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=0.002)
+        state = mt.CommHookState(ddp, op="2bit", threshold=2.0 ** -6)
+        ddp.register_comm_hook(state, mt.comm_hook)
+        return ddp, state
+
+    def steps(m, holder, rng):
+        for s in rng:
+            m.zero_grad()
+            _backward(m, s)
+            if kind == "sync":
+                holder.wait()
+
+    model = _model()
+    m, holder = make(copy.deepcopy(model))
+    steps(m, holder, range(2))
+    holder.save_checkpoint(path, step=2)
+    saved = _bytes(holder.state_dict())
+
+    m2, other = make(copy.deepcopy(model))
+    steps(m2, other, range(5, 8))
+    before = _bytes(other.state_dict())
+    raises_everywhere(mpigc.MismatchError, lambda: other.load_checkpoint(path, step=3),
+                      WORLD, match="saved at step 2, step=3 expected")
+    assert_all(_bytes(other.state_dict()) == before, f"{kind}: store unchanged")
+    other.load_checkpoint(path, step=2)
+    assert_all(_bytes(other.state_dict()) == saved, f"{kind}: matching step, bit for bit")
+

@@ -11,8 +11,10 @@ rank trains on its own slice of the training set; the test set is the same on
 every rank. ``--checkpoint DIR`` saves, after every epoch, the model, the
 optimizer and the learning-rate schedule (``DIR/train.pt``, one file written by
 rank 0) and the residuals of the error feedback (``mpigc.save_checkpoint`` in
-``DIR/residuals``, which can be loaded on another number of ranks);
-``--resume`` restores all four and continues with the next epoch. The cosine
+``DIR/residuals-<epoch>``, which can be loaded on another number of ranks); the
+residuals first, ``train.pt`` last and atomically, so a job killed while saving
+resumes from the previous epoch; ``--resume`` restores all four (the residuals
+with ``step=`` the model file's epoch) and continues with the next epoch. The cosine
 schedule is a function of the epoch and ``--epochs``: a resumed run with the
 same ``--epochs`` continues it exactly, one with more epochs follows the
 schedule of the new total from the next epoch on.
@@ -46,6 +48,7 @@ The 2bit threshold, three ways (give at most one):
 import argparse
 import math
 import os
+import shutil
 import time
 
 import numpy as np
@@ -150,22 +153,32 @@ def make_scheduler(opt, args):
 
 
 def save(args, comm, epoch, model, opt, sched, residuals):
-    """Model, optimizer and schedule (rank 0, one file) and the residuals
-    (``residuals.save_checkpoint``: a GradientSync or a CommHookState)."""
+    """The residuals (``residuals.save_checkpoint``: a GradientSync or a
+    CommHookState; every rank) in ``DIR/residuals-<epoch>``, then model,
+    optimizer and schedule (rank 0, one file, ``DIR/train.pt``) naming them.
+    Crash-consistent: ``train.pt`` is replaced last and atomically, so a job
+    killed anywhere in here resumes from the previous epoch's pair; the older
+    residuals are removed only after that."""
     os.makedirs(args.checkpoint, exist_ok=True)
     comm.Barrier()
+    name = f"residuals-{epoch}"
+    residuals.save_checkpoint(os.path.join(args.checkpoint, name), step=epoch)
+    comm.Barrier()  # every rank's residuals are written before the model file names them
     if comm.rank == 0:
         tmp = os.path.join(args.checkpoint, "train.pt.tmp")
         torch.save({"epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
                     "scheduler": None if sched is None else sched.state_dict(),
-                    "op": args.op, "world_size": comm.size}, tmp)
+                    "op": args.op, "world_size": comm.size, "residuals": name}, tmp)
         os.replace(tmp, os.path.join(args.checkpoint, "train.pt"))
-    residuals.save_checkpoint(os.path.join(args.checkpoint, "residuals"), step=epoch)
+        for old in os.listdir(args.checkpoint):
+            if old.startswith("residuals") and old != name:
+                shutil.rmtree(os.path.join(args.checkpoint, old), ignore_errors=True)
     comm.Barrier()
 
 
 def resume(args, comm, model, opt, sched, residuals):
-    """Restore what :func:`save` saved; returns the next epoch."""
+    """Restore what :func:`save` saved; returns the next epoch. The residuals
+    must be the model file's epoch's (``step=``: MismatchError otherwise)."""
     ck = torch.load(os.path.join(args.checkpoint, "train.pt"), weights_only=True)
     model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["optimizer"])
@@ -175,7 +188,8 @@ def resume(args, comm, model, opt, sched, residuals):
         # --epochs did not change; the new total's when it did)
         for group, base, lam in zip(opt.param_groups, sched.base_lrs, sched.lr_lambdas):
             group["lr"] = base * lam(sched.last_epoch)
-    residuals.load_checkpoint(os.path.join(args.checkpoint, "residuals"))
+    residuals.load_checkpoint(os.path.join(args.checkpoint, ck.get("residuals", "residuals")),
+                              step=ck["epoch"])
     return ck["epoch"] + 1
 
 

@@ -134,3 +134,63 @@ def test_torch_classes_check_the_step(shared_dir, kind, request):
     other.load_checkpoint(path, step=2)
     assert_all(_bytes(other.state_dict()) == saved, f"{kind}: matching step, bit for bit")
 
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch")
+@pytest.mark.parametrize("kill", ["before", "after"])
+def test_example_save_resumes_the_last_whole_pair(shared_dir, kill):
+    """examples/train_torch.py's save(): killed just before or just after the
+    residuals of epoch 1 were written, it resumes from epoch 0, with epoch 0's
+    residuals bit for bit (the old order, model file first, left epoch 1's
+    model with epoch 0's residuals when killed before, which resume() loaded
+    silently); and a model file naming residuals of another epoch raises on
+    every rank."""
+    import argparse
+    import importlib.util
+    torch.set_num_threads(1)
+    spec = importlib.util.spec_from_file_location("train_torch_example", os.path.join(
+        os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples", "train_torch.py"))
+    ex = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ex)
+    args = argparse.Namespace(checkpoint=shared_dir, op="2bit")
+
+    def build():
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        return model, opt, mt.GradientSync(model, op="2bit", bucket_mb=0.002)
+
+    def epoch(model, opt, sync, e):
+        for s in range(2):
+            opt.zero_grad()
+            _backward(model, 10 * e + s)
+            sync.wait()
+            opt.step()
+
+    model, opt, sync = build()
+    epoch(model, opt, sync, 0)
+    ex.save(args, WORLD, 0, model, opt, None, sync)
+    saved0 = _bytes(sync.state_dict())
+    epoch(model, opt, sync, 1)
+    save_residuals = sync.save_checkpoint
+
+    def killed(path, step=None):  # the job dies in epoch 1's save, at the residuals
+        if kill == "after":
+            save_residuals(path, step)
+        raise KeyboardInterrupt("killed")
+    sync.save_checkpoint = killed
+    with pytest.raises(KeyboardInterrupt):
+        ex.save(args, WORLD, 1, model, opt, None, sync)
+    WORLD.Barrier()
+    m2, o2, s2 = build()
+    start = ex.resume(args, WORLD, m2, o2, None, s2)
+    assert_all(start == 1 and _bytes(s2.state_dict()) == saved0,
+               "resumed from epoch 0's model and residuals")
+    if RANK == 0:  # a model file of epoch 1 naming epoch 0's residuals
+        ck = torch.load(os.path.join(shared_dir, "train.pt"), weights_only=True)
+        ck["epoch"] = 1
+        torch.save(ck, os.path.join(shared_dir, "train.pt"))
+    WORLD.Barrier()
+    before = _bytes(s2.state_dict())
+    raises_everywhere(mpigc.MismatchError, lambda: ex.resume(args, WORLD, m2, o2, None, s2),
+                      WORLD, match="saved at step 0, step=1 expected")
+    assert_all(_bytes(s2.state_dict()) == before, "nothing loaded")

@@ -194,3 +194,33 @@ def test_example_save_resumes_the_last_whole_pair(shared_dir, kill):
     raises_everywhere(mpigc.MismatchError, lambda: ex.resume(args, WORLD, m2, o2, None, s2),
                       WORLD, match="saved at step 0, step=1 expected")
     assert_all(_bytes(s2.state_dict()) == before, "nothing loaded")
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch")
+@pytest.mark.parametrize("kind", ["adamw", "diloco"])
+def test_adamw_and_diloco_pass_the_step_on(shared_dir, kind):
+    """CompressedAdamW's and DiLoCo's load_checkpoint(step=) check as
+    mpigc.load_checkpoint does (their residuals are the store's)."""
+    torch.set_num_threads(1)
+    path = os.path.join(shared_dir, "res")
+
+    def make():
+        model = _model()
+        if kind == "adamw":
+            return model, mt.CompressedAdamW(model.parameters(), lr=1e-3, freeze_steps=1)
+        inner = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, mt.DiLoCo(model, inner, sync_every=1, op="2bit")
+
+    model, obj = make()
+    for s in range(3):  # CompressedAdamW's step and DiLoCo's (inner step, then sync)
+        model.zero_grad()
+        _backward(model, s)
+        obj.step()
+    obj.save_checkpoint(path, step=3)
+    saved = _bytes(obj.feedback.state_dict())
+    model2, other = make()
+    raises_everywhere(mpigc.MismatchError, lambda: other.load_checkpoint(path, step=2),
+                      WORLD, match="saved at step 3, step=2 expected")
+    other.load_checkpoint(path, step=3)
+    assert_all(_bytes(other.feedback.state_dict()) == saved and saved,
+               f"{kind}: matching step, bit for bit")

@@ -19,7 +19,8 @@ With ``--mpigc OP`` the lines marked ``# mpigc`` take effect: DDP leaves the
 gradients local (``mpigc.torch.local_gradients_hook``) and
 ``mpigc.torch.CompressedAdamW`` exchanges the momentum compressed with ``OP``
 after an exact warm-up of ``--freeze-steps`` (1-bit Adam's recipe); its
-residuals are saved next to rank 0's checkpoint, by every rank. Clipping then
+residuals are saved next to rank 0's checkpoint, by every rank, before it (with
+``step=``: a resume loads them only with the model file of their step). Clipping then
 acts on each rank's local gradient. Model and data are those of
 ``examples/train_lm.py`` (a byte-level transformer on the Python standard
 library's source, nothing downloaded). The last line printed is a JSON object
@@ -97,7 +98,8 @@ if args.init_from == "resume":
     optimizer.load_state_dict(ckpt["optimizer"])
     iter_num, best_val = ckpt["iter_num"], ckpt["best_val_loss"]
     if args.mpigc:
-        optimizer.load_checkpoint(os.path.join(args.out_dir, "residuals"))     # mpigc
+        # mpigc: the residuals must be the model file's (MismatchError on every rank if not)
+        optimizer.load_checkpoint(os.path.join(args.out_dir, "residuals"), step=iter_num)
 
 
 def get_lr(it):
@@ -144,14 +146,18 @@ while iter_num < args.max_iters:
                   f"val loss {val_loss:.4f}, {time.perf_counter() - t0:.1f} s", flush=True)
         best_val = min(best_val, val_loss)
         if args.out_dir:
+            if args.mpigc:  # mpigc: the residuals first, then the model file naming their step
+                optimizer.save_checkpoint(os.path.join(args.out_dir, "residuals"),
+                                          step=iter_num)
+            dist.barrier()
             if master_process:
                 os.makedirs(args.out_dir, exist_ok=True)
                 torch.save({"model": raw_model.state_dict(),
                             "optimizer": optimizer.state_dict(),
                             "iter_num": iter_num, "best_val_loss": best_val},
+                           os.path.join(args.out_dir, "ckpt.pt.tmp"))
+                os.replace(os.path.join(args.out_dir, "ckpt.pt.tmp"),
                            os.path.join(args.out_dir, "ckpt.pt"))
-            if args.mpigc:
-                optimizer.save_checkpoint(os.path.join(args.out_dir, "residuals"))  # mpigc
             dist.barrier()
 
 # bytes of the gradient exchange per rank: mpigc counts its own; DDP's allreduce is

@@ -64,6 +64,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import sysconfig
 import time
 import zlib
@@ -260,32 +261,52 @@ def lr_factor(step, args):
 
 # -- checkpoints ----------------------------------------------------------------------
 def save(args, comm, step, model, opt, sched, sync):
+    """The residuals (every rank, ``DIR/residuals-<step>``, saved with
+    ``step=``) and DiLoCo's per-rank state, then model, optimizer and
+    schedule (rank 0, ``DIR/train.pt``) naming them. Crash-consistent:
+    ``train.pt`` is replaced last and atomically, so a job killed anywhere in
+    here resumes from the previous pair; older files go only after that."""
     sync = sync or opt  # CompressedAdamW keeps its own residuals
     os.makedirs(args.checkpoint, exist_ok=True)
-    if isinstance(sync, mpigc.torch.DiLoCo):  # each rank's own AdamW and outer state
-        torch.save({"optimizer": opt.state_dict(), "diloco": sync.state_dict()},
-                   os.path.join(args.checkpoint, f"diloco.rank{comm.rank}.pt"))
     comm.Barrier()
+    name = f"residuals-{step}"
+    own = None
+    if isinstance(sync, mpigc.torch.DiLoCo):  # each rank's own AdamW and outer state
+        own = f"diloco-{step}.rank{{rank}}.pt"
+        torch.save({"optimizer": opt.state_dict(), "diloco": sync.state_dict()},
+                   os.path.join(args.checkpoint, own.format(rank=comm.rank)))
+    sync.save_checkpoint(os.path.join(args.checkpoint, name), step=step)
+    comm.Barrier()  # every rank's files are written before the model file names them
     if comm.rank == 0:
         tmp = os.path.join(args.checkpoint, "train.pt.tmp")
         torch.save({"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(),
                     "scheduler": sched.state_dict(), "op": args.op,
-                    "world_size": comm.size}, tmp)
+                    "world_size": comm.size, "residuals": name, "diloco": own}, tmp)
         os.replace(tmp, os.path.join(args.checkpoint, "train.pt"))
-    sync.save_checkpoint(os.path.join(args.checkpoint, "residuals"), step=step)
+        for old in os.listdir(args.checkpoint):
+            path = os.path.join(args.checkpoint, old)
+            if old.startswith("residuals") and old != name:
+                shutil.rmtree(path, ignore_errors=True)
+            elif old.startswith("diloco") and not (own and old.startswith(f"diloco-{step}.")):
+                os.remove(path)
     comm.Barrier()
 
 
 def resume(args, model, opt, sched, sync):
+    """Restore what :func:`save` saved; returns the step. The residuals must
+    be the model file's step's (``load_checkpoint(step=)``: MismatchError
+    on every rank otherwise)."""
     sync = sync or opt
     ck = torch.load(os.path.join(args.checkpoint, "train.pt"), weights_only=True,
                     map_location="cpu")
     model.load_state_dict(ck["model"])
     opt.load_state_dict(ck["optimizer"])
     sched.load_state_dict(ck["scheduler"])
-    sync.load_checkpoint(os.path.join(args.checkpoint, "residuals"))
+    sync.load_checkpoint(os.path.join(args.checkpoint, ck.get("residuals", "residuals")),
+                         step=ck["step"])
     if isinstance(sync, mpigc.torch.DiLoCo):
-        own = torch.load(os.path.join(args.checkpoint, f"diloco.rank{MPI.COMM_WORLD.rank}.pt"),
+        own = ck.get("diloco") or "diloco.rank{rank}.pt"
+        own = torch.load(os.path.join(args.checkpoint, own.format(rank=MPI.COMM_WORLD.rank)),
                          weights_only=True, map_location="cpu")
         opt.load_state_dict(own["optimizer"])
         sync.load_state_dict(own["diloco"])

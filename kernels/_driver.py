@@ -419,6 +419,23 @@ def order_after(producer, stream):
     return True
 
 
+def order_streams(stream, waiters):
+    """Order each of ``waiters`` (int driver handles: 1 the legacy, 2 the
+    per-thread default stream) after the work queued so far on Numba stream
+    ``stream``, without a host wait: one event recorded there, waited for on
+    each. False: not this route."""
+    if not (ON or enabled()):
+        return False
+    drv = _state["drv"]
+    ev = _event("finish")
+    err, = drv.cuEventRecord(ev, _handle(stream))
+    _check(err, "cuEventRecord")
+    for w in waiters:
+        err, = drv.cuStreamWaitEvent(drv.CUstream(w), ev, 0)
+        _check(err, "cuStreamWaitEvent")
+    return True
+
+
 def device_id():
     """The ordinal of the GPU whose context is current in the calling
     thread (``cuCtxGetDevice``: well under a microsecond, where Numba's

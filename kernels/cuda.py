@@ -325,6 +325,7 @@ def _launch(kernel, blocks, stream, *args):
     s = _stream(stream)
     if _driver.ON is False or not _driver.launch(kernel, blocks, THREADS, s, args):
         kernel[blocks, THREADS, s](*args)
+    _queued[0] += 1
 
 
 # -- small device buffers: layouts (cached) and counters (pooled) -------------
@@ -391,6 +392,7 @@ def _counter(stream, dev=None):
     s = _stream(stream)
     if _driver.ON is False or not _driver.memset0(c, s):
         c.copy_to_device(_host_zero(), stream=s)
+    _queued[0] += 1
     return c
 
 
@@ -436,20 +438,56 @@ def _give_scratch(a, dev=None):
             _twins.pop(id(a), None)
 
 
+_wait_events = threading.local()  # .ev: the thread's host-wait event (Numba's); .seen
+#: launches and copies queued on a named stream by this module and ``mpigc._cuda`` so
+#: far, counted AFTER each is queued: a thread that reads the count before it records
+#: a wait's event knows that its event comes after every one it counted
+_queued = [0]
+
+
+def host_wait(stream, idle_ok=False):
+    """Wait on the host for the work queued on ``stream`` (a named stream,
+    not ``0``) so far, and no more: an event recorded there and synchronised
+    (the driver's on its route, else Numba's, one per thread, made once),
+    not the whole stream, which would also wait for what other threads
+    queue on it meanwhile. ``idle_ok``: no wait when nothing was queued
+    (:data:`_queued`, by any thread) since this thread's last wait on
+    ``stream`` (a stream of mpigc's own, which only mpigc queues on)."""
+    seen = getattr(_wait_events, "seen", None)
+    if seen is None:
+        seen = _wait_events.seen = {}
+    n = _queued[0]  # (read before the event is recorded)
+    if idle_ok and seen.get(id(stream)) == n:
+        return
+    if _driver.ON is False or not _driver.sync(stream):
+        ev = getattr(_wait_events, "ev", None)
+        if ev is None:
+            ev = _wait_events.ev = cuda.event() if SIMULATOR else cuda.event(timing=False)
+        ev.record(stream)
+        ev.synchronize()
+    seen[id(stream)] = n
+
+
 def _read_count(counter, stream, dev=None):
     """The counter's value: the one device-to-host read (and wait) of a pack;
     the counter then goes back to the pool of ``dev`` (the GPU of
-    :func:`_counter`, current; None: asked). (A copy to pageable host memory
-    returns when it is done; the caller's own stream is synchronised as
-    well. On the driver's route: an asynchronous copy into the counter's
-    pinned twin, then a wait for the stream.)"""
+    :func:`_counter`, current; None: asked). On the driver's route, or on a
+    named ``stream``: an asynchronous copy into the counter's pinned twin,
+    then one wait for what was queued on the stream so far
+    (:func:`host_wait`); else a synchronous copy (to pageable host memory:
+    it returns when it is done)."""
     s = _stream(stream)
-    host = (_pinned_twin(counter) if _driver.ON or (_driver.ON is None and _driver.enabled())
-            else None)
-    if host is None or not _driver.to_host(host, counter, s):
-        host = counter.copy_to_host(stream=s)
-        if stream:
-            stream.synchronize()
+    route = _driver.ON or (_driver.ON is None and _driver.enabled())
+    if stream:
+        host = _pinned_twin(counter)
+        if not (route and _driver.copy(host, counter, s, False)):
+            counter.copy_to_host(host, stream=s)
+        _queued[0] += 1
+        host_wait(s)
+    else:
+        host = _pinned_twin(counter) if route else None
+        if host is None or not _driver.to_host(host, counter, s):
+            host = counter.copy_to_host(stream=s)
     if dev is None:
         dev = _device_id()
     with _lock:
@@ -1565,12 +1603,17 @@ def stats(x, e_in, *, cuda_stream=0):
     _launch(_stats_kernel, nb, cuda_stream, x, *_opt(e_in, x), partial)
     _launch(_stats_combine_kernel, 1, cuda_stream, partial, result)
     s = _stream(cuda_stream)
-    p = (_pinned_twin(result) if _driver.ON or (_driver.ON is None and _driver.enabled())
-         else None)
-    if p is None or not _driver.to_host(p, result, s):
-        p = result.copy_to_host(stream=s)
-        if cuda_stream:
-            cuda_stream.synchronize()
+    route = _driver.ON or (_driver.ON is None and _driver.enabled())
+    if cuda_stream:  # (as _read_count: one wait, for this stream's work)
+        p = _pinned_twin(result)
+        if not (route and _driver.copy(p, result, s, False)):
+            result.copy_to_host(p, stream=s)
+        _queued[0] += 1
+        host_wait(s)
+    else:
+        p = _pinned_twin(result) if route else None
+        if p is None or not _driver.to_host(p, result, s):
+            p = result.copy_to_host(stream=s)
     out = float(p[0]), float(p[1]), float(p[2]), int(p[3])
     _give_scratch(partial, dev)
     _give_scratch(result, dev)
@@ -2027,6 +2070,7 @@ def _copy_d2d(dst, src, cuda_stream):
     s = _stream(cuda_stream)
     if _driver.ON is False or not _driver.copy(dst, src, s, False):
         dst.copy_to_device(src, stream=s)
+    _queued[0] += 1
 
 
 @cuda.jit(cache=_CACHE)

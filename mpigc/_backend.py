@@ -225,6 +225,11 @@ class DeviceBackend:
         self.aware = None  # CudaAwareness of the call's communicator
         self.device_id = None  # the GPU current in the caller's thread
         self.staged = []  # staging buffers taken from the pool
+        # the streams the call's arrays came from, ordered after its work at
+        # its end (a stream of mpigc's own: _cuda.finish), and the keywords
+        # that put the kernels on the engine's stream (none: the legacy one)
+        self.producers = []
+        self.kw = _cuda.stream_kw()
 
     # -- the input -------------------------------------------------------------
     def adopt(self, buf, kind, cs):
@@ -237,7 +242,8 @@ class DeviceBackend:
         # the GPU of the call: the progress thread makes it current before it
         # advances the call
         self.device_id = _cuda.current_device_id()
-        return _cuda.as_device(buf)
+        self.kw = _cuda.stream_kw()  # (the stream of the GPU made current above)
+        return _cuda.as_device(buf, self.producers)
 
     def is_c_contiguous(self, buf, a):
         return _cuda.is_c_contiguous(a)
@@ -256,7 +262,7 @@ class DeviceBackend:
             raise InvalidBufferError(
                 f"out: expected a CUDA device array like buf, got {_side(out)}: host and "
                 "device arrays cannot be mixed in one call")
-        d = _cuda.as_device(out)
+        d = _cuda.as_device(out, self.producers)
         if (np.dtype(d.dtype) != dtype or d.size != n or not _cuda.is_c_contiguous(d)
                 or _cuda.is_readonly(out)):
             raise InvalidBufferError(f"out: expected a writable contiguous device array "
@@ -272,37 +278,41 @@ class DeviceBackend:
 
     def converted(self, a, dtype):
         out = self.empty(a.size, dtype)
-        self.kernels.convert(a, out)
+        self.kernels.convert(a, out, **self.kw)
         return out
 
     def assign(self, dst, src):
-        self.kernels.convert(src, dst)
+        self.kernels.convert(src, dst, **self.kw)
 
     def divide(self, a, d):
-        self.kernels.divide(a, d)
+        self.kernels.divide(a, d, **self.kw)
 
     def place_members(self, fused, members, place, to_fused):
         """A grouped call's ``members`` to (``to_fused``) or from their places
         in ``fused``, ``place`` a placement of :class:`mpigc._group._Layout`:
         one launch per member."""
         _, ats, nshards = place
-        self.kernels.group_copy(fused, members, ats, nshards, to_fused)
+        self.kernels.group_copy(fused, members, ats, nshards, to_fused, **self.kw)
 
     def fill_nan(self, a):
         if a.size:
             _cuda.copy(a, np.full(a.size, np.nan, a.dtype))
 
     def count_nonfinite(self, a):
-        return self.kernels.count_nonfinite(a)
+        return self.kernels.count_nonfinite(a, **self.kw)
 
     def stats(self, x, e_in):
         """As :meth:`HostBackend.stats`, by one launch (the host reads the
         result: synchronised)."""
-        return self.kernels.stats(x, e_in)
+        return self.kernels.stats(x, e_in, **self.kw)
 
     # -- what MPI touches ------------------------------------------------------
     def sync(self):
-        _cuda.sync()
+        """The call's work is queued (its end): a wait for the engine's
+        stream on the host, or, with a stream of mpigc's own
+        (``MPIGC_CUDA_STREAM``), an event that the streams of the call's
+        arrays wait for, without a host wait (:func:`mpigc._cuda.finish`)."""
+        _cuda.finish(self.producers)
 
     def ready_for_mpi(self):
         """What MPI reads next (through :meth:`wire` and :meth:`stage`) is

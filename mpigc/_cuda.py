@@ -78,18 +78,26 @@ def _numba_cuda():
 
 
 # -- arrays ------------------------------------------------------------------
-def as_device(a):
+def as_device(a, producers=None):
     """``a`` as a Numba device array (no copy), after the work of the stream
     that produced it (:func:`wait_for_producer`; Numba arrays: their own
-    stream, synchronised): the engine's kernels run on another stream
-    (:func:`engine_stream`)."""
+    stream, synchronised, or, with a stream of mpigc's own, waited for on
+    it by an event): the engine's kernels run on another stream
+    (:func:`engine_stream`). ``producers`` (a list): where the producer's
+    stream is appended when the call's end must order it after the
+    engine's work (:func:`finish`)."""
     cuda = _numba_cuda()
     if getattr(type(a), "__cuda_ndarray__", False):  # Numba's own (or the simulator's)
         stream = getattr(a, "stream", 0)
         if stream:
-            stream.synchronize()
+            if own_stream():
+                _order(stream, engine_stream())
+                if producers is not None and not any(p is stream for p in producers):
+                    producers.append(stream)
+            else:
+                stream.synchronize()
         return a
-    wait_for_producer(a)
+    wait_for_producer(a, producers)
     if simulator():
         return _simulated_from_interface(a)
     # dtype, shape, strides and the pointer come from the interface (a torch
@@ -117,24 +125,65 @@ def producer_stream(a):
     return ptr
 
 
-def wait_for_producer(a):
+def wait_for_producer(a, producers=None):
     """Order the engine's stream after the work queued so far on the stream
     that produced ``a`` (:func:`producer_stream`), without a host wait: an
     event recorded there, waited for on the engine's stream. Nothing to do
-    for the legacy stream (the engine's own) and for a per-thread default
-    stream (a blocking stream: the legacy stream waits for it by CUDA's
-    rules). An array made on another stream than the one its interface
-    names (CuPy, torch: the current one) is not covered: make that stream
-    current, or synchronise it, before the call."""
+    for the legacy stream and a per-thread default stream when the engine
+    runs on the legacy stream or on a blocking stream of its own (CUDA's
+    rules order them: a blocking stream's work waits for the legacy
+    stream's earlier work, and the legacy stream's for every blocking
+    stream's); a non-blocking stream of its own waits for them too
+    (``MPIGC_CUDA_STREAM=nonblocking``). An array made on another stream
+    than the one its interface names (CuPy, torch: the current one) is not
+    covered: make that stream current, or synchronise it, before the call.
+    ``producers``: as :func:`as_device` (a stream of mpigc's own only)."""
     ptr = producer_stream(a)
-    if ptr is None or ptr in (1, 2) or simulator():
+    if ptr is None or simulator():
         return  # (the simulator runs every launch and copy to its end at once)
-    if _driver.ON is not False and _driver.order_after(ptr, engine_stream()):
+    if ptr in (1, 2) and _mode() != "nonblocking":
+        return
+    if producers is not None and own_stream() and ptr not in producers:
+        producers.append(ptr)
+    _order(ptr, engine_stream())
+
+
+def _order(producer, stream):
+    """``stream`` after the work queued so far on ``producer`` (an int
+    handle, 1 the legacy and 2 the per-thread default stream, or a Numba
+    stream), without a host wait: an event recorded there, waited for on
+    ``stream``."""
+    if isinstance(producer, int) and _driver.ON is not False \
+            and _driver.order_after(producer, stream):
         return
     cuda = _numba_cuda()
-    ev = cuda.event(timing=False)
-    ev.record(cuda.external_stream(ptr))
-    ev.wait(engine_stream())
+    if isinstance(producer, int):
+        producer = (cuda.legacy_default_stream() if producer == 1 else
+                    cuda.per_thread_default_stream() if producer == 2 else
+                    cuda.external_stream(producer))
+    ev = _thread_event("order")
+    ev.record(producer)
+    ev.wait(stream)
+
+
+_events = threading.local()  # the calling thread's events (Numba's), made once
+
+
+def _event():
+    """A new Numba event without timing (the simulator's takes no argument)."""
+    cuda = _numba_cuda()
+    return cuda.event() if simulator() else cuda.event(timing=False)
+
+
+def _thread_event(kind):
+    """The calling thread's event ``kind`` (Numba's, without timing), made
+    once: an event may be recorded again once what waited on it took its
+    state (a stream wait when it is queued)."""
+    ev = getattr(_events, kind, None)
+    if ev is None:
+        ev = _event()
+        setattr(_events, kind, ev)
+    return ev
 
 
 def _simulated_from_interface(a):
@@ -184,23 +233,149 @@ def to_device(h):
 def to_host(d, out=None):
     """Copy device array ``d`` to host (into ``out`` if given): synchronous,
     in order on the engine's stream."""
-    if _driver.ON or (_driver.ON is None and _driver.enabled()):
+    if not own_stream() and (_driver.ON or (_driver.ON is None and _driver.enabled())):
         h = np.empty(d.shape, d.dtype) if out is None else out
         if _driver.copy(h, d, engine_stream(), True):
             return h
+    if own_stream():  # a synchronous copy would not wait for a stream of its own
+        s, h = engine_stream(), None
+        if _driver.ON or (_driver.ON is None and _driver.enabled()):
+            t = np.empty(d.shape, d.dtype) if out is None else out
+            if _driver.copy(t, d, s, False):
+                h = t
+        if h is None:  # (Numba makes a host array that fits when out is None)
+            h = d.copy_to_host(out, stream=s)
+        kc = _kc()
+        kc._queued[0] += 1
+        kc.host_wait(s)
+        return h
     if out is None:
         return d.copy_to_host()
     d.copy_to_host(out)
     return out
 
 
+# -- the engine's stream ---------------------------------------------------------
+_MODES = {"": None, "0": None, "off": None, "1": "blocking", "on": "blocking",
+          "blocking": "blocking", "nonblocking": "nonblocking"}
+_stream_mode = []  # [mode, whether it is one], decided once (tests: _reset_stream_mode)
+_own = {}  # device id -> mpigc's stream there
+
+
+def _mode():
+    """``MPIGC_CUDA_STREAM``: None (unset or ``0``: the legacy default
+    stream), ``"blocking"`` (``1``: a stream of mpigc's own, which CUDA
+    orders with the legacy default stream both ways) or ``"nonblocking"``
+    (a non-blocking one: see docs/gpu.md, "Not done yet")."""
+    if not _stream_mode:
+        env = os.environ.get("MPIGC_CUDA_STREAM", "").strip().lower()
+        if env not in _MODES:
+            raise ConfigError(f"MPIGC_CUDA_STREAM: expected 0, 1 or nonblocking, got {env!r}")
+        _stream_mode[:] = [_MODES[env], _MODES[env] is not None]
+    return _stream_mode[0]
+
+
+def own_stream():
+    """Whether the engine runs on a stream of mpigc's own (``MPIGC_CUDA_STREAM``)."""
+    if _stream_mode:
+        return _stream_mode[1]
+    return _mode() is not None
+
+
+def _reset_stream_mode():
+    """Read ``MPIGC_CUDA_STREAM`` again (tests); the streams made stay."""
+    del _stream_mode[:]
+
+
+_kcm = []
+
+
+def _kc():
+    """``mpigc.kernels.cuda``, imported on first use."""
+    if not _kcm:
+        from .kernels import cuda as kc
+        _kcm.append(kc)
+    return _kcm[0]
+
+
 def engine_stream():
     """The stream of the engine's kernels and copies: the legacy default
     stream, named explicitly (``mpigc.kernels.cuda.default_stream``), one
     stream per device in every thread whatever the per-thread default
-    stream setting, and torch's default stream."""
-    from .kernels import cuda as kc
-    return kc.default_stream()
+    stream setting, and torch's default stream; with ``MPIGC_CUDA_STREAM``
+    set, a stream of mpigc's own on the current GPU, made once per device."""
+    kc = _kc()
+    if not own_stream():
+        return kc.default_stream()
+    dev = kc._device_id()
+    s = _own.get(dev)
+    if s is None:
+        with _lock:
+            s = _own.get(dev)
+            if s is None:
+                s = _own[dev] = _new_stream(_mode() == "nonblocking")
+    return s
+
+
+def _new_stream(nonblocking):
+    """A stream of mpigc's own on the current GPU, as a Numba stream: a
+    blocking one (Numba's ``cuda.stream()``), or a non-blocking one made by
+    the driver (``CU_STREAM_NON_BLOCKING``; in the simulator, where streams
+    do nothing, Numba's)."""
+    cuda = _numba_cuda()
+    if not nonblocking or simulator():
+        return cuda.stream()
+    from cuda.bindings import driver as drv
+    err, h = drv.cuStreamCreate(drv.CUstream_flags.CU_STREAM_NON_BLOCKING)
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"mpigc: cuStreamCreate failed: {err!r}")
+    s = cuda.external_stream(int(h))
+    s._mpigc_handle = h  # the stream lives as long as the process
+    return s
+
+
+_NO_KW = {}
+
+
+def stream_kw():
+    """The keyword arguments that put a kernel function of
+    ``mpigc.kernels.cuda`` on the engine's stream: none on the legacy
+    stream (their default), ``cuda_stream=`` a stream of mpigc's own."""
+    if not own_stream():
+        return _NO_KW
+    return {"cuda_stream": engine_stream()}
+
+
+def finish(producers=()):
+    """A call's device work is queued: with the legacy default stream, wait
+    for it on the host (:func:`sync`); with a stream of mpigc's own, no host
+    wait: an event recorded on that stream, waited for on ``producers`` (the
+    streams the call's arrays came from, :func:`as_device`) and, for a
+    non-blocking stream, on the legacy default stream (a blocking stream,
+    the per-thread default streams included, waits for the legacy stream's
+    earlier work; the legacy stream for a blocking stream's), so that work
+    queued there after the call reads its results."""
+    if not own_stream():
+        sync()
+        return
+    s = engine_stream()
+    waiters = list(producers)
+    if _mode() == "nonblocking":
+        waiters.append(1)
+    if not waiters:
+        return
+    if _driver.ON is not False and all(isinstance(w, int) for w in waiters) \
+            and _driver.order_streams(s, waiters):
+        return
+    cuda = _numba_cuda()
+    ev = _thread_event("finish")
+    ev.record(s)
+    for w in waiters:
+        if isinstance(w, int):
+            w = (cuda.legacy_default_stream() if w == 1 else
+                 cuda.per_thread_default_stream() if w == 2 else
+                 cuda.external_stream(w))
+        ev.wait(w)
 
 
 def copy(dst, src):
@@ -216,10 +391,21 @@ def copy(dst, src):
     taken by the driver before this returns). On a GPU the copies go to the
     driver (``mpigc.kernels._driver``: asynchronous on the engine's stream,
     then a wait for it where the host reads ``dst``)."""
-    if _driver.ON is not False and _driver.copy(dst, src, engine_stream(),
-                                                isinstance(dst, np.ndarray)):
+    host = isinstance(dst, np.ndarray)
+    if own_stream():  # a synchronous copy would not wait for mpigc's stream
+        s, kc = engine_stream(), _kc()
+        if _driver.ON is False or not _driver.copy(dst, src, s, False):
+            if host:
+                src.copy_to_host(dst, stream=s)
+            else:
+                dst.copy_to_device(src, stream=s)
+        kc._queued[0] += 1
+        if host:
+            kc.host_wait(s)
         return
-    if isinstance(dst, np.ndarray):
+    if _driver.ON is not False and _driver.copy(dst, src, engine_stream(), host):
+        return
+    if host:
         src.copy_to_host(dst)
     else:
         dst.copy_to_device(src, stream=engine_stream())
@@ -230,8 +416,14 @@ def sync():
     default stream (:func:`engine_stream`), so that stream is synchronised,
     not the whole device (work of other non-blocking streams, e.g. torch's
     side streams or the rest of a backward pass queued there, goes on); MPI
-    and the caller may read the results afterwards."""
-    if _driver.ON is False or not _driver.sync(engine_stream()):
+    and the caller may read the results afterwards. With a stream of
+    mpigc's own: an event recorded there and waited for on the host
+    (``mpigc.kernels.cuda.host_wait``), none when nothing was queued there
+    since the calling thread's last wait (by any thread: a count read
+    waited for the pack, and MPI then reads what it packed)."""
+    if own_stream():  # (no wait when nothing was queued since this thread's last)
+        _kc().host_wait(engine_stream(), idle_ok=True)
+    elif _driver.ON is False or not _driver.sync(engine_stream()):
         engine_stream().synchronize()
 
 
@@ -254,6 +446,7 @@ class _StagingPool:
 
     def __init__(self):
         self._free = []
+        self._done = {}  # id(buffer) -> (buffer, its event: where its copies end)
         self.allocated = 0  # how many buffers were ever allocated (tests)
 
     def take(self, nbytes):
@@ -262,20 +455,36 @@ class _StagingPool:
             fits = [i for i, b in enumerate(self._free) if b.size >= nbytes]
             if fits:
                 i = min(fits, key=lambda i: self._free[i].size)
-                return self._free.pop(i)
+                b = self._free.pop(i)
+                ev = self._done.get(id(b))
+            else:
+                b = None
+        if b is not None:
+            # (in the simulator every copy is done when it returns)
+            if ev is not None and ev[0] is b and not simulator() and not ev[1].query():
+                ev[1].synchronize()  # the engine is still behind: a host wait
+            return b
         cap = 1 << (nbytes - 1).bit_length()
         self.allocated += 1
-        if simulator():
-            return np.empty(cap, np.uint8)
-        return _numba_cuda().pinned_array(cap, np.uint8)
+        return _numba_cuda().pinned_array(cap, np.uint8)  # (a numpy array in the simulator)
 
     def give(self, buf):
+        """``buf`` is free again. With a stream of mpigc's own, the call
+        that gives it back did not wait for its copies (:func:`finish`): an
+        event recorded on the engine's stream marks their end, and
+        :meth:`take` waits for it before MPI may write the buffer again."""
+        s = engine_stream() if own_stream() else None  # (it may take _lock: not below)
         with _lock:
+            if s is not None:
+                ev = self._done.get(id(buf))
+                if ev is None or ev[0] is not buf:  # one event per buffer, made once
+                    ev = self._done[id(buf)] = (buf, _event())
+                ev[1].record(s)
             self._free.append(buf)
             if len(self._free) > self._KEEP:  # drop the smallest (by index:
                 # numpy arrays compare element-wise)
                 i = min(range(len(self._free)), key=lambda i: self._free[i].size)
-                self._free.pop(i)
+                self._done.pop(id(self._free.pop(i)), None)
 
 
 staging_pool = _StagingPool()

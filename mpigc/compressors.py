@@ -127,6 +127,23 @@ def _reduction_hint(op):
             f"the exact MPI sum, '2bit', '1bit', 'fp16', ...), and {way}")
 
 
+_NO_KW = {}
+
+
+def _kernels(a):
+    """The kernels of ``a``'s side and the keywords of their calls: on a
+    device, the engine's stream (``mpigc._cuda.stream_kw``: none, the
+    legacy default stream, unless ``MPIGC_CUDA_STREAM`` asks for a stream of
+    mpigc's own). Device arrays reach a compressor from the collectives
+    only (:func:`_host_only`), so every device encode and decode runs in
+    the engine's stream order."""
+    k = _dispatch.kernels(a)
+    if k.__name__ == "mpigc.kernels.cpu":
+        return k, _NO_KW
+    from . import _cuda
+    return k, _cuda.stream_kw()
+
+
 def _host_only(what, *arrays):
     for a in arrays:
         if a is not None and _dispatch.is_device_array(a):
@@ -413,8 +430,9 @@ class _TwoByte(Compressor):
         return 2 * int(n)
 
     def encode_into(self, x, e_in, e_out, payload, *, divisor=1.0, **kw):
-        pack = getattr(_dispatch.kernels(x), "pack_" + self._kernel)
-        return pack(x, e_in, e_out, payload.view(np.uint16), divisor)
+        k, kw = _kernels(x)
+        return getattr(k, "pack_" + self._kernel)(x, e_in, e_out, payload.view(np.uint16),
+                                                  divisor, **kw)
 
     def encode_shards(self, x, e_in, e_out, payload, starts, offs, *, divisor=1.0, **kw):
         # the payloads of contiguous shards are the values, contiguous: one call
@@ -424,8 +442,9 @@ class _TwoByte(Compressor):
                                 payload[offs[0]:offs[0] + 2 * (hi - lo)], divisor=divisor)
 
     def decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
-        unpack = getattr(_dispatch.kernels(out), f"unpack_{self._kernel}_shards")
-        unpack(payload, stride, nsrc, starts, offs, out, accumulate)
+        k, kw = _kernels(out)
+        getattr(k, f"unpack_{self._kernel}_shards")(payload, stride, nsrc, starts, offs, out,
+                                                     accumulate, **kw)
 
 
 @register_compressor
@@ -627,12 +646,13 @@ class TwoBit(Compressor):
         return self.encode_shards(x, e_in, e_out, payload, (0, x.size), (0,), **kw)
 
     def encode_shards(self, x, e_in, e_out, payload, starts, offs, **kw):
-        k = _dispatch.kernels(x)
+        k, kw = _kernels(x)
         if not self.relative:
-            return k.pack_2bit_shards(x, e_in, e_out, payload, starts, offs, self.threshold)
+            return k.pack_2bit_shards(x, e_in, e_out, payload, starts, offs, self.threshold,
+                                      **kw)
         # codes, then the block magnitudes (little-endian float32) per shard
         return k.pack_2bit_rel_shards(x, e_in, e_out, payload, starts, offs,
-                                      self.rel_threshold, self.block_size)
+                                      self.rel_threshold, self.block_size, **kw)
 
     def mark_out_of_range(self, payload, n):
         """Relative mode: a block whose threshold overflows selects nothing
@@ -646,13 +666,13 @@ class TwoBit(Compressor):
         _dispatch.put_bytes(payload, np.concatenate([np.full(nb, 0xFF, np.uint8), nan]))
 
     def decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
-        k = _dispatch.kernels(out)
+        k, kw = _kernels(out)
         if not self.relative:
             k.unpack_2bit_shards(payload, stride, nsrc, starts, offs, out, self.threshold,
-                                 accumulate)
+                                 accumulate, **kw)
         else:
             k.unpack_2bit_rel_shards(payload, stride, nsrc, starts, offs, out,
-                                     self.block_size, accumulate)
+                                     self.block_size, accumulate, **kw)
 
 
 @register_compressor
@@ -690,12 +710,13 @@ class OneBit(Compressor):
 
     def encode_shards(self, x, e_in, e_out, payload, starts, offs, **kw):
         # bits, then the pairs (little-endian float32) per shard
-        return _dispatch.kernels(x).pack_1bit_shards(x, e_in, e_out, payload, starts, offs,
-                                                     self.block_size)
+        k, kw = _kernels(x)
+        return k.pack_1bit_shards(x, e_in, e_out, payload, starts, offs, self.block_size, **kw)
 
     def decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
-        _dispatch.kernels(out).unpack_1bit_shards(payload, stride, nsrc, starts, offs, out,
-                                                  self.block_size, accumulate)
+        k, kw = _kernels(out)
+        k.unpack_1bit_shards(payload, stride, nsrc, starts, offs, out, self.block_size,
+                             accumulate, **kw)
 
 
 @register_compressor
@@ -739,7 +760,8 @@ class TernGrad(Compressor):
         scale is beyond float32 (it travels as float32: float64 input)."""
         if x.size == 0:
             return 0.0, math.inf, 0
-        return self.scale_of(_dispatch.kernels(x).stats(x, e_in), x.size)
+        k, kw = _kernels(x)
+        return self.scale_of(k.stats(x, e_in, **kw), x.size)
 
     def scale_of(self, stats, n):
         """:meth:`local_scale` of ``n > 0`` values from their ``stats``, the
@@ -773,8 +795,9 @@ class TernGrad(Compressor):
         with np.errstate(over="ignore"):  # counted by local_scale
             s32 = np.float32(scale)
         # codes, then the scale (little-endian float32) per shard
-        nbad_pack = _dispatch.kernels(x).pack_ternary_shards(
-            x, e_in, e_out, payload, starts, offs, s32, clip_bound, stream, offset)
+        k, kw = _kernels(x)
+        nbad_pack = k.pack_ternary_shards(x, e_in, e_out, payload, starts, offs, s32,
+                                          clip_bound, stream, offset, **kw)
         return max(nbad, nbad_pack)
 
     def mark_out_of_range(self, payload, n):
@@ -787,5 +810,5 @@ class TernGrad(Compressor):
                                                      np.array([np.nan], "<f4").view(np.uint8)]))
 
     def decode_shards(self, payload, stride, nsrc, starts, offs, out, accumulate):
-        _dispatch.kernels(out).unpack_ternary_shards(payload, stride, nsrc, starts, offs, out,
-                                                     accumulate)
+        k, kw = _kernels(out)
+        k.unpack_ternary_shards(payload, stride, nsrc, starts, offs, out, accumulate, **kw)

@@ -108,6 +108,12 @@ class _Recorder:
     def external_stream(self, ptr):
         return f"stream {ptr:#x}"
 
+    def legacy_default_stream(self):
+        return "legacy stream"
+
+    def per_thread_default_stream(self):
+        return "per-thread stream"
+
     def as_cuda_array(self, a, sync=True):
         self.log.append(("as_cuda_array", sync))
         return a
@@ -124,13 +130,27 @@ class _Foreign:
             self.__cuda_array_interface__["stream"] = stream
 
 
-@pytest.fixture
-def fake_cuda(monkeypatch):
+def _fake(monkeypatch, mode):
     rec = _Recorder()
     monkeypatch.setattr(_cuda, "_numba_cuda", lambda: rec)
     monkeypatch.setattr(_cuda, "simulator", lambda: False)
     monkeypatch.setattr(_cuda, "engine_stream", lambda: "engine stream")
+    monkeypatch.setattr(_cuda, "_events", __import__("threading").local())  # the fake's events
+    monkeypatch.setattr(_cuda, "_stream_mode", [])
+    monkeypatch.setenv("MPIGC_CUDA_STREAM", mode)
     return rec
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """The legacy default stream (``MPIGC_CUDA_STREAM=0``)."""
+    return _fake(monkeypatch, "0")
+
+
+@pytest.fixture(params=["1", "nonblocking"])
+def own_stream(request, monkeypatch):
+    """A stream of mpigc's own, blocking (``MPIGC_CUDA_STREAM=1``) or not."""
+    return _fake(monkeypatch, request.param), request.param
 
 
 def test_producer_stream_is_waited_for_on_the_engine_stream(fake_cuda):
@@ -208,3 +228,101 @@ def test_numpy_is_not_a_producer(monkeypatch):
     assert _cuda.producer_stream(_Foreign(...)) is None
     assert _cuda.producer_stream(_Foreign(0x10)) == 0x10
     assert not hasattr(np.zeros(1), "__cuda_array_interface__")
+
+
+# ----------------------------------------------------------------------------
+# a stream of mpigc's own (MPIGC_CUDA_STREAM): the same order, no host wait
+# ----------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [1, 2])
+def test_own_stream_waits_for_the_default_streams(own_stream, stream):
+    """A blocking stream of mpigc's own is ordered with the legacy and the
+    per-thread default streams by CUDA's rules; a non-blocking one waits for
+    them by an event."""
+    fake, mode = own_stream
+    _cuda.as_device(_Foreign(stream))
+    name = {1: "legacy stream", 2: "per-thread stream"}[stream]
+    want = [] if mode == "1" else [("record", name), ("wait", "engine stream")]
+    assert fake.log == want + [("as_cuda_array", False)]
+
+
+def test_own_stream_orders_the_producers_after_the_call(own_stream):
+    """The streams the call's arrays came from are remembered at adoption and
+    wait, at the call's end (``finish``), for an event of mpigc's stream; a
+    non-blocking stream makes the legacy stream wait too. No host wait."""
+    fake, mode = own_stream
+    producers = []
+    _cuda.as_device(_Foreign(0xABC0), producers)
+    _cuda.as_device(_Foreign(0xABC0), producers)  # (once)
+    _cuda.as_device(_Foreign(None), producers)
+    assert producers == [0xABC0]
+    del fake.log[:]
+    _cuda.finish(producers)
+    want = [("record", "engine stream"), ("wait", "stream 0xabc0")]
+    if mode == "nonblocking":
+        want.append(("wait", "legacy stream"))
+    assert fake.log == want
+
+
+def test_own_stream_numba_array_is_not_synchronised(own_stream):
+    """A Numba array's own stream: an event, not ``synchronize()`` (the
+    legacy default stream synchronises it, a host wait)."""
+    fake, _ = own_stream
+
+    class Stream:
+        def synchronize(self):
+            fake.log.append("synchronize")
+
+        def __bool__(self):
+            return True
+
+    class Arr:
+        __cuda_ndarray__ = True
+
+    a = Arr()
+    a.stream = Stream()
+    producers = []
+    assert _cuda.as_device(a, producers) is a
+    assert fake.log == [("record", a.stream), ("wait", "engine stream")]
+    assert producers == [a.stream]
+
+
+def test_stream_mode_is_checked(monkeypatch):
+    monkeypatch.setattr(_cuda, "_stream_mode", [])
+    monkeypatch.setenv("MPIGC_CUDA_STREAM", "yes please")
+    with pytest.raises(mpigc.ConfigError, match="MPIGC_CUDA_STREAM: expected 0, 1 or"):
+        _cuda.own_stream()
+
+
+def test_idle_wait_skipped_only_when_nothing_was_queued():
+    """``host_wait(stream, idle_ok=True)`` (before MPI reads device memory,
+    with a stream of mpigc's own) waits unless the calling thread waited on
+    that stream since the last launch or copy mpigc queued (by any thread);
+    a launch in another thread counts. In a subprocess with the simulator
+    (this session imports no numba.cuda); the simulator's event counts its
+    synchronisations."""
+    import os
+    import subprocess
+    code = """
+import threading
+import numpy as np
+from numba import cuda
+from mpigc.kernels import cuda as kc
+waits = []
+cuda.event.synchronize = lambda self: waits.append(1)
+s = cuda.stream()
+x = cuda.to_device(np.ones(8, np.float32))
+kc.host_wait(s, idle_ok=True)          # never waited here: waits
+kc.host_wait(s, idle_ok=True)          # nothing queued since: no wait
+kc.divide(x, 2.0, cuda_stream=s)       # a launch
+kc.host_wait(s, idle_ok=True)          # waits
+t = threading.Thread(target=lambda: kc.divide(x, 2.0, cuda_stream=s))
+t.start(); t.join()                     # a launch in another thread
+kc.host_wait(s, idle_ok=True)          # waits
+kc.host_wait(s)                        # not idle_ok: waits
+print(len(waits))
+"""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1")
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["4"], r.stdout

@@ -11,7 +11,9 @@
 #   3. tests/gpu/e2e_mpi.py under mpirun at 2 and 4 ranks sharing the GPU, staged
 #      (MPIGC_CUDA_AWARE=0) and as the MPI library is probed: every op, then
 #      hierarchical 2bit and 1bit calls (MPIGC_NODE_SPLIT=2), results and
-#      residuals bit-identical to host calls;
+#      residuals bit-identical to host calls; then staged again with a stream
+#      of mpigc's own (MPIGC_CUDA_STREAM=1, and =nonblocking at 2 ranks: issue
+#      49 item 4, off by default until these steps pass on a GPU);
 #   4. benchmarks/gpu_bench.py, then benchmarks/grouped.py --device (2 ranks);
 #   5. a torch training step (benchmarks/bench_torch_step.py --device cuda, 2 ranks
 #      sharing the GPU): GradientSync with device buckets (none, 2bit, 1bit) vs the
@@ -76,7 +78,7 @@ fi
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1  # harmless when not root
 export OMPI_MCA_rmaps_base_oversubscribe=1 PRTE_MCA_rmaps_default_mapping_policy=:oversubscribe
 export PYTHONUNBUFFERED=1
-unset MPIGC_CUDA_AWARE MPIGC_DEVICE MPIGC_MIN_COMPRESS_BYTES
+unset MPIGC_CUDA_AWARE MPIGC_DEVICE MPIGC_MIN_COMPRESS_BYTES MPIGC_CUDA_STREAM
 echo "mpigc GPU runner: logs in $LOGS, summary in $SUMMARY_DIR/gpu-summary.json"
 
 STEPS=$LOGS/steps.tsv  # name, exit status, seconds, log, json
@@ -158,6 +160,17 @@ if [ -n "$MPIRUN" ]; then
             name=e2e_${k}ranks_$aware
             if [ "$aware" = 0 ]; then env=(env MPIGC_CUDA_AWARE=0); else env=(env); fi
             step "$name" "$LOGS/$name.json" "${env[@]}" "$MPIRUN" --oversubscribe "${MPI_ENV[@]}" -n "$k" \
+                "$PYTHON" "$ROOT/tests/gpu/e2e_mpi.py" "$LOGS/$name.json"
+        done
+    done
+    # a stream of mpigc's own (MPIGC_CUDA_STREAM, off by default): the same
+    # bit-identity, staged; the simulator cannot show a missing wait, a GPU can
+    for k in $RANKS; do
+        for mode in 1 nonblocking; do
+            if [ "$mode" = nonblocking ] && [ "$k" != 2 ]; then continue; fi
+            name=e2e_${k}ranks_0_stream_$mode
+            step "$name" "$LOGS/$name.json" env MPIGC_CUDA_AWARE=0 MPIGC_CUDA_STREAM=$mode \
+                "$MPIRUN" --oversubscribe "${MPI_ENV[@]}" -n "$k" \
                 "$PYTHON" "$ROOT/tests/gpu/e2e_mpi.py" "$LOGS/$name.json"
         done
     done

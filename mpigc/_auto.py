@@ -28,7 +28,8 @@ joins its own communicator, or an agreement step, after which it posts its
 sums), so no rank joins or posts where another does not, and its index in
 the model (modulo a few), so that a call numbered differently on some ranks
 (started while a call of those ranks only was in flight) fails everywhere.
-A step completes in :func:`start`. A call that failed is undone in the model
+A step completes in :func:`start` (waited for by the caller's wait where it
+gives one: :func:`waiting_with`). A call that failed is undone in the model
 (:meth:`Model.close`): the models stay alike on the ranks that made it as
 op="auto" and on those that did not, once no call of the rank is in flight.
 
@@ -38,9 +39,11 @@ communicates and carried into the call's agreement (the call runs with a
 compressor that fails its check with the message), so they raise
 :class:`ConfigError` on every rank, as a bad op does.
 """
+import contextlib
 import os
 import threading
 import time
+import weakref
 
 import numpy as np
 from mpi4py import MPI
@@ -57,12 +60,59 @@ from .feedback import ErrorFeedback, get_default_feedback, hold_for_plain, plain
 from .feedback import shard_bounds
 
 __all__ = ["PINS", "AutoRequest", "start", "model_of", "last_decision", "use_clock",
-           "default_pin"]
+           "default_pin", "waiting_with"]
 
 PINS = ("model", "none", "compressed")
 
 _clock = time.perf_counter
 _last = threading.local()
+# model -> (the AutoRequest of its step whose wait ended by the caller's
+# timeout, whether it is the first call): taken up at the next call's start
+_steps = weakref.WeakKeyDictionary()
+
+
+@contextlib.contextmanager
+def waiting_with(wait):
+    """Inside, this thread's ``op="auto"`` calls wait in :func:`start` (a
+    model step's call, the sums posted at the step before) by ``wait(req)``,
+    which polls ``req.test()`` and may raise (the torch layer's wait: its
+    lines on stderr, its StateError at its timeout) instead of blocking in
+    ``req.wait()``. A step whose wait raised stays in flight and is taken up
+    by the communicator's next ``op="auto"`` call. ``wait=None``: no change."""
+    old = getattr(_last, "wait", None)
+    _last.wait = wait if wait is not None else old
+    try:
+        yield
+    finally:
+        _last.wait = old
+
+
+def _wait_for(req):
+    """``req``'s result, waited for by the thread's :func:`waiting_with`
+    wait first (which may raise, ``req`` still in flight), if any."""
+    wait = getattr(_last, "wait", None)
+    if wait is not None:
+        wait(req)
+    return req.wait()
+
+
+def _take_up(model, cm):
+    """Complete the model's step left in flight by a wait that raised
+    (:func:`waiting_with`), then join or post as the step would have:
+    raises again if its wait does (the step stays), or the step's own error
+    (undone in the model by its request)."""
+    req, first = _steps[model]
+    try:
+        _wait_for(req)
+    except BaseException:
+        if req._post.over:  # it failed: undone in the model (AutoRequest)
+            del _steps[model]
+        raise
+    del _steps[model]
+    if first:
+        model.join(cm)
+    else:
+        model.post()
 
 
 def use_clock(fn=None):
@@ -347,7 +397,9 @@ def start(kind, buf, params, *, auto_op, auto_pin, comm, key, average, gather, f
                                     **run))
     model = model_of(cm)
     with model.order:
-        entry = model.enter()
+        if model in _steps:
+            _take_up(model, cm)
+        entry = model.enter(getattr(_last, "wait", None))
         try:
             dec, slot, nbytes = _decide(model, kind, flats, comp, cfg, pin, gather,
                                         cm.Get_size())
@@ -363,11 +415,8 @@ def start(kind, buf, params, *, auto_op, auto_pin, comm, key, average, gather, f
         # thread's call waits), then the join or the post
         req = _launch(kind, buf, params, group, flats, dec, slot, nbytes, auto_op,
                       _mark(pin, cfg, entry), model, entry, cm, feedback, run)
-        req.wait()  # a failure is undone in the model (AutoRequest.wait)
-        if entry.index == 0:
-            model.join(cm)
-        else:
-            model.post()
+        _steps[model] = (req, entry.index == 0)
+        _take_up(model, cm)  # a failure is undone in the model (AutoRequest.wait)
         return req
 
 

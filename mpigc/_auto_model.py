@@ -225,7 +225,7 @@ class Model:
     def fit(self, label):
         return self.fits.get(self.slot(label))
 
-    def enter(self):
+    def enter(self, wait=None):
         """At each op="auto" call, under :attr:`order`, before it decides:
         its :class:`_Call` (its index; whether it is a model step: the
         first call, after which the model joins, and every SYNC_EVERY-th,
@@ -234,7 +234,10 @@ class Model:
         (every rank posted them: they are posted only once a step went
         through, :meth:`post`) and takes them in. What the call changes
         (the index, its series' counts, new slots until :meth:`decided`,
-        the sums a step took in) is undone if it fails (:meth:`close`)."""
+        the sums a step took in) is undone if it fails (:meth:`close`).
+        ``wait``: how the sums are waited for (the caller's wait, which may
+        raise at its timeout: the sums stay posted, for the next try);
+        default their request's ``wait()``."""
         with self.book:
             c = self.calls
             self.calls += 1
@@ -243,7 +246,7 @@ class Model:
             self.log.append(e)
         if e.step and self.pending is not None:
             try:
-                sums = self._received()
+                sums = self._received(wait)
             except BaseException:
                 self.close(e, False)
                 raise
@@ -252,11 +255,19 @@ class Model:
             self.merge(sums)
         return e
 
-    def _received(self):
-        """The sums posted last (waited for here, or taken back from a step
-        that failed: :meth:`close`); :attr:`pending` is None after."""
-        got, self.pending = self.pending, None
-        return got if isinstance(got, np.ndarray) else Request(got).wait()
+    def _received(self, wait=None):
+        """The sums posted last (waited for here, by ``wait`` if given, or
+        taken back from a step that failed: :meth:`close`); :attr:`pending`
+        is None after, and as it was if the wait raised."""
+        got = self.pending
+        if not isinstance(got, np.ndarray):
+            if not isinstance(got, Request):
+                got = self.pending = Request(got)
+            if wait is not None:
+                wait(got)
+            got = got.wait()
+        self.pending = None
+        return got
 
     def decided(self):
         """The call of :meth:`enter` decided: later changes are not its."""

@@ -8,6 +8,7 @@ from mpi4py import MPI
 
 from .. import _comm as _engine_comm
 from .. import _wire
+from .._auto import waiting_with
 from .._errors import ConfigError, DTypeError, MismatchError, MpigcError, StateError
 from ..feedback import new_entry, shard_bounds
 from ..allreduce import iallreduce
@@ -348,13 +349,19 @@ class FsdpHookState:
                 self._first = None
         self._begin(key)
         before = _wire.traffic()
-        try:
-            req = start()
-            self._arrive.step_posted()
-            label = f"FSDP gradient reduction of {key} (rank {self.rank} of {self.size})"
-            wait_request(lambda: settled(req), label, _STEP, timeout=self.timeout,
+        label = f"FSDP gradient reduction of {key} (rank {self.rank} of {self.size})"
+
+        def wait(r):
+            wait_request(lambda: settled(r), label, _STEP, timeout=self.timeout,
                          warn_s=self._warn_s, watch=self._arrive.watch(
                              f"the gradient reduction of {key} (call {{step}})", label))
+        try:
+            # (a model step of op="auto" completes in the call: waited for
+            # with the same lines and timeout)
+            with waiting_with(wait if self.auto_pin is not None else None):
+                req = start()
+            self._arrive.step_posted()
+            wait(req)
             req.wait()
             if getattr(req, "decision", None) is not None:  # op="auto"
                 self.decisions[key] = req.decision

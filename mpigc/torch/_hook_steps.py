@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .._auto import waiting_with
 from .._errors import MismatchError, MpigcError, StateError
 from ..allreduce import iallreduce
 
@@ -83,7 +84,11 @@ class HookSteps:
         op, auto = self.compressor, {}
         if self.auto_pin is not None:
             op, auto = "auto", {"auto_op": self.compressor, "auto_pin": self.auto_pin}
-        with profiled(f"mpigc: start bucket {layout.key}"):
+        # (a model step of op="auto" completes in the call: waited for as the
+        # step's calls are, with their lines and timeout)
+        with profiled(f"mpigc: start bucket {layout.key}"), waiting_with(
+                (lambda r: self._wait(lambda: settled(r), HOOK_STEP, time.monotonic()))
+                if auto else None):
             req = iallreduce(engine_array(flat, simulating()), op=op, comm=self.comm,
                              key=layout.key, average=self.average, gather=self.gather,
                              feedback=self.feedback, nonfinite=self.nonfinite,

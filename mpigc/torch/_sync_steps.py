@@ -10,11 +10,12 @@ import numpy as np
 import torch
 from mpi4py import MPI
 
+from .._auto import waiting_with
 from .._errors import StateError
 from ..allreduce import iallreduce
 
 from ._common import (JOIN, STEP, engine_after_torch, first_is_nan, fold_back_needs_worker,
-                      profiled, torch_after_engine, wait_request)
+                      profiled, settled, torch_after_engine, wait_request)
 
 
 def _accumulate_grad_hook(p, fn):
@@ -142,11 +143,22 @@ class SyncSteps:
         op, auto = self.compressor, {}
         if self.auto_pin is not None:
             op, auto = "auto", {"auto_op": self.compressor, "auto_pin": self.auto_pin}
-        with profiled(f"mpigc: start bucket {b.key}"):
+        # (a model step of op="auto" completes in the call: waited for as the
+        # step's agreement is, with its lines and timeout)
+        with profiled(f"mpigc: start bucket {b.key}"), \
+                waiting_with(self._wait_in_call if auto else None):
             b.request = iallreduce(b.flat, op=op, comm=self.comm, key=b.key,
                                    average=self.average, gather=self.gather,
                                    feedback=self.feedback, nonfinite=self.nonfinite,
                                    hierarchy=self.hierarchy, **auto)
+
+    def _wait_in_call(self, req, doing="the gradient synchronisation of step {step}"):
+        """Wait for an engine request inside an ``op="auto"`` call
+        (:func:`mpigc._auto.waiting_with`), as for the step's agreement."""
+        label = f"GradientSync (rank {self.rank} of {self.size})"
+        wait_request(lambda: settled(req), label, STEP, timeout=self.timeout,
+                     warn_s=self._warn_s, progress=self._poke,
+                     watch=self._arrive.watch(doing, label))
 
     def _launch_ready(self):
         # buckets start in index order on every rank, whatever order their

@@ -518,6 +518,26 @@ def test_two_threads_making_the_first_auto_call_at_once(dup, monkeypatch, watchd
                f"models differ: {every}", dup)
 
 
+def _models_alike_then_16_calls(dup, fb, went):
+    """The models alike on every rank, then 16 op="auto" calls on key "w"
+    that go through everywhere (``went(key, x, y)`` records each), with the
+    same decisions and models after."""
+    m = _auto.model_of(dup)
+    every = dup.allgather(_model_state(m))
+    assert_all(all(e == every[0] for e in every), f"models differ: {every}", dup)
+    ran = []
+    for i in range(16):
+        x = grads(dup.rank, N, seed=100 + i)
+        y = x.copy()
+        res = _outcome(lambda: mpigc.allreduce(y, op="auto", key="w", comm=dup, feedback=fb))
+        every = dup.allgather(res)
+        assert_all(all(g == "ok" for g in every), f"call {i} after: {every}", dup)
+        went("w", x, y)
+        ran.append(tuple(_auto.last_decision()[:2]))
+    every = dup.allgather((ran, _model_state(m)))
+    assert_all(all(e == every[0] for e in every), f"decisions or models differ: {every}", dup)
+
+
 def _model_state(m):
     """What a model's next decisions depend on, as text (the same on every
     rank where the models are alike)."""
@@ -612,20 +632,7 @@ def test_a_one_sided_call_failing_while_later_auto_calls_are_in_flight(dup, fb, 
     every = dup.allgather((first, outs))
     assert_all(all(e == every[0] for e in every) and first == "MismatchError",
                f"outcomes differ: {every}", dup)
-    m = _auto.model_of(dup)
-    every = dup.allgather(_model_state(m))
-    assert_all(all(e == every[0] for e in every), f"models differ: {every}", dup)
-    ran = []
-    for i in range(16):
-        x = grads(dup.rank, N, seed=100 + i)
-        y = x.copy()
-        got = _outcome(lambda: mpigc.allreduce(y, op="auto", key="w", comm=dup, feedback=fb))
-        every = dup.allgather(got)
-        assert_all(all(g == "ok" for g in every), f"call {i} after: {every}", dup)
-        led.went("w", x, y)
-        ran.append(tuple(_auto.last_decision()[:2]))
-    every = dup.allgather((ran, _model_state(m)))
-    assert_all(all(e == every[0] for e in every), f"decisions or models differ: {every}", dup)
+    _models_alike_then_16_calls(dup, fb, led.went)
     worst = led.worst()
     assert_all(worst < 1e-4 * dup.size, f"conservation off by {worst}", dup)
 
@@ -730,20 +737,7 @@ def test_random_mixes_of_auto_and_one_sided_calls_leave_the_models_alike(dup, fb
     outcome = sorted(got.items())
     every = dup.allgather(outcome)
     assert_all(all(e == every[0] for e in every), f"outcomes differ: {every}", dup)
-    m = _auto.model_of(dup)
-    every = dup.allgather(_model_state(m))
-    assert_all(all(e == every[0] for e in every), f"models differ: {every}", dup)
-    ran = []
-    for i in range(16):
-        x = grads(dup.rank, N, seed=100 + i)
-        y = x.copy()
-        res = _outcome(lambda: mpigc.allreduce(y, op="auto", key="w", comm=dup, feedback=fb))
-        every = dup.allgather(res)
-        assert_all(all(g == "ok" for g in every), f"call {i} after: {every}", dup)
-        went("w", x, y)
-        ran.append(tuple(_auto.last_decision()[:2]))
-    every = dup.allgather((ran, _model_state(m)))
-    assert_all(all(e == every[0] for e in every), f"decisions or models differ: {every}", dup)
+    _models_alike_then_16_calls(dup, fb, went)
     worst = 0.0
     for key in sorted(ins):
         total_in = dup.allreduce(ins[key].astype(np.float64))

@@ -72,6 +72,10 @@ class HostBackend:
         a = self.view if buf is self.given else host_view(buf, "buf")
         return bool(a.flags.writeable)
 
+    def take_member(self, other):
+        """A grouped call's member adopted by ``other``: nothing to take on
+        the host."""
+
     def quick_members(self, bufs, start, dtype, writable):
         """A grouped call's members ``bufs[start:k]`` flat, ``k`` the first
         that does not pass every check of :meth:`adopt` and the group's at a
@@ -252,6 +256,13 @@ class DeviceBackend:
         """None at a glance: every member of a device group is adopted (its
         stream waited for, its GPU checked)."""
         return []
+
+    def take_member(self, other):
+        """A grouped call's member adopted by ``other`` (a backend of this
+        side): the streams its array came from are this call's too."""
+        for p in other.producers:
+            if not any(p is q for q in self.producers):
+                self.producers.append(p)
 
     def is_writable(self, buf):
         return not _cuda.is_readonly(buf)

@@ -171,6 +171,8 @@ class Group:
             elif mdt != dtype:
                 raise DTypeError(f"{self.kind}: group member {i} is {mdt}, member 0 {dtype}: "
                                  "a group holds arrays of one dtype (call once per dtype)")
+            else:
+                be.take_member(mbe)  # (the streams a device member came from)
             flats.append(dbuf.reshape(dbuf.size))
             i += 1
         self.flats = flats

@@ -231,9 +231,11 @@ class Fused:
                     setattr(e, attr, dst)
                 if not device:
                     dst[lo:hi] = arr[at:at + hi - lo]
-            if device:  # one launch per member
+            if device:  # one launch per member, on the engine's stream
+                from . import _cuda
                 _dispatch.kernels(arr).group_copy(
-                    arr, [getattr(e, attr) for e in members], ats, nshards, False)
+                    arr, [getattr(e, attr) for e in members], ats, nshards, False,
+                    **_cuda.stream_kw())
             if attr == "_owner":
                 # a member smaller than the ranks owns no element here: an
                 # empty owner residual, as its single call leaves

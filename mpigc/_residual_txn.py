@@ -344,7 +344,9 @@ class GroupTransaction(Transaction):
         if device:
             if any(a is None for a in arrays):
                 zero(out)  # the members without residuals yet
-            _dispatch.kernels(out).group_copy(out, arrays, ats, nshards, True)
+            from . import _cuda  # (the engine's stream: MPIGC_CUDA_STREAM)
+            _dispatch.kernels(out).group_copy(out, arrays, ats, nshards, True,
+                                              **_cuda.stream_kw())
             return out
         for i, lo, hi, at in pieces:
             a = arrays[i]

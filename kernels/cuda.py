@@ -468,6 +468,27 @@ def host_wait(stream, idle_ok=False):
     seen[id(stream)] = n
 
 
+def _small_to_host(d, stream):
+    """Small device array ``d`` on the host (one wait): on the driver's route
+    or a named ``stream``, an asynchronous copy into ``d``'s pinned twin,
+    then, on a named stream, one wait for what was queued on it so far
+    (:func:`host_wait`); else a synchronous copy (to pageable host memory:
+    it returns when it is done)."""
+    s = _stream(stream)
+    route = _driver.ON or (_driver.ON is None and _driver.enabled())
+    if stream:
+        host = _pinned_twin(d)
+        if not (route and _driver.copy(host, d, s, False)):
+            d.copy_to_host(host, stream=s)
+        _queued[0] += 1
+        host_wait(s)
+        return host
+    host = _pinned_twin(d) if route else None
+    if host is None or not _driver.to_host(host, d, s):
+        host = d.copy_to_host(stream=s)
+    return host
+
+
 def _read_count(counter, stream, dev=None):
     """The counter's value: the one device-to-host read (and wait) of a pack;
     the counter then goes back to the pool of ``dev`` (the GPU of
@@ -476,18 +497,7 @@ def _read_count(counter, stream, dev=None):
     then one wait for what was queued on the stream so far
     (:func:`host_wait`); else a synchronous copy (to pageable host memory:
     it returns when it is done)."""
-    s = _stream(stream)
-    route = _driver.ON or (_driver.ON is None and _driver.enabled())
-    if stream:
-        host = _pinned_twin(counter)
-        if not (route and _driver.copy(host, counter, s, False)):
-            counter.copy_to_host(host, stream=s)
-        _queued[0] += 1
-        host_wait(s)
-    else:
-        host = _pinned_twin(counter) if route else None
-        if host is None or not _driver.to_host(host, counter, s):
-            host = counter.copy_to_host(stream=s)
+    host = _small_to_host(counter, stream)
     if dev is None:
         dev = _device_id()
     with _lock:
@@ -1602,18 +1612,7 @@ def stats(x, e_in, *, cuda_stream=0):
     result = _take_scratch((4,), np.float64, dev)
     _launch(_stats_kernel, nb, cuda_stream, x, *_opt(e_in, x), partial)
     _launch(_stats_combine_kernel, 1, cuda_stream, partial, result)
-    s = _stream(cuda_stream)
-    route = _driver.ON or (_driver.ON is None and _driver.enabled())
-    if cuda_stream:  # (as _read_count: one wait, for this stream's work)
-        p = _pinned_twin(result)
-        if not (route and _driver.copy(p, result, s, False)):
-            result.copy_to_host(p, stream=s)
-        _queued[0] += 1
-        host_wait(s)
-    else:
-        p = _pinned_twin(result) if route else None
-        if p is None or not _driver.to_host(p, result, s):
-            p = result.copy_to_host(stream=s)
+    p = _small_to_host(result, cuda_stream)  # (as _read_count: one wait)
     out = float(p[0]), float(p[1]), float(p[2]), int(p[3])
     _give_scratch(partial, dev)
     _give_scratch(result, dev)

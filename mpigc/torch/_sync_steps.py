@@ -152,13 +152,10 @@ class SyncSteps:
                                    feedback=self.feedback, nonfinite=self.nonfinite,
                                    hierarchy=self.hierarchy, **auto)
 
-    def _wait_in_call(self, req, doing="the gradient synchronisation of step {step}"):
+    def _wait_in_call(self, req):
         """Wait for an engine request inside an ``op="auto"`` call
         (:func:`mpigc._auto.waiting_with`), as for the step's agreement."""
-        label = f"GradientSync (rank {self.rank} of {self.size})"
-        wait_request(lambda: settled(req), label, STEP, timeout=self.timeout,
-                     warn_s=self._warn_s, progress=self._poke,
-                     watch=self._arrive.watch(doing, label))
+        self._wait(lambda: settled(req))
 
     def _launch_ready(self):
         # buckets start in index order on every rank, whatever order their
@@ -213,12 +210,16 @@ class SyncSteps:
         stderr when it lasts, :class:`StateError` after the timeout, the
         agreement still posted; :class:`MismatchError` on every rank when
         some rank is in a collective method instead)."""
-        label = f"{what} (rank {self.rank} of {self.size})"
-        wait_request(self._agree_req.Test, label, wait, timeout=self.timeout,
-                     warn_s=self._warn_s, progress=self._poke,
-                     watch=self._arrive.watch(doing, label))
+        self._wait(self._agree_req.Test, wait, what, doing)
         self._agree_req = None
         return self._agree_buf
+
+    def _wait(self, test, wait=STEP, what="GradientSync",
+              doing="the gradient synchronisation of step {step}"):
+        """Poll ``test()`` (:func:`wait_request`) as the step's waits do."""
+        label = f"{what} (rank {self.rank} of {self.size})"
+        wait_request(test, label, wait, timeout=self.timeout, warn_s=self._warn_s,
+                     progress=self._poke, watch=self._arrive.watch(doing, label))
 
     def _finish(self, buf, write):
         """Complete the step's allreduces (every rank, active or joined)."""
